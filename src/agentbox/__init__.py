@@ -1,0 +1,23 @@
+"""agentbox: self-hosted sandboxes for AI agents that write and run code.
+
+`from agentbox import Sandbox, AsyncSandbox` loads the SDK on first use, so the server and the
+runtimes do not pay for importing it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("Sandbox", "AsyncSandbox"):
+        from agentbox import sdk
+
+        return getattr(sdk, name)
+    from agentbox.sdk import exceptions
+
+    if name in getattr(exceptions, "__all__", ()):
+        return getattr(exceptions, name)
+    raise AttributeError(f"module 'agentbox' has no attribute {name!r}")

@@ -1,0 +1,5 @@
+"""Entry point of the in-sandbox agent: `python3 -E -s -S /opt/agentbox/main.py --listen-fd N`."""
+
+import sandbox_agent
+
+sandbox_agent.main()

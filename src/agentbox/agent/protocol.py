@@ -1,0 +1,86 @@
+"""The wire format between the control plane and the in-sandbox agent (stdlib only).
+
+One request per connection over a Unix stream socket. Every message is a frame:
+`kind (1 byte) | length (u32, big endian) | payload`. Kinds:
+
+- `J`: a JSON object (requests, replies, events); at most MAX_JSON bytes.
+- `D`: raw bytes of a file being read or written; at most MAX_DATA bytes.
+- `E`: end of a `D` sequence (empty payload).
+- `O`: command output: `stream (1 byte: 1 stdout, 2 stderr) | offset (u64) | bytes`.
+
+A request is one `J` frame `{"op": ..., ...}`; replies are `J` frames with `"ok": true|false`
+(errors carry `code`, `message`, `detail`). The control plane treats the agent as untrusted:
+every length is bounded and every reply is validated before use.
+
+This file is shared verbatim by the server (as `agentbox.agent.protocol`) and by the agent inside
+the sandbox (as the top-level module `protocol`), so it imports nothing from agentbox.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+
+VERSION = "0.1.0"
+HEADER = struct.Struct(">BI")
+OUTPUT_HEADER = struct.Struct(">BQ")
+MAX_JSON = 1 << 20
+MAX_DATA = 1 << 20
+CHUNK = 256 * 1024
+
+KIND_JSON = ord("J")
+KIND_DATA = ord("D")
+KIND_END = ord("E")
+KIND_OUTPUT = ord("O")
+STDOUT = 1
+STDERR = 2
+STREAM_NAMES = {STDOUT: "stdout", STDERR: "stderr"}
+
+_LIMITS = {KIND_JSON: MAX_JSON, KIND_DATA: MAX_DATA, KIND_END: 0, KIND_OUTPUT: MAX_DATA + 16}
+
+
+class ProtocolError(Exception):
+    """The peer sent something that is not a valid frame."""
+
+
+def encode(kind: int, payload: bytes = b"") -> bytes:
+    return HEADER.pack(kind, len(payload)) + payload
+
+
+def encode_json(obj: dict) -> bytes:
+    return encode(KIND_JSON, json.dumps(obj, separators=(",", ":")).encode())
+
+
+def encode_output(stream: int, offset: int, data: bytes) -> bytes:
+    return encode(KIND_OUTPUT, OUTPUT_HEADER.pack(stream, offset) + data)
+
+
+def check_header(kind: int, length: int) -> None:
+    limit = _LIMITS.get(kind)
+    if limit is None:
+        raise ProtocolError(f"unknown frame kind {kind}")
+    if length > limit:
+        raise ProtocolError(f"frame of {length} bytes exceeds the limit of {limit}")
+
+
+def decode_json(payload: bytes) -> dict:
+    try:
+        obj = json.loads(payload)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ProtocolError(f"bad JSON frame: {e}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError("JSON frame is not an object")
+    return obj
+
+
+def decode_output(payload: bytes) -> tuple[int, int, bytes]:
+    if len(payload) < OUTPUT_HEADER.size:
+        raise ProtocolError("short output frame")
+    stream, offset = OUTPUT_HEADER.unpack_from(payload)
+    if stream not in STREAM_NAMES:
+        raise ProtocolError(f"unknown output stream {stream}")
+    return stream, offset, payload[OUTPUT_HEADER.size :]
+
+
+def error(code: str, message: str, **detail: object) -> dict:
+    return {"ok": False, "code": code, "message": message, "detail": detail}

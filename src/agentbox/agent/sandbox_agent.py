@@ -1,0 +1,810 @@
+"""The in-sandbox agent: runs commands and file operations on the control plane's behalf.
+
+It runs inside the sandbox with the sandbox's own (lack of) privileges, so it cannot do anything
+the sandboxed code could not: it is a convenience, not a trust anchor. It listens on a Unix socket
+it inherits from the runtime (the socket's path lives outside the sandbox), speaks the framed
+protocol in `protocol.py`, and owns the state that must outlive a restart of the control plane:
+running commands and their buffered output.
+
+Standard library only, and lean on purpose: one of these idles in every sandbox, so modules that
+only commands need are imported on first use.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import socket
+import stat
+import sys
+import threading
+import time
+
+import protocol as P
+
+WORKSPACE = "/workspace"
+MAX_PATH = 4096
+OUTPUT_CAP = 4 * 1024 * 1024  # buffered output per command; oldest dropped first
+FINISHED_KEPT = 32
+LIST_LIMIT = 10_000
+STDERR_TAIL = 4096
+KEEPALIVE_S = 15.0
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+
+# ---------------------------------------------------------------- self-confinement
+
+
+def _landlock(writable: list[str]) -> int:
+    """Fence the agent and everything it starts: read anywhere visible, write only `writable`.
+
+    The mount setup already makes everything else read-only; Landlock is the second fence in
+    case a mount is ever wrong. Returns the ABI used (0 = kernel without Landlock).
+    """
+    abi = _libc.syscall(444, None, 0, 1)  # landlock_create_ruleset(NULL, 0, VERSION)
+    if abi <= 0:
+        return 0
+    read = (1 << 0) | (1 << 2) | (1 << 3)  # EXECUTE, READ_FILE, READ_DIR
+    n_rights = 13 + (abi >= 2) + (abi >= 3) + (abi >= 5)
+    handled = (1 << n_rights) - 1
+    scoped = 0b11 if abi >= 6 else 0  # abstract unix sockets, signals
+    attr = (ctypes.c_uint64 * 3)(handled, 0, scoped)
+    size = 8 if abi < 4 else (16 if abi < 6 else 24)
+    rfd = _libc.syscall(444, ctypes.byref(attr), size, 0)
+    if rfd < 0:
+        return 0
+
+    class PathBeneath(ctypes.Structure):
+        _pack_ = 1
+        _fields_ = [("allowed", ctypes.c_uint64), ("fd", ctypes.c_int32)]
+
+    def allow(path: str, rights: int) -> None:
+        try:
+            fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+        except OSError:
+            return
+        rule = PathBeneath(rights & handled, fd)
+        _libc.syscall(445, rfd, 1, ctypes.byref(rule), 0)  # LANDLOCK_RULE_PATH_BENEATH
+        os.close(fd)
+
+    allow("/", read)
+    # Device files: read and write (/dev/null, ttys) but nothing that makes or removes entries.
+    allow("/dev", read | (1 << 1) | ((1 << 14) if abi >= 3 else 0) | ((1 << 15) if abi >= 5 else 0))
+    for path in writable:
+        allow(path, handled)
+    _libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS (bwrap set it already; required)
+    ok = _libc.syscall(446, rfd, 0) == 0  # landlock_restrict_self
+    os.close(rfd)
+    return abi if ok else 0
+
+
+# ---------------------------------------------------------------- connection helpers
+
+
+class Conn:
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.rfile = sock.makefile("rb", buffering=256 * 1024)
+
+    def _exact(self, n: int) -> bytes:
+        data = self.rfile.read(n)
+        if len(data) != n:
+            raise EOFError
+        return data
+
+    def recv(self) -> tuple[int, bytes]:
+        kind, length = P.HEADER.unpack(self._exact(P.HEADER.size))
+        P.check_header(kind, length)
+        return kind, self._exact(length) if length else b""
+
+    def send(self, frame: bytes) -> None:
+        self.sock.sendall(frame)
+
+    def reply(self, obj: dict) -> None:
+        self.send(P.encode_json(obj))
+
+
+class OpError(Exception):
+    def __init__(self, code: str, message: str, **detail: object) -> None:
+        super().__init__(message)
+        self.reply = P.error(code, message, **detail)
+
+
+# ---------------------------------------------------------------- paths
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+_RESOLVE_NO_MAGICLINKS = 0x02
+_RESOLVE_NO_SYMLINKS = 0x04
+
+_ERRNO_CODES = {
+    errno.ENOENT: ("path_not_found", "no such file or directory"),
+    errno.EEXIST: ("path_exists", "the path already exists"),
+    errno.ENOTDIR: ("not_a_directory", "a component of the path is not a directory"),
+    errno.EISDIR: ("is_a_directory", "the path is a directory"),
+    errno.ENOTEMPTY: ("conflict", "the directory is not empty"),
+    errno.EBUSY: ("conflict", "the path is in use (a mount point cannot be moved or removed)"),
+    errno.EACCES: ("permission_denied", "permission denied"),
+    errno.EPERM: ("permission_denied", "operation not permitted"),
+    errno.ENAMETOOLONG: ("invalid_path", "path or name too long"),
+    errno.EXDEV: ("conflict", "cannot move across filesystems (e.g. /workspace and /tmp)"),
+}
+_VIOLATIONS = {
+    errno.EROFS: ("read_only_path", "path",
+                  "only /workspace and /tmp are writable in the sandbox; write there instead"),
+    errno.ENOSPC: ("disk_limit", "resources.disk_mb",
+                   "the workspace is full; remove files or create the sandbox with a larger "
+                   "resources.disk_mb"),
+    errno.EDQUOT: ("disk_limit", "resources.disk_mb",
+                   "the workspace is full; create the sandbox with a larger resources.disk_mb"),
+    errno.EFBIG: ("file_size_limit", "resources.file_size_mb",
+                  "the file exceeds the per-file size limit; raise resources.file_size_mb"),
+}
+
+
+def os_error(e: OSError, path: str) -> OpError:
+    if e.errno in _VIOLATIONS:
+        code, setting, message = _VIOLATIONS[e.errno]
+        return OpError("limit_exceeded" if code != "read_only_path" else "read_only_path",
+                       f"{path}: {message}", path=path,
+                       violation={"code": code, "setting": setting, "message": message})
+    if e.errno == errno.ELOOP:
+        return _symlink_error(path)
+    code, message = _ERRNO_CODES.get(e.errno or 0, ("io_error", os.strerror(e.errno or 0)))
+    return OpError(code, f"{path}: {message}", path=path, errno=e.errno)
+
+
+def _symlink_error(path: str) -> OpError:
+    cur = ""
+    for part in path.strip("/").split("/"):
+        cur += "/" + part
+        try:
+            if stat.S_ISLNK(os.lstat(cur).st_mode):
+                target = os.readlink(cur)
+                return OpError(
+                    "symlink_refused",
+                    f"{cur} is a symbolic link (to {target}); the files API never follows "
+                    "symlinks: use the real path",
+                    path=path, link=cur, target=target,
+                )
+        except OSError:
+            break
+    return OpError("symlink_refused", f"{path}: the path goes through a symbolic link",
+                   path=path)
+
+
+def parse_path(raw: object) -> list[str]:
+    """Split a user path into components, refusing every form of trickery up front."""
+    if not isinstance(raw, str) or raw == "":
+        raise OpError("invalid_path", "path must be a non-empty string")
+    if "\x00" in raw:
+        raise OpError("invalid_path", "path contains a NUL byte")
+    if len(raw.encode("utf-8", "surrogateescape")) > MAX_PATH:
+        raise OpError("invalid_path", f"path is longer than {MAX_PATH} bytes")
+    full = raw if raw.startswith("/") else f"{WORKSPACE}/{raw}"
+    parts = [p for p in full.split("/") if p not in ("", ".")]
+    if ".." in parts:
+        raise OpError("invalid_path", f"{raw}: '..' is not allowed in paths; use an absolute path",
+                      path=raw)
+    return parts
+
+
+def join(parts: list[str]) -> str:
+    return "/" + "/".join(parts)
+
+
+def open_dir(parts: list[str], flags: int = os.O_PATH) -> int:
+    """Open a directory with no symlink anywhere on the way (openat2 RESOLVE_NO_SYMLINKS)."""
+    path = join(parts)
+    how = _OpenHow(flags | os.O_DIRECTORY | os.O_CLOEXEC, 0,
+                   _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_MAGICLINKS)
+    fd = _libc.syscall(437, -100, path.encode("utf-8", "surrogateescape"),
+                       ctypes.byref(how), ctypes.sizeof(how))
+    if fd < 0:
+        raise os_error(OSError(ctypes.get_errno(), ""), path)
+    return fd
+
+
+def parent_of(parts: list[str], create: bool = False) -> int:
+    if not parts:
+        raise OpError("invalid_path", "this operation needs a path below /")
+    if create:
+        make_dirs(parts[:-1])
+    return open_dir(parts[:-1])
+
+
+def make_dirs(parts: list[str]) -> bool:
+    """mkdir -p without following symlinks; True when the last directory was created."""
+    fd = open_dir([])
+    created = False
+    try:
+        for i, name in enumerate(parts):
+            try:
+                os.mkdir(name, 0o755, dir_fd=fd)
+                created = True
+            except FileExistsError:
+                created = False
+            except OSError as e:
+                raise os_error(e, join(parts[: i + 1])) from None
+            nxt = open_dir(parts[: i + 1])
+            os.close(fd)
+            fd = nxt
+    finally:
+        os.close(fd)
+    return created
+
+
+def entry(name: str, path: str, st: os.stat_result, dir_fd: int | None) -> dict:
+    mode = st.st_mode
+    if stat.S_ISREG(mode):
+        kind = "file"
+    elif stat.S_ISDIR(mode):
+        kind = "dir"
+    elif stat.S_ISLNK(mode):
+        kind = "symlink"
+    else:
+        kind = "other"
+    target = None
+    if kind == "symlink":
+        try:
+            target = os.readlink(name, dir_fd=dir_fd) if dir_fd is not None else os.readlink(path)
+        except OSError:
+            pass
+    return {"name": name, "path": path, "type": kind, "size": st.st_size,
+            "mode": stat.S_IMODE(mode), "permissions": stat.filemode(mode)[1:],
+            "modified_time": st.st_mtime, "symlink_target": target}
+
+
+def stat_entry(parts: list[str]) -> dict:
+    if not parts:
+        return entry("/", "/", os.stat("/"), None)
+    pfd = parent_of(parts)
+    try:
+        st = os.stat(parts[-1], dir_fd=pfd, follow_symlinks=False)
+        return entry(parts[-1], join(parts), st, pfd)
+    except OSError as e:
+        raise os_error(e, join(parts)) from None
+    finally:
+        os.close(pfd)
+
+
+# ---------------------------------------------------------------- file operations
+
+
+def op_stat(conn: Conn, req: dict) -> None:
+    conn.reply({"ok": True, "entry": stat_entry(parse_path(req.get("path")))})
+
+
+def op_read(conn: Conn, req: dict) -> None:
+    parts = parse_path(req.get("path"))
+    path = join(parts)
+    pfd = parent_of(parts)
+    try:
+        # O_NONBLOCK: opening a FIFO must not hang the agent; cleared below for regular files.
+        fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
+                     dir_fd=pfd)
+    except OSError as e:
+        raise os_error(e, path) from None
+    finally:
+        os.close(pfd)
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise OpError("is_a_directory", f"{path} is a directory; list it instead", path=path)
+        if not stat.S_ISREG(st.st_mode):
+            raise OpError("not_a_regular_file", f"{path} is not a regular file", path=path)
+        os.set_blocking(fd, True)
+        conn.reply({"ok": True, "size": st.st_size})
+        while True:
+            chunk = os.read(fd, P.CHUNK)
+            if not chunk:
+                break
+            conn.send(P.encode(P.KIND_DATA, chunk))
+        conn.send(P.encode(P.KIND_END))
+    finally:
+        os.close(fd)
+
+
+def op_write(conn: Conn, req: dict) -> None:
+    parts = parse_path(req.get("path"))
+    path = join(parts)
+    pfd = parent_of(parts, create=True)
+    tmp = f".{parts[-1][:200]}.agentbox-{os.getpid()}-{threading.get_ident()}-{time.monotonic_ns()}"
+    fd = -1
+    try:
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         0o644, dir_fd=pfd)
+        except OSError as e:
+            raise os_error(e, path) from None
+        # The client streams D frames; write them as they come (nothing held in memory).
+        while True:
+            kind, payload = conn.recv()
+            if kind == P.KIND_END:
+                break
+            if kind != P.KIND_DATA:
+                raise OpError("invalid_request", "expected file data")
+            view = memoryview(payload)
+            while view:
+                try:
+                    n = os.write(fd, view)
+                except OSError as e:
+                    raise os_error(e, path) from None
+                view = view[n:]
+        os.close(fd)
+        fd = -1
+        try:
+            st = os.stat(parts[-1], dir_fd=pfd, follow_symlinks=False)
+            if stat.S_ISDIR(st.st_mode):
+                raise OpError("is_a_directory", f"{path} is a directory", path=path)
+        except FileNotFoundError:
+            pass
+        try:
+            # rename() replaces a symlink planted at the destination instead of following it.
+            os.rename(tmp, parts[-1], src_dir_fd=pfd, dst_dir_fd=pfd)
+        except OSError as e:
+            raise os_error(e, path) from None
+        tmp = ""
+        st = os.stat(parts[-1], dir_fd=pfd, follow_symlinks=False)
+        conn.reply({"ok": True, "entry": entry(parts[-1], path, st, pfd)})
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        if tmp:
+            try:
+                os.unlink(tmp, dir_fd=pfd)
+            except OSError:
+                pass
+        os.close(pfd)
+
+
+def op_list(conn: Conn, req: dict) -> None:
+    parts = parse_path(req.get("path"))
+    depth = req.get("depth", 1)
+    if not isinstance(depth, int) or depth < 1:
+        raise OpError("invalid_request", "depth must be an integer >= 1")
+    out: list[dict] = []
+
+    def walk(dparts: list[str], level: int) -> None:
+        fd = open_dir(dparts, os.O_RDONLY)
+        try:
+            with os.scandir(fd) as it:
+                names = sorted(e.name for e in it)
+            for name in names:
+                if len(out) >= LIST_LIMIT:
+                    return
+                try:
+                    st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                except OSError:
+                    continue
+                out.append(entry(name, join(dparts + [name]), st, fd))
+                if stat.S_ISDIR(st.st_mode) and level < depth:
+                    try:
+                        walk(dparts + [name], level + 1)
+                    except OpError:
+                        pass  # unreadable subdirectory: list what we can
+        finally:
+            os.close(fd)
+
+    walk(parts, 1)
+    conn.reply({"ok": True, "entries": out, "truncated": len(out) >= LIST_LIMIT})
+
+
+def op_mkdir(conn: Conn, req: dict) -> None:
+    parts = parse_path(req.get("path"))
+    if parts:
+        try:
+            st = stat_entry(parts)
+            if st["type"] != "dir":
+                raise OpError("path_exists", f"{join(parts)} exists and is not a directory",
+                              path=join(parts))
+            conn.reply({"ok": True, "entry": st, "created": False})
+            return
+        except OpError as e:
+            if e.reply["code"] != "path_not_found":
+                raise
+    created = make_dirs(parts)
+    conn.reply({"ok": True, "entry": stat_entry(parts), "created": created})
+
+
+def op_remove(conn: Conn, req: dict) -> None:
+    parts = parse_path(req.get("path"))
+    path = join(parts)
+    pfd = parent_of(parts)
+    try:
+        try:
+            st = os.stat(parts[-1], dir_fd=pfd, follow_symlinks=False)
+            if stat.S_ISDIR(st.st_mode):
+                import shutil  # only removals need it
+
+                shutil.rmtree(parts[-1], dir_fd=pfd)  # fd-based: never follows symlinks
+            else:
+                os.unlink(parts[-1], dir_fd=pfd)
+        except OSError as e:
+            raise os_error(e, path) from None
+    finally:
+        os.close(pfd)
+    conn.reply({"ok": True})
+
+
+def op_rename(conn: Conn, req: dict) -> None:
+    src, dst = parse_path(req.get("src")), parse_path(req.get("dst"))
+    sfd = parent_of(src)
+    try:
+        dfd = parent_of(dst, create=True)
+        try:
+            os.rename(src[-1], dst[-1], src_dir_fd=sfd, dst_dir_fd=dfd)
+        except OSError as e:
+            raise os_error(e, f"{join(src)} -> {join(dst)}") from None
+        finally:
+            os.close(dfd)
+    finally:
+        os.close(sfd)
+    conn.reply({"ok": True, "entry": stat_entry(dst)})
+
+
+# ---------------------------------------------------------------- commands
+
+
+class Command:
+    def __init__(self, cmd_id: str, cmd: str, cwd: str, timeout: float) -> None:
+        self.id = cmd_id
+        self.cmd = cmd
+        self.cwd = cwd
+        self.timeout = timeout
+        self.proc = None  # subprocess.Popen
+        self.pid = 0
+        self.started_at = time.time()
+        self.ended_at: float | None = None
+        self.exit_code: int | None = None
+        self.timed_out = False
+        self.killed = False
+        self.chunks: list[tuple[int, int, bytes]] = []  # (stream, offset, data)
+        self.first_offset = 0  # offset of chunks[0]
+        self.next_offset = 0
+        self.buffered = 0
+        self.stderr_tail = b""
+        self.cond = threading.Condition()
+        self.readers: list[threading.Thread] = []
+
+    @property
+    def running(self) -> bool:
+        return self.ended_at is None
+
+    def info(self) -> dict:
+        return {"cmd_id": self.id, "pid": self.pid, "cmd": self.cmd, "cwd": self.cwd,
+                "running": self.running, "exit_code": self.exit_code,
+                "timed_out": self.timed_out, "killed": self.killed,
+                "started_at": self.started_at, "ended_at": self.ended_at,
+                "stdin": self.proc is not None and self.proc.stdin is not None
+                and not self.proc.stdin.closed}
+
+    def end_event(self) -> dict:
+        code = self.exit_code
+        return {"type": "end", "exit_code": code, "timed_out": self.timed_out,
+                "killed": self.killed, "signal": -code if code is not None and code < 0 else None,
+                "started_at": self.started_at, "ended_at": self.ended_at,
+                "stderr_tail": self.stderr_tail.decode("utf-8", "replace")}
+
+    def append(self, stream: int, data: bytes) -> None:
+        with self.cond:
+            if not self.running and self.ended_at and time.time() - self.ended_at > 1:
+                return  # late output of a daemon that outlived its command
+            self.chunks.append((stream, self.next_offset, data))
+            self.next_offset += len(data)
+            self.buffered += len(data)
+            if stream == P.STDERR:
+                self.stderr_tail = (self.stderr_tail + data)[-STDERR_TAIL:]
+            while self.buffered > OUTPUT_CAP and len(self.chunks) > 1:
+                _, _, old = self.chunks.pop(0)
+                self.buffered -= len(old)
+                self.first_offset = self.chunks[0][1]
+            self.cond.notify_all()
+
+
+class Commands:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.by_id: dict[str, Command] = {}
+        self.seq = 0
+
+    def get(self, cmd_id: object) -> Command:
+        with self.lock:
+            cmd = self.by_id.get(cmd_id) if isinstance(cmd_id, str) else None
+        if cmd is None:
+            raise OpError("not_found", f"no command {cmd_id!r} in this sandbox")
+        return cmd
+
+    def start(self, req: dict) -> Command:
+        import subprocess
+
+        cmd = req.get("cmd")
+        if not isinstance(cmd, str) or not cmd.strip():
+            raise OpError("invalid_request", "cmd must be a non-empty string")
+        cwd = join(parse_path(req.get("cwd") or WORKSPACE))
+        if not os.path.isdir(cwd):
+            raise OpError("path_not_found", f"working directory {cwd} does not exist", path=cwd)
+        envs = req.get("envs") or {}
+        if not isinstance(envs, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) and k and "=" not in k and "\0" not in k + v
+            for k, v in envs.items()
+        ):
+            raise OpError("invalid_request", "envs must map names to string values")
+        timeout = req.get("timeout") or 0
+        with self.lock:
+            self.seq += 1
+            cmd_id = req.get("cmd_id") or f"c{self.seq}"
+        c = Command(cmd_id, cmd, cwd, float(timeout))
+        env = dict(os.environ)
+        env.update(envs)
+        env["AGENTBOX_CMD_ID"] = cmd_id  # lets kill() find daemons that left the process tree
+        c.proc = subprocess.Popen(
+            ["/bin/bash", "-l", "-c", cmd], cwd=cwd, env=env, start_new_session=True,
+            stdin=subprocess.PIPE if req.get("stdin") else subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, close_fds=True,
+        )
+        c.pid = c.proc.pid
+        for stream, pipe in ((P.STDOUT, c.proc.stdout), (P.STDERR, c.proc.stderr)):
+            t = threading.Thread(target=self._read, args=(c, stream, pipe.fileno()), daemon=True)
+            t.start()
+            c.readers.append(t)
+        threading.Thread(target=self._wait, args=(c,), daemon=True).start()
+        with self.lock:
+            self.by_id[cmd_id] = c
+            self._trim()
+        return c
+
+    def _trim(self) -> None:
+        finished = [c for c in self.by_id.values() if not c.running]
+        for c in sorted(finished, key=lambda c: c.ended_at or 0)[:-FINISHED_KEPT]:
+            del self.by_id[c.id]
+
+    @staticmethod
+    def _read(c: Command, stream: int, fd: int) -> None:
+        while True:
+            try:
+                data = os.read(fd, 65536)
+            except OSError:
+                break
+            if not data:
+                break
+            c.append(stream, data)
+
+    @staticmethod
+    def _wait(c: Command) -> None:
+        import select
+
+        try:
+            pidfd = os.pidfd_open(c.pid)
+        except OSError:
+            pidfd = -1
+        if pidfd >= 0:
+            ready, _, _ = select.select([pidfd], [], [], c.timeout if c.timeout > 0 else None)
+            os.close(pidfd)
+            if not ready:
+                c.timed_out = True
+                kill_tree(c)
+        code = c.proc.wait()
+        # Output still in the pipes belongs to the command; daemons holding the pipes open
+        # must not keep the command "running", so wait for the readers only briefly.
+        deadline = time.monotonic() + 0.2
+        for t in c.readers:
+            t.join(max(0.0, deadline - time.monotonic()))
+        for pipe in (c.proc.stdout, c.proc.stderr):
+            try:
+                pipe.close()
+            except OSError:
+                pass
+        with c.cond:
+            c.exit_code = code
+            c.ended_at = time.time()
+            c.cond.notify_all()
+
+
+COMMANDS = Commands()
+
+
+def _proc_table() -> dict[int, tuple[int, int, int]]:
+    """pid -> (ppid, pgrp, session) for every process this sandbox can see."""
+    table = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                rest = f.read().rsplit(b")", 1)[1].split()
+            table[int(name)] = (int(rest[1]), int(rest[2]), int(rest[3]))
+        except (OSError, IndexError, ValueError):
+            pass
+    return table
+
+
+def _has_marker(pid: int, marker: bytes) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return marker in f.read().split(b"\0")
+    except OSError:
+        return False
+
+
+def kill_tree(c: Command, sig: int = 9) -> None:
+    """Signal the command and every process it started, including ones that daemonized."""
+    marker = f"AGENTBOX_CMD_ID={c.id}".encode()
+    me = os.getpid()
+    for _ in range(10):
+        table = _proc_table()
+        victims = {c.pid} if c.pid in table else set()
+        grew = True
+        while grew:
+            grew = False
+            for pid, (ppid, pgrp, sid) in table.items():
+                if pid in victims or pid == me or pid == 1:
+                    continue
+                if ppid in victims or pgrp == c.pid or sid == c.pid:
+                    victims.add(pid)
+                    grew = True
+        for pid in table:
+            if pid not in victims and pid not in (me, 1) and _has_marker(pid, marker):
+                victims.add(pid)
+        if not victims:
+            return
+        for pid in victims:
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
+        if sig != 9:
+            return
+        time.sleep(0.005)
+
+
+def op_exec_start(conn: Conn, req: dict) -> None:
+    conn.reply({"ok": True, "command": COMMANDS.start(req).info()})
+
+
+def op_exec_info(conn: Conn, req: dict) -> None:
+    conn.reply({"ok": True, "command": COMMANDS.get(req.get("cmd_id")).info()})
+
+
+def op_exec_list(conn: Conn, req: dict) -> None:
+    with COMMANDS.lock:
+        cmds = list(COMMANDS.by_id.values())
+    conn.reply({"ok": True, "commands": [c.info() for c in cmds]})
+
+
+def op_exec_events(conn: Conn, req: dict) -> None:
+    c = COMMANDS.get(req.get("cmd_id"))
+    offset = req.get("offset", 0)
+    if not isinstance(offset, int) or offset < 0:
+        raise OpError("invalid_request", "offset must be a non-negative integer")
+    conn.reply({"ok": True, "command": c.info()})
+    while True:
+        with c.cond:
+            if offset < c.first_offset and c.chunks:
+                dropped = c.first_offset - offset
+                pending: list = [("truncated", dropped)]
+                offset = c.first_offset
+            else:
+                pending = []
+            for stream, start, data in c.chunks:
+                end = start + len(data)
+                if end > offset:
+                    pending.append((stream, max(start, offset), data[max(0, offset - start):]))
+                    offset = end
+            done = not c.running
+            if not pending and not done:
+                idle = not c.cond.wait(KEEPALIVE_S)
+        if not pending and not done:
+            if idle:
+                conn.reply({"type": "keepalive"})  # also notices a client that went away
+            continue
+        for item in pending:
+            if item[0] == "truncated":
+                conn.reply({"type": "truncated", "dropped": item[1]})
+            else:
+                conn.send(P.encode_output(*item))
+        if done and not pending:
+            conn.reply(c.end_event())
+            return
+
+
+def op_exec_stdin(conn: Conn, req: dict) -> None:
+    c = COMMANDS.get(req.get("cmd_id"))
+    stdin = c.proc.stdin if c.proc else None
+    if stdin is None or stdin.closed or not c.running:
+        raise OpError("conflict", "this command's stdin is not open (start it with stdin=true)")
+    data = req.get("data", "")
+    if not isinstance(data, str):
+        raise OpError("invalid_request", "data must be a string")
+    try:
+        if data:
+            stdin.write(data.encode())
+            stdin.flush()
+        if req.get("eof"):
+            stdin.close()
+    except BrokenPipeError:
+        raise OpError("conflict", "the command closed its stdin") from None
+    conn.reply({"ok": True})
+
+
+def op_exec_kill(conn: Conn, req: dict) -> None:
+    c = COMMANDS.get(req.get("cmd_id"))
+    sig = req.get("signal", 9)
+    if not isinstance(sig, int) or not 1 <= sig <= 64:
+        raise OpError("invalid_request", "signal must be a signal number")
+    if c.running:
+        c.killed = True
+        kill_tree(c, sig)
+    conn.reply({"ok": True})
+
+
+def op_ping(conn: Conn, req: dict) -> None:
+    conn.reply({"ok": True, "version": P.VERSION, "pid": os.getpid(), "landlock": LANDLOCK_ABI})
+
+
+OPS = {
+    "ping": op_ping,
+    "fs.stat": op_stat, "fs.read": op_read, "fs.write": op_write, "fs.list": op_list,
+    "fs.mkdir": op_mkdir, "fs.remove": op_remove, "fs.rename": op_rename,
+    "exec.start": op_exec_start, "exec.info": op_exec_info, "exec.list": op_exec_list,
+    "exec.events": op_exec_events, "exec.stdin": op_exec_stdin, "exec.kill": op_exec_kill,
+}
+
+
+def serve_one(sock: socket.socket) -> None:
+    conn = Conn(sock)
+    try:
+        kind, payload = conn.recv()
+        if kind != P.KIND_JSON:
+            raise OpError("invalid_request", "a request starts with a JSON frame")
+        req = P.decode_json(payload)
+        op = OPS.get(req.get("op"))
+        if op is None:
+            raise OpError("invalid_request", f"unknown op {req.get('op')!r}")
+        op(conn, req)
+    except OpError as e:
+        try:
+            conn.reply(e.reply)
+        except OSError:
+            pass
+    except (EOFError, OSError, P.ProtocolError):
+        pass
+    except Exception as e:  # noqa: BLE001 - one bad request must not take the agent down
+        try:
+            conn.reply(P.error("agent_error", f"{type(e).__name__}: {e}"))
+        except OSError:
+            pass
+    finally:
+        try:
+            conn.rfile.close()
+            sock.close()
+        except OSError:
+            pass
+
+
+LANDLOCK_ABI = 0
+
+
+def main() -> None:
+    global LANDLOCK_ABI
+    fd = int(sys.argv[sys.argv.index("--listen-fd") + 1])
+    listener = socket.socket(fileno=fd)
+    listener.set_inheritable(False)  # commands must never reach the control channel
+    _libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: sandboxed code cannot read agent memory
+    LANDLOCK_ABI = _landlock([WORKSPACE, "/tmp", "/dev/shm"])
+    threading.stack_size(512 * 1024)
+    while True:
+        try:
+            sock, _ = listener.accept()
+        except InterruptedError:
+            continue
+        except OSError:
+            time.sleep(0.01)
+            continue
+        threading.Thread(target=serve_one, args=(sock,), daemon=True).start()

@@ -1,0 +1,89 @@
+"""The runtime contract: the one narrow interface between the control plane and isolation.
+
+A runtime makes sandboxes exist on some substrate (bubblewrap processes today; gVisor, OCI
+containers and Kubernetes later) and hands back a channel to the in-sandbox agent. Everything
+else — commands, files, TTLs, tenants — is the control plane's business and goes through the
+agent, so it works the same on every runtime.
+
+The control plane persists the `state` dict a runtime returns from `create` and gives it back on
+every later call (also after a restart of the server): a runtime keeps no state it cannot rebuild
+from that dict and from the host.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+
+@dataclass(frozen=True)
+class Resources:
+    cpu_count: float = 1.0
+    memory_mb: int = 512
+    pids: int = 256
+    nofile: int = 1024
+    file_size_mb: int = 1024
+    disk_mb: int = 1024
+    tmp_mb: int = 64
+
+
+@dataclass(frozen=True)
+class SandboxSpec:
+    sandbox_id: str
+    template: str
+    resources: Resources
+    envs: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class AgentAddress:
+    """Where the control plane reaches a sandbox's agent: a Unix socket on the host."""
+
+    socket_path: Path
+
+
+class RuntimeError_(Exception):
+    """A runtime could not do what was asked; the message says why."""
+
+
+class Runtime(ABC):
+    """What the control plane needs from an isolation backend, and nothing more."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    async def create(self, spec: SandboxSpec) -> dict[str, Any]:
+        """Start a sandbox whose agent is ready to serve; return the state to persist."""
+
+    @abstractmethod
+    async def destroy(self, sandbox_id: str, state: dict[str, Any] | None, keep_workspace: bool) -> None:
+        """End every process of the sandbox and remove everything it had on the host.
+
+        Must work with `state=None` (a leftover found by `list_sandboxes` with no record) and be
+        idempotent.
+        """
+
+    @abstractmethod
+    async def is_alive(self, sandbox_id: str, state: dict[str, Any]) -> bool:
+        """Whether the sandbox's processes still run."""
+
+    @abstractmethod
+    async def list_sandboxes(self) -> set[str]:
+        """Ids of every sandbox that has anything on the host (for reconciliation)."""
+
+    @abstractmethod
+    def agent_address(self, sandbox_id: str, state: dict[str, Any]) -> AgentAddress:
+        """The channel to the sandbox's agent."""
+
+    def limit_counters(self, sandbox_id: str) -> dict[str, int]:
+        """Counters of limits hit so far (`oom_kill`, `pids_max`), to explain a failure."""
+        return {}
+
+    def capabilities(self) -> dict[str, Any]:
+        """What this runtime enforces on this host (shown in health and sandbox info)."""
+        return {}
+
+    async def close(self) -> None:
+        """Release runtime resources held by this server process (sandboxes keep running)."""

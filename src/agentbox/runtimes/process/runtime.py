@@ -1,0 +1,386 @@
+"""The `process` runtime: each sandbox is a bubblewrap process tree on this host.
+
+Layers, outermost first: a per-sandbox unprivileged host uid (so even a kernel-level escape lands
+as nobody in particular), a cgroup with memory/pids/CPU limits joined before exec, rlimits, a new
+session, every namespace unshared (user, pid, mount, net, ipc, uts, cgroup) with only loopback
+inside, a minimal read-only view of the host userland, a writable /workspace on its own size-limited
+filesystem and a size-limited tmpfs /tmp, no capabilities, no new user namespaces, a seccomp
+filter, and Landlock (applied by the agent on itself before it serves).
+
+The sandbox does not depend on the server process: bwrap is started without --die-with-parent
+and its agent listens on a socket inherited from the server whose path stays valid, so a
+restarted server finds and re-adopts it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import resource
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, ClassVar
+
+from agentbox.runtimes.base import AgentAddress, Runtime, RuntimeError_, SandboxSpec
+from agentbox.runtimes.process import workspace
+from agentbox.runtimes.process.cgroups import CgroupLimits, Cgroups
+from agentbox.runtimes.process.seccomp import build_filter
+
+AGENT_SRC = Path(__file__).resolve().parent.parent.parent / "agent"
+AGENT_FILES = ("main.py", "sandbox_agent.py", "protocol.py")
+AGENT_MOUNT = "/opt/agentbox"
+SANDBOX_PYTHON = "/usr/bin/python3"
+UID_RANGE = (200_000, 265_000)
+SOCKET_NAME = "agent.sock"
+STATE_FILE = "runtime.json"
+
+# What of the host a sandbox sees, read-only. Deliberately not /home, /root, /opt, /srv, /mnt,
+# /var or /run: user data, credentials and the server's own data live there.
+_RO_DIRS = ("/usr", "/etc")
+_MERGED_USR_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+_SANDBOX_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def _proc_start_time(pid: int) -> int | None:
+    """Start time (clock ticks since boot) of a live, non-zombie process; None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return None
+    if fields[0] in (b"Z", b"X"):
+        return None
+    return int(fields[19])
+
+
+class ProcessRuntime(Runtime):
+    name: ClassVar[str] = "process"
+
+    def __init__(self, data_dir: Path, use_loop: bool | None = None) -> None:
+        if shutil.which("bwrap") is None:
+            raise RuntimeError_("bubblewrap (bwrap) is not installed: apt-get install bubblewrap")
+        if not Path(SANDBOX_PYTHON).exists():
+            raise RuntimeError_(f"{SANDBOX_PYTHON} is missing: apt-get install python3")
+        self.root = data_dir / "sandboxes"
+        self.kept_root = data_dir / "kept-workspaces"
+        self.root.mkdir(parents=True, exist_ok=True)
+        # bwrap runs as the sandbox's uid and must traverse these to its bind sources.
+        os.chmod(data_dir, 0o711)
+        os.chmod(self.root, 0o711)
+        self.agent_dir = self._install_agent(data_dir / "agent")
+        self.cgroups = Cgroups()
+        self.is_root = os.geteuid() == 0
+        if use_loop is None:
+            use_loop = self.is_root and shutil.which("mkfs.ext4") is not None and Path(
+                "/dev/loop-control").exists()
+        self.use_loop = use_loop
+        self.seccomp = build_filter()
+        self.children: dict[str, subprocess.Popen] = {}
+        self.uids_in_use: set[int] = set()
+
+    # ------------------------------------------------------------------ setup
+
+    @staticmethod
+    def _install_agent(dest: Path) -> Path:
+        """Copy the agent where every sandbox uid can read it, precompiled for a fast start."""
+        import py_compile
+
+        dest.mkdir(exist_ok=True)
+        os.chmod(dest, 0o755)
+        for name in AGENT_FILES:
+            src = AGENT_SRC / name
+            target = dest / name
+            if not target.exists() or target.read_bytes() != src.read_bytes():
+                tmp = target.with_suffix(".tmp")
+                shutil.copyfile(src, tmp)
+                os.chmod(tmp, 0o644)
+                tmp.replace(target)
+            if name != "main.py":
+                try:
+                    py_compile.compile(str(target), doraise=True,
+                                       invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
+                except (py_compile.PyCompileError, OSError):
+                    pass
+        cache = dest / "__pycache__"
+        if cache.is_dir():
+            os.chmod(cache, 0o755)
+            for f in cache.iterdir():
+                os.chmod(f, 0o644)
+        return dest
+
+    def capabilities(self) -> dict[str, Any]:
+        return {
+            "runtime": self.name,
+            "cgroups": ("v2" if self.cgroups.v2 else "v1") if self.cgroups.available else None,
+            "disk_limit": self.use_loop,
+            "seccomp": True,
+            "per_sandbox_uid": self.is_root,
+        }
+
+    # ------------------------------------------------------------------ create
+
+    def _allocate_uid(self) -> int:
+        if not self.is_root:
+            return os.geteuid()
+        for _ in range(1000):
+            uid = random.randrange(*UID_RANGE)
+            if uid not in self.uids_in_use:
+                self.uids_in_use.add(uid)
+                return uid
+        raise RuntimeError_("no free sandbox uid")
+
+    def _bwrap_argv(self, spec: SandboxSpec, ws: Path, seccomp_fd: int, info_fd: int,
+                    listen_fd: int) -> list[str]:
+        r = spec.resources
+        argv = [
+            "bwrap", "--unshare-all", "--unshare-user", "--disable-userns",
+            "--uid", "1000", "--gid", "1000", "--hostname", "sandbox",
+            "--new-session", "--cap-drop", "ALL",
+        ]
+        for d in _RO_DIRS:
+            argv += ["--ro-bind", d, d]
+        for link in _MERGED_USR_LINKS:
+            p = Path(link)
+            if p.is_symlink():
+                argv += ["--symlink", os.readlink(p), link]
+            elif p.is_dir():
+                argv += ["--ro-bind", link, link]
+        argv += [
+            "--proc", "/proc", "--dev", "/dev",
+            "--size", str(r.tmp_mb * 1024 * 1024), "--tmpfs", "/tmp",
+            "--size", str(min(r.tmp_mb, 64) * 1024 * 1024), "--tmpfs", "/dev/shm",
+            "--dir", "/run", "--dir", "/var", "--symlink", "/tmp", "/var/tmp",
+            "--bind", str(ws), "/workspace",
+            "--ro-bind", str(self.agent_dir), AGENT_MOUNT,
+            "--chdir", "/workspace", "--clearenv",
+        ]
+        env = {
+            "PATH": _SANDBOX_PATH, "HOME": "/workspace", "USER": "user", "LOGNAME": "user",
+            "SHELL": "/bin/bash", "LANG": "C.UTF-8", "TERM": "xterm-256color",
+            "TMPDIR": "/tmp", "AGENTBOX_SANDBOX_ID": spec.sandbox_id,
+        }
+        env.update(spec.envs)
+        for k, v in env.items():
+            argv += ["--setenv", k, v]
+        argv += [
+            "--seccomp", str(seccomp_fd), "--info-fd", str(info_fd),
+            "--", SANDBOX_PYTHON, "-E", "-s", "-S", f"{AGENT_MOUNT}/main.py",
+            "--listen-fd", str(listen_fd),
+        ]
+        return argv
+
+    async def create(self, spec: SandboxSpec) -> dict[str, Any]:
+        return await asyncio.to_thread(self._create_sync, spec)
+
+    def _create_sync(self, spec: SandboxSpec) -> dict[str, Any]:
+        sid = spec.sandbox_id
+        sdir = self.root / sid
+        uid = self._allocate_uid()
+        state: dict[str, Any] = {"uid": uid, "dir": str(sdir)}
+        try:
+            sdir.mkdir(mode=0o711)
+            os.chmod(sdir, 0o711)
+            ws = workspace.create(sdir, spec.resources.disk_mb, uid, uid, self.use_loop)
+            state["disk_limit_enforced"] = ws.disk_limit_enforced
+            r = spec.resources
+            self.cgroups.create(sid, CgroupLimits(
+                memory_bytes=r.memory_mb * 1024 * 1024, pids=r.pids, cpu_count=r.cpu_count))
+            state.update(self._spawn(spec, sdir, ws.path, uid))
+            self._write_state(sdir, state)
+            return state
+        except BaseException:
+            self._destroy_sync(sid, state, keep_workspace=False)
+            raise
+
+    def _spawn(self, spec: SandboxSpec, sdir: Path, ws: Path, uid: int) -> dict[str, Any]:
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock_path = sdir / SOCKET_NAME
+        listener.bind(str(sock_path))
+        os.chmod(sock_path, 0o600)
+        listener.listen(128)
+        sec_r, sec_w = os.pipe()
+        os.write(sec_w, self.seccomp)
+        os.close(sec_w)
+        info_r, info_w = os.pipe()
+        r = spec.resources
+        join_files = self.cgroups.join_files(spec.sandbox_id)
+        limits = [
+            (resource.RLIMIT_NOFILE, r.nofile),
+            (resource.RLIMIT_FSIZE, r.file_size_mb * 1024 * 1024),
+            (resource.RLIMIT_CORE, 0),
+        ]
+        if self.is_root:
+            # Per-uid process count: a second fence behind the pids cgroup.
+            limits.append((resource.RLIMIT_NPROC, r.pids + 16))
+        drop_to = uid if self.is_root else None
+
+        def enter_sandbox_context() -> None:
+            # Runs in the child between fork and exec: join the cgroups first, so every
+            # process the sandbox ever makes is inside them, then drop to the sandbox uid.
+            pid = str(os.getpid()).encode()
+            for path in join_files:
+                fd = os.open(path, os.O_WRONLY)
+                os.write(fd, pid)
+                os.close(fd)
+            for res, value in limits:
+                resource.setrlimit(res, (value, value))
+            if drop_to is not None:
+                os.setgroups([])
+                os.setgid(drop_to)
+                os.setuid(drop_to)
+
+        argv = self._bwrap_argv(spec, ws, sec_r, info_w, listener.fileno())
+        log = open(sdir / "runtime.log", "ab")
+        try:
+            proc = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, close_fds=True,
+                pass_fds=(sec_r, info_w, listener.fileno()), start_new_session=True,
+                preexec_fn=enter_sandbox_context, env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
+            )
+        finally:
+            log.close()
+            os.close(sec_r)
+            os.close(info_w)
+            listener.close()  # the agent owns the listening socket now
+        self.children[spec.sandbox_id] = proc
+        try:
+            init_pid = self._read_info(info_r, proc)
+        finally:
+            os.close(info_r)
+        self._wait_for_agent(sock_path, proc, sdir)
+        return {
+            "bwrap_pid": proc.pid, "bwrap_start": _proc_start_time(proc.pid),
+            "init_pid": init_pid, "init_start": _proc_start_time(init_pid),
+            "socket": str(sock_path),
+        }
+
+    @staticmethod
+    def _read_info(fd: int, proc: subprocess.Popen) -> int:
+        buf = b""
+        deadline = time.monotonic() + 10
+        os.set_blocking(fd, False)
+        while time.monotonic() < deadline:
+            try:
+                chunk = os.read(fd, 4096)
+            except BlockingIOError:
+                chunk = None
+            if chunk:
+                buf += chunk
+                try:
+                    return int(json.loads(buf)["child-pid"])
+                except (ValueError, KeyError):
+                    continue
+            if chunk == b"" or proc.poll() is not None:
+                break
+            time.sleep(0.0005)
+        raise RuntimeError_("the sandbox failed to start (bwrap gave no child pid)")
+
+    @staticmethod
+    def _wait_for_agent(sock_path: Path, proc: subprocess.Popen, sdir: Path) -> None:
+        from agentbox.agent import protocol as P
+
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                    s.settimeout(max(0.1, deadline - time.monotonic()))
+                    s.connect(str(sock_path))
+                    s.sendall(P.encode_json({"op": "ping"}))
+                    head = s.recv(P.HEADER.size, socket.MSG_WAITALL)
+                    if len(head) == P.HEADER.size:
+                        return
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                log = (sdir / "runtime.log").read_text(errors="replace")[-2000:]
+                raise RuntimeError_(f"the sandbox agent did not start: {log.strip() or 'no output'}")
+            time.sleep(0.001)
+
+    @staticmethod
+    def _write_state(sdir: Path, state: dict[str, Any]) -> None:
+        tmp = sdir / (STATE_FILE + ".tmp")
+        tmp.write_text(json.dumps(state))
+        tmp.replace(sdir / STATE_FILE)
+
+    # ------------------------------------------------------------------ status
+
+    async def is_alive(self, sandbox_id: str, state: dict[str, Any]) -> bool:
+        pid, start = state.get("init_pid"), state.get("init_start")
+        return bool(pid) and start is not None and _proc_start_time(pid) == start
+
+    def agent_address(self, sandbox_id: str, state: dict[str, Any]) -> AgentAddress:
+        return AgentAddress(socket_path=Path(state.get("socket") or self.root / sandbox_id / SOCKET_NAME))
+
+    def limit_counters(self, sandbox_id: str) -> dict[str, int]:
+        return self.cgroups.counters(sandbox_id)
+
+    async def list_sandboxes(self) -> set[str]:
+        ids = {p.name for p in self.root.iterdir() if p.is_dir()}
+        ids |= self.cgroups.list_ids()
+        ids |= {m.relative_to(self.root).parts[0] for m in workspace.mounted_under(self.root)}
+        return ids
+
+    def adopt(self, sandbox_id: str, state: dict[str, Any]) -> None:
+        if "uid" in state:
+            self.uids_in_use.add(state["uid"])
+
+    # ------------------------------------------------------------------ destroy
+
+    async def destroy(self, sandbox_id: str, state: dict[str, Any] | None, keep_workspace: bool) -> None:
+        await asyncio.to_thread(self._destroy_sync, sandbox_id, state, keep_workspace)
+
+    def _destroy_sync(self, sid: str, state: dict[str, Any] | None, keep_workspace: bool) -> None:
+        sdir = self.root / sid
+        if state is None:
+            try:
+                state = json.loads((sdir / STATE_FILE).read_text())
+            except (OSError, ValueError):
+                state = {}
+        # Killing the pid namespace's init takes every process in the namespace with it.
+        for pid_key, start_key in (("init_pid", "init_start"), ("bwrap_pid", "bwrap_start")):
+            pid = state.get(pid_key)
+            if pid and state.get(start_key) is not None and _proc_start_time(pid) == state[start_key]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        if not self.cgroups.kill_all(sid):
+            raise RuntimeError_(f"could not kill every process of sandbox {sid}")
+        child = self.children.pop(sid, None)
+        if child is not None:
+            try:
+                child.wait(10)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+        else:
+            pid = state.get("bwrap_pid")
+            deadline = time.monotonic() + 5
+            while pid and _proc_start_time(pid) == state.get("bwrap_start"):
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.005)
+        if not workspace.destroy(sdir, keep=keep_workspace):
+            raise RuntimeError_(f"could not unmount the workspace of sandbox {sid}")
+        if not self.cgroups.remove(sid):
+            raise RuntimeError_(f"could not remove the cgroups of sandbox {sid}")
+        if keep_workspace and sdir.exists():
+            # Kept workspaces leave the sandboxes tree so reconciliation never mistakes them
+            # for a leftover sandbox.
+            kept = self.kept_root / sid
+            kept.parent.mkdir(mode=0o700, exist_ok=True)
+            for name in (SOCKET_NAME, STATE_FILE, "runtime.log"):
+                try:
+                    (sdir / name).unlink()
+                except FileNotFoundError:
+                    pass
+            sdir.rename(kept)
+        else:
+            shutil.rmtree(sdir, ignore_errors=True)
+        self.uids_in_use.discard(state.get("uid", -1))

@@ -1,0 +1,147 @@
+"""Shared fixtures: a real agentbox server on a free port with its own data dir."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+ADMIN_KEY = "test-admin-key-0123456789"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerHandle:
+    """A running `agentbox serve` process and what a test needs to talk to it."""
+
+    url: str
+    data_dir: Path
+    port: int
+    admin_key: str = ADMIN_KEY
+    proc: subprocess.Popen | None = None
+    log_path: Path | None = None
+    extra_args: list[str] = field(default_factory=list)
+    keys: list[str] = field(default_factory=list)
+
+    def client(self, key: str | None = None) -> httpx.Client:
+        return httpx.Client(
+            base_url=self.url, headers={"X-API-Key": key or self.admin_key}, timeout=60
+        )
+
+    def make_key(self, tenant: str, admin: bool = False) -> str:
+        with self.client() as c:
+            r = c.post("/v1/keys", json={"tenant": tenant, "admin": admin})
+            r.raise_for_status()
+            key = r.json()["key"]
+        self.keys.append(key)
+        return key
+
+    def start(self) -> None:
+        env = dict(os.environ, AGENTBOX_ADMIN_KEY=self.admin_key)
+        self.log_path = self.data_dir.parent / f"server-{self.port}.log"
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "agentbox.cli.app", "serve", "--host", "127.0.0.1",
+             "--port", str(self.port), "--data-dir", str(self.data_dir), *self.extra_args],
+            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.log_path.read_text()[-4000:]}")
+            try:
+                if httpx.get(f"{self.url}/v1/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError(f"server did not come up: {self.log_path.read_text()[-4000:]}")
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        """Stop the server process only; sandboxes outlive it by design."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def kill_all_sandboxes(self) -> None:
+        for key in [self.admin_key, *self.keys]:
+            try:
+                with self.client(key) as c:
+                    token = None
+                    while True:
+                        params = {"state": "running", "limit": 200}
+                        if token:
+                            params["next_token"] = token
+                        r = c.get("/v1/sandboxes", params=params)
+                        if r.status_code != 200:
+                            break
+                        body = r.json()
+                        for s in body["sandboxes"]:
+                            c.delete(f"/v1/sandboxes/{s['sandbox_id']}")
+                        token = body.get("next_token")
+                        if not token:
+                            break
+            except httpx.HTTPError:
+                pass
+
+
+def start_server(tmp: Path, extra_args: list[str] | None = None) -> ServerHandle:
+    port = free_port()
+    data_dir = tmp / f"data-{port}"
+    handle = ServerHandle(
+        url=f"http://127.0.0.1:{port}", data_dir=data_dir, port=port,
+        extra_args=list(extra_args or []),
+    )
+    handle.start()
+    return handle
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandle]:
+    """One server for the whole session; tests make their own tenants."""
+    handle = start_server(tmp_path_factory.mktemp("agentbox"))
+    yield handle
+    handle.kill_all_sandboxes()
+    handle.stop()
+
+
+@pytest.fixture
+def fresh_server(tmp_path: Path) -> Iterator[ServerHandle]:
+    """A private server for tests that restart or crash it."""
+    handle = start_server(tmp_path)
+    yield handle
+    if handle.proc is None:
+        handle.start()
+    handle.kill_all_sandboxes()
+    handle.stop()
+
+
+_tenant_counter = 0
+
+
+@pytest.fixture
+def tenant_key(server: ServerHandle) -> str:
+    """A key for a brand-new tenant (so quotas and listings start empty)."""
+    global _tenant_counter
+    _tenant_counter += 1
+    return server.make_key(f"t{os.getpid()}-{_tenant_counter}-{time.monotonic_ns() % 10**6}")
