@@ -714,6 +714,20 @@ def op_exec_events(conn: Conn, req: dict) -> None:
             return
 
 
+def op_exec_wait(conn: Conn, req: dict) -> None:
+    """Reply with the end event once the command ends (keepalives meanwhile)."""
+    c = COMMANDS.get(req.get("cmd_id"))
+    while True:
+        with c.cond:
+            if c.running:
+                c.cond.wait(KEEPALIVE_S)
+            running = c.running
+        if not running:
+            conn.reply(c.end_event())
+            return
+        conn.reply({"type": "keepalive"})
+
+
 def op_exec_stdin(conn: Conn, req: dict) -> None:
     c = COMMANDS.get(req.get("cmd_id"))
     stdin = c.proc.stdin if c.proc else None
@@ -753,7 +767,7 @@ OPS = {
     "fs.stat": op_stat, "fs.read": op_read, "fs.write": op_write, "fs.list": op_list,
     "fs.mkdir": op_mkdir, "fs.remove": op_remove, "fs.rename": op_rename,
     "exec.start": op_exec_start, "exec.info": op_exec_info, "exec.list": op_exec_list,
-    "exec.events": op_exec_events, "exec.stdin": op_exec_stdin, "exec.kill": op_exec_kill,
+    "exec.events": op_exec_events, "exec.wait": op_exec_wait, "exec.stdin": op_exec_stdin, "exec.kill": op_exec_kill,
 }
 
 

@@ -1,1 +1,1 @@
-"""store"""
+"""Persistence (SQLAlchemy; SQLite embedded, PostgreSQL later)."""

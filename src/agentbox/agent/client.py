@@ -1,0 +1,183 @@
+"""The control plane's side of the agent protocol (asyncio, one connection per request).
+
+The agent is untrusted: replies are bounded by the protocol and checked here; a broken or
+hostile agent can only fail its own sandbox's requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from agentbox.agent import protocol as P
+
+
+class AgentUnavailable(Exception):
+    """The sandbox's agent could not be reached or broke the protocol."""
+
+
+class AgentOpError(Exception):
+    """The agent refused an operation; carries its reason code and detail."""
+
+    def __init__(self, code: str, message: str, detail: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.detail = detail or {}
+
+
+@dataclass(frozen=True)
+class OutputChunk:
+    stream: str  # "stdout" | "stderr"
+    offset: int
+    data: bytes
+
+
+class _Conn:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+
+    async def send(self, frame: bytes) -> None:
+        self.writer.write(frame)
+        await self.writer.drain()
+
+    async def recv(self) -> tuple[int, bytes]:
+        try:
+            head = await self.reader.readexactly(P.HEADER.size)
+            kind, length = P.HEADER.unpack(head)
+            P.check_header(kind, length)
+            payload = await self.reader.readexactly(length) if length else b""
+        except asyncio.IncompleteReadError:
+            raise AgentUnavailable("the sandbox agent closed the connection") from None
+        except P.ProtocolError as e:
+            raise AgentUnavailable(f"the sandbox agent broke the protocol: {e}") from None
+        return kind, payload
+
+    async def recv_json(self) -> dict[str, Any]:
+        kind, payload = await self.recv()
+        if kind != P.KIND_JSON:
+            raise AgentUnavailable("the sandbox agent sent data where a reply was expected")
+        try:
+            msg = P.decode_json(payload)
+        except P.ProtocolError as e:
+            raise AgentUnavailable(str(e)) from None
+        return msg
+
+    async def reply(self) -> dict[str, Any]:
+        msg = await self.recv_json()
+        if msg.get("ok") is False:
+            detail = msg.get("detail")
+            raise AgentOpError(str(msg.get("code", "agent_error")), str(msg.get("message", "")),
+                               detail if isinstance(detail, dict) else None)
+        return msg
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class AgentClient:
+    """Talks to one sandbox's agent over its Unix socket."""
+
+    def __init__(self, socket_path: Path, connect_timeout: float = 5.0) -> None:
+        self.socket_path = socket_path
+        self.connect_timeout = connect_timeout
+
+    async def _open(self, request: dict[str, Any]) -> _Conn:
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_unix_connection(str(self.socket_path), limit=P.MAX_DATA + 64),
+                self.connect_timeout,
+            )
+        except (OSError, asyncio.TimeoutError) as e:
+            raise AgentUnavailable(f"cannot reach the sandbox agent: {e}") from None
+        conn = _Conn(reader, writer)
+        try:
+            await conn.send(P.encode_json(request))
+        except OSError as e:
+            conn.close()
+            raise AgentUnavailable(f"cannot reach the sandbox agent: {e}") from None
+        return conn
+
+    async def call(self, request: dict[str, Any], timeout: float | None = 60.0) -> dict[str, Any]:
+        conn = await self._open(request)
+        try:
+            return await asyncio.wait_for(conn.reply(), timeout)
+        except asyncio.TimeoutError:
+            raise AgentUnavailable("the sandbox agent did not answer in time") from None
+        except OSError as e:
+            raise AgentUnavailable(f"lost the sandbox agent: {e}") from None
+        finally:
+            conn.close()
+
+    async def ping(self, timeout: float = 2.0) -> dict[str, Any]:
+        return await self.call({"op": "ping"}, timeout)
+
+    # ------------------------------------------------------------------ files
+
+    async def read_file(self, path: str) -> tuple[int, AsyncIterator[bytes]]:
+        """Open a file for reading; returns (size, chunks). Errors surface before the size."""
+        conn = await self._open({"op": "fs.read", "path": path})
+        try:
+            head = await conn.reply()
+        except BaseException:
+            conn.close()
+            raise
+
+        async def chunks() -> AsyncIterator[bytes]:
+            try:
+                while True:
+                    kind, payload = await conn.recv()
+                    if kind == P.KIND_END:
+                        return
+                    if kind != P.KIND_DATA:
+                        raise AgentUnavailable("the sandbox agent broke the file stream")
+                    yield payload
+            finally:
+                conn.close()
+
+        return int(head.get("size", 0)), chunks()
+
+    async def write_file(self, path: str, chunks: AsyncIterator[bytes]) -> dict[str, Any]:
+        conn = await self._open({"op": "fs.write", "path": path})
+        try:
+            try:
+                async for chunk in chunks:
+                    for i in range(0, len(chunk), P.MAX_DATA):
+                        await conn.send(P.encode(P.KIND_DATA, chunk[i : i + P.MAX_DATA]))
+                await conn.send(P.encode(P.KIND_END))
+            except (ConnectionError, OSError):
+                pass  # the agent stopped reading: its reply says why
+            return await conn.reply()
+        finally:
+            conn.close()
+
+    # ------------------------------------------------------------------ commands
+
+    async def command_events(self, cmd_id: str, offset: int = 0) -> AsyncIterator[Any]:
+        """Yield OutputChunk, {"type": "truncated"}, and finally the end event dict."""
+        conn = await self._open({"op": "exec.events", "cmd_id": cmd_id, "offset": offset})
+        try:
+            await conn.reply()
+            while True:
+                kind, payload = await conn.recv()
+                if kind == P.KIND_OUTPUT:
+                    try:
+                        stream, off, data = P.decode_output(payload)
+                    except P.ProtocolError as e:
+                        raise AgentUnavailable(str(e)) from None
+                    yield OutputChunk(P.STREAM_NAMES[stream], off, data)
+                    continue
+                if kind != P.KIND_JSON:
+                    raise AgentUnavailable("the sandbox agent broke the event stream")
+                event = P.decode_json(payload)
+                if event.get("type") == "keepalive":
+                    continue
+                yield event
+                if event.get("type") == "end":
+                    return
+        finally:
+            conn.close()

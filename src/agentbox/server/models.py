@@ -1,0 +1,172 @@
+"""Request and response models of the HTTP API (pydantic, at the edge only)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from agentbox.store.db import SandboxRow
+
+
+def rfc3339(t: float | None) -> str | None:
+    return None if t is None else datetime.fromtimestamp(t, UTC).isoformat().replace("+00:00", "Z")
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ResourcesBody(Strict):
+    cpu_count: float | None = Field(None, gt=0, le=1024)
+    memory_mb: int | None = Field(None, gt=0, le=1 << 30)
+    pids: int | None = Field(None, gt=0, le=1 << 22)
+    nofile: int | None = Field(None, gt=0, le=1 << 20)
+    file_size_mb: int | None = Field(None, gt=0, le=1 << 30)
+    disk_mb: int | None = Field(None, gt=0, le=1 << 30)
+    tmp_mb: int | None = Field(None, gt=0, le=1 << 20)
+
+
+class CreateSandboxBody(Strict):
+    template: str | None = Field("default", max_length=128)
+    timeout: float = Field(300, gt=0, le=10**9, description="seconds until the sandbox is killed")
+    metadata: dict[str, str] = Field(default_factory=dict)
+    envs: dict[str, str] = Field(default_factory=dict)
+    resources: ResourcesBody = Field(default_factory=ResourcesBody)
+    keep_workspace: bool = False
+
+
+class TimeoutBody(Strict):
+    timeout: float = Field(gt=0, le=10**9)
+
+
+class SandboxInfo(BaseModel):
+    sandbox_id: str
+    tenant: str
+    template: str
+    state: str
+    metadata: dict[str, str]
+    created_at: str
+    end_at: str
+    ended_at: str | None
+    end_reason: str | None
+    resources: dict[str, Any]
+    keep_workspace: bool
+
+    @classmethod
+    def of(cls, row: SandboxRow) -> SandboxInfo:
+        return cls(
+            sandbox_id=row.sandbox_id, tenant=row.tenant, template=row.template, state=row.state,
+            metadata=row.metadata, created_at=rfc3339(row.created_at) or "",
+            end_at=rfc3339(row.end_at) or "", ended_at=rfc3339(row.ended_at),
+            end_reason=row.end_reason, resources=row.resources,
+            keep_workspace=row.keep_workspace,
+        )
+
+
+class SandboxList(BaseModel):
+    sandboxes: list[SandboxInfo]
+    next_token: str | None
+
+
+class CommandBody(Strict):
+    cmd: str = Field(min_length=1, max_length=1 << 20)
+    cwd: str | None = Field(None, max_length=4096)
+    envs: dict[str, str] = Field(default_factory=dict)
+    timeout: float = Field(60, ge=0, le=10**9, description="seconds; 0 = no timeout")
+    background: bool = False
+    stdin: bool = False
+
+
+class CommandInfo(BaseModel):
+    cmd_id: str
+    pid: int
+    cmd: str
+    cwd: str
+    running: bool
+    exit_code: int | None
+    timed_out: bool
+    started_at: str | None
+    ended_at: str | None
+
+    @classmethod
+    def of(cls, info: dict[str, Any]) -> CommandInfo:
+        return cls(
+            cmd_id=str(info.get("cmd_id")), pid=int(info.get("pid") or 0),
+            cmd=str(info.get("cmd", "")), cwd=str(info.get("cwd", "")),
+            running=bool(info.get("running")), exit_code=info.get("exit_code"),
+            timed_out=bool(info.get("timed_out")), started_at=rfc3339(info.get("started_at")),
+            ended_at=rfc3339(info.get("ended_at")),
+        )
+
+
+class CommandList(BaseModel):
+    commands: list[CommandInfo]
+
+
+class StdinBody(Strict):
+    data: str = Field("", max_length=1 << 20)
+    eof: bool = False
+
+
+class SignalBody(Strict):
+    signal: str | int = "SIGKILL"
+
+
+class EntryInfo(BaseModel):
+    name: str
+    path: str
+    type: Literal["file", "dir", "symlink", "other"]
+    size: int
+    mode: int
+    permissions: str
+    modified_time: str | None
+    symlink_target: str | None = None
+
+    @classmethod
+    def of(cls, e: dict[str, Any]) -> EntryInfo:
+        return cls(name=e["name"], path=e["path"], type=e["type"], size=e["size"],
+                   mode=e["mode"], permissions=e["permissions"],
+                   modified_time=rfc3339(e.get("modified_time")),
+                   symlink_target=e.get("symlink_target"))
+
+
+class EntryList(BaseModel):
+    entries: list[EntryInfo]
+
+
+class PathBody(Strict):
+    path: str = Field(max_length=8192)
+
+
+class RenameBody(Strict):
+    src: str = Field(max_length=8192)
+    dst: str = Field(max_length=8192)
+
+
+class KeyBody(Strict):
+    tenant: str = Field(min_length=1, max_length=64)
+    admin: bool = False
+
+
+class KeyCreated(BaseModel):
+    key_id: str
+    key: str
+    tenant: str
+    admin: bool
+
+
+class QuotaBody(Strict):
+    max_sandboxes: int | None = Field(None, ge=0, le=100_000)
+    max_memory_mb: int | None = Field(None, gt=0)
+    max_cpu_count: float | None = Field(None, gt=0)
+    max_timeout: float | None = Field(None, gt=0)
+    max_disk_mb: int | None = Field(None, gt=0)
+    max_pids: int | None = Field(None, gt=0)
+
+
+class ErrorBody(BaseModel):
+    code: str
+    message: str
+    detail: dict[str, Any] = Field(default_factory=dict)

@@ -1,0 +1,252 @@
+"""Persistence: tenants, API keys, sandboxes and the audit log, through SQLAlchemy Core.
+
+SQLite in the data dir is the embedded default; the schema uses only portable types so a
+PostgreSQL URL can replace it. Calls are short and synchronous (SQLite in WAL mode answers in
+well under a millisecond); callers on the event loop use them directly.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    Boolean,
+    Column,
+    Float,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    create_engine,
+    event,
+    func,
+    insert,
+    select,
+    update,
+)
+from sqlalchemy.engine import Engine
+
+metadata = MetaData()
+
+tenants = Table(
+    "tenants", metadata,
+    Column("name", String(128), primary_key=True),
+    Column("quota", JSON, nullable=False, default=dict),
+    Column("created_at", Float, nullable=False),
+)
+
+api_keys = Table(
+    "api_keys", metadata,
+    Column("key_id", String(32), primary_key=True),
+    Column("key_hash", String(64), nullable=False, unique=True),
+    Column("tenant", String(128), nullable=False, index=True),
+    Column("admin", Boolean, nullable=False, default=False),
+    Column("created_at", Float, nullable=False),
+    Column("revoked", Boolean, nullable=False, default=False),
+)
+
+sandboxes = Table(
+    "sandboxes", metadata,
+    Column("seq", Integer, primary_key=True, autoincrement=True),
+    Column("sandbox_id", String(64), nullable=False, unique=True),
+    Column("tenant", String(128), nullable=False, index=True),
+    Column("template", String(128), nullable=False),
+    Column("runtime", String(32), nullable=False),
+    Column("state", String(16), nullable=False, index=True),
+    Column("metadata", JSON, nullable=False, default=dict),
+    Column("resources", JSON, nullable=False),
+    Column("runtime_state", JSON, nullable=True),
+    Column("keep_workspace", Boolean, nullable=False, default=False),
+    Column("created_at", Float, nullable=False),
+    Column("end_at", Float, nullable=False, index=True),
+    Column("ended_at", Float, nullable=True),
+    Column("end_reason", String(32), nullable=True),
+)
+
+audit = Table(
+    "audit", metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("time", Float, nullable=False, index=True),
+    Column("tenant", String(128), nullable=True, index=True),
+    Column("key_id", String(32), nullable=True),
+    Column("action", String(64), nullable=False, index=True),
+    Column("sandbox_id", String(64), nullable=True, index=True),
+    Column("status", Integer, nullable=True),
+    Column("duration_ms", Float, nullable=True),
+    Column("detail", JSON, nullable=True),
+)
+
+LIVE_STATES = ("starting", "running")
+
+
+@dataclass
+class SandboxRow:
+    seq: int
+    sandbox_id: str
+    tenant: str
+    template: str
+    runtime: str
+    state: str
+    metadata: dict[str, str]
+    resources: dict[str, Any]
+    runtime_state: dict[str, Any] | None
+    keep_workspace: bool
+    created_at: float
+    end_at: float
+    ended_at: float | None
+    end_reason: str | None
+
+    @property
+    def live(self) -> bool:
+        return self.state in LIVE_STATES
+
+
+def _row(r: Any) -> SandboxRow:
+    return SandboxRow(**{c: getattr(r, c) for c in SandboxRow.__dataclass_fields__})
+
+
+class Store:
+    def __init__(self, url: str) -> None:
+        self.engine: Engine = create_engine(url, future=True)
+        if url.startswith("sqlite"):
+            @event.listens_for(self.engine, "connect")
+            def _pragmas(conn: Any, _record: Any) -> None:
+                cur = conn.cursor()
+                cur.execute("PRAGMA journal_mode=WAL")
+                cur.execute("PRAGMA synchronous=NORMAL")
+                cur.execute("PRAGMA busy_timeout=5000")
+                cur.close()
+        metadata.create_all(self.engine)
+
+    @classmethod
+    def for_data_dir(cls, data_dir: Path) -> Store:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        db = data_dir / "agentbox.db"
+        store = cls(f"sqlite:///{db}")
+        db.chmod(0o600)
+        return store
+
+    # ------------------------------------------------------------------ tenants and keys
+
+    def get_quota(self, tenant: str) -> dict[str, Any]:
+        with self.engine.connect() as c:
+            row = c.execute(select(tenants.c.quota).where(tenants.c.name == tenant)).first()
+        return dict(row.quota) if row else {}
+
+    def set_quota(self, tenant: str, quota: dict[str, Any]) -> None:
+        with self.engine.begin() as c:
+            exists = c.execute(select(tenants.c.name).where(tenants.c.name == tenant)).first()
+            if exists:
+                c.execute(update(tenants).where(tenants.c.name == tenant).values(quota=quota))
+            else:
+                c.execute(insert(tenants).values(name=tenant, quota=quota, created_at=time.time()))
+
+    def add_key(self, key_id: str, key_hash: str, tenant: str, admin: bool) -> None:
+        with self.engine.begin() as c:
+            c.execute(insert(api_keys).values(key_id=key_id, key_hash=key_hash, tenant=tenant,
+                                              admin=admin, created_at=time.time(), revoked=False))
+
+    def find_key(self, key_hash: str) -> tuple[str, str, bool] | None:
+        with self.engine.connect() as c:
+            row = c.execute(
+                select(api_keys.c.key_id, api_keys.c.tenant, api_keys.c.admin).where(
+                    api_keys.c.key_hash == key_hash, api_keys.c.revoked.is_(False))
+            ).first()
+        return (row.key_id, row.tenant, bool(row.admin)) if row else None
+
+    def list_keys(self) -> list[dict[str, Any]]:
+        with self.engine.connect() as c:
+            rows = c.execute(select(api_keys).where(api_keys.c.revoked.is_(False))
+                             .order_by(api_keys.c.created_at)).all()
+        return [{"key_id": r.key_id, "tenant": r.tenant, "admin": bool(r.admin),
+                 "created_at": r.created_at} for r in rows]
+
+    def revoke_key(self, key_id: str) -> bool:
+        with self.engine.begin() as c:
+            res = c.execute(update(api_keys).where(api_keys.c.key_id == key_id,
+                                                   api_keys.c.revoked.is_(False))
+                            .values(revoked=True))
+        return res.rowcount > 0
+
+    def count_keys(self) -> int:
+        with self.engine.connect() as c:
+            return int(c.execute(select(func.count()).select_from(api_keys)).scalar_one())
+
+    # ------------------------------------------------------------------ sandboxes
+
+    def insert_sandbox(self, **values: Any) -> None:
+        with self.engine.begin() as c:
+            c.execute(insert(sandboxes).values(**values))
+
+    def update_sandbox(self, sandbox_id: str, **values: Any) -> None:
+        with self.engine.begin() as c:
+            c.execute(update(sandboxes).where(sandboxes.c.sandbox_id == sandbox_id).values(**values))
+
+    def get_sandbox(self, sandbox_id: str) -> SandboxRow | None:
+        with self.engine.connect() as c:
+            r = c.execute(select(sandboxes).where(sandboxes.c.sandbox_id == sandbox_id)).first()
+        return _row(r) if r else None
+
+    def count_live(self, tenant: str) -> int:
+        with self.engine.connect() as c:
+            return int(c.execute(
+                select(func.count()).select_from(sandboxes).where(
+                    sandboxes.c.tenant == tenant, sandboxes.c.state.in_(LIVE_STATES))
+            ).scalar_one())
+
+    def live_sandboxes(self) -> list[SandboxRow]:
+        with self.engine.connect() as c:
+            rows = c.execute(select(sandboxes).where(sandboxes.c.state.in_(LIVE_STATES))).all()
+        return [_row(r) for r in rows]
+
+    def expired(self, now: float) -> list[SandboxRow]:
+        with self.engine.connect() as c:
+            rows = c.execute(select(sandboxes).where(
+                sandboxes.c.state == "running", sandboxes.c.end_at <= now)).all()
+        return [_row(r) for r in rows]
+
+    def next_deadline(self) -> float | None:
+        with self.engine.connect() as c:
+            return c.execute(select(func.min(sandboxes.c.end_at)).where(
+                sandboxes.c.state == "running")).scalar_one()
+
+    def list_sandboxes(self, tenant: str, states: Iterable[str] | None, before_seq: int | None,
+                       batch: int) -> list[SandboxRow]:
+        q = select(sandboxes).where(sandboxes.c.tenant == tenant)
+        if states:
+            q = q.where(sandboxes.c.state.in_(list(states)))
+        if before_seq is not None:
+            q = q.where(sandboxes.c.seq < before_seq)
+        q = q.order_by(sandboxes.c.seq.desc()).limit(batch)
+        with self.engine.connect() as c:
+            return [_row(r) for r in c.execute(q).all()]
+
+    # ------------------------------------------------------------------ audit
+
+    def add_audit(self, **values: Any) -> None:
+        with self.engine.begin() as c:
+            c.execute(insert(audit).values(**values))
+
+    def list_audit(self, tenant: str | None, sandbox_id: str | None, action: str | None,
+                   since: float | None, limit: int) -> list[dict[str, Any]]:
+        q = select(audit)
+        if tenant is not None:
+            q = q.where(audit.c.tenant == tenant)
+        if sandbox_id:
+            q = q.where(audit.c.sandbox_id == sandbox_id)
+        if action:
+            q = q.where(audit.c.action == action)
+        if since is not None:
+            q = q.where(audit.c.time >= since)
+        q = q.order_by(audit.c.id.desc()).limit(limit)
+        with self.engine.connect() as c:
+            rows = c.execute(q).all()
+        return [{"id": r.id, "time": r.time, "tenant": r.tenant, "key_id": r.key_id,
+                 "action": r.action, "sandbox_id": r.sandbox_id, "status": r.status,
+                 "duration_ms": r.duration_ms, "detail": r.detail} for r in rows]
+
