@@ -69,6 +69,8 @@ class _Conn:
 
     async def reply(self) -> dict[str, Any]:
         msg = await self.recv_json()
+        while msg.get("type") == "keepalive":  # long waits (exec.wait) ping meanwhile
+            msg = await self.recv_json()
         if msg.get("ok") is False:
             detail = msg.get("detail")
             raise AgentOpError(str(msg.get("code", "agent_error")), str(msg.get("message", "")),

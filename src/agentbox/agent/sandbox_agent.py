@@ -718,9 +718,11 @@ def op_exec_wait(conn: Conn, req: dict) -> None:
     """Reply with the end event once the command ends (keepalives meanwhile)."""
     c = COMMANDS.get(req.get("cmd_id"))
     while True:
+        deadline = time.monotonic() + KEEPALIVE_S
         with c.cond:
-            if c.running:
-                c.cond.wait(KEEPALIVE_S)
+            # Output wakes the condition too; only the end or a quiet interval matter here.
+            while c.running and time.monotonic() < deadline:
+                c.cond.wait(max(0.0, deadline - time.monotonic()))
             running = c.running
         if not running:
             conn.reply(c.end_event())
