@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -17,6 +18,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 ADMIN_KEY = "test-admin-key-0123456789"
+CLI_READY = (ROOT / "src/agentbox/cli/app.py").exists()
 
 
 def free_port() -> int:
@@ -57,7 +59,12 @@ class ServerHandle:
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "agentbox.cli.app", "serve", "--host", "127.0.0.1",
-             "--port", str(self.port), "--data-dir", str(self.data_dir), *self.extra_args],
+             "--port", str(self.port), "--data-dir", str(self.data_dir), *self.extra_args]
+            if CLI_READY else
+            [sys.executable, "-c", "import sys; from pathlib import Path; "
+             "from agentbox.server.app import serve; "
+             "serve('127.0.0.1', int(sys.argv[1]), Path(sys.argv[2]))",
+             str(self.port), str(self.data_dir)],
             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
         deadline = time.monotonic() + 30
@@ -145,3 +152,37 @@ def tenant_key(server: ServerHandle) -> str:
     global _tenant_counter
     _tenant_counter += 1
     return server.make_key(f"t{os.getpid()}-{_tenant_counter}-{time.monotonic_ns() % 10**6}")
+
+
+@dataclass
+class RunResult:
+    """What a foreground command produced, collected from its NDJSON event stream."""
+
+    stdout: str
+    stderr: str
+    exit_code: int | None
+    end: dict
+    events: list[dict]
+
+
+def create_sandbox(client: httpx.Client, **body) -> dict:
+    r = client.post("/v1/sandboxes", json=body)
+    assert r.status_code == 201, r.text
+    return r.json()
+
+
+def run(client: httpx.Client, sandbox_id: str, cmd: str, **body) -> RunResult:
+    events: list[dict] = []
+    with client.stream("POST", f"/v1/sandboxes/{sandbox_id}/commands",
+                       json={"cmd": cmd, **body}) as r:
+        assert r.status_code == 200, r.read().decode()
+        for line in r.iter_lines():
+            if line:
+                events.append(json.loads(line))
+    end = events[-1]
+    assert end["type"] == "end", events
+    return RunResult(
+        stdout="".join(e["data"] for e in events if e["type"] == "stdout"),
+        stderr="".join(e["data"] for e in events if e["type"] == "stderr"),
+        exit_code=end["exit_code"], end=end, events=events,
+    )

@@ -15,6 +15,7 @@ restarted server finds and re-adopts it.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import random
@@ -32,6 +33,7 @@ from agentbox.runtimes.process import workspace
 from agentbox.runtimes.process.cgroups import CgroupLimits, Cgroups
 from agentbox.runtimes.process.seccomp import build_filter
 
+RUN_ROOT = Path("/run/agentbox")
 AGENT_SRC = Path(__file__).resolve().parent.parent.parent / "agent"
 AGENT_FILES = ("main.py", "sandbox_agent.py", "protocol.py")
 AGENT_MOUNT = "/opt/agentbox"
@@ -45,6 +47,20 @@ STATE_FILE = "runtime.json"
 _RO_DIRS = ("/usr", "/etc")
 _MERGED_USR_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 _SANDBOX_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+_PASSWD = (b"root:x:0:0:root:/root:/usr/sbin/nologin\n"
+           b"user:x:1000:1000:sandbox user:/workspace:/bin/bash\n"
+           b"nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n")
+_GROUP = b"root:x:0:\nuser:x:1000:\nnogroup:x:65534:\n"
+
+
+def _data_fd(data: bytes) -> int:
+    """A readable fd holding `data` (a pipe: these payloads fit in its buffer)."""
+    r, w = os.pipe()
+    os.write(w, data)
+    os.close(w)
+    return r
 
 
 def _proc_start_time(pid: int) -> int | None:
@@ -70,12 +86,22 @@ class ProcessRuntime(Runtime):
         self.root = data_dir / "sandboxes"
         self.kept_root = data_dir / "kept-workspaces"
         self.root.mkdir(parents=True, exist_ok=True)
-        # bwrap runs as the sandbox's uid and must traverse these to its bind sources.
-        os.chmod(data_dir, 0o711)
-        os.chmod(self.root, 0o711)
-        self.agent_dir = self._install_agent(data_dir / "agent")
-        self.cgroups = Cgroups()
+        os.chmod(data_dir, 0o700)
+        os.chmod(self.root, 0o700)
         self.is_root = os.geteuid() == 0
+        # bwrap already runs as the sandbox's uid when it resolves its bind sources, and the
+        # data dir is private to root (and may sit below other private dirs). So what bwrap
+        # binds lives in a root-owned, traverse-only tree of its own, one per data dir.
+        if self.is_root:
+            digest = hashlib.sha256(str(data_dir.resolve()).encode()).hexdigest()[:12]
+            self.bind_root = RUN_ROOT / digest
+            for d in (RUN_ROOT, self.bind_root):
+                d.mkdir(mode=0o711, exist_ok=True)
+                os.chmod(d, 0o711)
+        else:
+            self.bind_root = self.root
+        self.agent_dir = self._install_agent(self.bind_root / "agent")
+        self.cgroups = Cgroups()
         if use_loop is None:
             use_loop = self.is_root and shutil.which("mkfs.ext4") is not None and Path(
                 "/dev/loop-control").exists()
@@ -135,8 +161,7 @@ class ProcessRuntime(Runtime):
                 return uid
         raise RuntimeError_("no free sandbox uid")
 
-    def _bwrap_argv(self, spec: SandboxSpec, ws: Path, seccomp_fd: int, info_fd: int,
-                    listen_fd: int) -> list[str]:
+    def _bwrap_argv(self, spec: SandboxSpec, ws: Path, fds: dict[str, int]) -> list[str]:
         r = spec.resources
         argv = [
             "bwrap", "--unshare-all", "--unshare-user", "--disable-userns",
@@ -158,6 +183,8 @@ class ProcessRuntime(Runtime):
             "--dir", "/run", "--dir", "/var", "--symlink", "/tmp", "/var/tmp",
             "--bind", str(ws), "/workspace",
             "--ro-bind", str(self.agent_dir), AGENT_MOUNT,
+            "--ro-bind-data", str(fds["passwd"]), "/etc/passwd",
+            "--ro-bind-data", str(fds["group"]), "/etc/group",
             "--chdir", "/workspace", "--clearenv",
         ]
         env = {
@@ -169,9 +196,9 @@ class ProcessRuntime(Runtime):
         for k, v in env.items():
             argv += ["--setenv", k, v]
         argv += [
-            "--seccomp", str(seccomp_fd), "--info-fd", str(info_fd),
+            "--seccomp", str(fds["seccomp"]), "--info-fd", str(fds["info"]),
             "--", SANDBOX_PYTHON, "-E", "-s", "-S", f"{AGENT_MOUNT}/main.py",
-            "--listen-fd", str(listen_fd),
+            "--listen-fd", str(fds["listen"]),
         ]
         return argv
 
@@ -186,7 +213,8 @@ class ProcessRuntime(Runtime):
         try:
             sdir.mkdir(mode=0o711)
             os.chmod(sdir, 0o711)
-            ws = workspace.create(sdir, spec.resources.disk_mb, uid, uid, self.use_loop)
+            ws = workspace.create(sdir, self.bind_root / sid, spec.resources.disk_mb, uid,
+                                  self.use_loop)
             state["disk_limit_enforced"] = ws.disk_limit_enforced
             r = spec.resources
             self.cgroups.create(sid, CgroupLimits(
@@ -200,14 +228,14 @@ class ProcessRuntime(Runtime):
 
     def _spawn(self, spec: SandboxSpec, sdir: Path, ws: Path, uid: int) -> dict[str, Any]:
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock_path = sdir / SOCKET_NAME
+        # Short path (AF_UNIX allows ~107 bytes); 0600 root: no sandbox uid may connect.
+        sock_path = self.bind_root / spec.sandbox_id / SOCKET_NAME
         listener.bind(str(sock_path))
         os.chmod(sock_path, 0o600)
         listener.listen(128)
-        sec_r, sec_w = os.pipe()
-        os.write(sec_w, self.seccomp)
-        os.close(sec_w)
         info_r, info_w = os.pipe()
+        fds = {"seccomp": _data_fd(self.seccomp), "passwd": _data_fd(_PASSWD),
+               "group": _data_fd(_GROUP), "info": info_w, "listen": listener.fileno()}
         r = spec.resources
         join_files = self.cgroups.join_files(spec.sandbox_id)
         limits = [
@@ -235,18 +263,19 @@ class ProcessRuntime(Runtime):
                 os.setgid(drop_to)
                 os.setuid(drop_to)
 
-        argv = self._bwrap_argv(spec, ws, sec_r, info_w, listener.fileno())
+        argv = self._bwrap_argv(spec, ws, fds)
         log = open(sdir / "runtime.log", "ab")
         try:
             proc = subprocess.Popen(
                 argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, close_fds=True,
-                pass_fds=(sec_r, info_w, listener.fileno()), start_new_session=True,
+                pass_fds=tuple(fds.values()), start_new_session=True,
                 preexec_fn=enter_sandbox_context, env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
             )
         finally:
             log.close()
-            os.close(sec_r)
-            os.close(info_w)
+            for name, fd in fds.items():
+                if name != "listen":
+                    os.close(fd)
             listener.close()  # the agent owns the listening socket now
         self.children[spec.sandbox_id] = proc
         try:
@@ -315,15 +344,17 @@ class ProcessRuntime(Runtime):
         return bool(pid) and start is not None and _proc_start_time(pid) == start
 
     def agent_address(self, sandbox_id: str, state: dict[str, Any]) -> AgentAddress:
-        return AgentAddress(socket_path=Path(state.get("socket") or self.root / sandbox_id / SOCKET_NAME))
+        return AgentAddress(socket_path=Path(state["socket"]))
 
     def limit_counters(self, sandbox_id: str) -> dict[str, int]:
         return self.cgroups.counters(sandbox_id)
 
     async def list_sandboxes(self) -> set[str]:
-        ids = {p.name for p in self.root.iterdir() if p.is_dir()}
+        ids = {p.name for root in (self.root, self.bind_root) for p in root.iterdir()
+               if p.is_dir() and p.name.startswith("sbx_")}
         ids |= self.cgroups.list_ids()
-        ids |= {m.relative_to(self.root).parts[0] for m in workspace.mounted_under(self.root)}
+        for root in (self.root, self.bind_root):
+            ids |= {m.relative_to(root).parts[0] for m in workspace.mounted_under(root)}
         return ids
 
     def adopt(self, sandbox_id: str, state: dict[str, Any]) -> None:
@@ -366,7 +397,7 @@ class ProcessRuntime(Runtime):
                 if time.monotonic() > deadline:
                     break
                 time.sleep(0.005)
-        if not workspace.destroy(sdir, keep=keep_workspace):
+        if not workspace.destroy(sdir, self.bind_root / sid, keep=keep_workspace):
             raise RuntimeError_(f"could not unmount the workspace of sandbox {sid}")
         if not self.cgroups.remove(sid):
             raise RuntimeError_(f"could not remove the cgroups of sandbox {sid}")

@@ -48,9 +48,14 @@ def mounted_under(prefix: Path) -> list[Path]:
     return sorted(found, key=lambda p: len(p.parts), reverse=True)
 
 
-def create(sandbox_dir: Path, disk_mb: int, uid: int, gid: int, use_loop: bool) -> Workspace:
-    mnt = sandbox_dir / MOUNT_NAME
+def create(sandbox_dir: Path, bind_dir: Path, disk_mb: int, uid: int,
+           use_loop: bool) -> Workspace:
+    """The image lives in the private `sandbox_dir`; it is mounted in `bind_dir`, where the
+    sandbox's bwrap (running as `uid`) can reach it."""
+    bind_dir.mkdir(mode=0o711, exist_ok=True)
+    mnt = bind_dir / MOUNT_NAME
     mnt.mkdir(mode=0o700)
+    gid = uid
     if use_loop:
         image = sandbox_dir / IMAGE_NAME
         with open(image, "wb") as f:
@@ -65,17 +70,23 @@ def create(sandbox_dir: Path, disk_mb: int, uid: int, gid: int, use_loop: bool) 
         except OSError:
             pass
     os.chown(mnt, uid, gid)
-    os.chmod(mnt, 0o755)
+    os.chmod(mnt, 0o700)
     return Workspace(path=mnt, disk_limit_enforced=use_loop)
 
 
-def destroy(sandbox_dir: Path, keep: bool) -> bool:
+def destroy(sandbox_dir: Path, bind_dir: Path, keep: bool) -> bool:
     """Unmount and remove the workspace. With `keep`, the image (or directory) stays on disk."""
     ok = True
-    for mnt in mounted_under(sandbox_dir):
+    for mnt in mounted_under(bind_dir) + mounted_under(sandbox_dir):
         ok = _umount(mnt) and ok
     if not ok:
         return False
+    mnt = bind_dir / MOUNT_NAME
+    if keep and mnt.exists() and not (sandbox_dir / IMAGE_NAME).exists():
+        # A plain-directory workspace: move it next to the rest of the sandbox's files.
+        mnt.rename(sandbox_dir / MOUNT_NAME)
+    if bind_dir != sandbox_dir:
+        shutil.rmtree(bind_dir, ignore_errors=True)
     if keep:
         return True
     mnt = sandbox_dir / MOUNT_NAME
@@ -99,9 +110,9 @@ def _umount(mnt: Path) -> bool:
     return proc.returncode == 0
 
 
-def usage(sandbox_dir: Path) -> tuple[int, int] | None:
+def usage(bind_dir: Path) -> tuple[int, int] | None:
     """(used, total) bytes of the workspace filesystem, when it is one of its own."""
-    mnt = sandbox_dir / MOUNT_NAME
+    mnt = bind_dir / MOUNT_NAME
     if not os.path.ismount(mnt):
         return None
     st = os.statvfs(mnt)

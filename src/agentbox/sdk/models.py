@@ -1,0 +1,163 @@
+"""Typed results the SDK hands to users, built from the server's JSON (no raw dicts leak out)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from typing import Any
+
+
+def _time(value: Any) -> datetime | None:
+    """RFC 3339 strings from the server; None and empty strings stay None."""
+    if not value:
+        return None
+    try:
+        return datetime.fromisoformat(str(value))
+    except ValueError:
+        return None
+
+
+@dataclass(frozen=True)
+class Violation:
+    """Why the sandbox blocked something, and which setting to change to allow it."""
+
+    code: str
+    setting: str | None
+    message: str
+
+    @classmethod
+    def from_json(cls, data: Any) -> Violation | None:
+        if not isinstance(data, dict):
+            return None
+        return cls(code=str(data.get("code", "")), setting=data.get("setting"),
+                   message=str(data.get("message", "")))
+
+
+@dataclass(frozen=True)
+class Resources:
+    """Resource limits of a sandbox. On create, fields left None take the server's defaults."""
+
+    cpu_count: float | None = None
+    memory_mb: int | None = None
+    pids: int | None = None
+    nofile: int | None = None
+    file_size_mb: int | None = None
+    disk_mb: int | None = None
+    tmp_mb: int | None = None
+
+    @classmethod
+    def from_json(cls, data: Any) -> Resources:
+        data = data if isinstance(data, dict) else {}
+        return cls(**{k: data.get(k) for k in cls.__dataclass_fields__})
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+@dataclass(frozen=True)
+class SandboxInfo:
+    sandbox_id: str
+    tenant: str
+    template: str
+    state: str
+    metadata: dict[str, str]
+    created_at: datetime | None
+    end_at: datetime | None
+    ended_at: datetime | None
+    end_reason: str | None
+    resources: Resources
+    keep_workspace: bool
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> SandboxInfo:
+        return cls(
+            sandbox_id=str(data["sandbox_id"]), tenant=str(data.get("tenant", "")),
+            template=str(data.get("template", "")), state=str(data.get("state", "")),
+            metadata=dict(data.get("metadata") or {}), created_at=_time(data.get("created_at")),
+            end_at=_time(data.get("end_at")), ended_at=_time(data.get("ended_at")),
+            end_reason=data.get("end_reason"), resources=Resources.from_json(data.get("resources")),
+            keep_workspace=bool(data.get("keep_workspace")),
+        )
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    """How a command ended. `exit_code` is -N when it died of signal N, None when unknown."""
+
+    stdout: str
+    stderr: str
+    exit_code: int | None
+    error: str | None = None
+    timed_out: bool = False
+    violation: Violation | None = None
+    cmd_id: str | None = None
+
+
+@dataclass(frozen=True)
+class CommandInfo:
+    cmd_id: str
+    pid: int
+    cmd: str
+    cwd: str
+    running: bool
+    exit_code: int | None
+    timed_out: bool
+    started_at: datetime | None
+    ended_at: datetime | None
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> CommandInfo:
+        return cls(
+            cmd_id=str(data["cmd_id"]), pid=int(data.get("pid") or 0),
+            cmd=str(data.get("cmd", "")), cwd=str(data.get("cwd", "")),
+            running=bool(data.get("running")), exit_code=data.get("exit_code"),
+            timed_out=bool(data.get("timed_out")), started_at=_time(data.get("started_at")),
+            ended_at=_time(data.get("ended_at")),
+        )
+
+
+@dataclass(frozen=True)
+class EntryInfo:
+    """A file system entry inside a sandbox. `type` is file, dir, symlink or other."""
+
+    name: str
+    path: str
+    type: str
+    size: int
+    mode: int
+    permissions: str
+    modified_time: datetime | None
+    symlink_target: str | None = None
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> EntryInfo:
+        return cls(
+            name=str(data.get("name", "")), path=str(data.get("path", "")),
+            type=str(data.get("type", "other")), size=int(data.get("size") or 0),
+            mode=int(data.get("mode") or 0), permissions=str(data.get("permissions", "")),
+            modified_time=_time(data.get("modified_time")),
+            symlink_target=data.get("symlink_target"),
+        )
+
+
+@dataclass(frozen=True)
+class AuditEvent:
+    id: int | str
+    time: datetime | None
+    tenant: str
+    key_id: str | None
+    action: str
+    sandbox_id: str | None
+    status: int | None
+    duration_ms: float | None
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> AuditEvent:
+        return cls(
+            id=data.get("id", ""), time=_time(data.get("time")),
+            tenant=str(data.get("tenant", "")), key_id=data.get("key_id"),
+            action=str(data.get("action", "")), sandbox_id=data.get("sandbox_id"),
+            status=data.get("status"), duration_ms=data.get("duration_ms"),
+            detail=dict(data.get("detail") or {}),
+        )

@@ -1,0 +1,494 @@
+"""The agentbox HTTP API as pure functions: requests to send and how to read the answers.
+
+Nothing here does I/O. `Sandbox` (httpx.Client) and `AsyncSandbox` (httpx.AsyncClient) both
+build a `Call` here, send it their own way, and hand the response back to `finish`, so the two
+faces cannot drift apart on paths, bodies, error mapping or NDJSON handling.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Generic, TypeVar
+from urllib.parse import quote
+
+import httpx
+
+from agentbox import __version__
+from agentbox.config import DEFAULT_API_URL, local_admin_key
+from agentbox.sdk.exceptions import (
+    AgentboxError,
+    AuthenticationError,
+    CommandExitException,
+    CommandTimeoutError,
+    ConflictError,
+    ConnectionFailedError,
+    InvalidArgumentError,
+    NotFoundError,
+    QuotaExceededError,
+    SandboxTimeoutError,
+)
+from agentbox.sdk.models import (
+    AuditEvent,
+    CommandInfo,
+    CommandResult,
+    EntryInfo,
+    Resources,
+    SandboxInfo,
+    Violation,
+)
+
+T = TypeVar("T")
+
+API_KEY_HEADER = "X-API-Key"
+# Reads of file streams and uploads go in chunks of this size, never whole files.
+CHUNK_SIZE = 1 << 20
+# A dropped command stream is resumed from its last offset this many times in a row.
+MAX_RECONNECTS = 5
+# Extra seconds a foreground stream may stay silent beyond the command's own timeout before
+# the SDK gives up on the server (the server itself ends the command at `timeout`).
+STREAM_GRACE = 30.0
+# Page size when listing sandboxes (the server allows up to 1000).
+PAGE_SIZE = 200
+
+# ---------------------------------------------------------------------------- configuration
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    api_url: str
+    api_key: str
+    request_timeout: float
+
+
+def resolve_config(api_key: str | None = None, api_url: str | None = None,
+                   request_timeout: float = 60.0) -> ClientConfig:
+    """Arguments first, then AGENTBOX_API_URL / AGENTBOX_API_KEY, then the local admin key."""
+    url = api_url or os.environ.get("AGENTBOX_API_URL") or DEFAULT_API_URL
+    key = api_key or os.environ.get("AGENTBOX_API_KEY") or local_admin_key()
+    if not key:
+        raise AuthenticationError(
+            "no API key: pass api_key=, set AGENTBOX_API_KEY, or run where the local server's "
+            "admin.key is readable", code="unauthorized")
+    return ClientConfig(api_url=url.rstrip("/"), api_key=key, request_timeout=request_timeout)
+
+
+def client_options(config: ClientConfig) -> dict[str, Any]:
+    """Keyword arguments for httpx.Client / httpx.AsyncClient."""
+    return {
+        "base_url": config.api_url,
+        "headers": {API_KEY_HEADER: config.api_key, "User-Agent": f"agentbox-sdk/{__version__}"},
+        "timeout": httpx.Timeout(config.request_timeout),
+    }
+
+
+def stream_timeout(config: ClientConfig, read: float | None) -> httpx.Timeout:
+    """Connect/write as usual; `read` bounds the silence between two chunks (None = forever)."""
+    t = config.request_timeout
+    return httpx.Timeout(connect=t, read=read, write=t, pool=t)
+
+
+# ---------------------------------------------------------------------------- calls
+
+
+@dataclass(frozen=True)
+class Call(Generic[T]):
+    """One HTTP request and how to turn its successful response into a result."""
+
+    method: str
+    path: str
+    parse: Callable[[httpx.Response], T]
+    params: list[tuple[str, str | int | float]] | None = None
+    json: Any = None
+
+
+def finish(call: Call[T], response: httpx.Response) -> T:
+    """Raise the mapped error for a non-2xx response, else parse it. The body must be read."""
+    if response.is_error:
+        raise error_from_response(response)
+    return call.parse(response)
+
+
+def _seg(value: str) -> str:
+    """Ids go into URL paths; quote them so a hostile id cannot change the route."""
+    return quote(str(value), safe="")
+
+
+def _sbx(sandbox_id: str) -> str:
+    return f"/v1/sandboxes/{_seg(sandbox_id)}"
+
+
+def _none(_: httpx.Response) -> None:
+    return None
+
+
+def _sandbox(r: httpx.Response) -> SandboxInfo:
+    return SandboxInfo.from_json(r.json())
+
+
+def _entry(r: httpx.Response) -> EntryInfo:
+    return EntryInfo.from_json(r.json())
+
+
+def _command(r: httpx.Response) -> CommandInfo:
+    return CommandInfo.from_json(r.json())
+
+
+# Sandboxes
+
+
+def create_sandbox(template: str | None, timeout: float, metadata: Mapping[str, str] | None,
+                   envs: Mapping[str, str] | None,
+                   resources: Resources | Mapping[str, Any] | None,
+                   keep_workspace: bool) -> Call[SandboxInfo]:
+    if isinstance(resources, Resources):
+        res = resources.to_json()
+    else:
+        res = {k: v for k, v in (resources or {}).items() if v is not None}
+    body: dict[str, Any] = {
+        "timeout": timeout, "metadata": dict(metadata or {}), "envs": dict(envs or {}),
+        "resources": res, "keep_workspace": keep_workspace,
+    }
+    if template is not None:
+        body["template"] = template
+    return Call("POST", "/v1/sandboxes", _sandbox, json=body)
+
+
+@dataclass(frozen=True)
+class SandboxPage:
+    sandboxes: list[SandboxInfo]
+    next_token: str | None
+
+
+def _sandbox_page(r: httpx.Response) -> SandboxPage:
+    body = r.json()
+    return SandboxPage([SandboxInfo.from_json(s) for s in body.get("sandboxes", [])],
+                       body.get("next_token") or None)
+
+
+def list_sandboxes(state: str | list[str] | None, metadata: Mapping[str, str] | None,
+                   limit: int, next_token: str | None) -> Call[SandboxPage]:
+    params: list[tuple[str, str | int | float]] = [("limit", limit)]
+    states = [state] if isinstance(state, str) else list(state or [])
+    params += [("state", s) for s in states]
+    params += [("metadata", f"{k}={v}") for k, v in (metadata or {}).items()]
+    if next_token:
+        params.append(("next_token", next_token))
+    return Call("GET", "/v1/sandboxes", _sandbox_page, params=params)
+
+
+def page_size(limit: int | None, have: int) -> int:
+    """How many sandboxes to ask for next when `limit` (None = all) caps the total."""
+    return PAGE_SIZE if limit is None else max(1, min(PAGE_SIZE, limit - have))
+
+
+def get_sandbox(sandbox_id: str) -> Call[SandboxInfo]:
+    return Call("GET", _sbx(sandbox_id), _sandbox)
+
+
+def kill_sandbox(sandbox_id: str) -> Call[None]:
+    return Call("DELETE", _sbx(sandbox_id), _none)
+
+
+def set_timeout(sandbox_id: str, timeout: float) -> Call[SandboxInfo]:
+    return Call("POST", f"{_sbx(sandbox_id)}/timeout", _sandbox, json={"timeout": timeout})
+
+
+# Commands
+
+
+def _command_body(cmd: str, background: bool, envs: Mapping[str, str] | None, cwd: str | None,
+                  timeout: float, stdin: bool) -> dict[str, Any]:
+    return {"cmd": cmd, "cwd": cwd, "envs": dict(envs or {}), "timeout": timeout,
+            "background": background, "stdin": stdin}
+
+
+def run_command(sandbox_id: str, cmd: str, envs: Mapping[str, str] | None, cwd: str | None,
+                timeout: float, stdin: bool) -> Call[None]:
+    """Foreground: the answer is an NDJSON stream, fed to a `CommandProgress`."""
+    return Call("POST", f"{_sbx(sandbox_id)}/commands", _none,
+                json=_command_body(cmd, False, envs, cwd, timeout, stdin))
+
+
+def start_command(sandbox_id: str, cmd: str, envs: Mapping[str, str] | None, cwd: str | None,
+                  timeout: float, stdin: bool) -> Call[CommandInfo]:
+    return Call("POST", f"{_sbx(sandbox_id)}/commands", _command,
+                json=_command_body(cmd, True, envs, cwd, timeout, stdin))
+
+
+def command_events(sandbox_id: str, cmd_id: str, offset: int) -> Call[None]:
+    return Call("GET", f"{_sbx(sandbox_id)}/commands/{_seg(cmd_id)}/events", _none,
+                params=[("offset", offset)])
+
+
+def list_commands(sandbox_id: str) -> Call[list[CommandInfo]]:
+    def parse(r: httpx.Response) -> list[CommandInfo]:
+        return [CommandInfo.from_json(c) for c in r.json().get("commands", [])]
+
+    return Call("GET", f"{_sbx(sandbox_id)}/commands", parse)
+
+
+def get_command(sandbox_id: str, cmd_id: str) -> Call[CommandInfo]:
+    return Call("GET", f"{_sbx(sandbox_id)}/commands/{_seg(cmd_id)}", _command)
+
+
+def command_stdin(sandbox_id: str, cmd_id: str, data: str, eof: bool) -> Call[None]:
+    return Call("POST", f"{_sbx(sandbox_id)}/commands/{_seg(cmd_id)}/stdin", _none,
+                json={"data": data, "eof": eof})
+
+
+def kill_command(sandbox_id: str, cmd_id: str, signal: str | int = "SIGKILL") -> Call[None]:
+    return Call("POST", f"{_sbx(sandbox_id)}/commands/{_seg(cmd_id)}/kill", _none,
+                json={"signal": signal})
+
+
+# Files
+
+
+def read_file(sandbox_id: str, path: str) -> Call[None]:
+    """The answer is the raw file, read as a stream by the caller."""
+    return Call("GET", f"{_sbx(sandbox_id)}/files", _none, params=[("path", path)])
+
+
+def write_file(sandbox_id: str, path: str) -> Call[EntryInfo]:
+    """The body (a chunk stream) is supplied by the face that sends it."""
+    return Call("PUT", f"{_sbx(sandbox_id)}/files", _entry, params=[("path", path)])
+
+
+def list_files(sandbox_id: str, path: str, depth: int) -> Call[list[EntryInfo]]:
+    def parse(r: httpx.Response) -> list[EntryInfo]:
+        return [EntryInfo.from_json(e) for e in r.json().get("entries", [])]
+
+    return Call("GET", f"{_sbx(sandbox_id)}/files/list", parse,
+                params=[("path", path), ("depth", depth)])
+
+
+def stat_file(sandbox_id: str, path: str) -> Call[EntryInfo]:
+    return Call("GET", f"{_sbx(sandbox_id)}/files/stat", _entry, params=[("path", path)])
+
+
+def make_dir(sandbox_id: str, path: str) -> Call[bool]:
+    # 201 = created, 200 = it was already a directory (E2B's make_dir returns this bool).
+    return Call("POST", f"{_sbx(sandbox_id)}/files/mkdir", lambda r: r.status_code == 201,
+                json={"path": path})
+
+
+def remove_file(sandbox_id: str, path: str) -> Call[None]:
+    return Call("DELETE", f"{_sbx(sandbox_id)}/files", _none, params=[("path", path)])
+
+
+def rename_file(sandbox_id: str, src: str, dst: str) -> Call[EntryInfo]:
+    return Call("POST", f"{_sbx(sandbox_id)}/files/rename", _entry,
+                json={"src": src, "dst": dst})
+
+
+def is_missing_path(error: AgentboxError) -> bool:
+    """A 404 about the path, not about the sandbox (which must still raise in `exists`)."""
+    return isinstance(error, NotFoundError) and error.code == "path_not_found"
+
+
+# Audit
+
+
+def list_audit(sandbox_id: str | None, action: str | None, tenant: str | None,
+               since: datetime | float | None, limit: int) -> Call[list[AuditEvent]]:
+    params: list[tuple[str, str | int | float]] = [("limit", limit)]
+    for name, value in (("sandbox_id", sandbox_id), ("action", action), ("tenant", tenant)):
+        if value:
+            params.append((name, value))
+    if since is not None:
+        params.append(("since", since.timestamp() if isinstance(since, datetime) else since))
+
+    def parse(r: httpx.Response) -> list[AuditEvent]:
+        return [AuditEvent.from_json(e) for e in r.json().get("events", [])]
+
+    return Call("GET", "/v1/audit", parse, params=params)
+
+
+# ---------------------------------------------------------------------------- errors
+
+_BY_STATUS: dict[int, type[AgentboxError]] = {
+    400: InvalidArgumentError, 401: AuthenticationError, 403: AuthenticationError,
+    404: NotFoundError, 408: SandboxTimeoutError, 409: ConflictError,
+    413: InvalidArgumentError, 422: InvalidArgumentError, 429: QuotaExceededError,
+    504: SandboxTimeoutError,
+}
+
+# For errors that arrive inside an NDJSON stream, where only the code is known.
+_BY_CODE: dict[str, type[AgentboxError]] = {
+    "unauthorized": AuthenticationError, "forbidden": AuthenticationError,
+    "not_found": NotFoundError, "path_not_found": NotFoundError,
+    "invalid_request": InvalidArgumentError, "invalid_path": InvalidArgumentError,
+    "limit_exceeded": InvalidArgumentError, "quota_exceeded": QuotaExceededError,
+    "conflict": ConflictError, "sandbox_not_running": ConflictError,
+}
+
+
+def error_from_response(response: httpx.Response) -> AgentboxError:
+    status = response.status_code
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    if isinstance(body, dict) and "message" in body:
+        code = str(body.get("code") or f"http_{status}")
+        message = str(body["message"])
+        detail = body.get("detail") if isinstance(body.get("detail"), dict) else {}
+    else:
+        code = f"http_{status}"
+        message = response.text.strip()[:500] or response.reason_phrase or f"HTTP {status}"
+        detail = {}
+    cls = _BY_STATUS.get(status, AgentboxError)
+    return cls(message, status=status, code=code, detail=detail)
+
+
+def error_from_code(code: str, message: str, detail: dict[str, Any] | None = None,
+                    ) -> AgentboxError:
+    return _BY_CODE.get(code, AgentboxError)(message, code=code, detail=detail)
+
+
+def transport_error(exc: httpx.HTTPError, api_url: str) -> AgentboxError:
+    if isinstance(exc, httpx.TimeoutException):
+        return SandboxTimeoutError(
+            f"the agentbox server at {api_url} did not answer in time ({type(exc).__name__}); "
+            "raise request_timeout or check the server", code="request_timeout")
+    return ConnectionFailedError(
+        f"cannot talk to the agentbox server at {api_url}: {exc or type(exc).__name__}; "
+        "is `agentbox serve` running and AGENTBOX_API_URL right?", code="connection_failed")
+
+
+def may_reconnect(exc: AgentboxError) -> bool:
+    """Dropped connections are resumed from the last offset; silence past the grace is not."""
+    return isinstance(exc, ConnectionFailedError)
+
+
+# ---------------------------------------------------------------------------- command streams
+
+
+def parse_event_line(line: str) -> dict[str, Any] | None:
+    line = line.strip()
+    if not line:
+        return None
+    try:
+        event = json.loads(line)
+    except ValueError:
+        raise AgentboxError(f"malformed event from server: {line[:200]!r}",
+                            code="bad_response") from None
+    return event if isinstance(event, dict) else None
+
+
+class CommandProgress:
+    """What is known of one command's output stream, across reconnects.
+
+    `offset` is where a resumed `/events` stream must start: the byte offset just past the
+    output already received. The server sends text decoded from UTF-8 and the offset of the raw
+    chunk, so the next offset is counted from the text's UTF-8 length; for output that is not
+    valid UTF-8 this is approximate (a resume may skip or repeat a few bytes).
+    """
+
+    def __init__(self, sandbox_id: str, cmd_id: str | None = None, pid: int | None = None,
+                 cmd: str | None = None) -> None:
+        self.sandbox_id = sandbox_id
+        self.cmd_id = cmd_id
+        self.pid = pid
+        self.cmd = cmd
+        self.offset = 0
+        self.dropped = 0
+        self.stdout: list[str] = []
+        self.stderr: list[str] = []
+        self.end: dict[str, Any] | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.end is not None
+
+    def resume(self) -> Call[None]:
+        if self.cmd_id is None:
+            raise ConnectionFailedError("the command stream dropped before the command started",
+                                        code="connection_failed")
+        return command_events(self.sandbox_id, self.cmd_id, self.offset)
+
+    def feed(self, event: dict[str, Any]) -> tuple[str, str] | None:
+        """Record one event; returns (stream, text) when it is output to deliver."""
+        kind = event.get("type")
+        if kind in ("stdout", "stderr"):
+            data = str(event.get("data", ""))
+            self.offset += len(data.encode("utf-8", "surrogatepass"))
+            (self.stdout if kind == "stdout" else self.stderr).append(data)
+            return kind, data
+        if kind == "start":
+            self.cmd_id = str(event.get("cmd_id")) if event.get("cmd_id") else self.cmd_id
+            self.pid = event.get("pid", self.pid)
+        elif kind == "truncated":
+            dropped = int(event.get("dropped") or 0)
+            self.dropped += dropped
+            self.offset += dropped
+        elif kind == "end":
+            self.end = event
+        elif kind == "error":
+            raise error_from_code(str(event.get("code") or "error"),
+                                  str(event.get("message") or "command stream failed"),
+                                  event.get("detail") if isinstance(event.get("detail"), dict)
+                                  else None)
+        # Unknown event types are skipped so newer servers stay readable.
+        return None
+
+    def result(self) -> CommandResult:
+        end = self.end or {}
+        exit_code = end.get("exit_code")
+        violation = Violation.from_json(end.get("violation"))
+        timed_out = bool(end.get("timed_out"))
+        error = None
+        if exit_code != 0 or timed_out:
+            error = _failure_text(exit_code, timed_out, violation)
+        return CommandResult(stdout="".join(self.stdout), stderr="".join(self.stderr),
+                             exit_code=exit_code, error=error, timed_out=timed_out,
+                             violation=violation, cmd_id=self.cmd_id)
+
+    def outcome(self) -> CommandResult:
+        """The result, or CommandExitException when the command did not exit 0."""
+        result = self.result()
+        if result.exit_code == 0 and not result.timed_out:
+            return result
+        message = result.error or "command failed"
+        if result.stderr.strip():
+            message += f"\nstderr: {result.stderr.strip()[-1000:]}"
+        cls = CommandTimeoutError if result.timed_out else CommandExitException
+        raise cls(message, stdout=result.stdout, stderr=result.stderr,
+                  exit_code=result.exit_code, error=result.error, timed_out=result.timed_out,
+                  violation=result.violation, cmd_id=result.cmd_id,
+                  code="command_timeout" if result.timed_out else "command_exit")
+
+
+def _failure_text(exit_code: int | None, timed_out: bool, violation: Violation | None) -> str:
+    if timed_out:
+        text = "command timed out"
+    elif exit_code is None:
+        text = "command ended without an exit code"
+    elif exit_code < 0:
+        text = f"command was killed by signal {-exit_code}"
+    else:
+        text = f"command exited with code {exit_code}"
+    if violation is not None and violation.message:
+        text += f": {violation.message}"
+    return text
+
+
+def command_read_timeout(timeout: float) -> float | None:
+    """Silence allowed on a foreground stream: the command's timeout plus grace, 0 = forever."""
+    return None if not timeout else timeout + STREAM_GRACE
+
+
+def reconnect_delay(attempt: int) -> float:
+    return min(0.1 * (2 ** attempt), 2.0)
+
+
+def upload_parts(data: str | bytes) -> bytes:
+    return data.encode("utf-8") if isinstance(data, str) else bytes(data)
+
+
+def decode_text(data: bytes) -> str:
+    return data.decode("utf-8", errors="replace")

@@ -1,0 +1,412 @@
+"""`Sandbox`: the synchronous face of the SDK (httpx.Client over the shared `protocol`)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import IO, Any, Literal, TypeVar, overload
+
+import httpx
+
+from agentbox.sdk import protocol as p
+from agentbox.sdk.exceptions import AgentboxError, NotFoundError
+from agentbox.sdk.models import (
+    CommandInfo,
+    CommandResult,
+    EntryInfo,
+    Resources,
+    SandboxInfo,
+)
+
+T = TypeVar("T")
+OutputCallback = Callable[[str], Any]
+WriteData = str | bytes | bytearray | memoryview | IO[bytes] | Iterable[bytes]
+
+
+class Transport:
+    """One httpx.Client bound to a server and key; maps every transport failure to the SDK's."""
+
+    def __init__(self, config: p.ClientConfig) -> None:
+        self.config = config
+        self.client = httpx.Client(**p.client_options(config))
+
+    def call(self, call: p.Call[T], content: Any = None) -> T:
+        try:
+            response = self.client.request(call.method, call.path, params=call.params,
+                                           json=call.json, content=content)
+        except httpx.HTTPError as e:
+            raise p.transport_error(e, self.config.api_url) from None
+        return p.finish(call, response)
+
+    def open(self, call: p.Call[Any], read_timeout: float | None) -> httpx.Response:
+        """Send and return the response with its body unread; the caller must close it."""
+        request = self.client.build_request(
+            call.method, call.path, params=call.params, json=call.json,
+            timeout=p.stream_timeout(self.config, read_timeout))
+        try:
+            response = self.client.send(request, stream=True)
+        except httpx.HTTPError as e:
+            raise p.transport_error(e, self.config.api_url) from None
+        if response.is_error:
+            try:
+                response.read()
+            except httpx.HTTPError as e:
+                raise p.transport_error(e, self.config.api_url) from None
+            finally:
+                response.close()
+            raise p.error_from_response(response)
+        return response
+
+    def events(self, call: p.Call[Any], read_timeout: float | None) -> Iterator[dict[str, Any]]:
+        response = self.open(call, read_timeout)
+        try:
+            for line in response.iter_lines():
+                event = p.parse_event_line(line)
+                if event is not None:
+                    yield event
+        except httpx.HTTPError as e:
+            raise p.transport_error(e, self.config.api_url) from None
+        finally:
+            response.close()
+
+    def follow(self, progress: p.CommandProgress, first: p.Call[Any] | None,
+               read_timeout: float | None) -> Iterator[tuple[str, str]]:
+        """Output of a command until its `end` event, resuming dropped streams at the offset."""
+        call = first or progress.resume()
+        failures = 0
+        while not progress.done:
+            error: AgentboxError
+            try:
+                for event in self.events(call, read_timeout):
+                    failures = 0
+                    out = progress.feed(event)
+                    if out is not None:
+                        yield out
+                    if progress.done:
+                        return
+                error = p.ConnectionFailedError("the command stream ended before the command",
+                                                code="connection_failed")
+            except AgentboxError as e:
+                if not p.may_reconnect(e) or progress.cmd_id is None:
+                    raise
+                error = e
+            if failures >= p.MAX_RECONNECTS:
+                raise error
+            time.sleep(p.reconnect_delay(failures))
+            failures += 1
+            call = progress.resume()
+
+    def bytes_stream(self, call: p.Call[Any]) -> Iterator[bytes]:
+        # Opened now, so a missing file raises here rather than on the first next().
+        response = self.open(call, self.config.request_timeout)
+
+        def chunks() -> Iterator[bytes]:
+            try:
+                yield from response.iter_bytes(p.CHUNK_SIZE)
+            except httpx.HTTPError as e:
+                raise p.transport_error(e, self.config.api_url) from None
+            finally:
+                response.close()
+
+        return chunks()
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def _upload_body(data: WriteData) -> bytes | Iterator[bytes]:
+    if isinstance(data, str | bytes | bytearray | memoryview):
+        return p.upload_parts(bytes(data) if not isinstance(data, str) else data)
+    read = getattr(data, "read", None)
+    if callable(read):
+        return _file_chunks(read)
+    return (p.upload_parts(chunk) for chunk in data)
+
+
+def _file_chunks(read: Callable[[int], Any]) -> Iterator[bytes]:
+    # Chunked upload: a file object is never read into memory as a whole.
+    while True:
+        chunk = read(p.CHUNK_SIZE)
+        if not chunk:
+            return
+        yield p.upload_parts(chunk)
+
+
+class CommandHandle:
+    """A command running in the background: wait for it, stream it, feed it stdin, kill it."""
+
+    def __init__(self, commands: Commands, cmd_id: str, pid: int | None,
+                 on_stdout: OutputCallback | None = None,
+                 on_stderr: OutputCallback | None = None) -> None:
+        self._commands = commands
+        self._progress = p.CommandProgress(commands._sandbox_id, cmd_id, pid)
+        self._on_stdout = on_stdout
+        self._on_stderr = on_stderr
+
+    @property
+    def cmd_id(self) -> str:
+        return str(self._progress.cmd_id)
+
+    @property
+    def pid(self) -> int | None:
+        return self._progress.pid
+
+    @property
+    def stdout(self) -> str:
+        """Output received so far."""
+        return "".join(self._progress.stdout)
+
+    @property
+    def stderr(self) -> str:
+        return "".join(self._progress.stderr)
+
+    def __repr__(self) -> str:
+        return f"CommandHandle(cmd_id={self.cmd_id!r}, pid={self.pid!r})"
+
+    def __iter__(self) -> Iterator[tuple[str | None, str | None]]:
+        """Yields (stdout, stderr) pairs with one side set, until the command ends."""
+        for stream, data in self._follow():
+            yield (data, None) if stream == "stdout" else (None, data)
+
+    def _follow(self) -> Iterator[tuple[str, str]]:
+        if self._progress.done:
+            return iter(())
+        return self._commands._transport.follow(self._progress, None, None)
+
+    def wait(self, on_stdout: OutputCallback | None = None,
+             on_stderr: OutputCallback | None = None) -> CommandResult:
+        """Block until the command ends; raises CommandExitException unless it exited 0."""
+        on_stdout = on_stdout or self._on_stdout
+        on_stderr = on_stderr or self._on_stderr
+        for stream, data in self._follow():
+            callback = on_stdout if stream == "stdout" else on_stderr
+            if callback is not None:
+                callback(data)
+        return self._progress.outcome()
+
+    def kill(self) -> bool:
+        return self._commands.kill(self.cmd_id)
+
+    def send_stdin(self, data: str) -> None:
+        self._commands.send_stdin(self.cmd_id, data)
+
+    def close_stdin(self) -> None:
+        self._commands.close_stdin(self.cmd_id)
+
+
+class Commands:
+    """`sbx.commands`: run shell commands (`bash -l -c`) in the sandbox."""
+
+    def __init__(self, sandbox_id: str, transport: Transport) -> None:
+        self._sandbox_id = sandbox_id
+        self._transport = transport
+
+    @overload
+    def run(self, cmd: str, background: Literal[False] = False,
+            envs: Mapping[str, str] | None = None, cwd: str | None = None,
+            timeout: float = 60, on_stdout: OutputCallback | None = None,
+            on_stderr: OutputCallback | None = None, stdin: bool = False) -> CommandResult: ...
+
+    @overload
+    def run(self, cmd: str, background: Literal[True],
+            envs: Mapping[str, str] | None = None, cwd: str | None = None,
+            timeout: float = 60, on_stdout: OutputCallback | None = None,
+            on_stderr: OutputCallback | None = None, stdin: bool = False) -> CommandHandle: ...
+
+    def run(self, cmd: str, background: bool = False, envs: Mapping[str, str] | None = None,
+            cwd: str | None = None, timeout: float = 60,
+            on_stdout: OutputCallback | None = None, on_stderr: OutputCallback | None = None,
+            stdin: bool = False) -> CommandResult | CommandHandle:
+        """Run `cmd`; `timeout` seconds (0 = none) is enforced by the server.
+
+        Foreground: streams output to the callbacks as it arrives, returns the result, and
+        raises CommandExitException (CommandTimeoutError on timeout) unless it exited 0.
+        Background: returns a CommandHandle at once.
+        """
+        if background:
+            info = self._transport.call(
+                p.start_command(self._sandbox_id, cmd, envs, cwd, timeout, stdin))
+            return CommandHandle(self, info.cmd_id, info.pid, on_stdout, on_stderr)
+        progress = p.CommandProgress(self._sandbox_id, cmd=cmd)
+        first = p.run_command(self._sandbox_id, cmd, envs, cwd, timeout, stdin)
+        for stream, data in self._transport.follow(progress, first,
+                                                   p.command_read_timeout(timeout)):
+            callback = on_stdout if stream == "stdout" else on_stderr
+            if callback is not None:
+                callback(data)
+        return progress.outcome()
+
+    def list(self) -> list[CommandInfo]:
+        return self._transport.call(p.list_commands(self._sandbox_id))
+
+    def get_info(self, cmd_id: str) -> CommandInfo:
+        return self._transport.call(p.get_command(self._sandbox_id, cmd_id))
+
+    def connect(self, cmd_id: str) -> CommandHandle:
+        """A handle on a command started earlier (its buffered output is replayed)."""
+        info = self.get_info(cmd_id)
+        return CommandHandle(self, info.cmd_id, info.pid)
+
+    def kill(self, cmd_id: str, signal: str | int = "SIGKILL") -> bool:
+        """Kill the command's process tree; False when there is no such command."""
+        try:
+            self._transport.call(p.kill_command(self._sandbox_id, cmd_id, signal))
+        except NotFoundError:
+            return False
+        return True
+
+    def send_stdin(self, cmd_id: str, data: str) -> None:
+        self._transport.call(p.command_stdin(self._sandbox_id, cmd_id, data, False))
+
+    def close_stdin(self, cmd_id: str) -> None:
+        self._transport.call(p.command_stdin(self._sandbox_id, cmd_id, "", True))
+
+
+class Files:
+    """`sbx.files`: the sandbox file system. Paths are absolute or relative to /workspace."""
+
+    def __init__(self, sandbox_id: str, transport: Transport) -> None:
+        self._sandbox_id = sandbox_id
+        self._transport = transport
+
+    @overload
+    def read(self, path: str, format: Literal["text"] = "text") -> str: ...
+
+    @overload
+    def read(self, path: str, format: Literal["bytes"]) -> bytes: ...
+
+    @overload
+    def read(self, path: str, format: Literal["stream"]) -> Iterator[bytes]: ...
+
+    def read(self, path: str, format: Literal["text", "bytes", "stream"] = "text",
+             ) -> str | bytes | Iterator[bytes]:
+        """The file's content; `stream` yields chunks as they arrive (iterate it to the end)."""
+        call = p.read_file(self._sandbox_id, path)
+        if format == "stream":
+            return self._transport.bytes_stream(call)
+        data = b"".join(self._transport.bytes_stream(call))
+        return data if format == "bytes" else p.decode_text(data)
+
+    def write(self, path: str, data: WriteData) -> EntryInfo:
+        """Write (atomically) from str, bytes, a binary file object or an iterable of chunks."""
+        return self._transport.call(p.write_file(self._sandbox_id, path), _upload_body(data))
+
+    def list(self, path: str = "/workspace", depth: int = 1) -> list[EntryInfo]:
+        return self._transport.call(p.list_files(self._sandbox_id, path, depth))
+
+    def exists(self, path: str) -> bool:
+        try:
+            self.get_info(path)
+        except AgentboxError as e:
+            if p.is_missing_path(e):
+                return False
+            raise
+        return True
+
+    def get_info(self, path: str) -> EntryInfo:
+        return self._transport.call(p.stat_file(self._sandbox_id, path))
+
+    def make_dir(self, path: str) -> bool:
+        """Create the directory and its parents; False if it already existed."""
+        return self._transport.call(p.make_dir(self._sandbox_id, path))
+
+    def remove(self, path: str) -> None:
+        self._transport.call(p.remove_file(self._sandbox_id, path))
+
+    def rename(self, src: str, dst: str) -> EntryInfo:
+        return self._transport.call(p.rename_file(self._sandbox_id, src, dst))
+
+
+class Sandbox:
+    """An agentbox sandbox. Make one with `Sandbox.create()` or `Sandbox.connect(id)`.
+
+    `with Sandbox.create() as sbx:` kills the sandbox when the block ends.
+    """
+
+    def __init__(self, sandbox_id: str, transport: Transport) -> None:
+        self.sandbox_id = sandbox_id
+        self._transport = transport
+        self.commands = Commands(sandbox_id, transport)
+        self.files = Files(sandbox_id, transport)
+
+    def __repr__(self) -> str:
+        return f"Sandbox(sandbox_id={self.sandbox_id!r})"
+
+    @classmethod
+    def create(cls, template: str | None = None, timeout: float = 300,
+               metadata: Mapping[str, str] | None = None, envs: Mapping[str, str] | None = None,
+               resources: Resources | Mapping[str, Any] | None = None,
+               keep_workspace: bool = False, api_key: str | None = None,
+               api_url: str | None = None, request_timeout: float = 60) -> Sandbox:
+        """Start a sandbox that lives `timeout` seconds unless extended with set_timeout."""
+        transport = Transport(p.resolve_config(api_key, api_url, request_timeout))
+        try:
+            info = transport.call(p.create_sandbox(template, timeout, metadata, envs, resources,
+                                                   keep_workspace))
+        except BaseException:
+            transport.close()
+            raise
+        return cls(info.sandbox_id, transport)
+
+    @classmethod
+    def connect(cls, sandbox_id: str, api_key: str | None = None, api_url: str | None = None,
+                request_timeout: float = 60) -> Sandbox:
+        """Attach to an existing sandbox; NotFoundError if it is not yours or does not exist."""
+        transport = Transport(p.resolve_config(api_key, api_url, request_timeout))
+        try:
+            info = transport.call(p.get_sandbox(sandbox_id))
+        except BaseException:
+            transport.close()
+            raise
+        return cls(info.sandbox_id, transport)
+
+    @classmethod
+    def list(cls, state: str | list[str] | None = None,
+             metadata: Mapping[str, str] | None = None, limit: int | None = None,
+             api_key: str | None = None, api_url: str | None = None,
+             request_timeout: float = 60) -> list[SandboxInfo]:
+        """Your sandboxes, newest first, following pages until `limit` (None = all)."""
+        transport = Transport(p.resolve_config(api_key, api_url, request_timeout))
+        found: list[SandboxInfo] = []
+        token: str | None = None
+        try:
+            while limit is None or len(found) < limit:
+                page = transport.call(
+                    p.list_sandboxes(state, metadata, p.page_size(limit, len(found)), token))
+                found += page.sandboxes
+                token = page.next_token
+                if not token or not page.sandboxes:
+                    break
+        finally:
+            transport.close()
+        return found if limit is None else found[:limit]
+
+    def get_info(self) -> SandboxInfo:
+        return self._transport.call(p.get_sandbox(self.sandbox_id))
+
+    def is_running(self) -> bool:
+        try:
+            return self.get_info().state == "running"
+        except NotFoundError:
+            return False
+
+    def set_timeout(self, timeout: float) -> SandboxInfo:
+        """The sandbox now ends `timeout` seconds from now."""
+        return self._transport.call(p.set_timeout(self.sandbox_id, timeout))
+
+    def kill(self) -> None:
+        """Kill the sandbox (killing a dead one is fine)."""
+        self._transport.call(p.kill_sandbox(self.sandbox_id))
+
+    def close(self) -> None:
+        """Release the HTTP connection; the sandbox keeps running."""
+        self._transport.close()
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.kill()
+        finally:
+            self.close()

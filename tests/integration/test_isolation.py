@@ -1,0 +1,611 @@
+"""Isolation of the process runtime, judged from the host wherever possible.
+
+Every probe runs inside a real sandbox and the verdict comes from host-side evidence (canary
+nonces, host files, a host TCP listener, /proc, cgroupfs, mountinfo). Where it is cheap, the same
+probe is first shown to succeed on the host (positive control), so a pass means something.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import secrets
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+try:
+    from . import _http as h
+except ImportError:  # tests/integration is not a package
+    import _http as h
+
+pytestmark = pytest.mark.security
+
+# What a sandbox can see of the host tree that is worth searching (bounded on purpose).
+SEARCH_ROOTS = "/etc /usr/local /opt /home /root /var /srv /mnt /workspace /tmp /run"
+
+
+# ---------------------------------------------------------------- fixtures and host helpers
+
+
+@pytest.fixture
+def client(server, tenant_key: str) -> Iterator[httpx.Client]:
+    with server.client(tenant_key) as c:
+        yield c
+
+
+@pytest.fixture
+def boxes(client: httpx.Client) -> Iterator[h.Sandboxes]:
+    b = h.Sandboxes(client)
+    yield b
+    b.close()
+
+
+def sha256(path: str | Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def host_pids_of(sandbox_id: str, uid: int | None = None) -> dict[int, str]:
+    """Host pids that belong to a sandbox: by cgroup, by command line, or by its host uid."""
+    found: dict[int, str] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        pid = int(entry)
+        try:
+            cg = Path(f"/proc/{pid}/cgroup").read_text()
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(
+                errors="replace")
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        if "State:\tZ" in status and sandbox_id not in cg:
+            continue
+        uids = re.search(r"^Uid:\s+(\d+)\s+(\d+)", status, re.M)
+        if sandbox_id in cg or sandbox_id in cmdline or (
+                uid is not None and uids and uid in (int(uids[1]), int(uids[2]))):
+            found[pid] = cmdline.strip()
+    return found
+
+
+def mounts_under(prefix: Path) -> list[str]:
+    out = []
+    pre = str(prefix).rstrip("/") + "/"
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        mnt = line.split()[4].replace("\\040", " ")
+        if (mnt + "/").startswith(pre):
+            out.append(mnt)
+    return out
+
+
+def cgroup_dirs(sandbox_id: str) -> list[Path]:
+    root = Path("/sys/fs/cgroup")
+    return [p for p in [*root.glob(f"*/agentbox/{sandbox_id}"), root / "agentbox" / sandbox_id]
+            if p.exists()]
+
+
+def runtime_state(server, sandbox_id: str) -> dict:
+    return json.loads((server.data_dir / "sandboxes" / sandbox_id / "runtime.json").read_text())
+
+
+def wait_until(pred, timeout: float = 5.0, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = pred()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval)
+
+
+# ---------------------------------------------------------------- filesystem: read
+
+
+def test_host_canaries_are_unreadable(server, client, boxes) -> None:
+    sid = boxes.new()
+    canary = "CANARY-" + secrets.token_hex(16)
+    sdir = server.data_dir / "sandboxes" / sid
+    planted: list[Path] = []
+    made_dirs: list[Path] = []
+    # Outside every mount of the sandbox: user homes, /var/tmp, /opt, host /tmp, the server's
+    # data dir and the sandbox's own state directory right next to its workspace mount.
+    for base in ("/root", "/home", "/var/tmp", "/opt", "/srv", "/mnt", "/tmp",
+                 str(server.data_dir), str(sdir)):
+        b = Path(base)
+        if not b.is_dir():
+            continue
+        d = b / f".agentbox-canary-{secrets.token_hex(4)}"
+        d.mkdir()
+        os.chmod(d, 0o755)
+        made_dirs.append(d)
+        f = d / "canary.txt"
+        f.write_text(canary + "\n")
+        os.chmod(f, 0o644)  # world-readable: only the sandbox boundary stands in the way
+        planted.append(f)
+    try:
+        assert len(planted) >= 6, planted
+        # Positive control: the very same probe finds every canary on the host.
+        host = subprocess.run(
+            ["grep", "-rl", "--no-messages", canary, *map(str, made_dirs)],
+            capture_output=True, text=True, timeout=30)
+        assert sorted(host.stdout.split()) == sorted(map(str, planted)), host
+
+        r = h.run(client, sid,
+                  f"timeout 40 grep -rl --no-messages -I -D skip \"$CANARY\" {SEARCH_ROOTS}; "
+                  "echo grep-rc=$?", timeout=60, envs={"CANARY": canary})
+        assert "grep-rc=" in r.stdout, r
+        assert canary not in r.stdout and canary not in r.stderr, r
+        assert "canary.txt" not in r.stdout, r
+        # 1 = nothing found; 2 = also some unreadable or missing roots; 124 = timed out.
+        assert re.search(r"grep-rc=[12]\b", r.stdout), f"grep did not finish cleanly: {r}"
+
+        # In-sandbox control: the same search does find the nonce where the sandbox can see it.
+        ctl = h.run(client, sid,
+                    "printf '%s\\n' \"$CANARY\" > /workspace/control.txt; "
+                    f"timeout 40 grep -rl --no-messages -I -D skip \"$CANARY\" {SEARCH_ROOTS}; "
+                    "rm /workspace/control.txt", timeout=60, envs={"CANARY": canary})
+        assert ctl.stdout.split() == ["/workspace/control.txt"], ctl
+
+        paths = " ".join(f"'{p}' '/proc/1/root{p}' '/proc/self/root{p}'" for p in planted)
+        r = h.run(client, sid,
+                  f"for p in {paths}; do if cat \"$p\"; then echo \"READ $p\"; fi; done",
+                  timeout=30)
+        assert canary not in r.stdout, r
+        assert "READ " not in r.stdout, r
+        assert r.stderr.count("No such file or directory") + r.stderr.count(
+            "Permission denied") >= len(planted) * 3, r
+    finally:
+        for d in made_dirs:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def test_root_only_host_files_unreadable(client, boxes) -> None:
+    sid = boxes.new()
+    assert os.path.exists("/etc/shadow")
+    # Positive control: root on the host reads it.
+    Path("/etc/shadow").read_bytes()
+    r = h.run(client, sid, "cat /etc/shadow; echo rc=$?")
+    assert "rc=0" not in r.stdout, r
+    assert "Permission denied" in r.stderr, r
+
+
+# ---------------------------------------------------------------- filesystem: write
+
+
+def test_cannot_write_outside_workspace_and_tmp(server, client, boxes) -> None:
+    sid = boxes.new()
+    name = f"agentbox-probe-{secrets.token_hex(4)}"
+    agent_main = server.data_dir / "agent" / "main.py"
+    watched = ["/etc/hostname", "/etc/passwd", "/usr/bin/env", str(agent_main)]
+    before = {p: sha256(p) for p in watched}
+    targets = ["/etc", "/usr", "/usr/local", "", "/var", "/opt", "/opt/agentbox", "/run", "/dev",
+               "/proc"]
+    script = "; ".join(
+        f"(echo pwned > {t}/{name}) && echo 'WROTE {t}/{name}'" for t in targets)
+    script += ("; (echo pwned >> /etc/hostname) && echo WROTE-hostname"
+               "; (echo pwned >> /opt/agentbox/main.py) && echo WROTE-agent"
+               "; touch -d 2001-01-01 /etc/passwd && echo WROTE-touch"
+               "; chmod 777 /usr/bin/env && echo WROTE-chmod"
+               "; ln /etc/passwd /workspace/hardlink && echo WROTE-hardlink"
+               "; mv /etc/hostname /workspace/h && echo WROTE-mv; true")
+    r = h.run(client, sid, script)
+    assert "WROTE" not in r.stdout, r
+    errors = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(errors) >= len(targets) + 5, r
+    for ln in errors:
+        assert re.search(r"Read-only file system|Permission denied|Operation not permitted|"
+                         r"No such file or directory|cross-device", ln), f"unexpected: {ln}\n{r}"
+    assert "Read-only file system" in r.stderr and "Permission denied" in r.stderr, r
+
+    # Host side: nothing appeared, nothing changed.
+    for t in ("/etc", "/usr", "/usr/local", "/var", "/opt", "/run", "/"):
+        assert not (Path(t) / name).exists(), t
+    assert not (server.data_dir / "agent" / name).exists()
+    for p in watched:
+        assert sha256(p) == before[p], p
+    assert os.stat("/etc/passwd").st_mtime > 978307200 + 86400  # not touched to 2001
+
+    # Control: /workspace and /tmp are writable, and /workspace lands in the sandbox's own dir.
+    r = h.run(client, sid, f"echo ok > /workspace/{name} && echo ok > /tmp/{name} && "
+              f"cat /workspace/{name} /tmp/{name}")
+    assert r.ok and r.stdout.split() == ["ok", "ok"], r
+    ws_file = server.data_dir / "sandboxes" / sid / "workspace" / name
+    assert ws_file.read_text() == "ok\n"
+    assert not (Path("/tmp") / name).exists()  # the sandbox /tmp is its own tmpfs
+
+
+# ---------------------------------------------------------------- network
+
+
+class Listener:
+    """A TCP listener on the host counting every connection it accepts."""
+
+    def __init__(self, host: str = "0.0.0.0") -> None:
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, 0))
+        self.sock.listen(16)
+        self.sock.settimeout(0.2)
+        self.port = self.sock.getsockname()[1]
+        self.hits = 0
+        self.stop = False
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while not self.stop:
+            try:
+                conn, _ = self.sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            self.hits += 1
+            conn.close()
+
+    def close(self) -> None:
+        self.stop = True
+        self.thread.join(2)
+        self.sock.close()
+
+
+def _host_ips() -> list[str]:
+    ips = {"127.0.0.1"}
+    try:
+        out = subprocess.run(["hostname", "-I"], capture_output=True, text=True, timeout=5).stdout
+        ips |= {ip for ip in out.split() if ":" not in ip}
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return sorted(ips)
+
+
+def test_no_network_to_host(server, client, boxes) -> None:
+    sid = boxes.new()
+    lst = Listener()
+    try:
+        ips = _host_ips()
+        # Positive control: the probe connects from the host.
+        for ip in ips:
+            socket.create_connection((ip, lst.port), timeout=2).close()
+        assert wait_until(lambda: lst.hits == len(ips)), lst.hits
+        lst.hits = 0
+
+        py = ("import socket,sys\n"
+              "for ip in sys.argv[2:]:\n"
+              "    try:\n"
+              "        socket.create_connection((ip, int(sys.argv[1])), timeout=2).close()\n"
+              "        print('CONNECTED', ip)\n"
+              "    except OSError as e:\n"
+              "        print('refused', ip, e)\n")
+        api_port = server.port
+        ip_args = " ".join(ips)
+        r = h.run(client, sid,
+                  f"python3 -c \"$PY\" {lst.port} {ip_args}; "
+                  f"python3 -c \"$PY\" {api_port} 127.0.0.1; "
+                  f"for ip in {ip_args}; do "
+                  f"  (timeout 3 bash -c \"exec 3<>/dev/tcp/$ip/{lst.port}\") && echo CONNECTED-tcp $ip; "
+                  "done; true", timeout=60, envs={"PY": py})
+        assert "CONNECTED" not in r.stdout, r
+        assert r.stdout.count("refused") == len(ips) + 1, r
+        time.sleep(0.3)
+        assert lst.hits == 0, f"the host listener got {lst.hits} connection(s) from the sandbox"
+    finally:
+        lst.close()
+
+    r = h.run(client, sid, "cat /proc/net/dev; ls /sys/class/net 2>/dev/null; true")
+    ifaces = [ln.split(":")[0].strip() for ln in r.stdout.splitlines() if ":" in ln]
+    assert ifaces == ["lo"], r
+    # Sanity: the host itself has more than loopback in its own /proc/net/dev, or at least lo.
+    host_ifaces = [ln.split(":")[0].strip()
+                   for ln in Path("/proc/net/dev").read_text().splitlines() if ":" in ln]
+    assert "lo" in host_ifaces
+
+
+# ---------------------------------------------------------------- processes
+
+
+def test_cannot_see_host_processes(server, client, boxes) -> None:
+    sid = boxes.new()
+    marker = f"{secrets.randbelow(10**6) + 10**6}.{secrets.randbelow(1000)}"
+    host_sleep = subprocess.Popen(["sleep", marker])
+    try:
+        # Positive control: the host sees the marker process by its command line.
+        host_cmds = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+        assert f"sleep {marker}" in host_cmds
+        host_init = Path("/proc/1/cmdline").read_bytes()
+        r = h.run(client, sid,
+                  "ls /proc | grep -E '^[0-9]+$' | wc -l; echo ---; ps -eo pid,args; echo ---; "
+                  "for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline; echo; done; echo ---; "
+                  f"kill -0 {os.getpid()} {server.proc.pid} {host_sleep.pid} 2>&1; "
+                  "echo kill-rc=$?; echo ---; cat /proc/1/cmdline | base64 -w0")
+        count, ps_out, cmdlines, kill_out, init_b64 = r.stdout.split("---")
+        n = int(count.strip())
+        assert 0 < n <= 10, f"{n} processes visible in the sandbox:\n{r}"
+        assert f"sleep {marker}" not in r.stdout, r
+        for needle in ("pytest", "agentbox.cli", "uvicorn", "systemd", "serve --host"):
+            assert needle not in ps_out and needle not in cmdlines, (needle, r)
+        assert "kill-rc=0" not in kill_out and "No such process" in kill_out, r
+        import base64
+
+        sandbox_init = base64.b64decode(init_b64.strip())
+        assert sandbox_init != host_init, sandbox_init
+        assert sandbox_init.startswith(b"bwrap"), sandbox_init
+        assert host_sleep.poll() is None  # still alive, untouched
+    finally:
+        host_sleep.kill()
+        host_sleep.wait()
+
+
+# ---------------------------------------------------------------- secrets
+
+
+def test_server_secrets_not_visible(server, client, tenant_key, boxes) -> None:
+    sid = boxes.new(envs={"USER_SECRET": "visible-by-design"})
+    secrets_to_hide = [server.admin_key, tenant_key]
+    boot = server.data_dir / "admin.key"
+    if boot.exists():
+        secrets_to_hide.append(boot.read_text().strip())
+    # Positive control: the server process on the host does hold the admin key in its env.
+    assert server.admin_key.encode() in Path(f"/proc/{server.proc.pid}/environ").read_bytes()
+
+    r = h.run(client, sid,
+              "env; echo ---; for p in /proc/[0-9]*; do tr '\\0' '\\n' < $p/environ 2>/dev/null;"
+              " done; echo; echo environ-done")
+    assert "USER_SECRET=visible-by-design" in r.stdout, r  # control: user envs do arrive
+    assert "environ-done" in r.stdout, r
+    assert "AGENTBOX_ADMIN_KEY" not in r.stdout, r
+    for s in secrets_to_hide:
+        assert s not in r.stdout and s not in r.stderr, r
+
+    # Search the visible tree for the values. They travel reversed (so the probe's own
+    # environment is no false hit) and are turned back into unexported shell variables.
+    r = h.run(client, sid,
+              "k1=$(printf %s \"$K1\" | rev); k2=$(printf %s \"$K2\" | rev); "
+              f"timeout 40 grep -rl --no-messages -I -D skip -F -e \"$k1\" -e \"$k2\" "
+              f"{SEARCH_ROOTS} /proc/1/cmdline /proc/1/environ /proc/2/cmdline; echo grep-rc=$?",
+              timeout=60, envs={"K1": server.admin_key[::-1], "K2": tenant_key[::-1]})
+    assert re.search(r"grep-rc=[12]\b", r.stdout), r
+    assert "/" not in r.stdout.replace("grep-rc", ""), r
+
+
+# ---------------------------------------------------------------- privileges
+
+
+def test_no_privileges_seccomp_and_no_new_namespaces(server, client, boxes) -> None:
+    sid = boxes.new()
+    mount_py = ("import ctypes\n"
+                "l = ctypes.CDLL(None, use_errno=True)\n"
+                "rc = l.mount(b'none', b'/workspace', b'tmpfs', 0, None)\n"
+                "print('mount', rc, ctypes.get_errno())\n"
+                "rc = l.unshare(0x10000000)\n"  # CLONE_NEWUSER
+                "print('unshare', rc, ctypes.get_errno())\n"
+                "rc = l.setuid(0)\n"
+                "print('setuid', rc, ctypes.get_errno())\n")
+    r = h.run(client, sid,
+              "grep -E '^(Uid|Gid|Cap(Inh|Prm|Eff|Bnd|Amb)|NoNewPrivs|Seccomp):' /proc/self/status;"
+              " echo ---; id -u; echo ---; unshare -U true; echo unshare-rc=$?; "
+              "unshare -r true; echo unshare-r-rc=$?; echo ---; python3 -c \"$PY\"",
+              envs={"PY": mount_py})
+    status, uid, unshare_out, py_out = r.stdout.split("---")
+    fields = dict(re.findall(r"^(\w+):\s+(.*)$", status, re.M))
+    assert fields["Seccomp"] == "2", r
+    assert fields["NoNewPrivs"] == "1", r
+    for cap in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"):
+        assert int(fields[cap], 16) == 0, (cap, r)
+    assert int(uid) != 0, r
+    assert "unshare-rc=0" not in unshare_out and "unshare-r-rc=0" not in unshare_out, r
+    m = dict((k, (int(a), int(b))) for k, a, b in re.findall(r"(\w+) (-?\d+) (\d+)", py_out))
+    assert m["mount"][0] == -1 and m["mount"][1] in (1, 38), r  # EPERM / ENOSYS
+    assert m["unshare"][0] == -1 and m["unshare"][1] in (1, 22, 38), r
+    assert m["setuid"][0] == -1, r
+
+    # Host side: the sandbox's processes run as an unprivileged host uid with no capabilities.
+    state = runtime_state(server, sid)
+    for pid in (state["init_pid"],):
+        st = Path(f"/proc/{pid}/status").read_text()
+        host = dict(re.findall(r"^(\w+):\s+(.*)$", st, re.M))
+        assert all(int(u) != 0 for u in host["Uid"].split()), host["Uid"]
+        assert int(host["CapEff"], 16) == 0 and int(host["CapPrm"], 16) == 0, host
+        assert host["NoNewPrivs"] == "1" and host["Seccomp"] == "2", host
+
+
+# ---------------------------------------------------------------- resource exhaustion
+
+
+def _probe_latency(client: httpx.Client, sid: str, stop: threading.Event,
+                   samples: list[float], errors: list[str]) -> None:
+    while not stop.is_set():
+        try:
+            r = h.run(client, sid, "echo ok", timeout=10, http_timeout=30)
+            if r.stdout.strip() != "ok":
+                errors.append(str(r))
+            samples.append(r.elapsed)
+        except (AssertionError, httpx.HTTPError) as e:
+            errors.append(repr(e))
+        time.sleep(0.1)
+
+
+def test_fork_and_memory_bombs_are_contained(server, client, boxes) -> None:
+    a = boxes.new(resources={"memory_mb": 256, "pids": 128})
+    b = boxes.new()
+    stop = threading.Event()
+    samples: list[float] = []
+    errors: list[str] = []
+    with server.client(client.headers["X-API-Key"]) as probe_client:
+        prober = threading.Thread(target=_probe_latency,
+                                  args=(probe_client, b, stop, samples, errors), daemon=True)
+        prober.start()
+        try:
+            t0 = time.monotonic()
+            fork = h.run(client, a, "bash -c ':(){ :|:& };:'; sleep 30", timeout=5,
+                         http_timeout=60)
+            fork_elapsed = time.monotonic() - t0
+            during_fork = len(samples)
+            t_host = time.monotonic()
+            subprocess.run(["true"], check=True, timeout=5)
+            host_latency = time.monotonic() - t_host
+            health = httpx.get(f"{server.url}/v1/health", timeout=5)
+
+            mem = h.run(client, a,
+                        "python3 -c \"x = b'\\x01' * (2 * 1024**3); print('ALLOCATED', len(x))\"",
+                        timeout=60)
+        finally:
+            stop.set()
+            prober.join(40)
+
+    assert fork.end.get("timed_out") is True, fork
+    assert fork_elapsed < 30, f"the fork bomb was not stopped at its 5 s timeout: {fork}"
+    assert host_latency < 2 and health.status_code == 200
+    assert "ALLOCATED" not in mem.stdout, mem
+    assert mem.exit_code != 0, mem
+    assert mem.violation and mem.violation["code"] == "memory_limit", mem
+    assert mem.violation["setting"] == "resources.memory_mb", mem
+
+    assert not errors, errors[:3]
+    assert during_fork >= 2 and len(samples) >= 3, samples
+    assert max(samples) < 2.0, f"neighbour latency under attack: {sorted(samples)[-5:]}"
+
+    # A itself recovers: the bombs are gone and it answers.
+    r = h.run(client, a, "ps -e --no-headers | wc -l; echo alive")
+    assert r.ok and "alive" in r.stdout, r
+    assert int(r.stdout.split()[0]) < 10, r
+    # Host memory was not eaten: A's cgroup memory usage is back under its limit.
+    mem_dirs = [p for p in cgroup_dirs(a) if "memory" in str(p)]
+    for d in mem_dirs:
+        usage = d / "memory.usage_in_bytes"
+        if usage.exists():
+            assert int(usage.read_text()) <= 256 * 1024 * 1024
+
+
+# ---------------------------------------------------------------- kill leaves nothing behind
+
+
+def test_kill_leaves_nothing_behind(server, client) -> None:
+    sid = h.create(client)["sandbox_id"]
+    try:
+        state = runtime_state(server, sid)
+        sdir = server.data_dir / "sandboxes" / sid
+        h.run_bg(client, sid,
+                 "setsid nohup sleep 1000 >/dev/null 2>&1 & "
+                 "( ( sleep 1001 </dev/null >/dev/null 2>&1 & ) & ); "
+                 "python3 -c 'import os,time\n"
+                 "if os.fork() == 0:\n"
+                 "    os.setsid()\n"
+                 "    if os.fork() == 0:\n"
+                 "        os.execvp(\"sleep\", [\"sleep\", \"1002\"])\n"
+                 "    os._exit(0)\n'; "
+                 "exec sleep 1003")
+        # Positive control: before the kill the host sees all of it.
+        def sleeps() -> set[str]:
+            return {c for c in host_pids_of(sid, state["uid"]).values() if c.startswith("sleep")}
+
+        want = {"sleep 1000", "sleep 1001", "sleep 1002", "sleep 1003"}
+        assert wait_until(lambda: sleeps() >= want, 5), sleeps()
+        pids = host_pids_of(sid, state["uid"])
+        assert state["init_pid"] in pids and state["bwrap_pid"] in pids, (state, pids)
+        assert mounts_under(sdir), "expected the workspace mount before the kill"
+        assert cgroup_dirs(sid), "expected the sandbox cgroups before the kill"
+        assert sdir.is_dir()
+    finally:
+        r = h.kill(client, sid)
+    assert r.status_code == 204, r.text
+
+    left = wait_until(lambda: not host_pids_of(sid, state["uid"]), 3) or host_pids_of(
+        sid, state["uid"])
+    assert left is True, f"processes of {sid} survived the kill: {left}"
+    for key in ("init_pid", "bwrap_pid"):
+        pid = state[key]
+        alive = Path(f"/proc/{pid}").exists() and sid in Path(
+            f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        assert not alive, f"{key} {pid} still alive"
+    assert mounts_under(sdir) == []
+    assert cgroup_dirs(sid) == []
+    assert not sdir.exists()
+    r = client.get(f"/v1/sandboxes/{sid}")
+    assert r.status_code == 200 and r.json()["state"] == "killed", r.text
+    # Idempotent.
+    assert h.kill(client, sid).status_code == 204
+
+
+def test_command_timeout_kills_daemonized_grandchildren(client, boxes) -> None:
+    sid = boxes.new()
+    info = h.run_bg(client, sid, "bash -c 'setsid sleep 301 & sleep 302'; sleep 303", timeout=2)
+    # Positive control: while it runs, the sandbox shows the sleeps.
+    r = h.run(client, sid, "sleep 0.5; ps -eo args")
+    assert "sleep 301" in r.stdout and "sleep 302" in r.stdout, r
+    with client.stream("GET", f"/v1/sandboxes/{sid}/commands/{info['cmd_id']}/events",
+                       timeout=30) as resp:
+        events = [json.loads(ln) for ln in resp.iter_lines() if ln.strip()]
+    end = events[-1]
+    assert end["type"] == "end" and end["timed_out"] is True, events
+    assert (end.get("violation") or {}).get("code") == "command_timeout", end
+    r = h.run(client, sid, "sleep 0.3; ps -eo args")
+    assert "sleep 30" not in r.stdout, r
+
+    # The foreground form with a 1 s timeout, as the HTTP stream reports it.
+    t0 = time.monotonic()
+    fg = h.run(client, sid, "bash -c 'setsid sleep 304 & sleep 305'", timeout=1)
+    assert time.monotonic() - t0 < 10, fg
+    assert fg.end["timed_out"] is True, fg
+    r = h.run(client, sid, "sleep 0.3; ps -eo args")
+    assert "sleep 30" not in r.stdout, r
+
+
+# ---------------------------------------------------------------- cross-tenant
+
+
+def test_tenants_cannot_see_or_signal_each_other(server, client, boxes) -> None:
+    key_b = server.make_key(f"other-{secrets.token_hex(4)}")
+    with server.client(key_b) as client_b:
+        a = boxes.new()
+        b = boxes.new(client=client_b)
+        canary = "B-CANARY-" + secrets.token_hex(16)
+        r = h.run(client_b, b, f"echo {canary} > /workspace/secret.txt; "
+                  f"echo {canary} > /tmp/secret.txt; echo {canary} > /dev/shm/secret.txt; "
+                  "cat /workspace/secret.txt")
+        assert r.stdout.strip() == canary, r
+        h.run_bg(client_b, b, "exec sleep 777")
+        state_b = runtime_state(server, b)
+
+        def b_sleep_pid() -> int | None:
+            for pid, cmd in host_pids_of(b, state_b["uid"]).items():
+                if cmd == "sleep 777":
+                    return pid
+            return None
+
+        host_pid = wait_until(b_sleep_pid, 5)
+        assert host_pid, "control: B's sleep is visible from the host"
+        a_uid = runtime_state(server, a)["uid"]
+        assert a_uid != state_b["uid"], "two sandboxes share a host uid"
+
+        r = h.run(client, a,
+                  "ls -A /workspace; echo ---; cat /workspace/secret.txt /tmp/secret.txt "
+                  "/dev/shm/secret.txt 2>&1; echo ---; "
+                  f"timeout 40 grep -rl --no-messages -I -D skip \"$C\" {SEARCH_ROOTS} /dev/shm;"
+                  " echo ---; ps -eo args; echo ---; "
+                  f"kill -9 {host_pid} 2>&1; echo kill-rc=$?",
+                  timeout=60, envs={"C": canary})
+        ls_out, cat_out, grep_out, ps_out, kill_out = r.stdout.split("---")
+        assert "secret.txt" not in ls_out, r
+        assert canary not in cat_out and canary not in grep_out, r
+        assert "sleep 777" not in ps_out, r
+        assert "kill-rc=0" not in kill_out, r
+
+        # The blunt form: signal everything A can reach. It may take A's own agent down, but
+        # B and its process must not notice.
+        try:
+            h.run(client, a, "kill -9 -1", timeout=10, http_timeout=30)
+        except (AssertionError, httpx.HTTPError):
+            pass
+        time.sleep(0.3)
+        assert b_sleep_pid() == host_pid, "B's process died after A ran kill -9 -1"
+        r = h.run(client_b, b, "cat /workspace/secret.txt; ps -eo args")
+        assert canary in r.stdout and "sleep 777" in r.stdout, r
