@@ -515,9 +515,16 @@ class Profiler:
                 self.proc.wait()
 
     def top(self, n: int = 15) -> list[tuple[str, float, float]]:
-        """(frame, inclusive %, self %) of the most expensive frames in the profile."""
+        """(frame, inclusive %, self %) of the busiest frames, as % of non-idle samples.
+
+        Samples whose innermost frame is the event loop's or a worker's wait are idle and
+        dropped; frames on (nearly) every remaining stack (the uvicorn/asyncio runner) are
+        skipped because they say nothing.
+        """
         if not self.enabled or not self.out.exists():
             return []
+        idle_leaves = ("EpollSelector.select", "select (selectors", "_worker (concurrent",
+                       "wait (threading.py", "_wait_for_tstate_lock", "get (queue.py")
         incl: dict[str, int] = {}
         own: dict[str, int] = {}
         total = 0
@@ -525,18 +532,24 @@ class Profiler:
             stack, _, count = line.rpartition(" ")
             if not count.isdigit():
                 continue
-            k = int(count)
-            total += k
             frames = [f for f in stack.split(";") if not f.startswith("thread (")
                       and not f.startswith("process ")]
+            if not frames or frames[-1].startswith(idle_leaves):
+                continue
+            k = int(count)
+            total += k
             for f in set(frames):
                 incl[f] = incl.get(f, 0) + k
-            if frames:
-                own[frames[-1]] = own.get(frames[-1], 0) + k
+            own[frames[-1]] = own.get(frames[-1], 0) + k
         if not total:
             return []
-        rows = sorted(incl.items(), key=lambda kv: -kv[1])
-        return [(f, 100 * c / total, 100 * own.get(f, 0) / total) for f, c in rows[:n]]
+        ours = [(f, 100 * c / total, 100 * own.get(f, 0) / total)
+                for f, c in sorted(incl.items(), key=lambda kv: -kv[1])
+                if "agentbox/" in f and c < 0.9 * total]
+        leaves = [(f, 100 * incl[f] / total, 100 * c / total)
+                  for f, c in sorted(own.items(), key=lambda kv: -kv[1])]
+        return [(f"== {total} non-idle samples; agentbox frames by inclusive time ==", 0.0, 0.0),
+                *ours[:n], ("== hottest leaf frames (self time) ==", 0.0, 0.0), *leaves[:n]]
 
 
 # ---------------------------------------------------------------- reporting
@@ -657,3 +670,10 @@ def run_isolated(main: Callable[[], None]) -> None:
                 own.rmdir()
             except OSError as e:
                 print(f"[cleanup] could not remove cgroup {own}: {e}", file=sys.stderr)
+
+
+def host_cpu_ticks() -> tuple[int, int]:
+    """(busy, total) jiffies of all CPUs since boot, from /proc/stat."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return sum(fields) - idle, sum(fields)

@@ -131,5 +131,5 @@ class Sandboxes:
         for sid, c in self.owners.items():
             try:
                 kill(c, sid)
-            except httpx.HTTPError:
+            except (httpx.HTTPError, RuntimeError):  # RuntimeError: client already closed
                 pass

@@ -32,6 +32,9 @@ pytestmark = pytest.mark.security
 
 # What a sandbox can see of the host tree that is worth searching (bounded on purpose).
 SEARCH_ROOTS = "/etc /usr/local /opt /home /root /var /srv /mnt /workspace /tmp /run"
+# Output separator; commands print it as `echo @@''SEP@@` so their own argv (visible to `ps`)
+# never contains it.
+SEP = "@@SEP@@"
 
 
 # ---------------------------------------------------------------- fixtures and host helpers
@@ -77,24 +80,41 @@ def host_pids_of(sandbox_id: str, uid: int | None = None) -> dict[int, str]:
     return found
 
 
-def mounts_under(prefix: Path) -> list[str]:
+def mounts_matching(*needles: str) -> list[str]:
+    """Host mount points (from /proc/self/mountinfo) whose path contains any needle."""
     out = []
-    pre = str(prefix).rstrip("/") + "/"
     for line in Path("/proc/self/mountinfo").read_text().splitlines():
         mnt = line.split()[4].replace("\\040", " ")
-        if (mnt + "/").startswith(pre):
+        if any(n in mnt for n in needles):
             out.append(mnt)
     return out
 
 
 def cgroup_dirs(sandbox_id: str) -> list[Path]:
+    """The sandbox's cgroup directories (v1 per controller or v2; scoped per server or not)."""
     root = Path("/sys/fs/cgroup")
-    return [p for p in [*root.glob(f"*/agentbox/{sandbox_id}"), root / "agentbox" / sandbox_id]
-            if p.exists()]
+    found: set[Path] = set()
+    for pattern in (f"agentbox/{sandbox_id}", f"agentbox/*/{sandbox_id}",
+                    f"*/agentbox/{sandbox_id}", f"*/agentbox/*/{sandbox_id}"):
+        found.update(p for p in root.glob(pattern) if p.is_dir())
+    return sorted(found)
 
 
 def runtime_state(server, sandbox_id: str) -> dict:
     return json.loads((server.data_dir / "sandboxes" / sandbox_id / "runtime.json").read_text())
+
+
+def host_binds(server, sandbox_id: str) -> dict[str, Path]:
+    """Sandbox path -> host path of every bind mount, read from the live bwrap's argv."""
+    pid = runtime_state(server, sandbox_id)["bwrap_pid"]
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+    assert argv[0].endswith("bwrap"), argv
+    binds = {}
+    for i, arg in enumerate(argv[:-2]):
+        if arg in ("--bind", "--ro-bind", "--dev-bind"):
+            binds[argv[i + 2]] = Path(argv[i + 1])
+    assert "/workspace" in binds, argv
+    return binds
 
 
 def wait_until(pred, timeout: float = 5.0, interval: float = 0.05):
@@ -113,12 +133,14 @@ def test_host_canaries_are_unreadable(server, client, boxes) -> None:
     sid = boxes.new()
     canary = "CANARY-" + secrets.token_hex(16)
     sdir = server.data_dir / "sandboxes" / sid
+    binds = host_binds(server, sid)
+    bind_dir = binds["/workspace"].parent  # holds the workspace mount point on the host
     planted: list[Path] = []
     made_dirs: list[Path] = []
     # Outside every mount of the sandbox: user homes, /var/tmp, /opt, host /tmp, the server's
     # data dir and the sandbox's own state directory right next to its workspace mount.
-    for base in ("/root", "/home", "/var/tmp", "/opt", "/srv", "/mnt", "/tmp",
-                 str(server.data_dir), str(sdir)):
+    for base in ("/root", "/home", "/var/tmp", "/opt", "/srv", "/mnt", "/tmp", "/run",
+                 str(server.data_dir), str(sdir), str(bind_dir), str(bind_dir.parent)):
         b = Path(base)
         if not b.is_dir():
             continue
@@ -183,7 +205,8 @@ def test_root_only_host_files_unreadable(client, boxes) -> None:
 def test_cannot_write_outside_workspace_and_tmp(server, client, boxes) -> None:
     sid = boxes.new()
     name = f"agentbox-probe-{secrets.token_hex(4)}"
-    agent_main = server.data_dir / "agent" / "main.py"
+    binds = host_binds(server, sid)
+    agent_main = binds["/opt/agentbox"] / "main.py"
     watched = ["/etc/hostname", "/etc/passwd", "/usr/bin/env", str(agent_main)]
     before = {p: sha256(p) for p in watched}
     targets = ["/etc", "/usr", "/usr/local", "", "/var", "/opt", "/opt/agentbox", "/run", "/dev",
@@ -208,7 +231,7 @@ def test_cannot_write_outside_workspace_and_tmp(server, client, boxes) -> None:
     # Host side: nothing appeared, nothing changed.
     for t in ("/etc", "/usr", "/usr/local", "/var", "/opt", "/run", "/"):
         assert not (Path(t) / name).exists(), t
-    assert not (server.data_dir / "agent" / name).exists()
+    assert not (binds["/opt/agentbox"] / name).exists()
     for p in watched:
         assert sha256(p) == before[p], p
     assert os.stat("/etc/passwd").st_mtime > 978307200 + 86400  # not touched to 2001
@@ -217,7 +240,7 @@ def test_cannot_write_outside_workspace_and_tmp(server, client, boxes) -> None:
     r = h.run(client, sid, f"echo ok > /workspace/{name} && echo ok > /tmp/{name} && "
               f"cat /workspace/{name} /tmp/{name}")
     assert r.ok and r.stdout.split() == ["ok", "ok"], r
-    ws_file = server.data_dir / "sandboxes" / sid / "workspace" / name
+    ws_file = binds["/workspace"] / name
     assert ws_file.read_text() == "ok\n"
     assert not (Path("/tmp") / name).exists()  # the sandbox /tmp is its own tmpfs
 
@@ -294,7 +317,7 @@ def test_no_network_to_host(server, client, boxes) -> None:
                   f"  (timeout 3 bash -c \"exec 3<>/dev/tcp/$ip/{lst.port}\") && echo CONNECTED-tcp $ip; "
                   "done; true", timeout=60, envs={"PY": py})
         assert "CONNECTED" not in r.stdout, r
-        assert r.stdout.count("refused") == len(ips) + 1, r
+        assert len(re.findall(r"^refused ", r.stdout, re.M)) == len(ips) + 1, r
         time.sleep(0.3)
         assert lst.hits == 0, f"the host listener got {lst.hits} connection(s) from the sandbox"
     finally:
@@ -322,11 +345,11 @@ def test_cannot_see_host_processes(server, client, boxes) -> None:
         assert f"sleep {marker}" in host_cmds
         host_init = Path("/proc/1/cmdline").read_bytes()
         r = h.run(client, sid,
-                  "ls /proc | grep -E '^[0-9]+$' | wc -l; echo ---; ps -eo pid,args; echo ---; "
-                  "for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline; echo; done; echo ---; "
+                  "ls /proc | grep -E '^[0-9]+$' | wc -l; echo @@''SEP@@; ps -eo pid,args; echo @@''SEP@@; "
+                  "for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline; echo; done; echo @@''SEP@@; "
                   f"kill -0 {os.getpid()} {server.proc.pid} {host_sleep.pid} 2>&1; "
-                  "echo kill-rc=$?; echo ---; cat /proc/1/cmdline | base64 -w0")
-        count, ps_out, cmdlines, kill_out, init_b64 = r.stdout.split("---")
+                  "echo kill-rc=$?; echo @@''SEP@@; cat /proc/1/cmdline | base64 -w0")
+        count, ps_out, cmdlines, kill_out, init_b64 = r.stdout.split(SEP)
         n = int(count.strip())
         assert 0 < n <= 10, f"{n} processes visible in the sandbox:\n{r}"
         assert f"sleep {marker}" not in r.stdout, r
@@ -357,7 +380,7 @@ def test_server_secrets_not_visible(server, client, tenant_key, boxes) -> None:
     assert server.admin_key.encode() in Path(f"/proc/{server.proc.pid}/environ").read_bytes()
 
     r = h.run(client, sid,
-              "env; echo ---; for p in /proc/[0-9]*; do tr '\\0' '\\n' < $p/environ 2>/dev/null;"
+              "env; echo @@''SEP@@; for p in /proc/[0-9]*; do tr '\\0' '\\n' < $p/environ 2>/dev/null;"
               " done; echo; echo environ-done")
     assert "USER_SECRET=visible-by-design" in r.stdout, r  # control: user envs do arrive
     assert "environ-done" in r.stdout, r
@@ -391,10 +414,10 @@ def test_no_privileges_seccomp_and_no_new_namespaces(server, client, boxes) -> N
                 "print('setuid', rc, ctypes.get_errno())\n")
     r = h.run(client, sid,
               "grep -E '^(Uid|Gid|Cap(Inh|Prm|Eff|Bnd|Amb)|NoNewPrivs|Seccomp):' /proc/self/status;"
-              " echo ---; id -u; echo ---; unshare -U true; echo unshare-rc=$?; "
-              "unshare -r true; echo unshare-r-rc=$?; echo ---; python3 -c \"$PY\"",
+              " echo @@''SEP@@; id -u; echo @@''SEP@@; unshare -U true; echo unshare-rc=$?; "
+              "unshare -r true; echo unshare-r-rc=$?; echo @@''SEP@@; python3 -c \"$PY\"",
               envs={"PY": mount_py})
-    status, uid, unshare_out, py_out = r.stdout.split("---")
+    status, uid, unshare_out, py_out = r.stdout.split(SEP)
     fields = dict(re.findall(r"^(\w+):\s+(.*)$", status, re.M))
     assert fields["Seccomp"] == "2", r
     assert fields["NoNewPrivs"] == "1", r
@@ -493,6 +516,7 @@ def test_kill_leaves_nothing_behind(server, client) -> None:
     try:
         state = runtime_state(server, sid)
         sdir = server.data_dir / "sandboxes" / sid
+        ws = host_binds(server, sid)["/workspace"]
         h.run_bg(client, sid,
                  "setsid nohup sleep 1000 >/dev/null 2>&1 & "
                  "( ( sleep 1001 </dev/null >/dev/null 2>&1 & ) & ); "
@@ -511,7 +535,7 @@ def test_kill_leaves_nothing_behind(server, client) -> None:
         assert wait_until(lambda: sleeps() >= want, 5), sleeps()
         pids = host_pids_of(sid, state["uid"])
         assert state["init_pid"] in pids and state["bwrap_pid"] in pids, (state, pids)
-        assert mounts_under(sdir), "expected the workspace mount before the kill"
+        assert str(ws) in mounts_matching(sid), "expected the workspace mount before the kill"
         assert cgroup_dirs(sid), "expected the sandbox cgroups before the kill"
         assert sdir.is_dir()
     finally:
@@ -526,9 +550,10 @@ def test_kill_leaves_nothing_behind(server, client) -> None:
         alive = Path(f"/proc/{pid}").exists() and sid in Path(
             f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
         assert not alive, f"{key} {pid} still alive"
-    assert mounts_under(sdir) == []
+    assert mounts_matching(sid) == []
     assert cgroup_dirs(sid) == []
     assert not sdir.exists()
+    assert not ws.exists() and not ws.parent.exists() if sid in str(ws) else not ws.exists()
     r = client.get(f"/v1/sandboxes/{sid}")
     assert r.status_code == 200 and r.json()["state"] == "killed", r.text
     # Idempotent.
@@ -543,6 +568,7 @@ def test_command_timeout_kills_daemonized_grandchildren(client, boxes) -> None:
     assert "sleep 301" in r.stdout and "sleep 302" in r.stdout, r
     with client.stream("GET", f"/v1/sandboxes/{sid}/commands/{info['cmd_id']}/events",
                        timeout=30) as resp:
+        assert resp.status_code == 200, resp.read()
         events = [json.loads(ln) for ln in resp.iter_lines() if ln.strip()]
     end = events[-1]
     assert end["type"] == "end" and end["timed_out"] is True, events
@@ -572,6 +598,7 @@ def test_tenants_cannot_see_or_signal_each_other(server, client, boxes) -> None:
                   f"echo {canary} > /tmp/secret.txt; echo {canary} > /dev/shm/secret.txt; "
                   "cat /workspace/secret.txt")
         assert r.stdout.strip() == canary, r
+        boxes.owners[b] = client  # B is killed below, while client_b is still open
         h.run_bg(client_b, b, "exec sleep 777")
         state_b = runtime_state(server, b)
 
@@ -587,13 +614,13 @@ def test_tenants_cannot_see_or_signal_each_other(server, client, boxes) -> None:
         assert a_uid != state_b["uid"], "two sandboxes share a host uid"
 
         r = h.run(client, a,
-                  "ls -A /workspace; echo ---; cat /workspace/secret.txt /tmp/secret.txt "
-                  "/dev/shm/secret.txt 2>&1; echo ---; "
+                  "ls -A /workspace; echo @@''SEP@@; cat /workspace/secret.txt /tmp/secret.txt "
+                  "/dev/shm/secret.txt 2>&1; echo @@''SEP@@; "
                   f"timeout 40 grep -rl --no-messages -I -D skip \"$C\" {SEARCH_ROOTS} /dev/shm;"
-                  " echo ---; ps -eo args; echo ---; "
+                  " echo @@''SEP@@; ps -eo args; echo @@''SEP@@; "
                   f"kill -9 {host_pid} 2>&1; echo kill-rc=$?",
                   timeout=60, envs={"C": canary})
-        ls_out, cat_out, grep_out, ps_out, kill_out = r.stdout.split("---")
+        ls_out, cat_out, grep_out, ps_out, kill_out = r.stdout.split(SEP)
         assert "secret.txt" not in ls_out, r
         assert canary not in cat_out and canary not in grep_out, r
         assert "sleep 777" not in ps_out, r
@@ -609,3 +636,17 @@ def test_tenants_cannot_see_or_signal_each_other(server, client, boxes) -> None:
         assert b_sleep_pid() == host_pid, "B's process died after A ran kill -9 -1"
         r = h.run(client_b, b, "cat /workspace/secret.txt; ps -eo args")
         assert canary in r.stdout and "sleep 777" in r.stdout, r
+        assert h.kill(client_b, b).status_code == 204
+
+
+# ---------------------------------------------------------------- several servers on one host
+
+
+def test_second_server_leaves_other_servers_sandboxes_alone(client, boxes, fresh_server) -> None:
+    """Another server on the same host (own data dir) must not reap our sandboxes as strays."""
+    fresh_server.stop()
+    sid = boxes.new()
+    h.run_bg(client, sid, "exec sleep 600")
+    fresh_server.start()  # a second, unrelated server on the same host reconciles at start-up
+    r = h.run(client, sid, "ps -eo args; echo alive")
+    assert r.ok and "alive" in r.stdout and "sleep 600" in r.stdout, r

@@ -72,8 +72,8 @@ def test_strays_without_a_record_are_removed(fresh_server: ServerHandle) -> None
     srv.start()
     assert not (srv.data_dir / "sandboxes" / sid).exists()
     assert _bwrap_pids_for(srv.data_dir) == []
-    cg = [p for p in Path("/sys/fs/cgroup").glob(f"*/agentbox/{sid}")]
-    cg += [p for p in Path("/sys/fs/cgroup").glob(f"agentbox/{sid}")]
+    cg = [p for p in Path("/sys/fs/cgroup").glob(f"*/agentbox/*/{sid}")]
+    cg += [p for p in Path("/sys/fs/cgroup").glob(f"agentbox/*/{sid}")]
     assert cg == []
     with open("/proc/self/mountinfo") as f:
         assert sid not in f.read()

@@ -361,8 +361,12 @@ def transport_error(exc: httpx.HTTPError, api_url: str) -> AgentboxError:
 
 
 def may_reconnect(exc: AgentboxError) -> bool:
-    """Dropped connections are resumed from the last offset; silence past the grace is not."""
-    return isinstance(exc, ConnectionFailedError)
+    """Whether a command stream that failed this way is worth resuming from its offset.
+
+    A dropped connection is, and so is `sandbox_unavailable` (the server lost its link to the
+    in-sandbox agent; the command itself may still run). Silence past the grace is not.
+    """
+    return isinstance(exc, ConnectionFailedError) or exc.code == "sandbox_unavailable"
 
 
 # ---------------------------------------------------------------------------- command streams

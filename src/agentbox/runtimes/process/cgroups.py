@@ -50,36 +50,40 @@ def _read_kv(path: Path) -> dict[str, int]:
 class Cgroups:
     """The agentbox part of the host's cgroup tree, whichever version the host runs."""
 
-    def __init__(self, root: Path = CGROUP_ROOT) -> None:
+    def __init__(self, scope: str, root: Path = CGROUP_ROOT) -> None:
+        """`scope` names this server's subtree (`agentbox/<scope>/<sandbox_id>`): servers with
+        different data dirs on one host must never see each other's sandboxes as strays."""
         self.root = root
         self.v2 = (root / "cgroup.controllers").exists()
         if self.v2:
-            self.base = {"unified": root / GROUP}
+            self.base = {"unified": root / GROUP / scope}
         else:
-            self.base = {c: root / c / GROUP for c in _V1_CONTROLLERS if (root / c).is_dir()}
+            self.base = {c: root / c / GROUP / scope for c in _V1_CONTROLLERS
+                         if (root / c).is_dir()}
         self.available = bool(self.base) and os.geteuid() == 0
         if self.available:
             self._prepare()
 
     def _prepare(self) -> None:
         for ctrl, base in self.base.items():
-            base.mkdir(exist_ok=True)
+            base.mkdir(parents=True, exist_ok=True)
             if self.v2:
                 # Controllers must be enabled on every level above the sandbox groups.
                 wanted = {"memory", "pids", "cpu"}
                 have = set((self.root / "cgroup.controllers").read_text().split())
                 enable = " ".join(f"+{c}" for c in sorted(wanted & have))
-                for level in (self.root, base):
+                for level in (self.root, base.parent, base):
                     try:
                         _write(level / "cgroup.subtree_control", enable)
                     except OSError:
                         pass
             elif ctrl == "memory":
                 # v1 hierarchies ignore parent limits unless hierarchy accounting is on.
-                try:
-                    _write(base / "memory.use_hierarchy", "1")
-                except OSError:
-                    pass
+                for level in (base.parent, base):
+                    try:
+                        _write(level / "memory.use_hierarchy", "1")
+                    except OSError:
+                        pass
 
     def paths(self, sandbox_id: str) -> list[Path]:
         return [base / sandbox_id for base in self.base.values()]

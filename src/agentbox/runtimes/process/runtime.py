@@ -92,8 +92,8 @@ class ProcessRuntime(Runtime):
         # bwrap already runs as the sandbox's uid when it resolves its bind sources, and the
         # data dir is private to root (and may sit below other private dirs). So what bwrap
         # binds lives in a root-owned, traverse-only tree of its own, one per data dir.
+        digest = hashlib.sha256(str(data_dir.resolve()).encode()).hexdigest()[:12]
         if self.is_root:
-            digest = hashlib.sha256(str(data_dir.resolve()).encode()).hexdigest()[:12]
             self.bind_root = RUN_ROOT / digest
             for d in (RUN_ROOT, self.bind_root):
                 d.mkdir(mode=0o711, exist_ok=True)
@@ -101,7 +101,7 @@ class ProcessRuntime(Runtime):
         else:
             self.bind_root = self.root
         self.agent_dir = self._install_agent(self.bind_root / "agent")
-        self.cgroups = Cgroups()
+        self.cgroups = Cgroups(scope=digest)
         if use_loop is None:
             use_loop = self.is_root and shutil.which("mkfs.ext4") is not None and Path(
                 "/dev/loop-control").exists()
