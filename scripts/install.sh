@@ -10,6 +10,11 @@ command -v bwrap >/dev/null || need_apt+=(bubblewrap)
 command -v mkfs.ext4 >/dev/null || need_apt+=(e2fsprogs)
 command -v losetup >/dev/null || need_apt+=(mount)
 command -v ip >/dev/null || need_apt+=(iproute2)
+command -v ps >/dev/null || need_apt+=(procps)
+PY=${PYTHON:-python3}
+if ! "$PY" -c "import ensurepip, venv" 2>/dev/null; then
+  need_apt+=(python3-venv)
+fi
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" != 0 ]; then
     echo "agentbox: missing system packages: ${need_apt[*]} (run as root to install them)" >&2
@@ -20,7 +25,6 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   apt-get install -y -qq "${need_apt[@]}" >/dev/null
 fi
 
-PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
