@@ -297,9 +297,14 @@ def _install_signal_handlers() -> None:
 
 
 def _cgroup_dirs(sid: str) -> list[Path]:
-    if cgroup_version() == "v2":
-        return [CGROUP_ROOT / "agentbox" / sid]
-    return [CGROUP_ROOT / c / "agentbox" / sid for c in _V1_CONTROLLERS]
+    """A sandbox's cgroup directories: agentbox/<sid>, or agentbox/<data-dir digest>/<sid>."""
+    bases = ([CGROUP_ROOT / "agentbox"] if cgroup_version() == "v2"
+             else [CGROUP_ROOT / c / "agentbox" for c in _V1_CONTROLLERS])
+    out = []
+    for base in bases:
+        out.append(base / sid)
+        out += [d for d in base.glob(f"*/{sid}")]
+    return out
 
 
 def owned_roots(root: Path) -> list[Path]:
@@ -660,7 +665,7 @@ def run_isolated(main: Callable[[], None]) -> None:
     finally:
         for own, target in mine:
             subprocess.run(["umount", "-l", str(target)], capture_output=True)
-            for d in sorted(own.glob("*"), reverse=True):
+            for d in sorted(own.rglob("*"), key=lambda p: len(p.parts), reverse=True):
                 if d.is_dir():
                     try:
                         d.rmdir()

@@ -58,14 +58,33 @@ class ServerHandle:
         self.log_path = self.data_dir.parent / f"server-{self.port}.log"
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "agentbox.cli.app", "serve", "--host", "127.0.0.1",
-             "--port", str(self.port), "--data-dir", str(self.data_dir), *self.extra_args]
-            if CLI_READY else
-            [sys.executable, "-c", "import sys; from pathlib import Path; "
-             "from agentbox.server.app import serve; "
-             "serve('127.0.0.1', int(sys.argv[1]), Path(sys.argv[2]))",
-             str(self.port), str(self.data_dir)],
-            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            [
+                sys.executable,
+                "-m",
+                "agentbox.cli.app",
+                "serve",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--data-dir",
+                str(self.data_dir),
+                *self.extra_args,
+            ]
+            if CLI_READY
+            else [
+                sys.executable,
+                "-c",
+                "import sys; from pathlib import Path; "
+                "from agentbox.server.app import serve; "
+                "serve('127.0.0.1', int(sys.argv[1]), Path(sys.argv[2]))",
+                str(self.port),
+                str(self.data_dir),
+            ],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
@@ -116,7 +135,9 @@ def start_server(tmp: Path, extra_args: list[str] | None = None) -> ServerHandle
     port = free_port()
     data_dir = tmp / f"data-{port}"
     handle = ServerHandle(
-        url=f"http://127.0.0.1:{port}", data_dir=data_dir, port=port,
+        url=f"http://127.0.0.1:{port}",
+        data_dir=data_dir,
+        port=port,
         extra_args=list(extra_args or []),
     )
     handle.start()
@@ -173,8 +194,9 @@ def create_sandbox(client: httpx.Client, **body) -> dict:
 
 def run(client: httpx.Client, sandbox_id: str, cmd: str, **body) -> RunResult:
     events: list[dict] = []
-    with client.stream("POST", f"/v1/sandboxes/{sandbox_id}/commands",
-                       json={"cmd": cmd, **body}) as r:
+    with client.stream(
+        "POST", f"/v1/sandboxes/{sandbox_id}/commands", json={"cmd": cmd, **body}
+    ) as r:
         assert r.status_code == 200, r.read().decode()
         for line in r.iter_lines():
             if line:
@@ -184,5 +206,7 @@ def run(client: httpx.Client, sandbox_id: str, cmd: str, **body) -> RunResult:
     return RunResult(
         stdout="".join(e["data"] for e in events if e["type"] == "stdout"),
         stderr="".join(e["data"] for e in events if e["type"] == "stderr"),
-        exit_code=end["exit_code"], end=end, events=events,
+        exit_code=end["exit_code"],
+        end=end,
+        events=events,
     )

@@ -65,11 +65,15 @@ def test_key_management_needs_admin(server: ServerHandle, tenant_key: str) -> No
     with server.client() as admin:
         made = admin.post("/v1/keys", json={"tenant": "short-lived"}).json()
         assert made["key"].startswith("abx_")
-        assert httpx.get(f"{server.url}/v1/sandboxes",
-                         headers={"X-API-Key": made["key"]}).status_code == 200
+        assert (
+            httpx.get(f"{server.url}/v1/sandboxes", headers={"X-API-Key": made["key"]}).status_code
+            == 200
+        )
         assert admin.delete(f"/v1/keys/{made['key_id']}").status_code == 204
-        assert httpx.get(f"{server.url}/v1/sandboxes",
-                         headers={"X-API-Key": made["key"]}).status_code == 401
+        assert (
+            httpx.get(f"{server.url}/v1/sandboxes", headers={"X-API-Key": made["key"]}).status_code
+            == 401
+        )
         bad = admin.post("/v1/keys", json={"tenant": "../etc"})
         assert bad.status_code == 400
 

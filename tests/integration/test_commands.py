@@ -22,8 +22,11 @@ def test_output_streams_live(sbx: tuple) -> None:
     c, sid = sbx
     arrivals = []
     t0 = time.monotonic()
-    with c.stream("POST", f"/v1/sandboxes/{sid}/commands",
-                  json={"cmd": "for i in 1 2 3; do echo $i; sleep 0.4; done"}) as r:
+    with c.stream(
+        "POST",
+        f"/v1/sandboxes/{sid}/commands",
+        json={"cmd": "for i in 1 2 3; do echo $i; sleep 0.4; done"},
+    ) as r:
         for line in r.iter_lines():
             if line:
                 arrivals.append((time.monotonic() - t0, json.loads(line)))
@@ -35,8 +38,12 @@ def test_output_streams_live(sbx: tuple) -> None:
 
 def test_exit_code_stderr_env_cwd(sbx: tuple) -> None:
     c, sid = sbx
-    res = run(c, sid, "mkdir -p sub && cd sub && echo $FOO $PWD; echo oops >&2; exit 7",
-              envs={"FOO": "bar"})
+    res = run(
+        c,
+        sid,
+        "mkdir -p sub && cd sub && echo $FOO $PWD; echo oops >&2; exit 7",
+        envs={"FOO": "bar"},
+    )
     assert res.exit_code == 7
     assert res.stdout == "bar /workspace/sub\n"
     assert res.stderr == "oops\n"
@@ -67,40 +74,65 @@ def test_daemon_holding_stdout_does_not_block_end(sbx: tuple) -> None:
 
 def test_background_wait_reconnect_stdin_kill(sbx: tuple) -> None:
     c, sid = sbx
-    r = c.post(f"/v1/sandboxes/{sid}/commands",
-               json={"cmd": "for i in 1 2 3 4; do echo n$i; sleep 0.2; done", "background": True})
+    r = c.post(
+        f"/v1/sandboxes/{sid}/commands",
+        json={"cmd": "for i in 1 2 3 4; do echo n$i; sleep 0.2; done", "background": True},
+    )
     assert r.status_code == 201
     cmd_id = r.json()["cmd_id"]
     listed = c.get(f"/v1/sandboxes/{sid}/commands").json()["commands"]
     assert cmd_id in [x["cmd_id"] for x in listed]
     time.sleep(1.2)
     # Reconnect later: everything produced meanwhile is still there, then the end.
-    lines = [json.loads(x) for x in c.get(
-        f"/v1/sandboxes/{sid}/commands/{cmd_id}/events").text.splitlines() if x]
+    lines = [
+        json.loads(x)
+        for x in c.get(f"/v1/sandboxes/{sid}/commands/{cmd_id}/events").text.splitlines()
+        if x
+    ]
     out = "".join(e["data"] for e in lines if e["type"] == "stdout")
     assert out == "n1\nn2\nn3\nn4\n"
     assert lines[-1]["type"] == "end" and lines[-1]["exit_code"] == 0
     # Resume from an offset: only the rest.
-    resumed = [json.loads(x) for x in c.get(
-        f"/v1/sandboxes/{sid}/commands/{cmd_id}/events", params={"offset": 6}).text.splitlines()]
+    resumed = [
+        json.loads(x)
+        for x in c.get(
+            f"/v1/sandboxes/{sid}/commands/{cmd_id}/events", params={"offset": 6}
+        ).text.splitlines()
+    ]
     assert "".join(e["data"] for e in resumed if e["type"] == "stdout") == "n3\nn4\n"
 
-    r = c.post(f"/v1/sandboxes/{sid}/commands",
-               json={"cmd": "cat", "background": True, "stdin": True, "timeout": 0})
+    r = c.post(
+        f"/v1/sandboxes/{sid}/commands",
+        json={"cmd": "cat", "background": True, "stdin": True, "timeout": 0},
+    )
     cat_id = r.json()["cmd_id"]
-    assert c.post(f"/v1/sandboxes/{sid}/commands/{cat_id}/stdin",
-                  json={"data": "hello stdin\n", "eof": True}).status_code == 204
-    ev = [json.loads(x) for x in c.get(
-        f"/v1/sandboxes/{sid}/commands/{cat_id}/events").text.splitlines()]
+    assert (
+        c.post(
+            f"/v1/sandboxes/{sid}/commands/{cat_id}/stdin",
+            json={"data": "hello stdin\n", "eof": True},
+        ).status_code
+        == 204
+    )
+    ev = [
+        json.loads(x)
+        for x in c.get(f"/v1/sandboxes/{sid}/commands/{cat_id}/events").text.splitlines()
+    ]
     assert "".join(e["data"] for e in ev if e["type"] == "stdout") == "hello stdin\n"
 
-    r = c.post(f"/v1/sandboxes/{sid}/commands",
-               json={"cmd": "sleep 300", "background": True, "timeout": 0})
+    r = c.post(
+        f"/v1/sandboxes/{sid}/commands", json={"cmd": "sleep 300", "background": True, "timeout": 0}
+    )
     sleep_id = r.json()["cmd_id"]
-    assert c.post(f"/v1/sandboxes/{sid}/commands/{sleep_id}/kill",
-                  json={"signal": "SIGTERM"}).status_code == 204
-    ev = [json.loads(x) for x in c.get(
-        f"/v1/sandboxes/{sid}/commands/{sleep_id}/events").text.splitlines()]
+    assert (
+        c.post(
+            f"/v1/sandboxes/{sid}/commands/{sleep_id}/kill", json={"signal": "SIGTERM"}
+        ).status_code
+        == 204
+    )
+    ev = [
+        json.loads(x)
+        for x in c.get(f"/v1/sandboxes/{sid}/commands/{sleep_id}/events").text.splitlines()
+    ]
     assert ev[-1]["type"] == "end" and ev[-1]["killed"] is True
     r = c.post(f"/v1/sandboxes/{sid}/commands/{sleep_id}/stdin", json={"data": "x"})
     assert r.status_code == 409 and r.json()["code"] == "conflict"
@@ -109,12 +141,16 @@ def test_background_wait_reconnect_stdin_kill(sbx: tuple) -> None:
 
 def test_output_buffer_is_bounded(sbx: tuple) -> None:
     c, sid = sbx
-    r = c.post(f"/v1/sandboxes/{sid}/commands", json={
-        "cmd": "head -c 12000000 /dev/zero | tr '\\0' 'a'", "background": True})
+    r = c.post(
+        f"/v1/sandboxes/{sid}/commands",
+        json={"cmd": "head -c 12000000 /dev/zero | tr '\\0' 'a'", "background": True},
+    )
     cmd_id = r.json()["cmd_id"]
     time.sleep(1.5)
-    ev = [json.loads(x) for x in c.get(
-        f"/v1/sandboxes/{sid}/commands/{cmd_id}/events").text.splitlines()]
+    ev = [
+        json.loads(x)
+        for x in c.get(f"/v1/sandboxes/{sid}/commands/{cmd_id}/events").text.splitlines()
+    ]
     assert ev[0]["type"] == "truncated" and ev[0]["dropped"] > 0
     kept = sum(len(e["data"]) for e in ev if e["type"] == "stdout")
     assert kept <= 4 * 1024 * 1024

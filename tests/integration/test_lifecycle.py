@@ -24,8 +24,9 @@ def test_create_get_and_run(server: ServerHandle, tenant_key: str) -> None:
 
 def test_list_filters_and_paginates(server: ServerHandle, tenant_key: str) -> None:
     with server.client(tenant_key) as c:
-        ids = [create_sandbox(c, metadata={"batch": "x", "n": str(i)})["sandbox_id"]
-               for i in range(3)]
+        ids = [
+            create_sandbox(c, metadata={"batch": "x", "n": str(i)})["sandbox_id"] for i in range(3)
+        ]
         other = create_sandbox(c, metadata={"batch": "y"})["sandbox_id"]
         r = c.get("/v1/sandboxes", params={"metadata": "batch=x"}).json()
         assert sorted(s["sandbox_id"] for s in r["sandboxes"]) == sorted(ids)
@@ -103,8 +104,12 @@ def test_quota_concurrent_sandboxes(server: ServerHandle, tenant_key: str) -> No
     with server.client() as admin:
         keys = admin.get("/v1/keys").json()["keys"]
         me = next(k["tenant"] for k in keys if tenant_key.startswith(f"abx_{k['key_id']}_"))
-        assert admin.put(f"/v1/tenants/{me}/quota", json={"max_sandboxes": 2,
-                                                          "max_memory_mb": 1024}).status_code == 200
+        assert (
+            admin.put(
+                f"/v1/tenants/{me}/quota", json={"max_sandboxes": 2, "max_memory_mb": 1024}
+            ).status_code
+            == 200
+        )
     with server.client(tenant_key) as c:
         a = create_sandbox(c)["sandbox_id"]
         b = create_sandbox(c)["sandbox_id"]
@@ -132,8 +137,9 @@ def test_bad_input_gets_4xx_with_reason(server: ServerHandle, tenant_key: str) -
             c.post("/v1/sandboxes", json={"bogus": 1}),
             c.post("/v1/sandboxes", json={"resources": {"gpus": 1}}),
             c.post("/v1/sandboxes", json={"envs": {"1BAD": "x"}}),
-            c.post("/v1/sandboxes", content=b"{not json", headers={"content-type":
-                                                                     "application/json"}),
+            c.post(
+                "/v1/sandboxes", content=b"{not json", headers={"content-type": "application/json"}
+            ),
             c.post("/v1/sandboxes", json={"template": "nope"}),
         ]
         for r in cases:

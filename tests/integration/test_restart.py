@@ -25,8 +25,13 @@ def test_crash_restart_readopts(fresh_server: ServerHandle) -> None:
         live = create_sandbox(c, timeout=120)["sandbox_id"]
         short = create_sandbox(c, timeout=2)["sandbox_id"]
         c.put(f"/v1/sandboxes/{live}/files", params={"path": "data.bin"}, content=b"x" * 100_000)
-        r = c.post(f"/v1/sandboxes/{live}/commands", json={
-            "cmd": "for i in $(seq 1 20); do echo tick$i; sleep 0.15; done", "background": True})
+        r = c.post(
+            f"/v1/sandboxes/{live}/commands",
+            json={
+                "cmd": "for i in $(seq 1 20); do echo tick$i; sleep 0.15; done",
+                "background": True,
+            },
+        )
         cmd_id = r.json()["cmd_id"]
         time.sleep(0.4)
 
@@ -39,13 +44,18 @@ def test_crash_restart_readopts(fresh_server: ServerHandle) -> None:
         info = c.get(f"/v1/sandboxes/{live}").json()
         assert info["state"] == "running"
         # The command kept running through the crash; its whole output is retrievable.
-        ev = [json.loads(x) for x in c.get(
-            f"/v1/sandboxes/{live}/commands/{cmd_id}/events").text.splitlines() if x]
+        ev = [
+            json.loads(x)
+            for x in c.get(f"/v1/sandboxes/{live}/commands/{cmd_id}/events").text.splitlines()
+            if x
+        ]
         out = "".join(e["data"] for e in ev if e["type"] == "stdout")
         assert out == "".join(f"tick{i}\n" for i in range(1, 21))
         assert ev[-1]["exit_code"] == 0
-        assert c.get(f"/v1/sandboxes/{live}/files",
-                     params={"path": "data.bin"}).content == b"x" * 100_000
+        assert (
+            c.get(f"/v1/sandboxes/{live}/files", params={"path": "data.bin"}).content
+            == b"x" * 100_000
+        )
         assert run(c, live, "echo still here").stdout == "still here\n"
         # TTL carries on after adoption.
         c.post(f"/v1/sandboxes/{live}/timeout", json={"timeout": 1})

@@ -73,8 +73,11 @@ class _Conn:
             msg = await self.recv_json()
         if msg.get("ok") is False:
             detail = msg.get("detail")
-            raise AgentOpError(str(msg.get("code", "agent_error")), str(msg.get("message", "")),
-                               detail if isinstance(detail, dict) else None)
+            raise AgentOpError(
+                str(msg.get("code", "agent_error")),
+                str(msg.get("message", "")),
+                detail if isinstance(detail, dict) else None,
+            )
         return msg
 
     def close(self) -> None:
@@ -94,7 +97,7 @@ class AgentClient:
                 asyncio.open_unix_connection(str(self.socket_path), limit=P.MAX_DATA + 64),
                 self.connect_timeout,
             )
-        except (OSError, asyncio.TimeoutError) as e:
+        except (TimeoutError, OSError) as e:
             raise AgentUnavailable(f"cannot reach the sandbox agent: {e}") from None
         conn = _Conn(reader, writer)
         try:
@@ -108,7 +111,7 @@ class AgentClient:
         conn = await self._open(request)
         try:
             return await asyncio.wait_for(conn.reply(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise AgentUnavailable("the sandbox agent did not answer in time") from None
         except OSError as e:
             raise AgentUnavailable(f"lost the sandbox agent: {e}") from None

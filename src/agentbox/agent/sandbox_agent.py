@@ -12,16 +12,20 @@ only commands need are imported on first use.
 
 from __future__ import annotations
 
+import _socket  # not `socket`: its enum/selectors imports cost ~5 ms per sandbox start
 import ctypes
 import errno
 import os
-import _socket  # not `socket`: its enum/selectors imports cost ~5 ms per sandbox start
 import stat
 import sys
 import threading
 import time
 
 import protocol as P
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # the agent imports subprocess lazily: most sandboxes idle without it
+    import subprocess
 
 WORKSPACE = "/workspace"
 MAX_PATH = 4096
@@ -136,24 +140,38 @@ _ERRNO_CODES = {
     errno.EXDEV: ("conflict", "cannot move across filesystems (e.g. /workspace and /tmp)"),
 }
 _VIOLATIONS = {
-    errno.EROFS: ("read_only_path", "path",
-                  "only /workspace and /tmp are writable in the sandbox; write there instead"),
-    errno.ENOSPC: ("disk_limit", "resources.disk_mb",
-                   "the workspace is full; remove files or create the sandbox with a larger "
-                   "resources.disk_mb"),
-    errno.EDQUOT: ("disk_limit", "resources.disk_mb",
-                   "the workspace is full; create the sandbox with a larger resources.disk_mb"),
-    errno.EFBIG: ("file_size_limit", "resources.file_size_mb",
-                  "the file exceeds the per-file size limit; raise resources.file_size_mb"),
+    errno.EROFS: (
+        "read_only_path",
+        "path",
+        "only /workspace and /tmp are writable in the sandbox; write there instead",
+    ),
+    errno.ENOSPC: (
+        "disk_limit",
+        "resources.disk_mb",
+        "the workspace is full; remove files or create the sandbox with a larger resources.disk_mb",
+    ),
+    errno.EDQUOT: (
+        "disk_limit",
+        "resources.disk_mb",
+        "the workspace is full; create the sandbox with a larger resources.disk_mb",
+    ),
+    errno.EFBIG: (
+        "file_size_limit",
+        "resources.file_size_mb",
+        "the file exceeds the per-file size limit; raise resources.file_size_mb",
+    ),
 }
 
 
 def os_error(e: OSError, path: str) -> OpError:
     if e.errno in _VIOLATIONS:
         code, setting, message = _VIOLATIONS[e.errno]
-        return OpError("limit_exceeded" if code != "read_only_path" else "read_only_path",
-                       f"{path}: {message}", path=path,
-                       violation={"code": code, "setting": setting, "message": message})
+        return OpError(
+            "limit_exceeded" if code != "read_only_path" else "read_only_path",
+            f"{path}: {message}",
+            path=path,
+            violation={"code": code, "setting": setting, "message": message},
+        )
     if e.errno == errno.ELOOP:
         return _symlink_error(path)
     code, message = _ERRNO_CODES.get(e.errno or 0, ("io_error", os.strerror(e.errno or 0)))
@@ -171,12 +189,13 @@ def _symlink_error(path: str) -> OpError:
                     "symlink_refused",
                     f"{cur} is a symbolic link (to {target}); the files API never follows "
                     "symlinks: use the real path",
-                    path=path, link=cur, target=target,
+                    path=path,
+                    link=cur,
+                    target=target,
                 )
         except OSError:
             break
-    return OpError("symlink_refused", f"{path}: the path goes through a symbolic link",
-                   path=path)
+    return OpError("symlink_refused", f"{path}: the path goes through a symbolic link", path=path)
 
 
 def parse_path(raw: object) -> list[str]:
@@ -190,8 +209,9 @@ def parse_path(raw: object) -> list[str]:
     full = raw if raw.startswith("/") else f"{WORKSPACE}/{raw}"
     parts = [p for p in full.split("/") if p not in ("", ".")]
     if ".." in parts:
-        raise OpError("invalid_path", f"{raw}: '..' is not allowed in paths; use an absolute path",
-                      path=raw)
+        raise OpError(
+            "invalid_path", f"{raw}: '..' is not allowed in paths; use an absolute path", path=raw
+        )
     return parts
 
 
@@ -202,10 +222,12 @@ def join(parts: list[str]) -> str:
 def open_dir(parts: list[str], flags: int = os.O_PATH) -> int:
     """Open a directory with no symlink anywhere on the way (openat2 RESOLVE_NO_SYMLINKS)."""
     path = join(parts)
-    how = _OpenHow(flags | os.O_DIRECTORY | os.O_CLOEXEC, 0,
-                   _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_MAGICLINKS)
-    fd = _libc.syscall(437, -100, path.encode("utf-8", "surrogateescape"),
-                       ctypes.byref(how), ctypes.sizeof(how))
+    how = _OpenHow(
+        flags | os.O_DIRECTORY | os.O_CLOEXEC, 0, _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_MAGICLINKS
+    )
+    fd = _libc.syscall(
+        437, -100, path.encode("utf-8", "surrogateescape"), ctypes.byref(how), ctypes.sizeof(how)
+    )
     if fd < 0:
         raise os_error(OSError(ctypes.get_errno(), ""), path)
     return fd
@@ -256,9 +278,16 @@ def entry(name: str, path: str, st: os.stat_result, dir_fd: int | None) -> dict:
             target = os.readlink(name, dir_fd=dir_fd) if dir_fd is not None else os.readlink(path)
         except OSError:
             pass
-    return {"name": name, "path": path, "type": kind, "size": st.st_size,
-            "mode": stat.S_IMODE(mode), "permissions": stat.filemode(mode)[1:],
-            "modified_time": st.st_mtime, "symlink_target": target}
+    return {
+        "name": name,
+        "path": path,
+        "type": kind,
+        "size": st.st_size,
+        "mode": stat.S_IMODE(mode),
+        "permissions": stat.filemode(mode)[1:],
+        "modified_time": st.st_mtime,
+        "symlink_target": target,
+    }
 
 
 def stat_entry(parts: list[str]) -> dict:
@@ -287,8 +316,9 @@ def op_read(conn: Conn, req: dict) -> None:
     pfd = parent_of(parts)
     try:
         # O_NONBLOCK: opening a FIFO must not hang the agent; cleared below for regular files.
-        fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
-                     dir_fd=pfd)
+        fd = os.open(
+            parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=pfd
+        )
     except OSError as e:
         raise os_error(e, path) from None
     finally:
@@ -319,8 +349,12 @@ def op_write(conn: Conn, req: dict) -> None:
     fd = -1
     try:
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                         0o644, dir_fd=pfd)
+            fd = os.open(
+                tmp,
+                os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                0o644,
+                dir_fd=pfd,
+            )
         except OSError as e:
             raise os_error(e, path) from None
         # The client streams D frames; write them as they come (nothing held in memory).
@@ -402,8 +436,9 @@ def op_mkdir(conn: Conn, req: dict) -> None:
         try:
             st = stat_entry(parts)
             if st["type"] != "dir":
-                raise OpError("path_exists", f"{join(parts)} exists and is not a directory",
-                              path=join(parts))
+                raise OpError(
+                    "path_exists", f"{join(parts)} exists and is not a directory", path=join(parts)
+                )
             conn.reply({"ok": True, "entry": st, "created": False})
             return
         except OpError as e:
@@ -458,7 +493,7 @@ class Command:
         self.cmd = cmd
         self.cwd = cwd
         self.timeout = timeout
-        self.proc = None  # subprocess.Popen
+        self.proc: subprocess.Popen = None  # type: ignore[assignment]  # set by start()
         self.pid = 0
         self.started_at = time.time()
         self.ended_at: float | None = None
@@ -478,19 +513,34 @@ class Command:
         return self.ended_at is None
 
     def info(self) -> dict:
-        return {"cmd_id": self.id, "pid": self.pid, "cmd": self.cmd, "cwd": self.cwd,
-                "running": self.running, "exit_code": self.exit_code,
-                "timed_out": self.timed_out, "killed": self.killed,
-                "started_at": self.started_at, "ended_at": self.ended_at,
-                "stdin": self.proc is not None and self.proc.stdin is not None
-                and not self.proc.stdin.closed}
+        return {
+            "cmd_id": self.id,
+            "pid": self.pid,
+            "cmd": self.cmd,
+            "cwd": self.cwd,
+            "running": self.running,
+            "exit_code": self.exit_code,
+            "timed_out": self.timed_out,
+            "killed": self.killed,
+            "started_at": self.started_at,
+            "ended_at": self.ended_at,
+            "stdin": self.proc is not None
+            and self.proc.stdin is not None
+            and not self.proc.stdin.closed,
+        }
 
     def end_event(self) -> dict:
         code = self.exit_code
-        return {"type": "end", "exit_code": code, "timed_out": self.timed_out,
-                "killed": self.killed, "signal": -code if code is not None and code < 0 else None,
-                "started_at": self.started_at, "ended_at": self.ended_at,
-                "stderr_tail": self.stderr_tail.decode("utf-8", "replace")}
+        return {
+            "type": "end",
+            "exit_code": code,
+            "timed_out": self.timed_out,
+            "killed": self.killed,
+            "signal": -code if code is not None and code < 0 else None,
+            "started_at": self.started_at,
+            "ended_at": self.ended_at,
+            "stderr_tail": self.stderr_tail.decode("utf-8", "replace"),
+        }
 
     def append(self, stream: int, data: bytes) -> None:
         with self.cond:
@@ -545,12 +595,18 @@ class Commands:
         env.update(envs)
         env["AGENTBOX_CMD_ID"] = cmd_id  # lets kill() find daemons that left the process tree
         c.proc = subprocess.Popen(
-            ["/bin/bash", "-l", "-c", cmd], cwd=cwd, env=env, start_new_session=True,
+            ["/bin/bash", "-l", "-c", cmd],
+            cwd=cwd,
+            env=env,
+            start_new_session=True,
             stdin=subprocess.PIPE if req.get("stdin") else subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, close_fds=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            close_fds=True,
         )
         c.pid = c.proc.pid
         for stream, pipe in ((P.STDOUT, c.proc.stdout), (P.STDERR, c.proc.stderr)):
+            assert pipe is not None
             t = threading.Thread(target=self._read, args=(c, stream, pipe.fileno()), daemon=True)
             t.start()
             c.readers.append(t)
@@ -598,7 +654,8 @@ class Commands:
             t.join(max(0.0, deadline - time.monotonic()))
         for pipe in (c.proc.stdout, c.proc.stderr):
             try:
-                pipe.close()
+                if pipe is not None:
+                    pipe.close()
             except OSError:
                 pass
         with c.cond:
@@ -695,7 +752,7 @@ def op_exec_events(conn: Conn, req: dict) -> None:
             for stream, start, data in c.chunks:
                 end = start + len(data)
                 if end > offset:
-                    pending.append((stream, max(start, offset), data[max(0, offset - start):]))
+                    pending.append((stream, max(start, offset), data[max(0, offset - start) :]))
                     offset = end
             done = not c.running
             if not pending and not done:
@@ -766,10 +823,20 @@ def op_ping(conn: Conn, req: dict) -> None:
 
 OPS = {
     "ping": op_ping,
-    "fs.stat": op_stat, "fs.read": op_read, "fs.write": op_write, "fs.list": op_list,
-    "fs.mkdir": op_mkdir, "fs.remove": op_remove, "fs.rename": op_rename,
-    "exec.start": op_exec_start, "exec.info": op_exec_info, "exec.list": op_exec_list,
-    "exec.events": op_exec_events, "exec.wait": op_exec_wait, "exec.stdin": op_exec_stdin, "exec.kill": op_exec_kill,
+    "fs.stat": op_stat,
+    "fs.read": op_read,
+    "fs.write": op_write,
+    "fs.list": op_list,
+    "fs.mkdir": op_mkdir,
+    "fs.remove": op_remove,
+    "fs.rename": op_rename,
+    "exec.start": op_exec_start,
+    "exec.info": op_exec_info,
+    "exec.list": op_exec_list,
+    "exec.events": op_exec_events,
+    "exec.wait": op_exec_wait,
+    "exec.stdin": op_exec_stdin,
+    "exec.kill": op_exec_kill,
 }
 
 
@@ -817,7 +884,7 @@ def main() -> None:
     threading.stack_size(512 * 1024)
     while True:
         try:
-            conn_fd, _ = listener._accept()  # accept4(SOCK_CLOEXEC)
+            conn_fd, _ = listener._accept()  # type: ignore[attr-defined]  # accept4(CLOEXEC)
             sock = _socket.socket(fileno=conn_fd)
         except InterruptedError:
             continue

@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
+from rich.text import Text
 
 from agentbox import config
 from agentbox.sdk import (
@@ -90,7 +91,8 @@ def _print_json(value: Any) -> None:
 
 
 def _time(value: datetime | None) -> str:
-    return value.strftime("%Y-%m-%d %H:%M:%S") if value else "-"
+    # Local time, no year: tables must fit 80 columns.
+    return value.astimezone().strftime("%m-%d %H:%M:%S") if value else "-"
 
 
 # ---------------------------------------------------------------------------- local commands
@@ -182,18 +184,24 @@ def list_sandboxes(
 
 
 def _sandbox_table(found: list[SandboxInfo]) -> None:
-    table = Table(box=None, header_style="bold")
-    table.add_column("ID", no_wrap=True, min_width=max([len(s.sandbox_id) for s in found] + [2]))
-    for name in ("STATE", "TEMPLATE", "CREATED", "ENDS"):
-        table.add_column(name, no_wrap=True)
-    table.add_column("METADATA")
     colors = {"running": "green", "starting": "yellow", "failed": "red"}
-    for s in found:
-        color = colors.get(s.state, "dim")
-        table.add_row(
-            s.sandbox_id, f"[{color}]{s.state}[/{color}]", escape(s.template),
-            _time(s.created_at), _time(s.ended_at or s.end_at),
-            escape(" ".join(f"{k}={v}" for k, v in s.metadata.items())))
+    rows = [[s.sandbox_id, f"[{colors.get(s.state, 'dim')}]{s.state}[/]", escape(s.template),
+             _time(s.created_at), _time(s.ended_at or s.end_at),
+             escape(" ".join(f"{k}={v}" for k, v in s.metadata.items()))] for s in found]
+    _print_table(["ID", "STATE", "TEMPLATE", "CREATED", "ENDS", "METADATA"], rows)
+
+
+def _print_table(headers: list[str], rows: list[list[str]]) -> None:
+    """Every column keeps its full width except the last, which is cut to fit the terminal."""
+    table = Table(box=None, header_style="bold", pad_edge=False)
+    for i, name in enumerate(headers):
+        if i == len(headers) - 1:
+            table.add_column(name, no_wrap=True, overflow="ellipsis", ratio=1, min_width=8)
+        else:
+            width = max([Text.from_markup(r[i]).cell_len for r in rows] + [len(name)])
+            table.add_column(name, no_wrap=True, min_width=width)
+    for row in rows:
+        table.add_row(*row)
     out.print(table)
 
 
@@ -354,19 +362,19 @@ def audit(
     if as_json:
         _print_json([dataclasses.asdict(e) for e in events])
         return
-    table = Table(box=None, header_style="bold")
-    for name in ("TIME", "TENANT", "ACTION", "SANDBOX", "STATUS", "MS"):
-        table.add_column(name, no_wrap=True)
-    table.add_column("DETAIL")
+    # The tenant column only says something when an admin sees several tenants.
+    show_tenant = len({e.tenant for e in events}) > 1
+    rows = []
     for e in events:
         status = "-" if e.status is None else str(e.status)
         if e.status is not None and e.status >= 400:
             status = f"[red]{status}[/red]"
-        table.add_row(
-            _time(e.time), escape(e.tenant), escape(e.action), escape(e.sandbox_id or "-"),
-            status, "-" if e.duration_ms is None else f"{e.duration_ms:.0f}",
-            escape(json.dumps(e.detail, default=str)) if e.detail else "")
-    out.print(table)
+        rows.append([
+            _time(e.time), *([escape(e.tenant)] if show_tenant else []), escape(e.action),
+            escape(e.sandbox_id or "-"), status,
+            escape(json.dumps(e.detail, default=str)) if e.detail else ""])
+    headers = ["TIME", *(["TENANT"] if show_tenant else []), "ACTION", "SANDBOX", "STATUS", "DETAIL"]
+    _print_table(headers, rows)
 
 
 # ---------------------------------------------------------------------------- entry point

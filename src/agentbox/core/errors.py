@@ -12,8 +12,9 @@ class AgentboxError(Exception):
     status = 500
     code = "internal_error"
 
-    def __init__(self, message: str, code: str | None = None, status: int | None = None,
-                 **detail: Any) -> None:
+    def __init__(
+        self, message: str, code: str | None = None, status: int | None = None, **detail: Any
+    ) -> None:
         super().__init__(message)
         self.message = message
         if code:
@@ -61,10 +62,19 @@ class SandboxUnavailable(AgentboxError):
 
 # Reason codes the in-sandbox agent returns, and the HTTP status each maps to.
 AGENT_CODE_STATUS = {
-    "invalid_path": 400, "invalid_request": 400, "symlink_refused": 400,
-    "not_a_directory": 400, "is_a_directory": 400, "not_a_regular_file": 400,
-    "path_not_found": 404, "not_found": 404, "path_exists": 409, "conflict": 409,
-    "permission_denied": 403, "read_only_path": 403, "limit_exceeded": 400,
+    "invalid_path": 400,
+    "invalid_request": 400,
+    "symlink_refused": 400,
+    "not_a_directory": 400,
+    "is_a_directory": 400,
+    "not_a_regular_file": 400,
+    "path_not_found": 404,
+    "not_found": 404,
+    "path_exists": 409,
+    "conflict": 409,
+    "permission_denied": 403,
+    "read_only_path": 403,
+    "limit_exceeded": 400,
 }
 
 

@@ -47,10 +47,21 @@ DEFAULT_QUOTA: dict[str, Any] = {
     "max_disk_mb": 10_240,
     "max_pids": 4096,
 }
-_RESOURCE_CAPS = {"memory_mb": "max_memory_mb", "cpu_count": "max_cpu_count",
-                  "disk_mb": "max_disk_mb", "pids": "max_pids"}
-_RESOURCE_MIN = {"memory_mb": 32, "cpu_count": 0.05, "pids": 16, "nofile": 64,
-                 "file_size_mb": 1, "disk_mb": 16, "tmp_mb": 1}
+_RESOURCE_CAPS = {
+    "memory_mb": "max_memory_mb",
+    "cpu_count": "max_cpu_count",
+    "disk_mb": "max_disk_mb",
+    "pids": "max_pids",
+}
+_RESOURCE_MIN = {
+    "memory_mb": 32,
+    "cpu_count": 0.05,
+    "pids": 16,
+    "nofile": 64,
+    "file_size_mb": 1,
+    "disk_mb": 16,
+    "tmp_mb": 1,
+}
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 HEALTH_CHECK_S = 2.0
 
@@ -105,13 +116,23 @@ class SandboxManager:
 
     # ------------------------------------------------------------------ audit
 
-    def audit(self, caller: Caller | None, action: str, sandbox_id: str | None = None,
-              status: int = 200, started: float | None = None, tenant: str | None = None,
-              **detail: Any) -> None:
+    def audit(
+        self,
+        caller: Caller | None,
+        action: str,
+        sandbox_id: str | None = None,
+        status: int = 200,
+        started: float | None = None,
+        tenant: str | None = None,
+        **detail: Any,
+    ) -> None:
         try:
             self.store.add_audit(
-                time=time.time(), tenant=tenant or (caller.tenant if caller else None),
-                key_id=caller.key_id if caller else None, action=action, sandbox_id=sandbox_id,
+                time=time.time(),
+                tenant=tenant or (caller.tenant if caller else None),
+                key_id=caller.key_id if caller else None,
+                action=action,
+                sandbox_id=sandbox_id,
                 status=status,
                 duration_ms=round((time.monotonic() - started) * 1000, 3) if started else None,
                 detail=detail or None,
@@ -143,7 +164,9 @@ class SandboxManager:
                 raise LimitExceeded(
                     f"resources.{name}={getattr(res, name)} is above your tenant's limit of "
                     f"{quota[cap]}; ask for less or have an admin raise quota.{cap}",
-                    setting=f"quota.{cap}", limit=quota[cap])
+                    setting=f"quota.{cap}",
+                    limit=quota[cap],
+                )
         return res
 
     # ------------------------------------------------------------------ lifecycle
@@ -162,45 +185,69 @@ class SandboxManager:
         if not 0 < req.timeout <= quota["max_timeout"]:
             raise LimitExceeded(
                 f"timeout must be between 0 and {quota['max_timeout']} seconds",
-                setting="quota.max_timeout", limit=quota["max_timeout"])
+                setting="quota.max_timeout",
+                limit=quota["max_timeout"],
+            )
         resources = self._resources(req.resources, quota)
         sandbox_id = "sbx_" + secrets.token_hex(8)
         lock = self._tenant_locks.setdefault(caller.tenant, asyncio.Lock())
         async with lock:
             live = self.store.count_live(caller.tenant)
             if live >= quota["max_sandboxes"]:
-                self.audit(caller, "sandbox.create", status=429, started=started,
-                           error="quota_exceeded")
+                self.audit(
+                    caller, "sandbox.create", status=429, started=started, error="quota_exceeded"
+                )
                 raise QuotaExceeded(
                     f"tenant {caller.tenant} already has {live} running sandboxes, its limit "
                     f"is {quota['max_sandboxes']}; kill one or ask an admin to raise "
-                    "quota.max_sandboxes", setting="quota.max_sandboxes",
-                    limit=quota["max_sandboxes"])
+                    "quota.max_sandboxes",
+                    setting="quota.max_sandboxes",
+                    limit=quota["max_sandboxes"],
+                )
             now = time.time()
             self.store.insert_sandbox(
-                sandbox_id=sandbox_id, tenant=caller.tenant, template=template,
-                runtime=self.runtime.name, state="starting", metadata=req.metadata,
-                resources=asdict(resources), runtime_state=None,
-                keep_workspace=req.keep_workspace, created_at=now, end_at=now + req.timeout,
+                sandbox_id=sandbox_id,
+                tenant=caller.tenant,
+                template=template,
+                runtime=self.runtime.name,
+                state="starting",
+                metadata=req.metadata,
+                resources=asdict(resources),
+                runtime_state=None,
+                keep_workspace=req.keep_workspace,
+                created_at=now,
+                end_at=now + req.timeout,
             )
-        spec = SandboxSpec(sandbox_id=sandbox_id, template=template, resources=resources,
-                           envs=req.envs)
+        spec = SandboxSpec(
+            sandbox_id=sandbox_id, template=template, resources=resources, envs=req.envs
+        )
         try:
             state = await self.runtime.create(spec)
         except Exception as e:
             log.exception("create %s failed", sandbox_id)
-            self.store.update_sandbox(sandbox_id, state="failed", end_reason="failed",
-                                      ended_at=time.time())
-            self.audit(caller, "sandbox.create", sandbox_id, status=503, started=started,
-                       error=str(e))
+            self.store.update_sandbox(
+                sandbox_id, state="failed", end_reason="failed", ended_at=time.time()
+            )
+            self.audit(
+                caller, "sandbox.create", sandbox_id, status=503, started=started, error=str(e)
+            )
             raise SandboxUnavailable(f"the sandbox could not be started: {e}") from None
         # The deadline counts from when the sandbox is usable, not from when it was asked for.
         now = time.time()
-        self.store.update_sandbox(sandbox_id, state="running", runtime_state=state,
-                                  end_at=now + req.timeout)
+        self.store.update_sandbox(
+            sandbox_id, state="running", runtime_state=state, end_at=now + req.timeout
+        )
         self._wake.set()
-        self.audit(caller, "sandbox.create", sandbox_id, status=201, started=started,
-                   template=template, timeout=req.timeout, resources=asdict(resources))
+        self.audit(
+            caller,
+            "sandbox.create",
+            sandbox_id,
+            status=201,
+            started=started,
+            template=template,
+            timeout=req.timeout,
+            resources=asdict(resources),
+        )
         row = self.store.get_sandbox(sandbox_id)
         assert row is not None
         return row
@@ -218,11 +265,19 @@ class SandboxManager:
             reason = f" ({row.end_reason})" if row.end_reason else ""
             raise SandboxNotRunning(
                 f"sandbox {sandbox_id} is {row.state}{reason}; create a new sandbox",
-                state=row.state, end_reason=row.end_reason)
+                state=row.state,
+                end_reason=row.end_reason,
+            )
         return row
 
-    def list(self, caller: Caller, states: list[str] | None, metadata: dict[str, str],
-             limit: int, next_token: str | None) -> tuple[list[SandboxRow], str | None]:
+    def list(
+        self,
+        caller: Caller,
+        states: list[str] | None,
+        metadata: dict[str, str],
+        limit: int,
+        next_token: str | None,
+    ) -> tuple[list[SandboxRow], str | None]:
         before: int | None = None
         if next_token:
             try:
@@ -241,8 +296,11 @@ class SandboxManager:
                     out.append(row)
                     if len(out) == limit:
                         break
-        more = before is not None and len(out) == limit and bool(
-            self.store.list_sandboxes(caller.tenant, states, before, 1))
+        more = (
+            before is not None
+            and len(out) == limit
+            and bool(self.store.list_sandboxes(caller.tenant, states, before, 1))
+        )
         return out, (str(before) if more else None)
 
     async def kill(self, caller: Caller, sandbox_id: str) -> None:
@@ -255,15 +313,19 @@ class SandboxManager:
         row = self.running(caller, sandbox_id)
         quota = self.quota(caller.tenant)
         if not 0 < timeout <= quota["max_timeout"]:
-            raise LimitExceeded(f"timeout must be between 0 and {quota['max_timeout']} seconds",
-                                setting="quota.max_timeout", limit=quota["max_timeout"])
+            raise LimitExceeded(
+                f"timeout must be between 0 and {quota['max_timeout']} seconds",
+                setting="quota.max_timeout",
+                limit=quota["max_timeout"],
+            )
         self.store.update_sandbox(row.sandbox_id, end_at=time.time() + timeout)
         self._wake.set()
         self.audit(caller, "sandbox.timeout", sandbox_id, timeout=timeout)
         return self.get(caller, sandbox_id)
 
-    async def _end(self, row: SandboxRow, state: str, reason: str,
-                   only_if_expired: bool = False) -> bool:
+    async def _end(
+        self, row: SandboxRow, state: str, reason: str, only_if_expired: bool = False
+    ) -> bool:
         """Destroy a sandbox and record how it ended; False if it had already ended."""
         async with self._lock(row.sandbox_id):
             fresh = self.store.get_sandbox(row.sandbox_id)
@@ -272,15 +334,18 @@ class SandboxManager:
             if only_if_expired and fresh.end_at > time.time():
                 return False  # the deadline moved while we waited for the lock
             try:
-                await self.runtime.destroy(fresh.sandbox_id, fresh.runtime_state,
-                                           fresh.keep_workspace)
+                await self.runtime.destroy(
+                    fresh.sandbox_id, fresh.runtime_state, fresh.keep_workspace
+                )
             except Exception:
                 log.exception("destroy %s failed; will retry", fresh.sandbox_id)
                 raise SandboxUnavailable(
                     f"sandbox {fresh.sandbox_id} could not be torn down completely yet; "
-                    "retry the kill") from None
-            self.store.update_sandbox(fresh.sandbox_id, state=state, end_reason=reason,
-                                      ended_at=time.time())
+                    "retry the kill"
+                ) from None
+            self.store.update_sandbox(
+                fresh.sandbox_id, state=state, end_reason=reason, ended_at=time.time()
+            )
         self._sandbox_locks.pop(row.sandbox_id, None)
         for key in [k for k in self._baselines if k[0] == row.sandbox_id]:
             self._baselines.pop(key, None)
@@ -314,7 +379,7 @@ class SandboxManager:
             self._wake.clear()
             try:
                 await asyncio.wait_for(self._wake.wait(), delay + 0.001)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     async def _health(self) -> None:
@@ -322,8 +387,11 @@ class SandboxManager:
         while True:
             await asyncio.sleep(HEALTH_CHECK_S)
             for row in self.store.live_sandboxes():
-                if row.state == "running" and row.runtime_state is not None and not (
-                        await self.runtime.is_alive(row.sandbox_id, row.runtime_state)):
+                if (
+                    row.state == "running"
+                    and row.runtime_state is not None
+                    and not (await self.runtime.is_alive(row.sandbox_id, row.runtime_state))
+                ):
                     try:
                         await self._end(row, "killed", "vanished")
                     except AgentboxError:
@@ -368,7 +436,9 @@ class SandboxManager:
 
     def _client(self, row: SandboxRow) -> AgentClient:
         assert row.runtime_state is not None
-        return AgentClient(self.runtime.agent_address(row.sandbox_id, row.runtime_state).socket_path)
+        return AgentClient(
+            self.runtime.agent_address(row.sandbox_id, row.runtime_state).socket_path
+        )
 
     def _agent_error(self, row: SandboxRow, e: Exception) -> AgentboxError:
         if isinstance(e, AgentOpError):
@@ -376,61 +446,93 @@ class SandboxManager:
         fresh = self.store.get_sandbox(row.sandbox_id)
         if fresh is None or fresh.state != "running":
             state = fresh.state if fresh else "gone"
-            return SandboxNotRunning(f"sandbox {row.sandbox_id} is {state}; create a new sandbox",
-                                     state=state)
+            return SandboxNotRunning(
+                f"sandbox {row.sandbox_id} is {state}; create a new sandbox", state=state
+            )
         return SandboxUnavailable(f"the sandbox agent is not answering: {e}")
 
-    async def agent_call(self, caller: Caller, sandbox_id: str, request: dict[str, Any],
-                         action: str, timeout: float | None = 60.0,
-                         **audit_detail: Any) -> dict[str, Any]:
+    async def agent_call(
+        self,
+        caller: Caller,
+        sandbox_id: str,
+        request: dict[str, Any],
+        action: str,
+        timeout: float | None = 60.0,
+        **audit_detail: Any,
+    ) -> dict[str, Any]:
         started = time.monotonic()
         row = self.running(caller, sandbox_id)
         try:
             reply = await self._client(row).call(request, timeout)
         except (AgentOpError, AgentUnavailable) as e:
             err = self._agent_error(row, e)
-            self.audit(caller, action, sandbox_id, status=err.status, started=started,
-                       error=err.code, **audit_detail)
+            self.audit(
+                caller,
+                action,
+                sandbox_id,
+                status=err.status,
+                started=started,
+                error=err.code,
+                **audit_detail,
+            )
             raise err from None
         self.audit(caller, action, sandbox_id, started=started, **audit_detail)
         return reply
 
     # ------------------------------------------------------------------ files
 
-    async def read_file(self, caller: Caller, sandbox_id: str,
-                        path: str) -> tuple[int, AsyncIterator[bytes]]:
+    async def read_file(
+        self, caller: Caller, sandbox_id: str, path: str
+    ) -> tuple[int, AsyncIterator[bytes]]:
         started = time.monotonic()
         row = self.running(caller, sandbox_id)
         try:
             size, chunks = await self._client(row).read_file(path)
         except (AgentOpError, AgentUnavailable) as e:
             err = self._agent_error(row, e)
-            self.audit(caller, "file.read", sandbox_id, status=err.status, started=started,
-                       path=path, error=err.code)
+            self.audit(
+                caller,
+                "file.read",
+                sandbox_id,
+                status=err.status,
+                started=started,
+                path=path,
+                error=err.code,
+            )
             raise err from None
         self.audit(caller, "file.read", sandbox_id, started=started, path=path, size=size)
         return size, chunks
 
-    async def write_file(self, caller: Caller, sandbox_id: str, path: str,
-                         chunks: AsyncIterator[bytes]) -> dict[str, Any]:
+    async def write_file(
+        self, caller: Caller, sandbox_id: str, path: str, chunks: AsyncIterator[bytes]
+    ) -> dict[str, Any]:
         started = time.monotonic()
         row = self.running(caller, sandbox_id)
         try:
             reply = await self._client(row).write_file(path, chunks)
         except (AgentOpError, AgentUnavailable) as e:
             err = self._agent_error(row, e)
-            self.audit(caller, "file.write", sandbox_id, status=err.status, started=started,
-                       path=path, error=err.code)
+            self.audit(
+                caller,
+                "file.write",
+                sandbox_id,
+                status=err.status,
+                started=started,
+                path=path,
+                error=err.code,
+            )
             raise err from None
         entry = reply["entry"]
-        self.audit(caller, "file.write", sandbox_id, started=started, path=path,
-                   size=entry.get("size"))
+        self.audit(
+            caller, "file.write", sandbox_id, started=started, path=path, size=entry.get("size")
+        )
         return entry
 
     # ------------------------------------------------------------------ commands
 
-    async def start_command(self, caller: Caller, sandbox_id: str,
-                            req: CommandRequest) -> dict[str, Any]:
+    async def start_command(
+        self, caller: Caller, sandbox_id: str, req: CommandRequest
+    ) -> dict[str, Any]:
         if not req.cmd.strip():
             raise InvalidRequest("cmd must not be empty")
         if req.timeout < 0:
@@ -439,35 +541,58 @@ class SandboxManager:
         started = time.monotonic()
         row = self.running(caller, sandbox_id)
         baseline = self.runtime.limit_counters(sandbox_id)
-        body = {"op": "exec.start", "cmd": req.cmd, "cwd": req.cwd, "envs": req.envs,
-                "timeout": req.timeout, "stdin": req.stdin}
+        body = {
+            "op": "exec.start",
+            "cmd": req.cmd,
+            "cwd": req.cwd,
+            "envs": req.envs,
+            "timeout": req.timeout,
+            "stdin": req.stdin,
+        }
         try:
             info = (await self._client(row).call(body))["command"]
         except (AgentOpError, AgentUnavailable) as e:
             err = self._agent_error(row, e)
-            self.audit(caller, "command.run", sandbox_id, status=err.status, started=started,
-                       cmd=req.cmd, error=err.code)
+            self.audit(
+                caller,
+                "command.run",
+                sandbox_id,
+                status=err.status,
+                started=started,
+                cmd=req.cmd,
+                error=err.code,
+            )
             raise err from None
         self._baselines[(sandbox_id, info["cmd_id"])] = (baseline, req.timeout)
         self._watch(row, info["cmd_id"], req.cmd, caller, started)
         return info
 
-    def _watch(self, row: SandboxRow, cmd_id: str, cmd: str, caller: Caller | None,
-               started: float) -> None:
+    def _watch(
+        self, row: SandboxRow, cmd_id: str, cmd: str, caller: Caller | None, started: float
+    ) -> None:
         """Audit the command when it ends, whoever (if anyone) is streaming its output."""
 
         async def watch() -> None:
             t0 = started or time.monotonic()
             try:
-                conn_end = await self._client(row).call({"op": "exec.wait", "cmd_id": cmd_id},
-                                                        timeout=None)
+                conn_end = await self._client(row).call(
+                    {"op": "exec.wait", "cmd_id": cmd_id}, timeout=None
+                )
             except (AgentOpError, AgentUnavailable):
                 return
             end = self.finish(row.sandbox_id, cmd_id, conn_end)
-            self.audit(caller, "command.run", row.sandbox_id, started=t0, tenant=row.tenant,
-                       cmd=cmd, cmd_id=cmd_id, exit_code=end.get("exit_code"),
-                       timed_out=end.get("timed_out"),
-                       violation=(end.get("violation") or {}).get("code"))
+            self.audit(
+                caller,
+                "command.run",
+                row.sandbox_id,
+                started=t0,
+                tenant=row.tenant,
+                cmd=cmd,
+                cmd_id=cmd_id,
+                exit_code=end.get("exit_code"),
+                timed_out=end.get("timed_out"),
+                violation=(end.get("violation") or {}).get("code"),
+            )
 
         task = asyncio.create_task(watch())
         self._watchers.add(task)
@@ -482,12 +607,18 @@ class SandboxManager:
             self._violations[key] = violations.explain_command_end(end, baseline, after, timeout)
             if len(self._violations) > 10_000:
                 self._violations.pop(next(iter(self._violations)))
-        return {"type": "end", "exit_code": end.get("exit_code"),
-                "timed_out": bool(end.get("timed_out")), "killed": bool(end.get("killed")),
-                "signal": end.get("signal"), "violation": self._violations[key]}
+        return {
+            "type": "end",
+            "exit_code": end.get("exit_code"),
+            "timed_out": bool(end.get("timed_out")),
+            "killed": bool(end.get("killed")),
+            "signal": end.get("signal"),
+            "violation": self._violations[key],
+        }
 
-    async def command_events(self, caller: Caller, sandbox_id: str, cmd_id: str,
-                             offset: int = 0) -> AsyncIterator[dict[str, Any]]:
+    async def command_events(
+        self, caller: Caller, sandbox_id: str, cmd_id: str, offset: int = 0
+    ) -> AsyncIterator[dict[str, Any]]:
         """API events for a command from `offset`: output as text, then `end`."""
         row = self.running(caller, sandbox_id)
         client = self._client(row)
@@ -500,10 +631,13 @@ class SandboxManager:
             raise self._agent_error(row, e) from None
         return self._event_stream(row, cmd_id, first, stream)
 
-    async def _event_stream(self, row: SandboxRow, cmd_id: str, first: Any,
-                            stream: AsyncIterator[Any]) -> AsyncIterator[dict[str, Any]]:
-        decoders = {"stdout": codecs.getincrementaldecoder("utf-8")("replace"),
-                    "stderr": codecs.getincrementaldecoder("utf-8")("replace")}
+    async def _event_stream(
+        self, row: SandboxRow, cmd_id: str, first: Any, stream: AsyncIterator[Any]
+    ) -> AsyncIterator[dict[str, Any]]:
+        decoders = {
+            "stdout": codecs.getincrementaldecoder("utf-8")("replace"),
+            "stderr": codecs.getincrementaldecoder("utf-8")("replace"),
+        }
 
         async def items() -> AsyncIterator[Any]:
             if first is not None:
@@ -529,25 +663,44 @@ class SandboxManager:
         except (AgentOpError, AgentUnavailable) as e:
             err = self._agent_error(row, e)
             if isinstance(err, SandboxNotRunning):
-                yield {"type": "end", "exit_code": None, "timed_out": False, "killed": True,
-                       "signal": None, "violation": violations.violation(
-                           "sandbox_ended", "timeout",
-                           "the sandbox was killed or reached its timeout while the command "
-                           "ran; extend it with set_timeout or create a new one")}
+                yield {
+                    "type": "end",
+                    "exit_code": None,
+                    "timed_out": False,
+                    "killed": True,
+                    "signal": None,
+                    "violation": violations.violation(
+                        "sandbox_ended",
+                        "timeout",
+                        "the sandbox was killed or reached its timeout while the command "
+                        "ran; extend it with set_timeout or create a new one",
+                    ),
+                }
             else:
                 yield {"type": "error", "code": err.code, "message": err.message}
 
-    async def command_stdin(self, caller: Caller, sandbox_id: str, cmd_id: str, data: str,
-                            eof: bool) -> None:
-        await self.agent_call(caller, sandbox_id, {"op": "exec.stdin", "cmd_id": cmd_id,
-                                                   "data": data, "eof": eof},
-                              "command.stdin", cmd_id=cmd_id, size=len(data), eof=eof)
+    async def command_stdin(
+        self, caller: Caller, sandbox_id: str, cmd_id: str, data: str, eof: bool
+    ) -> None:
+        await self.agent_call(
+            caller,
+            sandbox_id,
+            {"op": "exec.stdin", "cmd_id": cmd_id, "data": data, "eof": eof},
+            "command.stdin",
+            cmd_id=cmd_id,
+            size=len(data),
+            eof=eof,
+        )
 
-    async def command_kill(self, caller: Caller, sandbox_id: str, cmd_id: str,
-                           sig: int) -> None:
-        await self.agent_call(caller, sandbox_id, {"op": "exec.kill", "cmd_id": cmd_id,
-                                                   "signal": sig},
-                              "command.kill", cmd_id=cmd_id, signal=sig)
+    async def command_kill(self, caller: Caller, sandbox_id: str, cmd_id: str, sig: int) -> None:
+        await self.agent_call(
+            caller,
+            sandbox_id,
+            {"op": "exec.kill", "cmd_id": cmd_id, "signal": sig},
+            "command.kill",
+            cmd_id=cmd_id,
+            signal=sig,
+        )
 
 
 __all__ = ["SandboxManager", "CreateRequest", "CommandRequest", "DEFAULT_QUOTA", "Conflict"]

@@ -10,20 +10,44 @@ import signal
 from typing import Any
 
 _STDERR_HINTS = (
-    (("Read-only file system",), "read_only_path", "path",
-     "only /workspace and /tmp are writable in the sandbox; write there instead"),
-    (("Network is unreachable", "Temporary failure in name resolution", "Could not resolve host",
-      "Name or service not known", "No address associated with hostname"),
-     "network_disabled", "network",
-     "the sandbox has no network access (only loopback); work offline or use files uploaded "
-     "through the files API"),
-    (("No space left on device", "Disk quota exceeded"), "disk_limit", "resources.disk_mb",
-     "the workspace filesystem is full; delete files or create the sandbox with a larger "
-     "resources.disk_mb"),
-    (("File too large",), "file_size_limit", "resources.file_size_mb",
-     "a file exceeded the per-file size limit; raise resources.file_size_mb"),
-    (("Resource temporarily unavailable", "retry: fork failed"), "pids_limit", "resources.pids",
-     "the sandbox hit its process limit; run fewer processes at once or raise resources.pids"),
+    (
+        ("Read-only file system",),
+        "read_only_path",
+        "path",
+        "only /workspace and /tmp are writable in the sandbox; write there instead",
+    ),
+    (
+        (
+            "Network is unreachable",
+            "Temporary failure in name resolution",
+            "Could not resolve host",
+            "Name or service not known",
+            "No address associated with hostname",
+        ),
+        "network_disabled",
+        "network",
+        "the sandbox has no network access (only loopback); work offline or use files uploaded "
+        "through the files API",
+    ),
+    (
+        ("No space left on device", "Disk quota exceeded"),
+        "disk_limit",
+        "resources.disk_mb",
+        "the workspace filesystem is full; delete files or create the sandbox with a larger "
+        "resources.disk_mb",
+    ),
+    (
+        ("File too large",),
+        "file_size_limit",
+        "resources.file_size_mb",
+        "a file exceeded the per-file size limit; raise resources.file_size_mb",
+    ),
+    (
+        ("Resource temporarily unavailable", "retry: fork failed"),
+        "pids_limit",
+        "resources.pids",
+        "the sandbox hit its process limit; run fewer processes at once or raise resources.pids",
+    ),
 )
 
 
@@ -31,26 +55,39 @@ def violation(code: str, setting: str, message: str) -> dict[str, str]:
     return {"code": code, "setting": setting, "message": message}
 
 
-def explain_command_end(end: dict[str, Any], before: dict[str, int], after: dict[str, int],
-                        timeout: float) -> dict[str, str] | None:
+def explain_command_end(
+    end: dict[str, Any], before: dict[str, int], after: dict[str, int], timeout: float
+) -> dict[str, str] | None:
     """The violation that best explains a command's end, or None if it ended on its own."""
     if end.get("timed_out"):
-        return violation("command_timeout", "timeout",
-                         f"the command ran longer than its timeout of {timeout:g} s and was "
-                         "killed with its whole process tree; pass a larger timeout (0 = none) "
-                         "or run it in the background")
+        return violation(
+            "command_timeout",
+            "timeout",
+            f"the command ran longer than its timeout of {timeout:g} s and was "
+            "killed with its whole process tree; pass a larger timeout (0 = none) "
+            "or run it in the background",
+        )
     code = end.get("exit_code")
     if after.get("oom_kill", 0) > before.get("oom_kill", 0) and code not in (0, None):
-        return violation("memory_limit", "resources.memory_mb",
-                         "the sandbox ran out of memory and the kernel killed a process; use "
-                         "less memory or create the sandbox with a larger resources.memory_mb")
+        return violation(
+            "memory_limit",
+            "resources.memory_mb",
+            "the sandbox ran out of memory and the kernel killed a process; use "
+            "less memory or create the sandbox with a larger resources.memory_mb",
+        )
     if code == -signal.SIGXFSZ:
-        return violation("file_size_limit", "resources.file_size_mb",
-                         "a file exceeded the per-file size limit; raise resources.file_size_mb")
+        return violation(
+            "file_size_limit",
+            "resources.file_size_mb",
+            "a file exceeded the per-file size limit; raise resources.file_size_mb",
+        )
     if after.get("pids_max", 0) > before.get("pids_max", 0):
-        return violation("pids_limit", "resources.pids",
-                         "the sandbox hit its process limit; run fewer processes at once or "
-                         "raise resources.pids")
+        return violation(
+            "pids_limit",
+            "resources.pids",
+            "the sandbox hit its process limit; run fewer processes at once or "
+            "raise resources.pids",
+        )
     if code in (0, None):
         return None
     tail = str(end.get("stderr_tail") or "")

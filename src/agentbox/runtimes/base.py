@@ -58,7 +58,9 @@ class Runtime(ABC):
         """Start a sandbox whose agent is ready to serve; return the state to persist."""
 
     @abstractmethod
-    async def destroy(self, sandbox_id: str, state: dict[str, Any] | None, keep_workspace: bool) -> None:
+    async def destroy(
+        self, sandbox_id: str, state: dict[str, Any] | None, keep_workspace: bool
+    ) -> None:
         """End every process of the sandbox and remove everything it had on the host.
 
         Must work with `state=None` (a leftover found by `list_sandboxes` with no record) and be
@@ -85,5 +87,5 @@ class Runtime(ABC):
         """What this runtime enforces on this host (shown in health and sandbox info)."""
         return {}
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Release runtime resources held by this server process (sandboxes keep running)."""

@@ -42,6 +42,7 @@ from agentbox.sdk.models import (
 )
 
 T = TypeVar("T")
+Params = list[tuple[str, str | int | float | bool | None]]
 
 API_KEY_HEADER = "X-API-Key"
 # Reads of file streams and uploads go in chunks of this size, never whole files.
@@ -101,7 +102,7 @@ class Call(Generic[T]):
     method: str
     path: str
     parse: Callable[[httpx.Response], T]
-    params: list[tuple[str, str | int | float]] | None = None
+    params: Params | None = None
     json: Any = None
 
 
@@ -171,7 +172,7 @@ def _sandbox_page(r: httpx.Response) -> SandboxPage:
 
 def list_sandboxes(state: str | list[str] | None, metadata: Mapping[str, str] | None,
                    limit: int, next_token: str | None) -> Call[SandboxPage]:
-    params: list[tuple[str, str | int | float]] = [("limit", limit)]
+    params: Params = [("limit", limit)]
     states = [state] if isinstance(state, str) else list(state or [])
     params += [("state", s) for s in states]
     params += [("metadata", f"{k}={v}") for k, v in (metadata or {}).items()]
@@ -295,7 +296,7 @@ def is_missing_path(error: AgentboxError) -> bool:
 
 def list_audit(sandbox_id: str | None, action: str | None, tenant: str | None,
                since: datetime | float | None, limit: int) -> Call[list[AuditEvent]]:
-    params: list[tuple[str, str | int | float]] = [("limit", limit)]
+    params: Params = [("limit", limit)]
     for name, value in (("sandbox_id", sandbox_id), ("action", action), ("tenant", tenant)):
         if value:
             params.append((name, value))

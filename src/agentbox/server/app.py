@@ -4,8 +4,6 @@ This module only speaks HTTP: it authenticates, validates, maps errors to respon
 place, and streams. Everything else happens in `core/`.
 """
 
-
-
 import json
 import logging
 import os
@@ -32,10 +30,18 @@ from agentbox.store.db import Store
 log = logging.getLogger("agentbox.server")
 
 
-def _error(status: int, code: str, message: str, detail: dict[str, Any] | None = None,
-           headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(status_code=status, headers=headers,
-                        content={"code": code, "message": message, "detail": detail or {}})
+def _error(
+    status: int,
+    code: str,
+    message: str,
+    detail: dict[str, Any] | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    return JSONResponse(
+        status_code=status,
+        headers=headers,
+        content={"code": code, "message": message, "detail": detail or {}},
+    )
 
 
 def _ndjson(events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
@@ -43,8 +49,11 @@ def _ndjson(events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
         async for event in events:
             yield (json.dumps(event, separators=(",", ":")) + "\n").encode()
 
-    return StreamingResponse(body(), media_type="application/x-ndjson",
-                             headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
+    return StreamingResponse(
+        body(),
+        media_type="application/x-ndjson",
+        headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
+    )
 
 
 def _signal_number(value: str | int) -> int:
@@ -76,8 +85,11 @@ def create_app(data_dir: Path, admin_key: str | None = None) -> FastAPI:
         made = auth.bootstrap(data_dir)
         if made:
             log.warning("created bootstrap admin key in %s", data_dir / "admin.key")
-            print(f"agentbox: admin API key (also in {data_dir / 'admin.key'}): {made}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"agentbox: admin API key (also in {data_dir / 'admin.key'}): {made}",
+                file=sys.stderr,
+                flush=True,
+            )
         runtime = get_runtime("process", data_dir=data_dir)
         manager = SandboxManager(store, runtime)
         await manager.start()
@@ -90,7 +102,9 @@ def create_app(data_dir: Path, admin_key: str | None = None) -> FastAPI:
             await runtime.close()
 
     app = FastAPI(
-        title="agentbox", version=__version__, lifespan=lifespan,
+        title="agentbox",
+        version=__version__,
+        lifespan=lifespan,
         description="Self-hosted sandboxes for AI agents. See docs/API.md.",
     )
 
@@ -103,10 +117,17 @@ def create_app(data_dir: Path, admin_key: str | None = None) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
-        errors = [{"loc": list(err.get("loc", ())), "msg": str(err.get("msg", "")),
-                   "type": str(err.get("type", ""))} for err in e.errors()]
-        summary = "; ".join(f"{'.'.join(str(x) for x in er['loc'])}: {er['msg']}"
-                            for er in errors[:5])
+        errors = [
+            {
+                "loc": list(err.get("loc", ())),
+                "msg": str(err.get("msg", "")),
+                "type": str(err.get("type", "")),
+            }
+            for err in e.errors()
+        ]
+        summary = "; ".join(
+            f"{'.'.join(str(x) for x in er['loc'])}: {er['msg']}" for er in errors[:5]
+        )
         return _error(422, "invalid_request", f"invalid request: {summary}", {"errors": errors})
 
     @app.exception_handler(StarletteHTTPException)
@@ -136,30 +157,46 @@ def create_app(data_dir: Path, admin_key: str | None = None) -> FastAPI:
     Who = Annotated[Caller, Depends(caller)]
     Admin = Annotated[Caller, Depends(admin)]
     responses: dict[int | str, dict[str, Any]] = {
-        s: {"model": m.ErrorBody} for s in (400, 401, 403, 404, 409, 422, 429, 503)}
+        s: {"model": m.ErrorBody} for s in (400, 401, 403, 404, 409, 422, 429, 503)
+    }
 
     # ------------------------------------------------------------------ health
 
     @app.get("/v1/health", tags=["health"])
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "version": __version__,
-                "runtime": state["runtime"].capabilities() if "runtime" in state else None}
+        return {
+            "status": "ok",
+            "version": __version__,
+            "runtime": state["runtime"].capabilities() if "runtime" in state else None,
+        }
 
     # ------------------------------------------------------------------ sandboxes
 
-    @app.post("/v1/sandboxes", status_code=201, response_model=m.SandboxInfo,
-              responses=responses, tags=["sandboxes"])
+    @app.post(
+        "/v1/sandboxes",
+        status_code=201,
+        response_model=m.SandboxInfo,
+        responses=responses,
+        tags=["sandboxes"],
+    )
     async def create_sandbox(body: m.CreateSandboxBody, mgr: Mgr, who: Who) -> m.SandboxInfo:
-        row = await mgr.create(who, CreateRequest(
-            template=body.template or "default", timeout=body.timeout, metadata=body.metadata,
-            envs=body.envs, resources=body.resources.model_dump(exclude_none=True),
-            keep_workspace=body.keep_workspace))
+        row = await mgr.create(
+            who,
+            CreateRequest(
+                template=body.template or "default",
+                timeout=body.timeout,
+                metadata=body.metadata,
+                envs=body.envs,
+                resources=body.resources.model_dump(exclude_none=True),
+                keep_workspace=body.keep_workspace,
+            ),
+        )
         return m.SandboxInfo.of(row)
 
-    @app.get("/v1/sandboxes", response_model=m.SandboxList, responses=responses,
-             tags=["sandboxes"])
+    @app.get("/v1/sandboxes", response_model=m.SandboxList, responses=responses, tags=["sandboxes"])
     async def list_sandboxes(
-        mgr: Mgr, who: Who,
+        mgr: Mgr,
+        who: Who,
         state_: Annotated[list[str] | None, Query(alias="state")] = None,
         metadata: Annotated[list[str] | None, Query()] = None,
         limit: Annotated[int, Query(ge=1, le=1000)] = 50,
@@ -175,34 +212,60 @@ def create_app(data_dir: Path, admin_key: str | None = None) -> FastAPI:
         rows, token = mgr.list(who, states or None, meta, limit, next_token)
         return m.SandboxList(sandboxes=[m.SandboxInfo.of(r) for r in rows], next_token=token)
 
-    @app.get("/v1/sandboxes/{sandbox_id}", response_model=m.SandboxInfo, responses=responses,
-             tags=["sandboxes"])
+    @app.get(
+        "/v1/sandboxes/{sandbox_id}",
+        response_model=m.SandboxInfo,
+        responses=responses,
+        tags=["sandboxes"],
+    )
     async def get_sandbox(sandbox_id: str, mgr: Mgr, who: Who) -> m.SandboxInfo:
         return m.SandboxInfo.of(mgr.get(who, sandbox_id))
 
-    @app.delete("/v1/sandboxes/{sandbox_id}", status_code=204, responses=responses,
-                tags=["sandboxes"])
+    @app.delete(
+        "/v1/sandboxes/{sandbox_id}", status_code=204, responses=responses, tags=["sandboxes"]
+    )
     async def kill_sandbox(sandbox_id: str, mgr: Mgr, who: Who) -> Response:
         await mgr.kill(who, sandbox_id)
         return Response(status_code=204)
 
-    @app.post("/v1/sandboxes/{sandbox_id}/timeout", response_model=m.SandboxInfo,
-              responses=responses, tags=["sandboxes"])
-    async def set_timeout(sandbox_id: str, body: m.TimeoutBody, mgr: Mgr,
-                          who: Who) -> m.SandboxInfo:
+    @app.post(
+        "/v1/sandboxes/{sandbox_id}/timeout",
+        response_model=m.SandboxInfo,
+        responses=responses,
+        tags=["sandboxes"],
+    )
+    async def set_timeout(
+        sandbox_id: str, body: m.TimeoutBody, mgr: Mgr, who: Who
+    ) -> m.SandboxInfo:
         return m.SandboxInfo.of(await mgr.set_timeout(who, sandbox_id, body.timeout))
 
     # ------------------------------------------------------------------ commands
 
-    @app.post("/v1/sandboxes/{sandbox_id}/commands", responses={
-        **responses, 200: {"content": {"application/x-ndjson": {}},
-                           "description": "foreground: live NDJSON events"},
-        201: {"model": m.CommandInfo, "description": "background: the command's handle"}},
-        tags=["commands"])
+    @app.post(
+        "/v1/sandboxes/{sandbox_id}/commands",
+        responses={
+            **responses,
+            200: {
+                "content": {"application/x-ndjson": {}},
+                "description": "foreground: live NDJSON events",
+            },
+            201: {"model": m.CommandInfo, "description": "background: the command's handle"},
+        },
+        tags=["commands"],
+    )
     async def run_command(sandbox_id: str, body: m.CommandBody, mgr: Mgr, who: Who) -> Response:
-        info = await mgr.start_command(who, sandbox_id, CommandRequest(
-            cmd=body.cmd, cwd=body.cwd, envs=body.envs, timeout=body.timeout,
-            background=body.background, stdin=body.stdin))
+        info = await mgr.start_command(
+            who,
+            sandbox_id,
+            CommandRequest(
+                cmd=body.cmd,
+                cwd=body.cwd,
+                envs=body.envs,
+                timeout=body.timeout,
+                background=body.background,
+                stdin=body.stdin,
+            ),
+        )
         if body.background:
             return JSONResponse(status_code=201, content=m.CommandInfo.of(info).model_dump())
         events = await mgr.command_events(who, sandbox_id, info["cmd_id"], 0)
@@ -214,36 +277,59 @@ def create_app(data_dir: Path, admin_key: str | None = None) -> FastAPI:
 
         return _ndjson(with_start())
 
-    @app.get("/v1/sandboxes/{sandbox_id}/commands", response_model=m.CommandList,
-             responses=responses, tags=["commands"])
+    @app.get(
+        "/v1/sandboxes/{sandbox_id}/commands",
+        response_model=m.CommandList,
+        responses=responses,
+        tags=["commands"],
+    )
     async def list_commands(sandbox_id: str, mgr: Mgr, who: Who) -> m.CommandList:
         reply = await mgr.agent_call(who, sandbox_id, {"op": "exec.list"}, "command.list")
         return m.CommandList(commands=[m.CommandInfo.of(c) for c in reply.get("commands", [])])
 
-    @app.get("/v1/sandboxes/{sandbox_id}/commands/{cmd_id}", response_model=m.CommandInfo,
-             responses=responses, tags=["commands"])
+    @app.get(
+        "/v1/sandboxes/{sandbox_id}/commands/{cmd_id}",
+        response_model=m.CommandInfo,
+        responses=responses,
+        tags=["commands"],
+    )
     async def get_command(sandbox_id: str, cmd_id: str, mgr: Mgr, who: Who) -> m.CommandInfo:
-        reply = await mgr.agent_call(who, sandbox_id, {"op": "exec.info", "cmd_id": cmd_id},
-                                     "command.info", cmd_id=cmd_id)
+        reply = await mgr.agent_call(
+            who, sandbox_id, {"op": "exec.info", "cmd_id": cmd_id}, "command.info", cmd_id=cmd_id
+        )
         return m.CommandInfo.of(reply["command"])
 
-    @app.get("/v1/sandboxes/{sandbox_id}/commands/{cmd_id}/events", responses={
-        **responses, 200: {"content": {"application/x-ndjson": {}}}}, tags=["commands"])
-    async def command_events(sandbox_id: str, cmd_id: str, mgr: Mgr, who: Who,
-                             offset: Annotated[int, Query(ge=0)] = 0) -> Response:
+    @app.get(
+        "/v1/sandboxes/{sandbox_id}/commands/{cmd_id}/events",
+        responses={**responses, 200: {"content": {"application/x-ndjson": {}}}},
+        tags=["commands"],
+    )
+    async def command_events(
+        sandbox_id: str, cmd_id: str, mgr: Mgr, who: Who, offset: Annotated[int, Query(ge=0)] = 0
+    ) -> Response:
         return _ndjson(await mgr.command_events(who, sandbox_id, cmd_id, offset))
 
-    @app.post("/v1/sandboxes/{sandbox_id}/commands/{cmd_id}/stdin", status_code=204,
-              responses=responses, tags=["commands"])
-    async def command_stdin(sandbox_id: str, cmd_id: str, body: m.StdinBody, mgr: Mgr,
-                            who: Who) -> Response:
+    @app.post(
+        "/v1/sandboxes/{sandbox_id}/commands/{cmd_id}/stdin",
+        status_code=204,
+        responses=responses,
+        tags=["commands"],
+    )
+    async def command_stdin(
+        sandbox_id: str, cmd_id: str, body: m.StdinBody, mgr: Mgr, who: Who
+    ) -> Response:
         await mgr.command_stdin(who, sandbox_id, cmd_id, body.data, body.eof)
         return Response(status_code=204)
 
-    @app.post("/v1/sandboxes/{sandbox_id}/commands/{cmd_id}/kill", status_code=204,
-              responses=responses, tags=["commands"])
-    async def command_kill(sandbox_id: str, cmd_id: str, mgr: Mgr, who: Who,
-                           body: m.SignalBody | None = None) -> Response:
+    @app.post(
+        "/v1/sandboxes/{sandbox_id}/commands/{cmd_id}/kill",
+        status_code=204,
+        responses=responses,
+        tags=["commands"],
+    )
+    async def command_kill(
+        sandbox_id: str, cmd_id: str, mgr: Mgr, who: Who, body: m.SignalBody | None = None
+    ) -> Response:
         sig = _signal_number(body.signal if body else "SIGKILL")
         await mgr.command_kill(who, sandbox_id, cmd_id, sig)
         return Response(status_code=204)
@@ -252,64 +338,117 @@ def create_app(data_dir: Path, admin_key: str | None = None) -> FastAPI:
 
     PathQ = Annotated[str, Query(max_length=8192, description="sandbox path")]
 
-    @app.get("/v1/sandboxes/{sandbox_id}/files", responses={
-        **responses, 200: {"content": {"application/octet-stream": {}}}}, tags=["files"])
+    @app.get(
+        "/v1/sandboxes/{sandbox_id}/files",
+        responses={**responses, 200: {"content": {"application/octet-stream": {}}}},
+        tags=["files"],
+    )
     async def read_file(sandbox_id: str, path: PathQ, mgr: Mgr, who: Who) -> Response:
         size, chunks = await mgr.read_file(who, sandbox_id, path)
-        return StreamingResponse(chunks, media_type="application/octet-stream",
-                                 headers={"Content-Length": str(size)})
+        return StreamingResponse(
+            chunks, media_type="application/octet-stream", headers={"Content-Length": str(size)}
+        )
 
-    @app.put("/v1/sandboxes/{sandbox_id}/files", response_model=m.EntryInfo,
-             responses=responses, tags=["files"],
-             openapi_extra={"requestBody": {"content": {"application/octet-stream": {
-                 "schema": {"type": "string", "format": "binary"}}}, "required": True}})
-    async def write_file(sandbox_id: str, path: PathQ, request: Request, mgr: Mgr,
-                         who: Who) -> m.EntryInfo:
+    @app.put(
+        "/v1/sandboxes/{sandbox_id}/files",
+        response_model=m.EntryInfo,
+        responses=responses,
+        tags=["files"],
+        openapi_extra={
+            "requestBody": {
+                "content": {
+                    "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}
+                },
+                "required": True,
+            }
+        },
+    )
+    async def write_file(
+        sandbox_id: str, path: PathQ, request: Request, mgr: Mgr, who: Who
+    ) -> m.EntryInfo:
         return m.EntryInfo.of(await mgr.write_file(who, sandbox_id, path, request.stream()))
 
-    @app.get("/v1/sandboxes/{sandbox_id}/files/list", response_model=m.EntryList,
-             responses=responses, tags=["files"])
-    async def list_files(sandbox_id: str, path: PathQ, mgr: Mgr, who: Who,
-                         depth: Annotated[int, Query(ge=1, le=64)] = 1) -> m.EntryList:
-        reply = await mgr.agent_call(who, sandbox_id, {"op": "fs.list", "path": path,
-                                                       "depth": depth}, "file.list", path=path)
+    @app.get(
+        "/v1/sandboxes/{sandbox_id}/files/list",
+        response_model=m.EntryList,
+        responses=responses,
+        tags=["files"],
+    )
+    async def list_files(
+        sandbox_id: str,
+        path: PathQ,
+        mgr: Mgr,
+        who: Who,
+        depth: Annotated[int, Query(ge=1, le=64)] = 1,
+    ) -> m.EntryList:
+        reply = await mgr.agent_call(
+            who, sandbox_id, {"op": "fs.list", "path": path, "depth": depth}, "file.list", path=path
+        )
         return m.EntryList(entries=[m.EntryInfo.of(e) for e in reply["entries"]])
 
-    @app.get("/v1/sandboxes/{sandbox_id}/files/stat", response_model=m.EntryInfo,
-             responses=responses, tags=["files"])
+    @app.get(
+        "/v1/sandboxes/{sandbox_id}/files/stat",
+        response_model=m.EntryInfo,
+        responses=responses,
+        tags=["files"],
+    )
     async def stat_file(sandbox_id: str, path: PathQ, mgr: Mgr, who: Who) -> m.EntryInfo:
-        reply = await mgr.agent_call(who, sandbox_id, {"op": "fs.stat", "path": path},
-                                     "file.stat", path=path)
+        reply = await mgr.agent_call(
+            who, sandbox_id, {"op": "fs.stat", "path": path}, "file.stat", path=path
+        )
         return m.EntryInfo.of(reply["entry"])
 
-    @app.post("/v1/sandboxes/{sandbox_id}/files/mkdir", response_model=m.EntryInfo,
-              status_code=201, responses=responses, tags=["files"])
+    @app.post(
+        "/v1/sandboxes/{sandbox_id}/files/mkdir",
+        response_model=m.EntryInfo,
+        status_code=201,
+        responses=responses,
+        tags=["files"],
+    )
     async def make_dir(sandbox_id: str, body: m.PathBody, mgr: Mgr, who: Who) -> Response:
-        reply = await mgr.agent_call(who, sandbox_id, {"op": "fs.mkdir", "path": body.path},
-                                     "file.mkdir", path=body.path)
-        return JSONResponse(status_code=201 if reply.get("created") else 200,
-                            content=m.EntryInfo.of(reply["entry"]).model_dump())
+        reply = await mgr.agent_call(
+            who, sandbox_id, {"op": "fs.mkdir", "path": body.path}, "file.mkdir", path=body.path
+        )
+        return JSONResponse(
+            status_code=201 if reply.get("created") else 200,
+            content=m.EntryInfo.of(reply["entry"]).model_dump(),
+        )
 
-    @app.delete("/v1/sandboxes/{sandbox_id}/files", status_code=204, responses=responses,
-                tags=["files"])
+    @app.delete(
+        "/v1/sandboxes/{sandbox_id}/files", status_code=204, responses=responses, tags=["files"]
+    )
     async def remove_file(sandbox_id: str, path: PathQ, mgr: Mgr, who: Who) -> Response:
-        await mgr.agent_call(who, sandbox_id, {"op": "fs.remove", "path": path}, "file.remove",
-                             path=path)
+        await mgr.agent_call(
+            who, sandbox_id, {"op": "fs.remove", "path": path}, "file.remove", path=path
+        )
         return Response(status_code=204)
 
-    @app.post("/v1/sandboxes/{sandbox_id}/files/rename", response_model=m.EntryInfo,
-              responses=responses, tags=["files"])
-    async def rename_file(sandbox_id: str, body: m.RenameBody, mgr: Mgr,
-                          who: Who) -> m.EntryInfo:
+    @app.post(
+        "/v1/sandboxes/{sandbox_id}/files/rename",
+        response_model=m.EntryInfo,
+        responses=responses,
+        tags=["files"],
+    )
+    async def rename_file(sandbox_id: str, body: m.RenameBody, mgr: Mgr, who: Who) -> m.EntryInfo:
         reply = await mgr.agent_call(
-            who, sandbox_id, {"op": "fs.rename", "src": body.src, "dst": body.dst},
-            "file.rename", src=body.src, dst=body.dst)
+            who,
+            sandbox_id,
+            {"op": "fs.rename", "src": body.src, "dst": body.dst},
+            "file.rename",
+            src=body.src,
+            dst=body.dst,
+        )
         return m.EntryInfo.of(reply["entry"])
 
     # ------------------------------------------------------------------ keys, quotas, audit
 
-    @app.post("/v1/keys", status_code=201, response_model=m.KeyCreated, responses=responses,
-              tags=["admin"])
+    @app.post(
+        "/v1/keys",
+        status_code=201,
+        response_model=m.KeyCreated,
+        responses=responses,
+        tags=["admin"],
+    )
     async def make_key(body: m.KeyBody, mgr: Mgr, who: Admin) -> m.KeyCreated:
         key_id, key = create_key(state["store"], body.tenant, body.admin)
         mgr.audit(who, "key.create", key=key_id, for_tenant=body.tenant, admin=body.admin)
@@ -339,7 +478,8 @@ def create_app(data_dir: Path, admin_key: str | None = None) -> FastAPI:
 
     @app.get("/v1/audit", responses=responses, tags=["audit"])
     async def audit(
-        mgr: Mgr, who: Who,
+        mgr: Mgr,
+        who: Who,
         sandbox_id: Annotated[str | None, Query(max_length=64)] = None,
         action: Annotated[str | None, Query(max_length=64)] = None,
         tenant: Annotated[str | None, Query(max_length=64)] = None,
@@ -360,14 +500,26 @@ def serve(host: str, port: int, data_dir: Path) -> None:
     import uvicorn
 
     if os.geteuid() != 0:
-        print("agentbox: warning: not running as root; cgroup limits, per-sandbox uids and "
-              "disk limits are unavailable", file=sys.stderr)
-    logging.basicConfig(level=os.environ.get("AGENTBOX_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        print(
+            "agentbox: warning: not running as root; cgroup limits, per-sandbox uids and "
+            "disk limits are unavailable",
+            file=sys.stderr,
+        )
+    logging.basicConfig(
+        level=os.environ.get("AGENTBOX_LOG_LEVEL", "INFO"),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     app = create_app(data_dir, os.environ.get("AGENTBOX_ADMIN_KEY"))
     started = time.monotonic()
-    log.info("agentbox %s starting on http://%s:%d (data dir %s)", __version__, host, port,
-             data_dir)
-    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False,
-                timeout_graceful_shutdown=5)
+    log.info(
+        "agentbox %s starting on http://%s:%d (data dir %s)", __version__, host, port, data_dir
+    )
+    uvicorn.run(
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=5,
+    )
     log.info("agentbox stopped after %.0f s", time.monotonic() - started)

@@ -33,7 +33,7 @@ class CreateSandboxBody(Strict):
     timeout: float = Field(300, gt=0, le=10**9, description="seconds until the sandbox is killed")
     metadata: dict[str, str] = Field(default_factory=dict)
     envs: dict[str, str] = Field(default_factory=dict)
-    resources: ResourcesBody = Field(default_factory=ResourcesBody)
+    resources: ResourcesBody = Field(default_factory=ResourcesBody)  # type: ignore[arg-type]
     keep_workspace: bool = False
 
 
@@ -57,10 +57,16 @@ class SandboxInfo(BaseModel):
     @classmethod
     def of(cls, row: SandboxRow) -> SandboxInfo:
         return cls(
-            sandbox_id=row.sandbox_id, tenant=row.tenant, template=row.template, state=row.state,
-            metadata=row.metadata, created_at=rfc3339(row.created_at) or "",
-            end_at=rfc3339(row.end_at) or "", ended_at=rfc3339(row.ended_at),
-            end_reason=row.end_reason, resources=row.resources,
+            sandbox_id=row.sandbox_id,
+            tenant=row.tenant,
+            template=row.template,
+            state=row.state,
+            metadata=row.metadata,
+            created_at=rfc3339(row.created_at) or "",
+            end_at=rfc3339(row.end_at) or "",
+            ended_at=rfc3339(row.ended_at),
+            end_reason=row.end_reason,
+            resources=row.resources,
             keep_workspace=row.keep_workspace,
         )
 
@@ -93,10 +99,14 @@ class CommandInfo(BaseModel):
     @classmethod
     def of(cls, info: dict[str, Any]) -> CommandInfo:
         return cls(
-            cmd_id=str(info.get("cmd_id")), pid=int(info.get("pid") or 0),
-            cmd=str(info.get("cmd", "")), cwd=str(info.get("cwd", "")),
-            running=bool(info.get("running")), exit_code=info.get("exit_code"),
-            timed_out=bool(info.get("timed_out")), started_at=rfc3339(info.get("started_at")),
+            cmd_id=str(info.get("cmd_id")),
+            pid=int(info.get("pid") or 0),
+            cmd=str(info.get("cmd", "")),
+            cwd=str(info.get("cwd", "")),
+            running=bool(info.get("running")),
+            exit_code=info.get("exit_code"),
+            timed_out=bool(info.get("timed_out")),
+            started_at=rfc3339(info.get("started_at")),
             ended_at=rfc3339(info.get("ended_at")),
         )
 
@@ -126,10 +136,16 @@ class EntryInfo(BaseModel):
 
     @classmethod
     def of(cls, e: dict[str, Any]) -> EntryInfo:
-        return cls(name=e["name"], path=e["path"], type=e["type"], size=e["size"],
-                   mode=e["mode"], permissions=e["permissions"],
-                   modified_time=rfc3339(e.get("modified_time")),
-                   symlink_target=e.get("symlink_target"))
+        return cls(
+            name=e["name"],
+            path=e["path"],
+            type=e["type"],
+            size=e["size"],
+            mode=e["mode"],
+            permissions=e["permissions"],
+            modified_time=rfc3339(e.get("modified_time")),
+            symlink_target=e.get("symlink_target"),
+        )
 
 
 class EntryList(BaseModel):

@@ -34,14 +34,16 @@ from sqlalchemy.engine import Engine
 metadata = MetaData()
 
 tenants = Table(
-    "tenants", metadata,
+    "tenants",
+    metadata,
     Column("name", String(128), primary_key=True),
     Column("quota", JSON, nullable=False, default=dict),
     Column("created_at", Float, nullable=False),
 )
 
 api_keys = Table(
-    "api_keys", metadata,
+    "api_keys",
+    metadata,
     Column("key_id", String(32), primary_key=True),
     Column("key_hash", String(64), nullable=False, unique=True),
     Column("tenant", String(128), nullable=False, index=True),
@@ -51,7 +53,8 @@ api_keys = Table(
 )
 
 sandboxes = Table(
-    "sandboxes", metadata,
+    "sandboxes",
+    metadata,
     Column("seq", Integer, primary_key=True, autoincrement=True),
     Column("sandbox_id", String(64), nullable=False, unique=True),
     Column("tenant", String(128), nullable=False, index=True),
@@ -69,7 +72,8 @@ sandboxes = Table(
 )
 
 audit = Table(
-    "audit", metadata,
+    "audit",
+    metadata,
     Column("id", Integer, primary_key=True, autoincrement=True),
     Column("time", Float, nullable=False, index=True),
     Column("tenant", String(128), nullable=True, index=True),
@@ -114,6 +118,7 @@ class Store:
     def __init__(self, url: str) -> None:
         self.engine: Engine = create_engine(url, future=True)
         if url.startswith("sqlite"):
+
             @event.listens_for(self.engine, "connect")
             def _pragmas(conn: Any, _record: Any) -> None:
                 cur = conn.cursor()
@@ -121,6 +126,7 @@ class Store:
                 cur.execute("PRAGMA synchronous=NORMAL")
                 cur.execute("PRAGMA busy_timeout=5000")
                 cur.close()
+
         metadata.create_all(self.engine)
 
     @classmethod
@@ -148,29 +154,50 @@ class Store:
 
     def add_key(self, key_id: str, key_hash: str, tenant: str, admin: bool) -> None:
         with self.engine.begin() as c:
-            c.execute(insert(api_keys).values(key_id=key_id, key_hash=key_hash, tenant=tenant,
-                                              admin=admin, created_at=time.time(), revoked=False))
+            c.execute(
+                insert(api_keys).values(
+                    key_id=key_id,
+                    key_hash=key_hash,
+                    tenant=tenant,
+                    admin=admin,
+                    created_at=time.time(),
+                    revoked=False,
+                )
+            )
 
     def find_key(self, key_hash: str) -> tuple[str, str, bool] | None:
         with self.engine.connect() as c:
             row = c.execute(
                 select(api_keys.c.key_id, api_keys.c.tenant, api_keys.c.admin).where(
-                    api_keys.c.key_hash == key_hash, api_keys.c.revoked.is_(False))
+                    api_keys.c.key_hash == key_hash, api_keys.c.revoked.is_(False)
+                )
             ).first()
         return (row.key_id, row.tenant, bool(row.admin)) if row else None
 
     def list_keys(self) -> list[dict[str, Any]]:
         with self.engine.connect() as c:
-            rows = c.execute(select(api_keys).where(api_keys.c.revoked.is_(False))
-                             .order_by(api_keys.c.created_at)).all()
-        return [{"key_id": r.key_id, "tenant": r.tenant, "admin": bool(r.admin),
-                 "created_at": r.created_at} for r in rows]
+            rows = c.execute(
+                select(api_keys)
+                .where(api_keys.c.revoked.is_(False))
+                .order_by(api_keys.c.created_at)
+            ).all()
+        return [
+            {
+                "key_id": r.key_id,
+                "tenant": r.tenant,
+                "admin": bool(r.admin),
+                "created_at": r.created_at,
+            }
+            for r in rows
+        ]
 
     def revoke_key(self, key_id: str) -> bool:
         with self.engine.begin() as c:
-            res = c.execute(update(api_keys).where(api_keys.c.key_id == key_id,
-                                                   api_keys.c.revoked.is_(False))
-                            .values(revoked=True))
+            res = c.execute(
+                update(api_keys)
+                .where(api_keys.c.key_id == key_id, api_keys.c.revoked.is_(False))
+                .values(revoked=True)
+            )
         return res.rowcount > 0
 
     def count_keys(self) -> int:
@@ -185,7 +212,9 @@ class Store:
 
     def update_sandbox(self, sandbox_id: str, **values: Any) -> None:
         with self.engine.begin() as c:
-            c.execute(update(sandboxes).where(sandboxes.c.sandbox_id == sandbox_id).values(**values))
+            c.execute(
+                update(sandboxes).where(sandboxes.c.sandbox_id == sandbox_id).values(**values)
+            )
 
     def get_sandbox(self, sandbox_id: str) -> SandboxRow | None:
         with self.engine.connect() as c:
@@ -194,10 +223,13 @@ class Store:
 
     def count_live(self, tenant: str) -> int:
         with self.engine.connect() as c:
-            return int(c.execute(
-                select(func.count()).select_from(sandboxes).where(
-                    sandboxes.c.tenant == tenant, sandboxes.c.state.in_(LIVE_STATES))
-            ).scalar_one())
+            return int(
+                c.execute(
+                    select(func.count())
+                    .select_from(sandboxes)
+                    .where(sandboxes.c.tenant == tenant, sandboxes.c.state.in_(LIVE_STATES))
+                ).scalar_one()
+            )
 
     def live_sandboxes(self) -> list[SandboxRow]:
         with self.engine.connect() as c:
@@ -206,17 +238,20 @@ class Store:
 
     def expired(self, now: float) -> list[SandboxRow]:
         with self.engine.connect() as c:
-            rows = c.execute(select(sandboxes).where(
-                sandboxes.c.state == "running", sandboxes.c.end_at <= now)).all()
+            rows = c.execute(
+                select(sandboxes).where(sandboxes.c.state == "running", sandboxes.c.end_at <= now)
+            ).all()
         return [_row(r) for r in rows]
 
     def next_deadline(self) -> float | None:
         with self.engine.connect() as c:
-            return c.execute(select(func.min(sandboxes.c.end_at)).where(
-                sandboxes.c.state == "running")).scalar_one()
+            return c.execute(
+                select(func.min(sandboxes.c.end_at)).where(sandboxes.c.state == "running")
+            ).scalar_one()
 
-    def list_sandboxes(self, tenant: str, states: Iterable[str] | None, before_seq: int | None,
-                       batch: int) -> list[SandboxRow]:
+    def list_sandboxes(
+        self, tenant: str, states: Iterable[str] | None, before_seq: int | None, batch: int
+    ) -> list[SandboxRow]:
         q = select(sandboxes).where(sandboxes.c.tenant == tenant)
         if states:
             q = q.where(sandboxes.c.state.in_(list(states)))
@@ -232,8 +267,14 @@ class Store:
         with self.engine.begin() as c:
             c.execute(insert(audit).values(**values))
 
-    def list_audit(self, tenant: str | None, sandbox_id: str | None, action: str | None,
-                   since: float | None, limit: int) -> list[dict[str, Any]]:
+    def list_audit(
+        self,
+        tenant: str | None,
+        sandbox_id: str | None,
+        action: str | None,
+        since: float | None,
+        limit: int,
+    ) -> list[dict[str, Any]]:
         q = select(audit)
         if tenant is not None:
             q = q.where(audit.c.tenant == tenant)
@@ -246,7 +287,17 @@ class Store:
         q = q.order_by(audit.c.id.desc()).limit(limit)
         with self.engine.connect() as c:
             rows = c.execute(q).all()
-        return [{"id": r.id, "time": r.time, "tenant": r.tenant, "key_id": r.key_id,
-                 "action": r.action, "sandbox_id": r.sandbox_id, "status": r.status,
-                 "duration_ms": r.duration_ms, "detail": r.detail} for r in rows]
-
+        return [
+            {
+                "id": r.id,
+                "time": r.time,
+                "tenant": r.tenant,
+                "key_id": r.key_id,
+                "action": r.action,
+                "sandbox_id": r.sandbox_id,
+                "status": r.status,
+                "duration_ms": r.duration_ms,
+                "detail": r.detail,
+            }
+            for r in rows
+        ]

@@ -58,8 +58,9 @@ class Cgroups:
         if self.v2:
             self.base = {"unified": root / GROUP / scope}
         else:
-            self.base = {c: root / c / GROUP / scope for c in _V1_CONTROLLERS
-                         if (root / c).is_dir()}
+            self.base = {
+                c: root / c / GROUP / scope for c in _V1_CONTROLLERS if (root / c).is_dir()
+            }
         self.available = bool(self.base) and os.geteuid() == 0
         if self.available:
             self._prepare()
@@ -198,7 +199,7 @@ class Cgroups:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-            if frozen:
+            if frozen and freezer is not None:
                 try:
                     _write(freezer / sandbox_id / "freezer.state", "THAWED")
                     frozen = False

@@ -49,9 +49,11 @@ _MERGED_USR_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 _SANDBOX_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
-_PASSWD = (b"root:x:0:0:root:/root:/usr/sbin/nologin\n"
-           b"user:x:1000:1000:sandbox user:/workspace:/bin/bash\n"
-           b"nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n")
+_PASSWD = (
+    b"root:x:0:0:root:/root:/usr/sbin/nologin\n"
+    b"user:x:1000:1000:sandbox user:/workspace:/bin/bash\n"
+    b"nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
+)
 _GROUP = b"root:x:0:\nuser:x:1000:\nnogroup:x:65534:\n"
 
 
@@ -103,8 +105,11 @@ class ProcessRuntime(Runtime):
         self.agent_dir = self._install_agent(self.bind_root / "agent")
         self.cgroups = Cgroups(scope=digest)
         if use_loop is None:
-            use_loop = self.is_root and shutil.which("mkfs.ext4") is not None and Path(
-                "/dev/loop-control").exists()
+            use_loop = (
+                self.is_root
+                and shutil.which("mkfs.ext4") is not None
+                and Path("/dev/loop-control").exists()
+            )
         self.use_loop = use_loop
         self.seccomp = build_filter()
         self.children: dict[str, subprocess.Popen] = {}
@@ -129,8 +134,11 @@ class ProcessRuntime(Runtime):
                 tmp.replace(target)
             if name != "main.py":
                 try:
-                    py_compile.compile(str(target), doraise=True,
-                                       invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
+                    py_compile.compile(
+                        str(target),
+                        doraise=True,
+                        invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH,
+                    )
                 except (py_compile.PyCompileError, OSError):
                     pass
         cache = dest / "__pycache__"
@@ -164,9 +172,19 @@ class ProcessRuntime(Runtime):
     def _bwrap_argv(self, spec: SandboxSpec, ws: Path, fds: dict[str, int]) -> list[str]:
         r = spec.resources
         argv = [
-            "bwrap", "--unshare-all", "--unshare-user", "--disable-userns",
-            "--uid", "1000", "--gid", "1000", "--hostname", "sandbox",
-            "--new-session", "--cap-drop", "ALL",
+            "bwrap",
+            "--unshare-all",
+            "--unshare-user",
+            "--disable-userns",
+            "--uid",
+            "1000",
+            "--gid",
+            "1000",
+            "--hostname",
+            "sandbox",
+            "--new-session",
+            "--cap-drop",
+            "ALL",
         ]
         for d in _RO_DIRS:
             argv += ["--ro-bind", d, d]
@@ -177,28 +195,68 @@ class ProcessRuntime(Runtime):
             elif p.is_dir():
                 argv += ["--ro-bind", link, link]
         argv += [
-            "--proc", "/proc", "--dev", "/dev",
-            "--size", str(r.tmp_mb * 1024 * 1024), "--tmpfs", "/tmp",
-            "--size", str(min(r.tmp_mb, 64) * 1024 * 1024), "--tmpfs", "/dev/shm",
-            "--dir", "/run", "--dir", "/var", "--symlink", "/tmp", "/var/tmp",
-            "--bind", str(ws), "/workspace",
-            "--ro-bind", str(self.agent_dir), AGENT_MOUNT,
-            "--ro-bind-data", str(fds["passwd"]), "/etc/passwd",
-            "--ro-bind-data", str(fds["group"]), "/etc/group",
-            "--chdir", "/workspace", "--clearenv",
+            "--proc",
+            "/proc",
+            "--dev",
+            "/dev",
+            "--size",
+            str(r.tmp_mb * 1024 * 1024),
+            "--tmpfs",
+            "/tmp",
+            "--size",
+            str(min(r.tmp_mb, 64) * 1024 * 1024),
+            "--tmpfs",
+            "/dev/shm",
+            "--dir",
+            "/run",
+            "--dir",
+            "/var",
+            "--symlink",
+            "/tmp",
+            "/var/tmp",
+            "--bind",
+            str(ws),
+            "/workspace",
+            "--ro-bind",
+            str(self.agent_dir),
+            AGENT_MOUNT,
+            "--ro-bind-data",
+            str(fds["passwd"]),
+            "/etc/passwd",
+            "--ro-bind-data",
+            str(fds["group"]),
+            "/etc/group",
+            "--chdir",
+            "/workspace",
+            "--clearenv",
         ]
         env = {
-            "PATH": _SANDBOX_PATH, "HOME": "/workspace", "USER": "user", "LOGNAME": "user",
-            "SHELL": "/bin/bash", "LANG": "C.UTF-8", "TERM": "xterm-256color",
-            "TMPDIR": "/tmp", "AGENTBOX_SANDBOX_ID": spec.sandbox_id,
+            "PATH": _SANDBOX_PATH,
+            "HOME": "/workspace",
+            "USER": "user",
+            "LOGNAME": "user",
+            "SHELL": "/bin/bash",
+            "LANG": "C.UTF-8",
+            "TERM": "xterm-256color",
+            "TMPDIR": "/tmp",
+            "AGENTBOX_SANDBOX_ID": spec.sandbox_id,
         }
         env.update(spec.envs)
         for k, v in env.items():
             argv += ["--setenv", k, v]
         argv += [
-            "--seccomp", str(fds["seccomp"]), "--info-fd", str(fds["info"]),
-            "--", SANDBOX_PYTHON, "-E", "-s", "-S", f"{AGENT_MOUNT}/main.py",
-            "--listen-fd", str(fds["listen"]),
+            "--seccomp",
+            str(fds["seccomp"]),
+            "--info-fd",
+            str(fds["info"]),
+            "--",
+            SANDBOX_PYTHON,
+            "-E",
+            "-s",
+            "-S",
+            f"{AGENT_MOUNT}/main.py",
+            "--listen-fd",
+            str(fds["listen"]),
         ]
         return argv
 
@@ -213,12 +271,17 @@ class ProcessRuntime(Runtime):
         try:
             sdir.mkdir(mode=0o711)
             os.chmod(sdir, 0o711)
-            ws = workspace.create(sdir, self.bind_root / sid, spec.resources.disk_mb, uid,
-                                  self.use_loop)
+            ws = workspace.create(
+                sdir, self.bind_root / sid, spec.resources.disk_mb, uid, self.use_loop
+            )
             state["disk_limit_enforced"] = ws.disk_limit_enforced
             r = spec.resources
-            self.cgroups.create(sid, CgroupLimits(
-                memory_bytes=r.memory_mb * 1024 * 1024, pids=r.pids, cpu_count=r.cpu_count))
+            self.cgroups.create(
+                sid,
+                CgroupLimits(
+                    memory_bytes=r.memory_mb * 1024 * 1024, pids=r.pids, cpu_count=r.cpu_count
+                ),
+            )
             state.update(self._spawn(spec, sdir, ws.path, uid))
             self._write_state(sdir, state)
             return state
@@ -234,8 +297,13 @@ class ProcessRuntime(Runtime):
         os.chmod(sock_path, 0o600)
         listener.listen(128)
         info_r, info_w = os.pipe()
-        fds = {"seccomp": _data_fd(self.seccomp), "passwd": _data_fd(_PASSWD),
-               "group": _data_fd(_GROUP), "info": info_w, "listen": listener.fileno()}
+        fds = {
+            "seccomp": _data_fd(self.seccomp),
+            "passwd": _data_fd(_PASSWD),
+            "group": _data_fd(_GROUP),
+            "info": info_w,
+            "listen": listener.fileno(),
+        }
         r = spec.resources
         join_files = self.cgroups.join_files(spec.sandbox_id)
         limits = [
@@ -267,9 +335,15 @@ class ProcessRuntime(Runtime):
         log = open(sdir / "runtime.log", "ab")
         try:
             proc = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, close_fds=True,
-                pass_fds=tuple(fds.values()), start_new_session=True,
-                preexec_fn=enter_sandbox_context, env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                close_fds=True,
+                pass_fds=tuple(fds.values()),
+                start_new_session=True,
+                preexec_fn=enter_sandbox_context,
+                env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
             )
         finally:
             log.close()
@@ -284,8 +358,10 @@ class ProcessRuntime(Runtime):
             os.close(info_r)
         self._wait_for_agent(sock_path, proc, sdir)
         return {
-            "bwrap_pid": proc.pid, "bwrap_start": _proc_start_time(proc.pid),
-            "init_pid": init_pid, "init_start": _proc_start_time(init_pid),
+            "bwrap_pid": proc.pid,
+            "bwrap_start": _proc_start_time(proc.pid),
+            "init_pid": init_pid,
+            "init_start": _proc_start_time(init_pid),
             "socket": str(sock_path),
         }
 
@@ -328,7 +404,9 @@ class ProcessRuntime(Runtime):
                 pass
             if proc.poll() is not None or time.monotonic() > deadline:
                 log = (sdir / "runtime.log").read_text(errors="replace")[-2000:]
-                raise RuntimeError_(f"the sandbox agent did not start: {log.strip() or 'no output'}")
+                raise RuntimeError_(
+                    f"the sandbox agent did not start: {log.strip() or 'no output'}"
+                )
             time.sleep(0.001)
 
     @staticmethod
@@ -341,7 +419,7 @@ class ProcessRuntime(Runtime):
 
     async def is_alive(self, sandbox_id: str, state: dict[str, Any]) -> bool:
         pid, start = state.get("init_pid"), state.get("init_start")
-        return bool(pid) and start is not None and _proc_start_time(pid) == start
+        return isinstance(pid, int) and start is not None and _proc_start_time(pid) == start
 
     def agent_address(self, sandbox_id: str, state: dict[str, Any]) -> AgentAddress:
         return AgentAddress(socket_path=Path(state["socket"]))
@@ -350,8 +428,12 @@ class ProcessRuntime(Runtime):
         return self.cgroups.counters(sandbox_id)
 
     async def list_sandboxes(self) -> set[str]:
-        ids = {p.name for root in (self.root, self.bind_root) for p in root.iterdir()
-               if p.is_dir() and p.name.startswith("sbx_")}
+        ids = {
+            p.name
+            for root in (self.root, self.bind_root)
+            for p in root.iterdir()
+            if p.is_dir() and p.name.startswith("sbx_")
+        }
         ids |= self.cgroups.list_ids()
         for root in (self.root, self.bind_root):
             ids |= {m.relative_to(root).parts[0] for m in workspace.mounted_under(root)}
@@ -363,7 +445,9 @@ class ProcessRuntime(Runtime):
 
     # ------------------------------------------------------------------ destroy
 
-    async def destroy(self, sandbox_id: str, state: dict[str, Any] | None, keep_workspace: bool) -> None:
+    async def destroy(
+        self, sandbox_id: str, state: dict[str, Any] | None, keep_workspace: bool
+    ) -> None:
         await asyncio.to_thread(self._destroy_sync, sandbox_id, state, keep_workspace)
 
     def _destroy_sync(self, sid: str, state: dict[str, Any] | None, keep_workspace: bool) -> None:
@@ -376,7 +460,11 @@ class ProcessRuntime(Runtime):
         # Killing the pid namespace's init takes every process in the namespace with it.
         for pid_key, start_key in (("init_pid", "init_start"), ("bwrap_pid", "bwrap_start")):
             pid = state.get(pid_key)
-            if pid and state.get(start_key) is not None and _proc_start_time(pid) == state[start_key]:
+            if (
+                pid
+                and state.get(start_key) is not None
+                and _proc_start_time(pid) == state[start_key]
+            ):
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:

@@ -41,32 +41,66 @@ _X32_SYSCALL_BIT = 0x40000000
 # Syscalls sandboxed code never needs. Numbers per architecture (x86_64, aarch64); None = absent.
 DENIED: dict[str, tuple[int | None, int | None]] = {
     # mounts and filesystem views
-    "mount": (165, 40), "umount2": (166, 39), "pivot_root": (155, 41), "chroot": (161, 51),
-    "open_tree": (428, 428), "move_mount": (429, 429), "fsopen": (430, 430),
-    "fsconfig": (431, 431), "fsmount": (432, 432), "fspick": (433, 433),
+    "mount": (165, 40),
+    "umount2": (166, 39),
+    "pivot_root": (155, 41),
+    "chroot": (161, 51),
+    "open_tree": (428, 428),
+    "move_mount": (429, 429),
+    "fsopen": (430, 430),
+    "fsconfig": (431, 431),
+    "fsmount": (432, 432),
+    "fspick": (433, 433),
     "mount_setattr": (442, 442),
     # namespaces: new user namespaces are the classic kernel attack surface
-    "unshare": (272, 97), "setns": (308, 268),
+    "unshare": (272, 97),
+    "setns": (308, 268),
     # cross-process inspection and tampering
-    "ptrace": (101, 117), "process_vm_readv": (310, 270), "process_vm_writev": (311, 271),
-    "kcmp": (312, 272), "pidfd_getfd": (438, 438),
+    "ptrace": (101, 117),
+    "process_vm_readv": (310, 270),
+    "process_vm_writev": (311, 271),
+    "kcmp": (312, 272),
+    "pidfd_getfd": (438, 438),
     # kernel attack surface
-    "bpf": (321, 280), "perf_event_open": (298, 241), "userfaultfd": (323, 282),
-    "io_uring_setup": (425, 425), "io_uring_enter": (426, 426), "io_uring_register": (427, 427),
-    "keyctl": (250, 219), "add_key": (248, 217), "request_key": (249, 218),
+    "bpf": (321, 280),
+    "perf_event_open": (298, 241),
+    "userfaultfd": (323, 282),
+    "io_uring_setup": (425, 425),
+    "io_uring_enter": (426, 426),
+    "io_uring_register": (427, 427),
+    "keyctl": (250, 219),
+    "add_key": (248, 217),
+    "request_key": (249, 218),
     # host-handle tricks (Shocker-style escapes)
-    "open_by_handle_at": (304, 265), "name_to_handle_at": (303, 264),
+    "open_by_handle_at": (304, 265),
+    "name_to_handle_at": (303, 264),
     # module loading, kexec, reboot, swap, accounting, quotas
-    "init_module": (175, 105), "finit_module": (313, 273), "delete_module": (176, 106),
-    "kexec_load": (246, 104), "kexec_file_load": (320, 294), "reboot": (169, 142),
-    "swapon": (167, 224), "swapoff": (168, 225), "acct": (163, 89),
-    "quotactl": (179, 60), "quotactl_fd": (443, 443),
+    "init_module": (175, 105),
+    "finit_module": (313, 273),
+    "delete_module": (176, 106),
+    "kexec_load": (246, 104),
+    "kexec_file_load": (320, 294),
+    "reboot": (169, 142),
+    "swapon": (167, 224),
+    "swapoff": (168, 225),
+    "acct": (163, 89),
+    "quotactl": (179, 60),
+    "quotactl_fd": (443, 443),
     # host identity and clocks
-    "sethostname": (170, 161), "setdomainname": (171, 162), "settimeofday": (164, 170),
-    "clock_settime": (227, 112), "clock_adjtime": (305, 266), "adjtimex": (159, 171),
+    "sethostname": (170, 161),
+    "setdomainname": (171, 162),
+    "settimeofday": (164, 170),
+    "clock_settime": (227, 112),
+    "clock_adjtime": (305, 266),
+    "adjtimex": (159, 171),
     # misc privileged or obsolete
-    "syslog": (103, 116), "vhangup": (153, 58), "iopl": (172, None), "ioperm": (173, None),
-    "uselib": (134, None), "lookup_dcookie": (212, 18), "fanotify_init": (300, 262),
+    "syslog": (103, 116),
+    "vhangup": (153, 58),
+    "iopl": (172, None),
+    "ioperm": (173, None),
+    "uselib": (134, None),
+    "lookup_dcookie": (212, 18),
+    "fanotify_init": (300, 262),
     "nfsservctl": (180, 42),
 }
 _CLONE = (56, 220)
@@ -100,16 +134,17 @@ class _Insn:
 def _assemble(insns: list[_Insn]) -> bytes:
     where = {ins.label: i for i, ins in enumerate(insns) if ins.label}
     out = bytearray()
-    for i, ins in enumerate(insns):
-        def rel(target: str | int) -> int:
-            if isinstance(target, int):
-                return target
-            off = where[target] - i - 1
-            if not 0 <= off < 256:
-                raise ValueError(f"seccomp jump to {target} out of range")
-            return off
 
-        out += struct.pack("<HBBI", ins.code, rel(ins.jt), rel(ins.jf), ins.k)
+    def rel(i: int, target: str | int) -> int:
+        if isinstance(target, int):
+            return target
+        off = where[target] - i - 1
+        if not 0 <= off < 256:
+            raise ValueError(f"seccomp jump to {target} out of range")
+        return off
+
+    for i, ins in enumerate(insns):
+        out += struct.pack("<HBBI", ins.code, rel(i, ins.jt), rel(i, ins.jf), ins.k)
     return bytes(out)
 
 

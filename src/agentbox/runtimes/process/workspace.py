@@ -48,8 +48,7 @@ def mounted_under(prefix: Path) -> list[Path]:
     return sorted(found, key=lambda p: len(p.parts), reverse=True)
 
 
-def create(sandbox_dir: Path, bind_dir: Path, disk_mb: int, uid: int,
-           use_loop: bool) -> Workspace:
+def create(sandbox_dir: Path, bind_dir: Path, disk_mb: int, uid: int, use_loop: bool) -> Workspace:
     """The image lives in the private `sandbox_dir`; it is mounted in `bind_dir`, where the
     sandbox's bwrap (running as `uid`) can reach it."""
     bind_dir.mkdir(mode=0o711, exist_ok=True)
@@ -60,10 +59,20 @@ def create(sandbox_dir: Path, bind_dir: Path, disk_mb: int, uid: int,
         image = sandbox_dir / IMAGE_NAME
         with open(image, "wb") as f:
             f.truncate(disk_mb * 1024 * 1024)
-        _run([
-            "mkfs.ext4", "-q", "-F", "-m", "0", "-O", "^has_journal,^resize_inode",
-            "-E", f"lazy_itable_init=1,root_owner={uid}:{gid}", str(image),
-        ])
+        _run(
+            [
+                "mkfs.ext4",
+                "-q",
+                "-F",
+                "-m",
+                "0",
+                "-O",
+                "^has_journal,^resize_inode",
+                "-E",
+                f"lazy_itable_init=1,root_owner={uid}:{gid}",
+                str(image),
+            ]
+        )
         _run(["mount", "-o", "loop,nosuid,nodev,noatime", str(image), str(mnt)])
         try:
             (mnt / "lost+found").rmdir()
