@@ -142,9 +142,13 @@ def test_nul_overlong_and_empty_paths(client, sbx) -> None:
                       status=400)
     h.assert_rejected(client.put(files(sid), params={"path": "a/" * 2100}, content=b"x"),
                       "invalid_path", status=400)
-    h.assert_rejected(client.get(files(sid), params={"path": "n" * 300}), "invalid_path",
+    # A single name over NAME_MAX (255): read-side routes refuse it cleanly (write: see below).
+    for route in ("", "/stat", "/list"):
+        h.assert_rejected(client.get(files(sid, route), params={"path": "n" * 300}),
+                          "invalid_path", status=400)
+    h.assert_rejected(client.delete(files(sid), params={"path": "n" * 300}), "invalid_path",
                       status=400)
-    h.assert_rejected(client.put(files(sid), params={"path": "n" * 300}, content=b"x"),
+    h.assert_rejected(client.post(files(sid, "/mkdir"), json={"path": "n" * 300}),
                       "invalid_path", status=400)
     for route in ("", "/stat", "/list"):
         r = client.get(files(sid, route), params={"path": ""})
@@ -153,6 +157,16 @@ def test_nul_overlong_and_empty_paths(client, sbx) -> None:
         h.assert_rejected(r, "invalid_path", "invalid_request")
     ls = client.get(files(sid, "/list"), params={"path": "/workspace"})
     assert ls.status_code == 200 and ls.json()["entries"] == [], ls.text
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BUG: PUT /files?path=<one 300-byte name> answers 503 sandbox_unavailable ('the sandbox "
+    "agent closed the connection'): op_write's os.stat(parts[-1]) raises ENAMETOOLONG, which "
+    "escapes (only FileNotFoundError is caught) and serve_one drops the connection unanswered; "
+    "expected 400 invalid_path like every other route"))
+def test_write_with_overlong_name_is_invalid_path(client, sbx) -> None:
+    r = client.put(files(sbx), params={"path": "n" * 300}, content=b"x")
+    h.assert_rejected(r, "invalid_path", status=400)
 
 
 def test_host_data_dir_paths_stay_inside_the_sandbox(server, client, sbx) -> None:
@@ -284,7 +298,7 @@ def test_remove_and_rename_act_on_the_link_itself(client, trapped) -> None:
 def test_fifo_device_and_directory_reads_fail_fast(client, sbx) -> None:
     sid = sbx
     assert h.run(client, sid, "mkfifo /workspace/f && mkfifo /tmp/f && mkdir -p dd").ok
-    for path in ("f", "/tmp/f", "/dev/zero", "/dev/urandom", "/dev/tty", "/dev/stdin"):
+    for path in ("f", "/tmp/f", "/dev/zero", "/dev/urandom", "/dev/stdin", "/proc/self/fd/0"):
         t0 = time.monotonic()
         r = client.get(files(sid), params={"path": path}, timeout=15)
         assert time.monotonic() - t0 < 5, f"read of {path} took too long"
@@ -297,6 +311,17 @@ def test_fifo_device_and_directory_reads_fail_fast(client, sbx) -> None:
     assert r.status_code == 200 and r.json()["type"] == "other", r.text
     # The agent is still healthy after all of that (no thread stuck on the FIFO).
     assert h.run(client, sid, "echo ok", timeout=10).stdout.strip() == "ok"
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BUG: GET /files?path=/dev/tty answers 500 {code: io_error, errno 6 ENXIO}: the agent maps "
+    "unknown errnos to io_error and the server maps io_error to 500; a file the sandbox cannot "
+    "open is a client-side 4xx"))
+def test_read_of_unopenable_device_is_4xx(client, sbx) -> None:
+    t0 = time.monotonic()
+    r = client.get(files(sbx), params={"path": "/dev/tty"}, timeout=15)
+    assert time.monotonic() - t0 < 5
+    h.assert_rejected(r)
 
 
 def test_writes_outside_workspace_are_read_only_violations(client, sbx) -> None:
@@ -324,35 +349,55 @@ def test_writes_outside_workspace_are_read_only_violations(client, sbx) -> None:
         assert client.get(files(sid), params={"path": path}).content == b"fine"
 
 
-def test_upload_larger_than_disk_limit(server, client, host_unchanged) -> None:
+def _upload_64mib(client: httpx.Client, sid: str, path: str) -> tuple[httpx.Response, bytes]:
+    chunk = os.urandom(1024 * 1024)
+
+    def body() -> Iterator[bytes]:
+        for _ in range(64):
+            yield chunk
+
+    t0 = time.monotonic()
+    r = client.put(files(sid), params={"path": path}, content=body(), timeout=120)
+    assert time.monotonic() - t0 < 60, "the over-limit upload was not cut short"
+    return r, chunk
+
+
+@pytest.fixture
+def small_disk(client: httpx.Client, host_unchanged) -> Iterator[str]:
     sid = h.create(client, resources={"disk_mb": 32})["sandbox_id"]
-    try:
-        chunk = os.urandom(1024 * 1024)
+    yield sid
+    h.kill(client, sid)
 
-        def body() -> Iterator[bytes]:
-            for _ in range(64):
-                yield chunk
 
-        t0 = time.monotonic()
-        r = client.put(files(sid), params={"path": "big.bin"}, content=body(), timeout=120)
-        assert time.monotonic() - t0 < 60
-        b = h.assert_rejected(r, "limit_exceeded", status=(400, 413, 507))
-        v = b["detail"].get("violation") or {}
-        assert v.get("code") == "disk_limit" and v.get("setting") == "resources.disk_mb", b
-        # The sandbox still works; the partial upload left nothing behind and space is back.
-        r = h.run(client, sid, "ls -A /workspace; df -m /workspace | tail -1; echo ok")
-        assert r.ok and r.stdout.strip().endswith("ok"), r
-        assert "big.bin" not in r.stdout and ".agentbox-" not in r.stdout, r
-        used_mb = int(r.stdout.splitlines()[-2].split()[2])
-        assert used_mb < 8, r
-        r = client.put(files(sid), params={"path": "small.bin"}, content=chunk)
-        assert r.status_code == 200 and r.json()["size"] == len(chunk), r.text
-        assert client.get(files(sid), params={"path": "small.bin"}).content == chunk
-        # Control on the host: the workspace really is a 32 MiB filesystem.
-        st = h.run(client, sid, "df -B1M --output=size /workspace | tail -1")
-        assert int(st.stdout.strip()) <= 40, st
-    finally:
-        h.kill(client, sid)
+@pytest.mark.xfail(strict=True, reason=(
+    "BUG: PUT of 64 MiB into a sandbox with resources.disk_mb=32 answers 500 "
+    "{code: internal_error, message: 'internal error: BrokenPipeError'} (sometimes "
+    "ConnectionResetError): the agent replies ENOSPC and closes while the server is still "
+    "streaming, and the server never reads that reply; docs/API.md promises "
+    "400 limit_exceeded with detail.violation {code: disk_limit, setting: resources.disk_mb}"))
+def test_upload_larger_than_disk_limit_is_limit_exceeded(client, small_disk) -> None:
+    r, _ = _upload_64mib(client, small_disk, "big.bin")
+    b = h.assert_rejected(r, "limit_exceeded", status=400)
+    v = b["detail"].get("violation") or {}
+    assert v.get("code") == "disk_limit" and v.get("setting") == "resources.disk_mb", b
+
+
+def test_upload_larger_than_disk_limit_leaves_sandbox_usable(client, small_disk) -> None:
+    sid = small_disk
+    # Control: the workspace really is a ~32 MiB filesystem.
+    st = h.run(client, sid, "df -B1M --output=size /workspace | tail -1")
+    assert int(st.stdout.strip()) <= 40, st
+    r, chunk = _upload_64mib(client, sid, "big.bin")
+    assert r.status_code != 200 and h.error_code(r), r.text
+    # The partial upload left nothing behind, the space is back and the sandbox works.
+    r = h.run(client, sid, "ls -A /workspace; df -m /workspace | tail -1; echo ok")
+    assert r.ok and r.stdout.strip().endswith("ok"), r
+    assert "big.bin" not in r.stdout and ".agentbox-" not in r.stdout, r
+    used_mb = int(r.stdout.splitlines()[-2].split()[2])
+    assert used_mb < 8, r
+    r = client.put(files(sid), params={"path": "small.bin"}, content=chunk)
+    assert r.status_code == 200 and r.json()["size"] == len(chunk), r.text
+    assert client.get(files(sid), params={"path": "small.bin"}).content == chunk
 
 
 # ---------------------------------------------------------------- tenants

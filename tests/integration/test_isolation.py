@@ -314,8 +314,8 @@ def test_no_network_to_host(server, client, boxes) -> None:
                   f"python3 -c \"$PY\" {lst.port} {ip_args}; "
                   f"python3 -c \"$PY\" {api_port} 127.0.0.1; "
                   f"for ip in {ip_args}; do "
-                  f"  (timeout 3 bash -c \"exec 3<>/dev/tcp/$ip/{lst.port}\") && echo CONNECTED-tcp $ip; "
-                  "done; true", timeout=60, envs={"PY": py})
+                  f"  (timeout 3 bash -c \"exec 3<>/dev/tcp/$ip/{lst.port}\") "
+                  "&& echo CONNECTED-tcp $ip; done; true", timeout=60, envs={"PY": py})
         assert "CONNECTED" not in r.stdout, r
         assert len(re.findall(r"^refused ", r.stdout, re.M)) == len(ips) + 1, r
         time.sleep(0.3)
@@ -345,8 +345,9 @@ def test_cannot_see_host_processes(server, client, boxes) -> None:
         assert f"sleep {marker}" in host_cmds
         host_init = Path("/proc/1/cmdline").read_bytes()
         r = h.run(client, sid,
-                  "ls /proc | grep -E '^[0-9]+$' | wc -l; echo @@''SEP@@; ps -eo pid,args; echo @@''SEP@@; "
-                  "for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline; echo; done; echo @@''SEP@@; "
+                  "ls /proc | grep -E '^[0-9]+$' | wc -l; echo @@''SEP@@; ps -eo pid,args; "
+                  "echo @@''SEP@@; for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline; echo; "
+                  "done; echo @@''SEP@@; "
                   f"kill -0 {os.getpid()} {server.proc.pid} {host_sleep.pid} 2>&1; "
                   "echo kill-rc=$?; echo @@''SEP@@; cat /proc/1/cmdline | base64 -w0")
         count, ps_out, cmdlines, kill_out, init_b64 = r.stdout.split(SEP)
@@ -380,8 +381,8 @@ def test_server_secrets_not_visible(server, client, tenant_key, boxes) -> None:
     assert server.admin_key.encode() in Path(f"/proc/{server.proc.pid}/environ").read_bytes()
 
     r = h.run(client, sid,
-              "env; echo @@''SEP@@; for p in /proc/[0-9]*; do tr '\\0' '\\n' < $p/environ 2>/dev/null;"
-              " done; echo; echo environ-done")
+              "env; echo @@''SEP@@; for p in /proc/[0-9]*; do "
+              "tr '\\0' '\\n' < $p/environ 2>/dev/null; done; echo; echo environ-done")
     assert "USER_SECRET=visible-by-design" in r.stdout, r  # control: user envs do arrive
     assert "environ-done" in r.stdout, r
     assert "AGENTBOX_ADMIN_KEY" not in r.stdout, r

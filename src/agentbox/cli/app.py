@@ -193,13 +193,14 @@ def _sandbox_table(found: list[SandboxInfo]) -> None:
 
 def _print_table(headers: list[str], rows: list[list[str]]) -> None:
     """Every column keeps its full width except the last, which is cut to fit the terminal."""
+    widths = [max([Text.from_markup(r[i]).cell_len for r in rows] + [len(name)])
+              for i, name in enumerate(headers)]
+    room = out.width - sum(widths[:-1]) - 2 * (len(headers) - 1)
     table = Table(box=None, header_style="bold", pad_edge=False)
     for i, name in enumerate(headers):
-        if i == len(headers) - 1:
-            table.add_column(name, no_wrap=True, overflow="ellipsis", ratio=1, min_width=8)
-        else:
-            width = max([Text.from_markup(r[i]).cell_len for r in rows] + [len(name)])
-            table.add_column(name, no_wrap=True, min_width=width)
+        last = i == len(headers) - 1
+        table.add_column(name, no_wrap=True, overflow="ellipsis",
+                         width=min(widths[i], max(room, 8)) if last else widths[i])
     for row in rows:
         table.add_row(*row)
     out.print(table)
@@ -373,7 +374,8 @@ def audit(
             _time(e.time), *([escape(e.tenant)] if show_tenant else []), escape(e.action),
             escape(e.sandbox_id or "-"), status,
             escape(json.dumps(e.detail, default=str)) if e.detail else ""])
-    headers = ["TIME", *(["TENANT"] if show_tenant else []), "ACTION", "SANDBOX", "STATUS", "DETAIL"]
+    headers = ["TIME", *(["TENANT"] if show_tenant else []), "ACTION", "SANDBOX", "STATUS",
+               "DETAIL"]
     _print_table(headers, rows)
 
 

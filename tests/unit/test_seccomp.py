@@ -1,0 +1,58 @@
+"""The seccomp program: well-formed, and it really blocks (loaded by a real bwrap)."""
+
+from __future__ import annotations
+
+import shutil
+import struct
+import subprocess
+import sys
+
+import pytest
+
+from agentbox.runtimes.process.seccomp import DENIED, RET_ALLOW, build_filter
+
+
+def test_program_shape() -> None:
+    prog = build_filter("x86_64")
+    assert len(prog) % 8 == 0
+    insns = [struct.unpack("<HBBI", prog[i : i + 8]) for i in range(0, len(prog), 8)]
+    assert insns[0] == (0x20, 0, 0, 4)  # load arch first
+    assert any(k == RET_ALLOW for code, _, _, k in insns if code == 0x06)
+    assert len(insns) < 4096
+    assert "ptrace" in DENIED and "unshare" in DENIED and "io_uring_setup" in DENIED
+    assert build_filter("aarch64") != prog
+    with pytest.raises(RuntimeError):
+        build_filter("sparc")
+
+
+PROBE = r"""
+import ctypes, errno, os
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+def probe(nr, *args):
+    r = libc.syscall(nr, *args)
+    return errno.errorcode.get(ctypes.get_errno(), "OK") if r < 0 else "OK"
+print("unshare", probe(272, 0x10000000))
+print("ptrace", probe(101, 0, 0, 0, 0))
+print("bpf", probe(321, 0, 0, 0))
+print("io_uring_setup", probe(425, 1, 0))
+print("clone_newuser", probe(56, 0x10000000 | 17, 0, 0, 0, 0))
+print("getpid", probe(39))
+"""
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap")
+def test_filter_blocks_under_bwrap(tmp_path) -> None:
+    bpf = tmp_path / "f.bpf"
+    bpf.write_bytes(build_filter())
+    with open(bpf, "rb") as f:
+        out = subprocess.run(
+            ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--seccomp",
+             str(f.fileno()), "--", sys.executable, "-c", PROBE],
+            pass_fds=[f.fileno()], capture_output=True, text=True, timeout=30,
+        )
+    results = dict(line.split() for line in out.stdout.splitlines())
+    assert results == {
+        "unshare": "EPERM", "ptrace": "EPERM", "bpf": "EPERM", "io_uring_setup": "EPERM",
+        "clone_newuser": "EPERM", "getpid": "OK",
+    }, out.stderr
