@@ -40,14 +40,13 @@ def used_kb(mi: dict[str, int]) -> int:
 
 
 def cgroup_memory_bytes(sid: str) -> int | None:
-    if H.cgroup_version() == "v2":
-        f = H.CGROUP_ROOT / "agentbox" / sid / "memory.current"
-    else:
-        f = H.CGROUP_ROOT / "memory" / "agentbox" / sid / "memory.usage_in_bytes"
-    try:
-        return int(f.read_text())
-    except (OSError, ValueError):
-        return None
+    name = "memory.current" if H.cgroup_version() == "v2" else "memory.usage_in_bytes"
+    for d in H._cgroup_dirs(sid):
+        try:
+            return int((d / name).read_text())
+        except (OSError, ValueError):
+            continue
+    return None
 
 
 def bwrap_floor() -> tuple[int, int]:

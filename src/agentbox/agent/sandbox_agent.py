@@ -358,6 +358,9 @@ def op_write(conn: Conn, req: dict) -> None:
         except OSError as e:
             raise os_error(e, path) from None
         # The client streams D frames; write them as they come (nothing held in memory).
+        # After a write error keep reading to the end: the client is still sending, and
+        # closing early would lose the error reply in its broken pipe.
+        failed: OpError | None = None
         while True:
             kind, payload = conn.recv()
             if kind == P.KIND_END:
@@ -365,12 +368,15 @@ def op_write(conn: Conn, req: dict) -> None:
             if kind != P.KIND_DATA:
                 raise OpError("invalid_request", "expected file data")
             view = memoryview(payload)
-            while view:
+            while view and failed is None:
                 try:
                     n = os.write(fd, view)
                 except OSError as e:
-                    raise os_error(e, path) from None
+                    failed = os_error(e, path)
+                    break
                 view = view[n:]
+        if failed is not None:
+            raise failed
         os.close(fd)
         fd = -1
         try:

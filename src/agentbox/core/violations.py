@@ -37,7 +37,7 @@ _STDERR_HINTS = (
         "resources.disk_mb",
     ),
     (
-        ("File too large",),
+        ("File too large", "File size limit exceeded"),
         "file_size_limit",
         "resources.file_size_mb",
         "a file exceeded the per-file size limit; raise resources.file_size_mb",

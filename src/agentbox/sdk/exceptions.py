@@ -55,7 +55,7 @@ class NotFoundError(AgentboxError):
 
 
 class InvalidArgumentError(AgentboxError):
-    """400/413/422: the request asks something the server refuses; `message` says what."""
+    """400/413/422 (and policy 403s): the server refuses what was asked; `message` says why."""
 
 
 class QuotaExceededError(AgentboxError):

@@ -343,6 +343,9 @@ def error_from_response(response: httpx.Response) -> AgentboxError:
         message = response.text.strip()[:500] or response.reason_phrase or f"HTTP {status}"
         detail = {}
     cls = _BY_STATUS.get(status, AgentboxError)
+    if status == 403 and code not in ("forbidden", "unauthorized"):
+        # A 403 about the sandbox's policy (read_only_path, ...) is not a key problem.
+        cls = InvalidArgumentError
     return cls(message, status=status, code=code, detail=detail)
 
 
