@@ -153,7 +153,8 @@ def main() -> None:
     print(f"leftovers after cleanup: {srv.leftovers}; host bwrap processes now: "
           f"{H.host_bwrap_count()}")
     result.update(rows=[row], create_ms=H.summarize(creates), kill_ms=H.summarize(kills),
-                  errors=dict(errors), server_cpu_pct=100 * cpu / wall, host_busy_pct=100 * host_busy, floor_per_s=floor,
+                  errors=dict(errors), server_cpu_pct=100 * cpu / wall,
+                  host_busy_pct=100 * host_busy, floor_per_s=floor,
                   profile=prof_rows, leftovers=srv.leftovers)
     H.emit(result, args.json)
 

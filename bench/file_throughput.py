@@ -128,7 +128,8 @@ def main() -> None:
                 print(f"  rep {rep + 1}: write {writes[-1]:.0f} MB/s (server peak RSS "
                       f"{peaks_w[-1] / 1024:.0f} MiB), read {reads[-1]:.0f} MB/s (peak "
                       f"{peaks_r[-1] / 1024:.0f} MiB); host floor write {floors[-1][0]:.0f} "
-                      f"/ read {floors[-1][1]:.0f} MB/s; host, plain dir on the same disk (no loop): "
+                      f"/ read {floors[-1][1]:.0f} MB/s; host, plain dir on the same disk "
+                      "(no loop): "
                       f"write {plain[-1][0]:.0f} / read {plain[-1][1]:.0f} MB/s")
     w, rd = statistics.median(writes), statistics.median(reads)
     fw = statistics.median(f[0] for f in floors)
@@ -138,7 +139,8 @@ def main() -> None:
     print(f"\nserver RSS: idle {idle / 1024:.1f} MiB, peak during transfers {peak / 1024:.1f} MiB "
           f"(+{(peak - idle) / 1024:.1f} MiB for a {args.size_mb} MiB file)")
     if apid:
-        print(f"agent RSS: idle {agent_idle / 1024:.1f} MiB, peak {max(agent_peaks) / 1024:.1f} MiB")
+        print(f"agent RSS: idle {agent_idle / 1024:.1f} MiB, "
+              f"peak {max(agent_peaks) / 1024:.1f} MiB")
     rows = []
     for label, val, floor in (("write", w, fw), ("read", rd, fr)):
         rows.append({"metric": f"files API {label}, {args.size_mb} MiB streamed",

@@ -61,8 +61,10 @@ def main() -> None:
     print("# agentbox benchmarks\n")
     print(f"- date: {m['date']}")
     print(f"- machine: {H.machine_line(m)}")
-    print(f"- command: `.venv/bin/python bench/run_all.py{' ' + ' '.join(sys.argv[1:]) if sys.argv[1:] else ''}`\n")
-    print("| benchmark | metric | goal | achieved p50 | p99 / worst | floor (same run) | vs floor | met |")
+    flags = "".join(" " + a for a in sys.argv[1:])
+    print(f"- command: `.venv/bin/python bench/run_all.py{flags}`\n")
+    print("| benchmark | metric | goal | achieved p50 | p99 / worst | floor (same run) "
+          "| vs floor | met |")
     print("|---|---|---|---|---|---|---|---|")
     for res in results:
         for row in res["rows"]:

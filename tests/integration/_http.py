@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,8 +36,10 @@ class Result:
         return self.exit_code == 0
 
     def __str__(self) -> str:  # handy in assertion messages
-        return (f"exit={self.exit_code} end={self.end}\n--stdout--\n{self.stdout[-3000:]}"
-                f"\n--stderr--\n{self.stderr[-3000:]}")
+        return (
+            f"exit={self.exit_code} end={self.end}\n--stdout--\n{self.stdout[-3000:]}"
+            f"\n--stderr--\n{self.stderr[-3000:]}"
+        )
 
 
 def create(client: httpx.Client, **body: Any) -> dict[str, Any]:
@@ -50,15 +54,22 @@ def kill(client: httpx.Client, sandbox_id: str) -> httpx.Response:
     return client.delete(f"/v1/sandboxes/{sandbox_id}", timeout=90)
 
 
-def run(client: httpx.Client, sandbox_id: str, cmd: str, timeout: float = 30,
-        http_timeout: float | None = None, **extra: Any) -> Result:
+def run(
+    client: httpx.Client,
+    sandbox_id: str,
+    cmd: str,
+    timeout: float = 30,
+    http_timeout: float | None = None,
+    **extra: Any,
+) -> Result:
     """Run a foreground command and collect its NDJSON events until `end`."""
     body = {"cmd": cmd, "timeout": timeout, **extra}
     res = Result()
     t0 = time.monotonic()
     limit = http_timeout if http_timeout is not None else (timeout or 60) + 60
-    with client.stream("POST", f"/v1/sandboxes/{sandbox_id}/commands", json=body,
-                       timeout=limit) as r:
+    with client.stream(
+        "POST", f"/v1/sandboxes/{sandbox_id}/commands", json=body, timeout=limit
+    ) as r:
         if r.status_code != 200:
             r.read()
             raise AssertionError(f"run {cmd!r}: HTTP {r.status_code} {r.text}")
@@ -81,11 +92,14 @@ def run(client: httpx.Client, sandbox_id: str, cmd: str, timeout: float = 30,
     return res
 
 
-def run_bg(client: httpx.Client, sandbox_id: str, cmd: str, timeout: float = 0,
-           **extra: Any) -> dict[str, Any]:
+def run_bg(
+    client: httpx.Client, sandbox_id: str, cmd: str, timeout: float = 0, **extra: Any
+) -> dict[str, Any]:
     """Start a background command; returns CommandInfo."""
-    r = client.post(f"/v1/sandboxes/{sandbox_id}/commands",
-                    json={"cmd": cmd, "timeout": timeout, "background": True, **extra})
+    r = client.post(
+        f"/v1/sandboxes/{sandbox_id}/commands",
+        json={"cmd": cmd, "timeout": timeout, "background": True, **extra},
+    )
     assert r.status_code == 201, f"background {cmd!r}: {r.status_code} {r.text}"
     return r.json()
 
@@ -99,8 +113,9 @@ def error_code(r: httpx.Response) -> str | None:
     return body.get("code") if isinstance(body, dict) else None
 
 
-def assert_rejected(r: httpx.Response, *codes: str, status: int | tuple[int, ...] | None = None
-                    ) -> dict[str, Any]:
+def assert_rejected(
+    r: httpx.Response, *codes: str, status: int | tuple[int, ...] | None = None
+) -> dict[str, Any]:
     """Assert a clean 4xx with a JSON `code` (one of `codes` if given); return the body."""
     what = f"{r.request.method} {r.request.url} -> {r.status_code} {r.text[:500]}"
     assert 400 <= r.status_code < 500, f"expected a 4xx: {what}"
@@ -112,6 +127,27 @@ def assert_rejected(r: httpx.Response, *codes: str, status: int | tuple[int, ...
     if codes:
         assert body["code"] in codes, f"expected code in {codes}: {what}"
     return body
+
+
+# Known product bug (see test_files_security.py::test_rejected_upload_is_4xx_not_broken_pipe):
+# when the agent refuses a PUT before reading its body, the server may lose the agent's error
+# reply in a broken pipe and answer 500. Deterministic for large bodies (tested strictly there);
+# a race for tiny ones, tolerated only in this exact form so other tests stay deterministic.
+_UPLOAD_RACE = re.compile(r"^internal error: (BrokenPipeError|ConnectionResetError)$")
+
+
+def assert_upload_rejected(
+    r: httpx.Response, *codes: str, status: int | tuple[int, ...] | None = None
+) -> dict[str, Any]:
+    """assert_rejected for PUT /files, tolerating only the known broken-pipe 500 signature."""
+    if (
+        r.status_code == 500
+        and error_code(r) == "internal_error"
+        and _UPLOAD_RACE.match(r.json().get("message", ""))
+    ):
+        warnings.warn(f"known upload race hit: {r.request.url} -> 500 {r.text}", stacklevel=2)
+        return r.json()
+    return assert_rejected(r, *codes, status=status)
 
 
 class Sandboxes:

@@ -66,16 +66,23 @@ def host_pids_of(sandbox_id: str, uid: int | None = None) -> dict[int, str]:
         pid = int(entry)
         try:
             cg = Path(f"/proc/{pid}/cgroup").read_text()
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(
-                errors="replace")
+            cmdline = (
+                Path(f"/proc/{pid}/cmdline")
+                .read_bytes()
+                .replace(b"\0", b" ")
+                .decode(errors="replace")
+            )
             status = Path(f"/proc/{pid}/status").read_text()
         except OSError:
             continue
         if "State:\tZ" in status and sandbox_id not in cg:
             continue
         uids = re.search(r"^Uid:\s+(\d+)\s+(\d+)", status, re.M)
-        if sandbox_id in cg or sandbox_id in cmdline or (
-                uid is not None and uids and uid in (int(uids[1]), int(uids[2]))):
+        if (
+            sandbox_id in cg
+            or sandbox_id in cmdline
+            or (uid is not None and uids and uid in (int(uids[1]), int(uids[2])))
+        ):
             found[pid] = cmdline.strip()
     return found
 
@@ -94,8 +101,12 @@ def cgroup_dirs(sandbox_id: str) -> list[Path]:
     """The sandbox's cgroup directories (v1 per controller or v2; scoped per server or not)."""
     root = Path("/sys/fs/cgroup")
     found: set[Path] = set()
-    for pattern in (f"agentbox/{sandbox_id}", f"agentbox/*/{sandbox_id}",
-                    f"*/agentbox/{sandbox_id}", f"*/agentbox/*/{sandbox_id}"):
+    for pattern in (
+        f"agentbox/{sandbox_id}",
+        f"agentbox/*/{sandbox_id}",
+        f"*/agentbox/{sandbox_id}",
+        f"*/agentbox/*/{sandbox_id}",
+    ):
         found.update(p for p in root.glob(pattern) if p.is_dir())
     return sorted(found)
 
@@ -139,8 +150,20 @@ def test_host_canaries_are_unreadable(server, client, boxes) -> None:
     made_dirs: list[Path] = []
     # Outside every mount of the sandbox: user homes, /var/tmp, /opt, host /tmp, the server's
     # data dir and the sandbox's own state directory right next to its workspace mount.
-    for base in ("/root", "/home", "/var/tmp", "/opt", "/srv", "/mnt", "/tmp", "/run",
-                 str(server.data_dir), str(sdir), str(bind_dir), str(bind_dir.parent)):
+    for base in (
+        "/root",
+        "/home",
+        "/var/tmp",
+        "/opt",
+        "/srv",
+        "/mnt",
+        "/tmp",
+        "/run",
+        str(server.data_dir),
+        str(sdir),
+        str(bind_dir),
+        str(bind_dir.parent),
+    ):
         b = Path(base)
         if not b.is_dir():
             continue
@@ -157,12 +180,20 @@ def test_host_canaries_are_unreadable(server, client, boxes) -> None:
         # Positive control: the very same probe finds every canary on the host.
         host = subprocess.run(
             ["grep", "-rl", "--no-messages", canary, *map(str, made_dirs)],
-            capture_output=True, text=True, timeout=30)
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         assert sorted(host.stdout.split()) == sorted(map(str, planted)), host
 
-        r = h.run(client, sid,
-                  f"timeout 40 grep -rl --no-messages -I -D skip \"$CANARY\" {SEARCH_ROOTS}; "
-                  "echo grep-rc=$?", timeout=60, envs={"CANARY": canary})
+        r = h.run(
+            client,
+            sid,
+            f'timeout 40 grep -rl --no-messages -I -D skip "$CANARY" {SEARCH_ROOTS}; '
+            "echo grep-rc=$?",
+            timeout=60,
+            envs={"CANARY": canary},
+        )
         assert "grep-rc=" in r.stdout, r
         assert canary not in r.stdout and canary not in r.stderr, r
         assert "canary.txt" not in r.stdout, r
@@ -170,20 +201,30 @@ def test_host_canaries_are_unreadable(server, client, boxes) -> None:
         assert re.search(r"grep-rc=[12]\b", r.stdout), f"grep did not finish cleanly: {r}"
 
         # In-sandbox control: the same search does find the nonce where the sandbox can see it.
-        ctl = h.run(client, sid,
-                    "printf '%s\\n' \"$CANARY\" > /workspace/control.txt; "
-                    f"timeout 40 grep -rl --no-messages -I -D skip \"$CANARY\" {SEARCH_ROOTS}; "
-                    "rm /workspace/control.txt", timeout=60, envs={"CANARY": canary})
+        ctl = h.run(
+            client,
+            sid,
+            "printf '%s\\n' \"$CANARY\" > /workspace/control.txt; "
+            f'timeout 40 grep -rl --no-messages -I -D skip "$CANARY" {SEARCH_ROOTS}; '
+            "rm /workspace/control.txt",
+            timeout=60,
+            envs={"CANARY": canary},
+        )
         assert ctl.stdout.split() == ["/workspace/control.txt"], ctl
 
         paths = " ".join(f"'{p}' '/proc/1/root{p}' '/proc/self/root{p}'" for p in planted)
-        r = h.run(client, sid,
-                  f"for p in {paths}; do if cat \"$p\"; then echo \"READ $p\"; fi; done",
-                  timeout=30)
+        r = h.run(
+            client,
+            sid,
+            f'for p in {paths}; do if cat "$p"; then echo "READ $p"; fi; done',
+            timeout=30,
+        )
         assert canary not in r.stdout, r
         assert "READ " not in r.stdout, r
-        assert r.stderr.count("No such file or directory") + r.stderr.count(
-            "Permission denied") >= len(planted) * 3, r
+        assert (
+            r.stderr.count("No such file or directory") + r.stderr.count("Permission denied")
+            >= len(planted) * 3
+        ), r
     finally:
         for d in made_dirs:
             shutil.rmtree(d, ignore_errors=True)
@@ -209,23 +250,37 @@ def test_cannot_write_outside_workspace_and_tmp(server, client, boxes) -> None:
     agent_main = binds["/opt/agentbox"] / "main.py"
     watched = ["/etc/hostname", "/etc/passwd", "/usr/bin/env", str(agent_main)]
     before = {p: sha256(p) for p in watched}
-    targets = ["/etc", "/usr", "/usr/local", "", "/var", "/opt", "/opt/agentbox", "/run", "/dev",
-               "/proc"]
-    script = "; ".join(
-        f"(echo pwned > {t}/{name}) && echo 'WROTE {t}/{name}'" for t in targets)
-    script += ("; (echo pwned >> /etc/hostname) && echo WROTE-hostname"
-               "; (echo pwned >> /opt/agentbox/main.py) && echo WROTE-agent"
-               "; touch -d 2001-01-01 /etc/passwd && echo WROTE-touch"
-               "; chmod 777 /usr/bin/env && echo WROTE-chmod"
-               "; ln /etc/passwd /workspace/hardlink && echo WROTE-hardlink"
-               "; mv /etc/hostname /workspace/h && echo WROTE-mv; true")
+    targets = [
+        "/etc",
+        "/usr",
+        "/usr/local",
+        "",
+        "/var",
+        "/opt",
+        "/opt/agentbox",
+        "/run",
+        "/dev",
+        "/proc",
+    ]
+    script = "; ".join(f"(echo pwned > {t}/{name}) && echo 'WROTE {t}/{name}'" for t in targets)
+    script += (
+        "; (echo pwned >> /etc/hostname) && echo WROTE-hostname"
+        "; (echo pwned >> /opt/agentbox/main.py) && echo WROTE-agent"
+        "; touch -d 2001-01-01 /etc/passwd && echo WROTE-touch"
+        "; chmod 777 /usr/bin/env && echo WROTE-chmod"
+        "; ln /etc/passwd /workspace/hardlink && echo WROTE-hardlink"
+        "; mv /etc/hostname /workspace/h && echo WROTE-mv; true"
+    )
     r = h.run(client, sid, script)
     assert "WROTE" not in r.stdout, r
     errors = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(errors) >= len(targets) + 5, r
     for ln in errors:
-        assert re.search(r"Read-only file system|Permission denied|Operation not permitted|"
-                         r"No such file or directory|cross-device", ln), f"unexpected: {ln}\n{r}"
+        assert re.search(
+            r"Read-only file system|Permission denied|Operation not permitted|"
+            r"No such file or directory|cross-device",
+            ln,
+        ), f"unexpected: {ln}\n{r}"
     assert "Read-only file system" in r.stderr and "Permission denied" in r.stderr, r
 
     # Host side: nothing appeared, nothing changed.
@@ -237,8 +292,12 @@ def test_cannot_write_outside_workspace_and_tmp(server, client, boxes) -> None:
     assert os.stat("/etc/passwd").st_mtime > 978307200 + 86400  # not touched to 2001
 
     # Control: /workspace and /tmp are writable, and /workspace lands in the sandbox's own dir.
-    r = h.run(client, sid, f"echo ok > /workspace/{name} && echo ok > /tmp/{name} && "
-              f"cat /workspace/{name} /tmp/{name}")
+    r = h.run(
+        client,
+        sid,
+        f"echo ok > /workspace/{name} && echo ok > /tmp/{name} && "
+        f"cat /workspace/{name} /tmp/{name}",
+    )
     assert r.ok and r.stdout.split() == ["ok", "ok"], r
     ws_file = binds["/workspace"] / name
     assert ws_file.read_text() == "ok\n"
@@ -301,21 +360,28 @@ def test_no_network_to_host(server, client, boxes) -> None:
         assert wait_until(lambda: lst.hits == len(ips)), lst.hits
         lst.hits = 0
 
-        py = ("import socket,sys\n"
-              "for ip in sys.argv[2:]:\n"
-              "    try:\n"
-              "        socket.create_connection((ip, int(sys.argv[1])), timeout=2).close()\n"
-              "        print('CONNECTED', ip)\n"
-              "    except OSError as e:\n"
-              "        print('refused', ip, e)\n")
+        py = (
+            "import socket,sys\n"
+            "for ip in sys.argv[2:]:\n"
+            "    try:\n"
+            "        socket.create_connection((ip, int(sys.argv[1])), timeout=2).close()\n"
+            "        print('CONNECTED', ip)\n"
+            "    except OSError as e:\n"
+            "        print('refused', ip, e)\n"
+        )
         api_port = server.port
         ip_args = " ".join(ips)
-        r = h.run(client, sid,
-                  f"python3 -c \"$PY\" {lst.port} {ip_args}; "
-                  f"python3 -c \"$PY\" {api_port} 127.0.0.1; "
-                  f"for ip in {ip_args}; do "
-                  f"  (timeout 3 bash -c \"exec 3<>/dev/tcp/$ip/{lst.port}\") "
-                  "&& echo CONNECTED-tcp $ip; done; true", timeout=60, envs={"PY": py})
+        r = h.run(
+            client,
+            sid,
+            f'python3 -c "$PY" {lst.port} {ip_args}; '
+            f'python3 -c "$PY" {api_port} 127.0.0.1; '
+            f"for ip in {ip_args}; do "
+            f'  (timeout 3 bash -c "exec 3<>/dev/tcp/$ip/{lst.port}") '
+            "&& echo CONNECTED-tcp $ip; done; true",
+            timeout=60,
+            envs={"PY": py},
+        )
         assert "CONNECTED" not in r.stdout, r
         assert len(re.findall(r"^refused ", r.stdout, re.M)) == len(ips) + 1, r
         time.sleep(0.3)
@@ -327,8 +393,11 @@ def test_no_network_to_host(server, client, boxes) -> None:
     ifaces = [ln.split(":")[0].strip() for ln in r.stdout.splitlines() if ":" in ln]
     assert ifaces == ["lo"], r
     # Sanity: the host itself has more than loopback in its own /proc/net/dev, or at least lo.
-    host_ifaces = [ln.split(":")[0].strip()
-                   for ln in Path("/proc/net/dev").read_text().splitlines() if ":" in ln]
+    host_ifaces = [
+        ln.split(":")[0].strip()
+        for ln in Path("/proc/net/dev").read_text().splitlines()
+        if ":" in ln
+    ]
     assert "lo" in host_ifaces
 
 
@@ -344,12 +413,15 @@ def test_cannot_see_host_processes(server, client, boxes) -> None:
         host_cmds = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
         assert f"sleep {marker}" in host_cmds
         host_init = Path("/proc/1/cmdline").read_bytes()
-        r = h.run(client, sid,
-                  "ls /proc | grep -E '^[0-9]+$' | wc -l; echo @@''SEP@@; ps -eo pid,args; "
-                  "echo @@''SEP@@; for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline; echo; "
-                  "done; echo @@''SEP@@; "
-                  f"kill -0 {os.getpid()} {server.proc.pid} {host_sleep.pid} 2>&1; "
-                  "echo kill-rc=$?; echo @@''SEP@@; cat /proc/1/cmdline | base64 -w0")
+        r = h.run(
+            client,
+            sid,
+            "ls /proc | grep -E '^[0-9]+$' | wc -l; echo @@''SEP@@; ps -eo pid,args; "
+            "echo @@''SEP@@; for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline; echo; "
+            "done; echo @@''SEP@@; "
+            f"kill -0 {os.getpid()} {server.proc.pid} {host_sleep.pid} 2>&1; "
+            "echo kill-rc=$?; echo @@''SEP@@; cat /proc/1/cmdline | base64 -w0",
+        )
         count, ps_out, cmdlines, kill_out, init_b64 = r.stdout.split(SEP)
         n = int(count.strip())
         assert 0 < n <= 10, f"{n} processes visible in the sandbox:\n{r}"
@@ -380,9 +452,12 @@ def test_server_secrets_not_visible(server, client, tenant_key, boxes) -> None:
     # Positive control: the server process on the host does hold the admin key in its env.
     assert server.admin_key.encode() in Path(f"/proc/{server.proc.pid}/environ").read_bytes()
 
-    r = h.run(client, sid,
-              "env; echo @@''SEP@@; for p in /proc/[0-9]*; do "
-              "tr '\\0' '\\n' < $p/environ 2>/dev/null; done; echo; echo environ-done")
+    r = h.run(
+        client,
+        sid,
+        "env; echo @@''SEP@@; for p in /proc/[0-9]*; do "
+        "tr '\\0' '\\n' < $p/environ 2>/dev/null; done; echo; echo environ-done",
+    )
     assert "USER_SECRET=visible-by-design" in r.stdout, r  # control: user envs do arrive
     assert "environ-done" in r.stdout, r
     assert "AGENTBOX_ADMIN_KEY" not in r.stdout, r
@@ -391,11 +466,15 @@ def test_server_secrets_not_visible(server, client, tenant_key, boxes) -> None:
 
     # Search the visible tree for the values. They travel reversed (so the probe's own
     # environment is no false hit) and are turned back into unexported shell variables.
-    r = h.run(client, sid,
-              "k1=$(printf %s \"$K1\" | rev); k2=$(printf %s \"$K2\" | rev); "
-              f"timeout 40 grep -rl --no-messages -I -D skip -F -e \"$k1\" -e \"$k2\" "
-              f"{SEARCH_ROOTS} /proc/1/cmdline /proc/1/environ /proc/2/cmdline; echo grep-rc=$?",
-              timeout=60, envs={"K1": server.admin_key[::-1], "K2": tenant_key[::-1]})
+    r = h.run(
+        client,
+        sid,
+        'k1=$(printf %s "$K1" | rev); k2=$(printf %s "$K2" | rev); '
+        f'timeout 40 grep -rl --no-messages -I -D skip -F -e "$k1" -e "$k2" '
+        f"{SEARCH_ROOTS} /proc/1/cmdline /proc/1/environ /proc/2/cmdline; echo grep-rc=$?",
+        timeout=60,
+        envs={"K1": server.admin_key[::-1], "K2": tenant_key[::-1]},
+    )
     assert re.search(r"grep-rc=[12]\b", r.stdout), r
     assert "/" not in r.stdout.replace("grep-rc", ""), r
 
@@ -405,19 +484,24 @@ def test_server_secrets_not_visible(server, client, tenant_key, boxes) -> None:
 
 def test_no_privileges_seccomp_and_no_new_namespaces(server, client, boxes) -> None:
     sid = boxes.new()
-    mount_py = ("import ctypes\n"
-                "l = ctypes.CDLL(None, use_errno=True)\n"
-                "rc = l.mount(b'none', b'/workspace', b'tmpfs', 0, None)\n"
-                "print('mount', rc, ctypes.get_errno())\n"
-                "rc = l.unshare(0x10000000)\n"  # CLONE_NEWUSER
-                "print('unshare', rc, ctypes.get_errno())\n"
-                "rc = l.setuid(0)\n"
-                "print('setuid', rc, ctypes.get_errno())\n")
-    r = h.run(client, sid,
-              "grep -E '^(Uid|Gid|Cap(Inh|Prm|Eff|Bnd|Amb)|NoNewPrivs|Seccomp):' /proc/self/status;"
-              " echo @@''SEP@@; id -u; echo @@''SEP@@; unshare -U true; echo unshare-rc=$?; "
-              "unshare -r true; echo unshare-r-rc=$?; echo @@''SEP@@; python3 -c \"$PY\"",
-              envs={"PY": mount_py})
+    mount_py = (
+        "import ctypes\n"
+        "l = ctypes.CDLL(None, use_errno=True)\n"
+        "rc = l.mount(b'none', b'/workspace', b'tmpfs', 0, None)\n"
+        "print('mount', rc, ctypes.get_errno())\n"
+        "rc = l.unshare(0x10000000)\n"  # CLONE_NEWUSER
+        "print('unshare', rc, ctypes.get_errno())\n"
+        "rc = l.setuid(0)\n"
+        "print('setuid', rc, ctypes.get_errno())\n"
+    )
+    r = h.run(
+        client,
+        sid,
+        "grep -E '^(Uid|Gid|Cap(Inh|Prm|Eff|Bnd|Amb)|NoNewPrivs|Seccomp):' /proc/self/status;"
+        " echo @@''SEP@@; id -u; echo @@''SEP@@; unshare -U true; echo unshare-rc=$?; "
+        "unshare -r true; echo unshare-r-rc=$?; echo @@''SEP@@; python3 -c \"$PY\"",
+        envs={"PY": mount_py},
+    )
     status, uid, unshare_out, py_out = r.stdout.split(SEP)
     fields = dict(re.findall(r"^(\w+):\s+(.*)$", status, re.M))
     assert fields["Seccomp"] == "2", r
@@ -444,8 +528,9 @@ def test_no_privileges_seccomp_and_no_new_namespaces(server, client, boxes) -> N
 # ---------------------------------------------------------------- resource exhaustion
 
 
-def _probe_latency(client: httpx.Client, sid: str, stop: threading.Event,
-                   samples: list[float], errors: list[str]) -> None:
+def _probe_latency(
+    client: httpx.Client, sid: str, stop: threading.Event, samples: list[float], errors: list[str]
+) -> None:
     while not stop.is_set():
         try:
             r = h.run(client, sid, "echo ok", timeout=10, http_timeout=30)
@@ -457,53 +542,124 @@ def _probe_latency(client: httpx.Client, sid: str, stop: threading.Event,
         time.sleep(0.1)
 
 
-def test_fork_and_memory_bombs_are_contained(server, client, boxes) -> None:
+class Prober:
+    """Runs `echo ok` in a neighbour sandbox in a loop and records each round trip."""
+
+    def __init__(self, server, key: str, sid: str) -> None:
+        self.client = server.client(key)
+        self.samples: list[float] = []
+        self.errors: list[str] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(
+            target=_probe_latency,
+            daemon=True,
+            args=(self.client, sid, self.stop, self.samples, self.errors),
+        )
+
+    def __enter__(self) -> Prober:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(40)
+        self.client.close()
+
+    def check(self, min_samples: int = 3) -> None:
+        assert not self.errors, self.errors[:3]
+        assert len(self.samples) >= min_samples, self.samples
+        assert max(self.samples) < 2.0, f"neighbour latency under attack: {self.samples}"
+
+
+def _pids_files(sid: str) -> tuple[Path, Path]:
+    for d in cgroup_dirs(sid):
+        if (d / "pids.max").exists():
+            return d / "pids.current", d / "pids.max"
+    raise AssertionError(f"no pids cgroup for {sid}: {cgroup_dirs(sid)}")
+
+
+def test_fork_bomb_is_contained(server, client, boxes) -> None:
     a = boxes.new(resources={"memory_mb": 256, "pids": 128})
     b = boxes.new()
-    stop = threading.Event()
-    samples: list[float] = []
-    errors: list[str] = []
-    with server.client(client.headers["X-API-Key"]) as probe_client:
-        prober = threading.Thread(target=_probe_latency,
-                                  args=(probe_client, b, stop, samples, errors), daemon=True)
-        prober.start()
-        try:
+    state_a = runtime_state(server, a)
+    current, pmax = _pids_files(a)
+    assert pmax.read_text().strip() == "128"
+    peak = 0
+    with Prober(server, client.headers["X-API-Key"], b) as probe:
+        h.run_bg(client, a, "bash -c ':(){ :|:& };:'", timeout=5)
+        deadline = time.monotonic() + 6
+        host_worst = 0.0
+        while time.monotonic() < deadline:
+            peak = max(peak, int(current.read_text()))
             t0 = time.monotonic()
-            fork = h.run(client, a, "bash -c ':(){ :|:& };:'; sleep 30", timeout=5,
-                         http_timeout=60)
-            fork_elapsed = time.monotonic() - t0
-            during_fork = len(samples)
-            t_host = time.monotonic()
             subprocess.run(["true"], check=True, timeout=5)
-            host_latency = time.monotonic() - t_host
-            health = httpx.get(f"{server.url}/v1/health", timeout=5)
+            assert httpx.get(f"{server.url}/v1/health", timeout=5).status_code == 200
+            host_worst = max(host_worst, time.monotonic() - t0)
+            time.sleep(0.2)
+    # The bomb really went off and hit the fence, and the fence held.
+    assert peak >= 100, f"the fork bomb never got going (peak {peak} pids)"
+    assert peak <= 128, f"pids cgroup exceeded its limit: {peak}"
+    assert host_worst < 2, f"host stalled for {host_worst:.2f} s"
+    probe.check()
+    # Whatever state A is in, killing it takes every bomb process with it.
+    assert h.kill(client, a).status_code == 204
+    left = wait_until(lambda: not host_pids_of(a, state_a["uid"]), 3) or host_pids_of(
+        a, state_a["uid"]
+    )
+    assert left is True, f"fork bomb processes survived the kill: {len(left)}"
 
-            mem = h.run(client, a,
-                        "python3 -c \"x = b'\\x01' * (2 * 1024**3); print('ALLOCATED', len(x))\"",
-                        timeout=60)
-        finally:
-            stop.set()
-            prober.join(40)
 
-    assert fork.end.get("timed_out") is True, fork
-    assert fork_elapsed < 30, f"the fork bomb was not stopped at its 5 s timeout: {fork}"
-    assert host_latency < 2 and health.status_code == 200
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "BUG: a fork bomb kills the sandbox's own agent: once pids.max is reached, the agent's "
+        "accept loop (sandbox_agent.main: threading.Thread(...).start(), unguarded) raises "
+        "'RuntimeError: can't start new thread' and the agent exits. Requests during the bomb get "
+        "500 agent_error or 503 sandbox_unavailable, and afterwards the sandbox never answers "
+        "again (503 'cannot reach the sandbox agent', or 409 sandbox_not_running 'killed "
+        "(vanished)'): untrusted code can destroy its own sandbox's control channel instead of "
+        "merely being throttled"
+    ),
+)
+def test_sandbox_survives_its_own_fork_bomb(client, boxes) -> None:
+    a = boxes.new(resources={"memory_mb": 256, "pids": 128})
+    h.run_bg(client, a, "bash -c ':(){ :|:& };:'", timeout=5)
+    time.sleep(0.5)
+    # Requests while the pids limit is exhausted may be refused, but must not be fatal.
+    codes = []
+    until = time.monotonic() + 3
+    while time.monotonic() < until:
+        r = client.get(f"/v1/sandboxes/{a}/files/stat", params={"path": "/workspace"})
+        codes.append(r.status_code)
+        time.sleep(0.03)
+    time.sleep(3)  # past the bomb's 5 s timeout
+    r = h.run(client, a, "ps -e --no-headers | wc -l; echo alive", timeout=10)
+    assert r.ok and "alive" in r.stdout, (r, sorted(set(codes)))
+    assert int(r.stdout.split()[0]) < 10, f"the bomb outlived its timeout: {r}"
+
+
+def test_memory_bomb_is_contained(server, client, boxes) -> None:
+    a = boxes.new(resources={"memory_mb": 256})
+    b = boxes.new()
+    with Prober(server, client.headers["X-API-Key"], b) as probe:
+        t0 = time.monotonic()
+        mem = h.run(
+            client,
+            a,
+            "python3 -c \"x = b'\\x01' * (2 * 1024**3); print('ALLOCATED', len(x))\"",
+            timeout=60,
+        )
+        elapsed = time.monotonic() - t0
+        time.sleep(max(0.0, 1.0 - elapsed))
     assert "ALLOCATED" not in mem.stdout, mem
-    assert mem.exit_code != 0, mem
+    assert mem.exit_code not in (0, None), mem
     assert mem.violation and mem.violation["code"] == "memory_limit", mem
     assert mem.violation["setting"] == "resources.memory_mb", mem
-
-    assert not errors, errors[:3]
-    assert during_fork >= 2 and len(samples) >= 3, samples
-    assert max(samples) < 2.0, f"neighbour latency under attack: {sorted(samples)[-5:]}"
-
-    # A itself recovers: the bombs are gone and it answers.
-    r = h.run(client, a, "ps -e --no-headers | wc -l; echo alive")
-    assert r.ok and "alive" in r.stdout, r
-    assert int(r.stdout.split()[0]) < 10, r
-    # Host memory was not eaten: A's cgroup memory usage is back under its limit.
-    mem_dirs = [p for p in cgroup_dirs(a) if "memory" in str(p)]
-    for d in mem_dirs:
+    probe.check(min_samples=2)
+    # A recovers: only the offending process died.
+    r = h.run(client, a, "echo alive")
+    assert r.ok and r.stdout.strip() == "alive", r
+    for d in cgroup_dirs(a):
         usage = d / "memory.usage_in_bytes"
         if usage.exists():
             assert int(usage.read_text()) <= 256 * 1024 * 1024
@@ -518,16 +674,20 @@ def test_kill_leaves_nothing_behind(server, client) -> None:
         state = runtime_state(server, sid)
         sdir = server.data_dir / "sandboxes" / sid
         ws = host_binds(server, sid)["/workspace"]
-        h.run_bg(client, sid,
-                 "setsid nohup sleep 1000 >/dev/null 2>&1 & "
-                 "( ( sleep 1001 </dev/null >/dev/null 2>&1 & ) & ); "
-                 "python3 -c 'import os,time\n"
-                 "if os.fork() == 0:\n"
-                 "    os.setsid()\n"
-                 "    if os.fork() == 0:\n"
-                 "        os.execvp(\"sleep\", [\"sleep\", \"1002\"])\n"
-                 "    os._exit(0)\n'; "
-                 "exec sleep 1003")
+        h.run_bg(
+            client,
+            sid,
+            "setsid nohup sleep 1000 >/dev/null 2>&1 & "
+            "( ( sleep 1001 </dev/null >/dev/null 2>&1 & ) & ); "
+            "python3 -c 'import os,time\n"
+            "if os.fork() == 0:\n"
+            "    os.setsid()\n"
+            "    if os.fork() == 0:\n"
+            '        os.execvp("sleep", ["sleep", "1002"])\n'
+            "    os._exit(0)\n'; "
+            "exec sleep 1003",
+        )
+
         # Positive control: before the kill the host sees all of it.
         def sleeps() -> set[str]:
             return {c for c in host_pids_of(sid, state["uid"]).values() if c.startswith("sleep")}
@@ -544,12 +704,14 @@ def test_kill_leaves_nothing_behind(server, client) -> None:
     assert r.status_code == 204, r.text
 
     left = wait_until(lambda: not host_pids_of(sid, state["uid"]), 3) or host_pids_of(
-        sid, state["uid"])
+        sid, state["uid"]
+    )
     assert left is True, f"processes of {sid} survived the kill: {left}"
     for key in ("init_pid", "bwrap_pid"):
         pid = state[key]
         alive = Path(f"/proc/{pid}").exists() and sid in Path(
-            f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+            f"/proc/{pid}/cmdline"
+        ).read_bytes().decode(errors="replace")
         assert not alive, f"{key} {pid} still alive"
     assert mounts_matching(sid) == []
     assert cgroup_dirs(sid) == []
@@ -567,8 +729,9 @@ def test_command_timeout_kills_daemonized_grandchildren(client, boxes) -> None:
     # Positive control: while it runs, the sandbox shows the sleeps.
     r = h.run(client, sid, "sleep 0.5; ps -eo args")
     assert "sleep 301" in r.stdout and "sleep 302" in r.stdout, r
-    with client.stream("GET", f"/v1/sandboxes/{sid}/commands/{info['cmd_id']}/events",
-                       timeout=30) as resp:
+    with client.stream(
+        "GET", f"/v1/sandboxes/{sid}/commands/{info['cmd_id']}/events", timeout=30
+    ) as resp:
         assert resp.status_code == 200, resp.read()
         events = [json.loads(ln) for ln in resp.iter_lines() if ln.strip()]
     end = events[-1]
@@ -595,9 +758,13 @@ def test_tenants_cannot_see_or_signal_each_other(server, client, boxes) -> None:
         a = boxes.new()
         b = boxes.new(client=client_b)
         canary = "B-CANARY-" + secrets.token_hex(16)
-        r = h.run(client_b, b, f"echo {canary} > /workspace/secret.txt; "
-                  f"echo {canary} > /tmp/secret.txt; echo {canary} > /dev/shm/secret.txt; "
-                  "cat /workspace/secret.txt")
+        r = h.run(
+            client_b,
+            b,
+            f"echo {canary} > /workspace/secret.txt; "
+            f"echo {canary} > /tmp/secret.txt; echo {canary} > /dev/shm/secret.txt; "
+            "cat /workspace/secret.txt",
+        )
         assert r.stdout.strip() == canary, r
         boxes.owners[b] = client  # B is killed below, while client_b is still open
         h.run_bg(client_b, b, "exec sleep 777")
@@ -614,13 +781,17 @@ def test_tenants_cannot_see_or_signal_each_other(server, client, boxes) -> None:
         a_uid = runtime_state(server, a)["uid"]
         assert a_uid != state_b["uid"], "two sandboxes share a host uid"
 
-        r = h.run(client, a,
-                  "ls -A /workspace; echo @@''SEP@@; cat /workspace/secret.txt /tmp/secret.txt "
-                  "/dev/shm/secret.txt 2>&1; echo @@''SEP@@; "
-                  f"timeout 40 grep -rl --no-messages -I -D skip \"$C\" {SEARCH_ROOTS} /dev/shm;"
-                  " echo @@''SEP@@; ps -eo args; echo @@''SEP@@; "
-                  f"kill -9 {host_pid} 2>&1; echo kill-rc=$?",
-                  timeout=60, envs={"C": canary})
+        r = h.run(
+            client,
+            a,
+            "ls -A /workspace; echo @@''SEP@@; cat /workspace/secret.txt /tmp/secret.txt "
+            "/dev/shm/secret.txt 2>&1; echo @@''SEP@@; "
+            f'timeout 40 grep -rl --no-messages -I -D skip "$C" {SEARCH_ROOTS} /dev/shm;'
+            " echo @@''SEP@@; ps -eo args; echo @@''SEP@@; "
+            f"kill -9 {host_pid} 2>&1; echo kill-rc=$?",
+            timeout=60,
+            envs={"C": canary},
+        )
         ls_out, cat_out, grep_out, ps_out, kill_out = r.stdout.split(SEP)
         assert "secret.txt" not in ls_out, r
         assert canary not in cat_out and canary not in grep_out, r

@@ -47,8 +47,9 @@ Params = list[tuple[str, str | int | float | bool | None]]
 API_KEY_HEADER = "X-API-Key"
 # Reads of file streams and uploads go in chunks of this size, never whole files.
 CHUNK_SIZE = 1 << 20
-# A dropped command stream is resumed from its last offset this many times in a row.
-MAX_RECONNECTS = 5
+# A dropped command stream is resumed from its last offset this many times in a row
+# (with reconnect_delay between tries: about 9 s in all, enough for a server restart).
+MAX_RECONNECTS = 8
 # Extra seconds a foreground stream may stay silent beyond the command's own timeout before
 # the SDK gives up on the server (the server itself ends the command at `timeout`).
 STREAM_GRACE = 30.0
