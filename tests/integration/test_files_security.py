@@ -68,6 +68,14 @@ def trapped(client: httpx.Client, sbx: str) -> str:
     return sbx
 
 
+def put(client: httpx.Client, url: str, **kw) -> httpx.Response:
+    """PUT on a connection of its own: after the known upload race (see
+    test_rejected_upload_is_4xx_not_broken_pipe) the server resets the connection, which must
+    not spill over into the next, unrelated request."""
+    headers = {**kw.pop("headers", {}), "Connection": "close"}
+    return client.put(url, headers=headers, **kw)
+
+
 def files(sid: str, route: str = "") -> str:
     return f"/v1/sandboxes/{sid}/files{route}"
 
@@ -96,7 +104,7 @@ def test_traversal_rejected_on_every_route(client, sbx, raw) -> None:
     for method, route in (("GET", ""), ("GET", "/stat"), ("GET", "/list"), ("DELETE", "")):
         r = client.request(method, f"{files(sid, route)}?path={raw}")
         h.assert_rejected(r, "invalid_path", status=400)
-    r = client.put(f"{files(sid)}?path={raw}", content=b"pwned\n")
+    r = put(client, f"{files(sid)}?path={raw}", content=b"pwned\n")
     h.assert_upload_rejected(r, "invalid_path", status=400)
     decoded = httpx.QueryParams(f"path={raw}")["path"]
     r = client.post(files(sid, "/mkdir"), json={"path": decoded})
@@ -121,7 +129,7 @@ def test_double_encoding_stays_a_literal_name(client, sbx, raw) -> None:
     r = client.get(f"{files(sid)}?path={raw}")
     h.assert_rejected(r, "path_not_found", status=404)
     # Written, it becomes one oddly named file in /workspace and nothing else.
-    r = client.put(f"{files(sid)}?path={raw}", content=b"literal\n")
+    r = put(client, f"{files(sid)}?path={raw}", content=b"literal\n")
     if r.status_code == 200:
         assert r.json()["path"] == f"/workspace/{once}", r.text
         listing = client.get(files(sid, "/list"), params={"path": "/workspace"}).json()
@@ -142,7 +150,7 @@ def test_nul_overlong_and_empty_paths(client, sbx) -> None:
                 status=400,
             )
         h.assert_upload_rejected(
-            client.put(f"{files(sid)}?path={raw}", content=b"x"), "invalid_path", status=400
+            put(client, f"{files(sid)}?path={raw}", content=b"x"), "invalid_path", status=400
         )
     for body in (
         {"path": "a\x00b"},
@@ -157,7 +165,7 @@ def test_nul_overlong_and_empty_paths(client, sbx) -> None:
         client.get(files(sid), params={"path": "a/" * 2100}), "invalid_path", status=400
     )
     h.assert_upload_rejected(
-        client.put(files(sid), params={"path": "a/" * 2100}, content=b"x"),
+        put(client, files(sid), params={"path": "a/" * 2100}, content=b"x"),
         "invalid_path",
         status=400,
     )
@@ -181,17 +189,8 @@ def test_nul_overlong_and_empty_paths(client, sbx) -> None:
     assert ls.status_code == 200 and ls.json()["entries"] == [], ls.text
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG: PUT /files?path=<one 300-byte name> answers 503 sandbox_unavailable ('the sandbox "
-        "agent closed the connection'): op_write's os.stat(parts[-1]) raises ENAMETOOLONG, which "
-        "escapes (only FileNotFoundError is caught) and serve_one drops the connection unanswered;"
-        " expected 400 invalid_path like every other route"
-    ),
-)
 def test_write_with_overlong_name_is_invalid_path(client, sbx) -> None:
-    r = client.put(files(sbx), params={"path": "n" * 300}, content=b"x")
+    r = put(client, files(sbx), params={"path": "n" * 300}, content=b"x")
     h.assert_rejected(r, "invalid_path", status=400)
 
 
@@ -208,12 +207,12 @@ def test_host_data_dir_paths_stay_inside_the_sandbox(server, client, sbx) -> Non
         h.assert_rejected(client.delete(files(sid), params={"path": str(p)}), "path_not_found")
     # A write to that path may succeed, but only inside the sandbox (its /tmp is private).
     target = server.data_dir / "sandboxes" / sid / "planted.json"
-    r = client.put(files(sid), params={"path": str(target)}, content=b'{"pwned": true}')
+    r = put(client, files(sid), params={"path": str(target)}, content=b'{"pwned": true}')
     assert r.status_code < 500, r.text
     if r.status_code != 200:
         h.assert_rejected(r)
     assert not target.exists(), "a files-API write landed in the host data dir"
-    r = client.put(files(sid), params={"path": str(runtime_json)}, content=b"{}")
+    r = put(client, files(sid), params={"path": str(runtime_json)}, content=b"{}")
     assert r.status_code < 500, r.text
     assert json.loads(runtime_json.read_text()).get("init_pid"), "host runtime.json overwritten"
     assert _digest(str(runtime_json)) == before
@@ -253,7 +252,7 @@ def test_symlink_intermediate_component_refused_everywhere(client, trapped, path
     for method, route in (("GET", ""), ("GET", "/stat"), ("GET", "/list"), ("DELETE", "")):
         r = client.request(method, files(sid, route), params={"path": path}, timeout=10)
         h.assert_rejected(r, "symlink_refused", status=400)
-    r = client.put(files(sid), params={"path": path}, content=b"pwned\n", timeout=10)
+    r = put(client, files(sid), params={"path": path}, content=b"pwned\n", timeout=10)
     h.assert_upload_rejected(r, "symlink_refused", status=400)
     new_dir = path.rsplit("/", 1)[0] + "/newdir"
     r = client.post(files(sid, "/mkdir"), json={"path": new_dir}, timeout=10)
@@ -273,7 +272,7 @@ def test_write_through_symlink_never_reaches_target(client, trapped) -> None:
     """However a write via a link is answered, the link's target is never written."""
     sid = trapped
     for path in ("pw", "etcl/passwd", "dl/f", "root/etc/passwd", "root/workspace/d/f"):
-        r = client.put(files(sid), params={"path": path}, content=b"pwned::0:0::/:/bin/sh\n")
+        r = put(client, files(sid), params={"path": path}, content=b"pwned::0:0::/:/bin/sh\n")
         if r.status_code != 200:
             h.assert_upload_rejected(r, "symlink_refused")
     out = h.run(
@@ -287,33 +286,14 @@ def test_write_through_symlink_never_reaches_target(client, trapped) -> None:
 @pytest.mark.parametrize(
     "op",
     [
-        pytest.param(
-            "write",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason=(
-                    "BUG: PUT /files?path=<symlink> answers 200 and silently replaces the link "
-                    "with a regular file (rename over it) instead of 400 symlink_refused as "
-                    "docs/API.md states for any path component that is a symlink"
-                ),
-            ),
-        ),
-        pytest.param(
-            "mkdir",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason=(
-                    "BUG: POST /files/mkdir {path: <symlink>} answers 409 path_exists instead of "
-                    "400 symlink_refused (docs/API.md: any symlink component is refused)"
-                ),
-            ),
-        ),
+        "write",
+        "mkdir",
     ],
 )
 def test_symlink_final_component_write_and_mkdir_refused(client, trapped, op) -> None:
     sid = trapped
     if op == "write":
-        r = client.put(files(sid), params={"path": "pw"}, content=b"x\n")
+        r = put(client, files(sid), params={"path": "pw"}, content=b"x\n")
     else:
         r = client.post(files(sid, "/mkdir"), json={"path": "dl"})
     h.assert_rejected(r, "symlink_refused", status=400)
@@ -366,14 +346,6 @@ def test_fifo_device_and_directory_reads_fail_fast(client, sbx) -> None:
     assert h.run(client, sid, "echo ok", timeout=10).stdout.strip() == "ok"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG: GET /files?path=/dev/tty answers 500 {code: io_error, errno 6 ENXIO}: the agent maps"
-        " unknown errnos to io_error and the server maps io_error to 500; a file the sandbox "
-        "cannot open is a client-side 4xx"
-    ),
-)
 def test_read_of_unopenable_device_is_4xx(client, sbx) -> None:
     t0 = time.monotonic()
     r = client.get(files(sbx), params={"path": "/dev/tty"}, timeout=15)
@@ -381,18 +353,6 @@ def test_read_of_unopenable_device_is_4xx(client, sbx) -> None:
     h.assert_rejected(r)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG: a PUT the agent refuses before reading the body (invalid_path, read_only_path, "
-        "symlink_refused) answers 500 {code: internal_error, message: 'internal error: "
-        "BrokenPipeError'} whenever the body is still being streamed when the agent closes (always"
-        " with a 1 MiB+ body; intermittently even with a 6-byte one). AgentClient.write_file "
-        "swallows the send error but then conn.reply() re-raises the transport's exception "
-        "(asyncio StreamReader raises its stored exception before returning buffered data), losing"
-        " the agent's error reply"
-    ),
-)
 def test_rejected_upload_is_4xx_not_broken_pipe(server, client, trapped) -> None:
     body = b"x" * (4 * 1024 * 1024)
     for path, code in (
@@ -402,14 +362,14 @@ def test_rejected_upload_is_4xx_not_broken_pipe(server, client, trapped) -> None
         ("root/etc/x", "symlink_refused"),
     ):
         with server.client(client.headers["X-API-Key"]) as c:  # fresh connection each time
-            r = c.put(files(trapped), params={"path": path}, content=body, timeout=60)
+            r = put(c, files(trapped), params={"path": path}, content=body, timeout=60)
         h.assert_rejected(r, code)
 
 
 def test_writes_outside_workspace_are_read_only_violations(client, sbx) -> None:
     sid = sbx
     for path in ("/etc/x", "/usr/x", "/opt/agentbox/x", "/usr/local/bin/x"):
-        r = client.put(files(sid), params={"path": path}, content=b"x")
+        r = put(client, files(sid), params={"path": path}, content=b"x")
         body = h.assert_upload_rejected(r, "read_only_path", status=403)
         if r.status_code == 500:
             continue
@@ -420,7 +380,7 @@ def test_writes_outside_workspace_are_read_only_violations(client, sbx) -> None:
     r = client.delete(files(sid), params={"path": "/etc/hostname"})
     h.assert_rejected(r, "read_only_path", "permission_denied", status=403)
     for path in ("/x", "/var/x", "/etc/shadow"):
-        r = client.put(files(sid), params={"path": path}, content=b"x")
+        r = put(client, files(sid), params={"path": path}, content=b"x")
         h.assert_upload_rejected(r, "read_only_path", "permission_denied", status=403)
     r = client.get(files(sid), params={"path": "/etc/shadow"})
     h.assert_rejected(r, "permission_denied", status=403)
@@ -428,7 +388,7 @@ def test_writes_outside_workspace_are_read_only_violations(client, sbx) -> None:
     assert "present" in out.stdout and "No such file" in out.stdout, out
     # Control: /workspace and /tmp are writable through the API.
     for path in ("/workspace/ok.txt", "/tmp/ok.txt"):
-        r = client.put(files(sid), params={"path": path}, content=b"fine")
+        r = put(client, files(sid), params={"path": path}, content=b"fine")
         assert r.status_code == 200, r.text
         assert client.get(files(sid), params={"path": path}).content == b"fine"
 
@@ -441,7 +401,7 @@ def _upload_64mib(client: httpx.Client, sid: str, path: str) -> tuple[httpx.Resp
             yield chunk
 
     t0 = time.monotonic()
-    r = client.put(files(sid), params={"path": path}, content=body(), timeout=120)
+    r = put(client, files(sid), params={"path": path}, content=body(), timeout=120)
     assert time.monotonic() - t0 < 60, "the over-limit upload was not cut short"
     return r, chunk
 
@@ -473,7 +433,7 @@ def test_upload_larger_than_disk_limit_leaves_sandbox_usable(client, small_disk)
     assert "big.bin" not in r.stdout and ".agentbox-" not in r.stdout, r
     used_mb = int(r.stdout.splitlines()[-2].split()[2])
     assert used_mb < 8, r
-    r = client.put(files(sid), params={"path": "small.bin"}, content=chunk)
+    r = put(client, files(sid), params={"path": "small.bin"}, content=chunk)
     assert r.status_code == 200 and r.json()["size"] == len(chunk), r.text
     assert client.get(files(sid), params={"path": "small.bin"}).content == chunk
 
@@ -485,15 +445,15 @@ def test_other_tenants_sandbox_is_404_on_every_files_route(server, client, sbx) 
     sid = sbx
     canary = secrets.token_hex(8)
     assert (
-        client.put(files(sid), params={"path": "mine.txt"}, content=canary.encode()).status_code
+        put(client, files(sid), params={"path": "mine.txt"}, content=canary.encode()).status_code
         == 200
     )
     other_key = server.make_key(f"intruder-{secrets.token_hex(4)}")
     with server.client(other_key) as other:
         attempts = [
             other.get(files(sid), params={"path": "mine.txt"}),
-            other.put(files(sid), params={"path": "mine.txt"}, content=b"overwritten"),
-            other.put(files(sid), params={"path": "new.txt"}, content=b"planted"),
+            put(other, files(sid), params={"path": "mine.txt"}, content=b"overwritten"),
+            put(other, files(sid), params={"path": "new.txt"}, content=b"planted"),
             other.get(files(sid, "/list"), params={"path": "/workspace"}),
             other.get(files(sid, "/stat"), params={"path": "mine.txt"}),
             other.post(files(sid, "/mkdir"), json={"path": "newdir"}),

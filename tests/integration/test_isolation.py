@@ -609,18 +609,6 @@ def test_fork_bomb_is_contained(server, client, boxes) -> None:
     assert left is True, f"fork bomb processes survived the kill: {len(left)}"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG: a fork bomb kills the sandbox's own agent: once pids.max is reached, the agent's "
-        "accept loop (sandbox_agent.main: threading.Thread(...).start(), unguarded) raises "
-        "'RuntimeError: can't start new thread' and the agent exits. Requests during the bomb get "
-        "500 agent_error or 503 sandbox_unavailable, and afterwards the sandbox never answers "
-        "again (503 'cannot reach the sandbox agent', or 409 sandbox_not_running 'killed "
-        "(vanished)'): untrusted code can destroy its own sandbox's control channel instead of "
-        "merely being throttled"
-    ),
-)
 def test_sandbox_survives_its_own_fork_bomb(client, boxes) -> None:
     a = boxes.new(resources={"memory_mb": 256, "pids": 128})
     h.run_bg(client, a, "bash -c ':(){ :|:& };:'", timeout=5)

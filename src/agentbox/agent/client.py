@@ -162,27 +162,50 @@ class AgentClient:
 
     # ------------------------------------------------------------------ commands
 
-    async def command_events(self, cmd_id: str, offset: int = 0) -> AsyncIterator[Any]:
-        """Yield OutputChunk, {"type": "truncated"}, and finally the end event dict."""
-        conn = await self._open({"op": "exec.events", "cmd_id": cmd_id, "offset": offset})
+    async def command_stream(
+        self, request: dict[str, Any]
+    ) -> tuple[dict[str, Any], AsyncIterator[Any]]:
+        """Send an `exec.run` / `exec.events` request; returns (command info, events).
+
+        Events are OutputChunk, {"type": "truncated"}, and finally the end event dict. Errors
+        (unknown command, bad cwd) surface here, before any event.
+        """
+        conn = await self._open(request)
         try:
-            await conn.reply()
-            while True:
-                kind, payload = await conn.recv()
-                if kind == P.KIND_OUTPUT:
+            head = await conn.reply()
+        except BaseException:
+            conn.close()
+            raise
+        info = head.get("command")
+        if not isinstance(info, dict):
+            conn.close()
+            raise AgentUnavailable("the sandbox agent sent no command info")
+
+        async def events() -> AsyncIterator[Any]:
+            try:
+                while True:
+                    kind, payload = await conn.recv()
+                    if kind == P.KIND_OUTPUT:
+                        try:
+                            stream, off, data = P.decode_output(payload)
+                        except P.ProtocolError as e:
+                            raise AgentUnavailable(str(e)) from None
+                        yield OutputChunk(P.STREAM_NAMES[stream], off, data)
+                        continue
+                    if kind != P.KIND_JSON:
+                        raise AgentUnavailable("the sandbox agent broke the event stream")
                     try:
-                        stream, off, data = P.decode_output(payload)
+                        event = P.decode_json(payload)
                     except P.ProtocolError as e:
                         raise AgentUnavailable(str(e)) from None
-                    yield OutputChunk(P.STREAM_NAMES[stream], off, data)
-                    continue
-                if kind != P.KIND_JSON:
-                    raise AgentUnavailable("the sandbox agent broke the event stream")
-                event = P.decode_json(payload)
-                if event.get("type") == "keepalive":
-                    continue
-                yield event
-                if event.get("type") == "end":
-                    return
-        finally:
-            conn.close()
+                    if event.get("type") == "keepalive":
+                        continue
+                    yield event
+                    if event.get("type") == "end":
+                        return
+            except OSError as e:
+                raise AgentUnavailable(f"lost the sandbox agent: {e}") from None
+            finally:
+                conn.close()
+
+        return info, events()

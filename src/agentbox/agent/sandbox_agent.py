@@ -92,6 +92,7 @@ class Conn:
     def __init__(self, sock: _socket.socket) -> None:
         self.sock = sock
         self.rfile = open(sock.fileno(), "rb", buffering=256 * 1024, closefd=False)
+        self.body_done = False  # whether an upload's body has been read to its end
 
     def _exact(self, n: int) -> bytes:
         data = self.rfile.read(n)
@@ -138,6 +139,8 @@ _ERRNO_CODES = {
     errno.EPERM: ("permission_denied", "operation not permitted"),
     errno.ENAMETOOLONG: ("invalid_path", "path or name too long"),
     errno.EXDEV: ("conflict", "cannot move across filesystems (e.g. /workspace and /tmp)"),
+    errno.ENXIO: ("not_a_regular_file", "the path is a device or socket with no reader"),
+    errno.ENODEV: ("not_a_regular_file", "the path is a device that cannot be read"),
 }
 _VIOLATIONS = {
     errno.EROFS: (
@@ -341,13 +344,64 @@ def op_read(conn: Conn, req: dict) -> None:
         os.close(fd)
 
 
+def _check_destination(pfd: int, name: str, path: str) -> None:
+    """A write replaces a regular file; it never goes through a symlink or over a dir."""
+    try:
+        st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise os_error(e, path) from None
+    if stat.S_ISDIR(st.st_mode):
+        raise OpError("is_a_directory", f"{path} is a directory", path=path)
+    if stat.S_ISLNK(st.st_mode):
+        raise _symlink_error(path)
+
+
+def _receive_into(conn: Conn, fd: int, path: str) -> None:
+    """Write the client's D frames to `fd` as they come; nothing is held in memory."""
+    failed: OpError | None = None
+    while True:
+        kind, payload = conn.recv()
+        if kind == P.KIND_END:
+            conn.body_done = True
+            break
+        if kind != P.KIND_DATA:
+            raise OpError("invalid_request", "expected file data")
+        view = memoryview(payload)
+        while view and failed is None:
+            try:
+                n = os.write(fd, view)
+            except OSError as e:
+                failed = os_error(e, path)
+                break
+            view = view[n:]
+    if failed is not None:
+        raise failed
+
+
 def op_write(conn: Conn, req: dict) -> None:
+    try:
+        _write(conn, req)
+    except OpError:
+        # The client is still sending the body: read it to the end first, or the reply
+        # would be lost in the client's broken pipe.
+        while not conn.body_done:
+            kind, _ = conn.recv()
+            conn.body_done = kind == P.KIND_END
+        raise
+
+
+def _write(conn: Conn, req: dict) -> None:
     parts = parse_path(req.get("path"))
     path = join(parts)
+    if len(parts[-1].encode("utf-8", "surrogateescape")) > 255:
+        raise OpError("invalid_path", f"{path}: a file name may be at most 255 bytes", path=path)
     pfd = parent_of(parts, create=True)
-    tmp = f".{parts[-1][:200]}.agentbox-{os.getpid()}-{threading.get_ident()}-{time.monotonic_ns()}"
+    tmp = f".agentbox-upload-{os.getpid()}-{threading.get_ident()}-{time.monotonic_ns()}"
     fd = -1
     try:
+        _check_destination(pfd, parts[-1], path)
         try:
             fd = os.open(
                 tmp,
@@ -357,36 +411,13 @@ def op_write(conn: Conn, req: dict) -> None:
             )
         except OSError as e:
             raise os_error(e, path) from None
-        # The client streams D frames; write them as they come (nothing held in memory).
-        # After a write error keep reading to the end: the client is still sending, and
-        # closing early would lose the error reply in its broken pipe.
-        failed: OpError | None = None
-        while True:
-            kind, payload = conn.recv()
-            if kind == P.KIND_END:
-                break
-            if kind != P.KIND_DATA:
-                raise OpError("invalid_request", "expected file data")
-            view = memoryview(payload)
-            while view and failed is None:
-                try:
-                    n = os.write(fd, view)
-                except OSError as e:
-                    failed = os_error(e, path)
-                    break
-                view = view[n:]
-        if failed is not None:
-            raise failed
+        _receive_into(conn, fd, path)
         os.close(fd)
         fd = -1
+        # Checked again: the destination may have been swapped while the body arrived.
+        # rename() itself never follows a symlink at the destination.
+        _check_destination(pfd, parts[-1], path)
         try:
-            st = os.stat(parts[-1], dir_fd=pfd, follow_symlinks=False)
-            if stat.S_ISDIR(st.st_mode):
-                raise OpError("is_a_directory", f"{path} is a directory", path=path)
-        except FileNotFoundError:
-            pass
-        try:
-            # rename() replaces a symlink planted at the destination instead of following it.
             os.rename(tmp, parts[-1], src_dir_fd=pfd, dst_dir_fd=pfd)
         except OSError as e:
             raise os_error(e, path) from None
@@ -441,6 +472,8 @@ def op_mkdir(conn: Conn, req: dict) -> None:
     if parts:
         try:
             st = stat_entry(parts)
+            if st["type"] == "symlink":
+                raise _symlink_error(join(parts))
             if st["type"] != "dir":
                 raise OpError(
                     "path_exists", f"{join(parts)} exists and is not a directory", path=join(parts)
@@ -564,6 +597,19 @@ class Command:
             self.cond.notify_all()
 
 
+PIDS_EXHAUSTED = OpError(
+    "limit_exceeded",
+    "the sandbox is at its process limit, so the command could not start; kill some "
+    "processes (or the runaway command) or create the sandbox with a larger resources.pids",
+    violation={
+        "code": "pids_limit",
+        "setting": "resources.pids",
+        "message": "the sandbox hit its process limit; run fewer processes at once or raise "
+        "resources.pids",
+    },
+)
+
+
 class Commands:
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -600,23 +646,35 @@ class Commands:
         env = dict(os.environ)
         env.update(envs)
         env["AGENTBOX_CMD_ID"] = cmd_id  # lets kill() find daemons that left the process tree
-        c.proc = subprocess.Popen(
-            ["/bin/bash", "-l", "-c", cmd],
-            cwd=cwd,
-            env=env,
-            start_new_session=True,
-            stdin=subprocess.PIPE if req.get("stdin") else subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            close_fds=True,
-        )
+        try:
+            c.proc = subprocess.Popen(
+                ["/bin/bash", "-l", "-c", cmd],
+                cwd=cwd,
+                env=env,
+                start_new_session=True,
+                stdin=subprocess.PIPE if req.get("stdin") else subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                close_fds=True,
+            )
+        except OSError as e:
+            if e.errno in (errno.EAGAIN, errno.ENOMEM):
+                raise PIDS_EXHAUSTED from None
+            raise
         c.pid = c.proc.pid
-        for stream, pipe in ((P.STDOUT, c.proc.stdout), (P.STDERR, c.proc.stderr)):
-            assert pipe is not None
-            t = threading.Thread(target=self._read, args=(c, stream, pipe.fileno()), daemon=True)
-            t.start()
-            c.readers.append(t)
-        threading.Thread(target=self._wait, args=(c,), daemon=True).start()
+        try:
+            for stream, pipe in ((P.STDOUT, c.proc.stdout), (P.STDERR, c.proc.stderr)):
+                assert pipe is not None
+                t = threading.Thread(
+                    target=self._read, args=(c, stream, pipe.fileno()), daemon=True
+                )
+                t.start()
+                c.readers.append(t)
+            threading.Thread(target=self._wait, args=(c,), daemon=True).start()
+        except RuntimeError:  # no thread for it: the sandbox is at its process limit
+            c.proc.kill()
+            c.proc.wait()
+            raise PIDS_EXHAUSTED from None
         with self.lock:
             self.by_id[cmd_id] = c
             self._trim()
@@ -701,6 +759,12 @@ def kill_tree(c: Command, sig: int = 9) -> None:
     marker = f"AGENTBOX_CMD_ID={c.id}".encode()
     me = os.getpid()
     for _ in range(10):
+        try:
+            # The command leads its own process group (setsid); killing a group is atomic
+            # in the kernel, so a fork bomb cannot refill it while the signal goes out.
+            os.killpg(c.pid, sig)
+        except OSError:
+            pass
         table = _proc_table()
         victims = {c.pid} if c.pid in table else set()
         grew = True
@@ -747,6 +811,18 @@ def op_exec_events(conn: Conn, req: dict) -> None:
     if not isinstance(offset, int) or offset < 0:
         raise OpError("invalid_request", "offset must be a non-negative integer")
     conn.reply({"ok": True, "command": c.info()})
+    stream_events(conn, c, offset)
+
+
+def op_exec_run(conn: Conn, req: dict) -> None:
+    """Start a command and stream its events on the same connection (foreground runs)."""
+    c = COMMANDS.start(req)
+    conn.reply({"ok": True, "command": c.info()})
+    stream_events(conn, c, 0)
+
+
+def stream_events(conn: Conn, c: Command, offset: int) -> None:
+    """Send output from `offset` (buffered, then live), then the end event."""
     while True:
         with c.cond:
             if offset < c.first_offset and c.chunks:
@@ -837,6 +913,7 @@ OPS = {
     "fs.remove": op_remove,
     "fs.rename": op_rename,
     "exec.start": op_exec_start,
+    "exec.run": op_exec_run,
     "exec.info": op_exec_info,
     "exec.list": op_exec_list,
     "exec.events": op_exec_events,
@@ -897,4 +974,8 @@ def main() -> None:
         except OSError:
             time.sleep(0.01)
             continue
-        threading.Thread(target=serve_one, args=(sock,), daemon=True).start()
+        try:
+            threading.Thread(target=serve_one, args=(sock,), daemon=True).start()
+        except RuntimeError:
+            # At the process limit no thread can start; answer inline rather than die.
+            serve_one(sock)

@@ -75,6 +75,7 @@ AGENT_CODE_STATUS = {
     "permission_denied": 403,
     "read_only_path": 403,
     "limit_exceeded": 400,
+    "io_error": 400,
 }
 
 

@@ -15,7 +15,7 @@ import os
 import re
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -113,6 +113,9 @@ class SandboxManager:
         self._watchers: set[asyncio.Task] = set()
         self._tasks: list[asyncio.Task] = []
         self._wake = asyncio.Event()
+        # Running sandboxes, read on every command and file call. This process is the only
+        # writer of their rows (embedded mode), so the cache is kept exact on every change.
+        self._running: dict[str, SandboxRow] = {}
 
     # ------------------------------------------------------------------ audit
 
@@ -250,10 +253,11 @@ class SandboxManager:
         )
         row = self.store.get_sandbox(sandbox_id)
         assert row is not None
+        self._running[sandbox_id] = row
         return row
 
     def get(self, caller: Caller, sandbox_id: str) -> SandboxRow:
-        row = self.store.get_sandbox(sandbox_id)
+        row = self._running.get(sandbox_id) or self.store.get_sandbox(sandbox_id)
         # Another tenant's sandbox is indistinguishable from one that never existed.
         if row is None or row.tenant != caller.tenant:
             raise NotFound(f"sandbox {sandbox_id} not found")
@@ -319,6 +323,10 @@ class SandboxManager:
                 limit=quota["max_timeout"],
             )
         self.store.update_sandbox(row.sandbox_id, end_at=time.time() + timeout)
+        self._running.pop(row.sandbox_id, None)
+        fresh = self.store.get_sandbox(row.sandbox_id)
+        if fresh is not None and fresh.state == "running":
+            self._running[row.sandbox_id] = fresh
         self._wake.set()
         self.audit(caller, "sandbox.timeout", sandbox_id, timeout=timeout)
         return self.get(caller, sandbox_id)
@@ -328,10 +336,13 @@ class SandboxManager:
     ) -> bool:
         """Destroy a sandbox and record how it ended; False if it had already ended."""
         async with self._lock(row.sandbox_id):
+            self._running.pop(row.sandbox_id, None)
             fresh = self.store.get_sandbox(row.sandbox_id)
             if fresh is None or not fresh.live:
                 return False
             if only_if_expired and fresh.end_at > time.time():
+                if fresh.state == "running":
+                    self._running[fresh.sandbox_id] = fresh
                 return False  # the deadline moved while we waited for the lock
             try:
                 await self.runtime.destroy(
@@ -418,6 +429,7 @@ class SandboxManager:
                 if adopt:
                     adopt(row.sandbox_id, row.runtime_state)
                 known.add(row.sandbox_id)
+                self._running[row.sandbox_id] = row
                 counts["adopted"] += 1
                 try:
                     for info in (await self._client(row).call({"op": "exec.list"}))["commands"]:
@@ -530,42 +542,101 @@ class SandboxManager:
 
     # ------------------------------------------------------------------ commands
 
-    async def start_command(
-        self, caller: Caller, sandbox_id: str, req: CommandRequest
-    ) -> dict[str, Any]:
+    def _exec_request(self, req: CommandRequest, op: str) -> dict[str, Any]:
         if not req.cmd.strip():
             raise InvalidRequest("cmd must not be empty")
         if req.timeout < 0:
             raise InvalidRequest("timeout must be >= 0 (0 = no timeout)")
         _check_envs(req.envs)
-        started = time.monotonic()
-        row = self.running(caller, sandbox_id)
-        baseline = self.runtime.limit_counters(sandbox_id)
-        body = {
-            "op": "exec.start",
+        return {
+            "op": op,
             "cmd": req.cmd,
             "cwd": req.cwd,
             "envs": req.envs,
             "timeout": req.timeout,
             "stdin": req.stdin,
         }
+
+    async def start_command(
+        self, caller: Caller, sandbox_id: str, req: CommandRequest
+    ) -> dict[str, Any]:
+        """Start a background command; an audit watcher records how it ends."""
+        body = self._exec_request(req, "exec.start")
+        started = time.monotonic()
+        row = self.running(caller, sandbox_id)
+        baseline = self.runtime.limit_counters(sandbox_id)
         try:
             info = (await self._client(row).call(body))["command"]
         except (AgentOpError, AgentUnavailable) as e:
-            err = self._agent_error(row, e)
-            self.audit(
-                caller,
-                "command.run",
-                sandbox_id,
-                status=err.status,
-                started=started,
-                cmd=req.cmd,
-                error=err.code,
-            )
-            raise err from None
+            raise self._command_failed(caller, row, req, started, e) from None
         self._baselines[(sandbox_id, info["cmd_id"])] = (baseline, req.timeout)
         self._watch(row, info["cmd_id"], req.cmd, caller, started)
         return info
+
+    async def run_command(
+        self, caller: Caller, sandbox_id: str, req: CommandRequest
+    ) -> tuple[dict[str, Any], AsyncIterator[dict[str, Any]]]:
+        """Start a foreground command; its events stream on the same agent connection."""
+        body = self._exec_request(req, "exec.run")
+        started = time.monotonic()
+        row = self.running(caller, sandbox_id)
+        baseline = self.runtime.limit_counters(sandbox_id)
+        try:
+            info, stream = await self._client(row).command_stream(body)
+        except (AgentOpError, AgentUnavailable) as e:
+            raise self._command_failed(caller, row, req, started, e) from None
+        cmd_id = info["cmd_id"]
+        self._baselines[(sandbox_id, cmd_id)] = (baseline, req.timeout)
+
+        def ended(end: dict[str, Any] | None) -> None:
+            if end is None:  # the client left before the end: audit when it does end
+                self._watch(row, cmd_id, req.cmd, caller, started)
+            else:
+                self._audit_command(caller, row, cmd_id, req.cmd, started, end)
+
+        return info, self._event_stream(row, cmd_id, stream, ended)
+
+    def _command_failed(
+        self,
+        caller: Caller,
+        row: SandboxRow,
+        req: CommandRequest,
+        started: float,
+        e: Exception,
+    ) -> AgentboxError:
+        err = self._agent_error(row, e)
+        self.audit(
+            caller,
+            "command.run",
+            row.sandbox_id,
+            status=err.status,
+            started=started,
+            cmd=req.cmd,
+            error=err.code,
+        )
+        return err
+
+    def _audit_command(
+        self,
+        caller: Caller | None,
+        row: SandboxRow,
+        cmd_id: str,
+        cmd: str,
+        started: float,
+        end: dict[str, Any],
+    ) -> None:
+        self.audit(
+            caller,
+            "command.run",
+            row.sandbox_id,
+            started=started,
+            tenant=row.tenant,
+            cmd=cmd,
+            cmd_id=cmd_id,
+            exit_code=end.get("exit_code"),
+            timed_out=end.get("timed_out"),
+            violation=(end.get("violation") or {}).get("code"),
+        )
 
     def _watch(
         self, row: SandboxRow, cmd_id: str, cmd: str, caller: Caller | None, started: float
@@ -581,18 +652,7 @@ class SandboxManager:
             except (AgentOpError, AgentUnavailable):
                 return
             end = self.finish(row.sandbox_id, cmd_id, conn_end)
-            self.audit(
-                caller,
-                "command.run",
-                row.sandbox_id,
-                started=t0,
-                tenant=row.tenant,
-                cmd=cmd,
-                cmd_id=cmd_id,
-                exit_code=end.get("exit_code"),
-                timed_out=end.get("timed_out"),
-                violation=(end.get("violation") or {}).get("code"),
-            )
+            self._audit_command(caller, row, cmd_id, cmd, t0, end)
 
         task = asyncio.create_task(watch())
         self._watchers.add(task)
@@ -621,32 +681,27 @@ class SandboxManager:
     ) -> AsyncIterator[dict[str, Any]]:
         """API events for a command from `offset`: output as text, then `end`."""
         row = self.running(caller, sandbox_id)
-        client = self._client(row)
-        stream = client.command_events(cmd_id, offset)
+        request = {"op": "exec.events", "cmd_id": cmd_id, "offset": offset}
         try:
-            first = await stream.__anext__()
-        except StopAsyncIteration:
-            first = None
+            _, stream = await self._client(row).command_stream(request)
         except (AgentOpError, AgentUnavailable) as e:
             raise self._agent_error(row, e) from None
-        return self._event_stream(row, cmd_id, first, stream)
+        return self._event_stream(row, cmd_id, stream, None)
 
     async def _event_stream(
-        self, row: SandboxRow, cmd_id: str, first: Any, stream: AsyncIterator[Any]
+        self,
+        row: SandboxRow,
+        cmd_id: str,
+        stream: AsyncIterator[Any],
+        ended: Callable[[dict[str, Any] | None], None] | None,
     ) -> AsyncIterator[dict[str, Any]]:
         decoders = {
             "stdout": codecs.getincrementaldecoder("utf-8")("replace"),
             "stderr": codecs.getincrementaldecoder("utf-8")("replace"),
         }
-
-        async def items() -> AsyncIterator[Any]:
-            if first is not None:
-                yield first
-            async for item in stream:
-                yield item
-
+        end: dict[str, Any] | None = None
         try:
-            async for item in items():
+            async for item in stream:
                 if isinstance(item, OutputChunk):
                     text = decoders[item.stream].decode(item.data)
                     if text:
@@ -658,7 +713,8 @@ class SandboxManager:
                         tail = dec.decode(b"", final=True)
                         if tail:
                             yield {"type": name, "data": tail, "offset": -1}
-                    yield self.finish(row.sandbox_id, cmd_id, item)
+                    end = self.finish(row.sandbox_id, cmd_id, item)
+                    yield end
                     return
         except (AgentOpError, AgentUnavailable) as e:
             err = self._agent_error(row, e)
@@ -678,6 +734,9 @@ class SandboxManager:
                 }
             else:
                 yield {"type": "error", "code": err.code, "message": err.message}
+        finally:
+            if ended is not None:
+                ended(end)
 
     async def command_stdin(
         self, caller: Caller, sandbox_id: str, cmd_id: str, data: str, eof: bool

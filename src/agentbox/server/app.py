@@ -254,21 +254,18 @@ def create_app(data_dir: Path, admin_key: str | None = None) -> FastAPI:
         tags=["commands"],
     )
     async def run_command(sandbox_id: str, body: m.CommandBody, mgr: Mgr, who: Who) -> Response:
-        info = await mgr.start_command(
-            who,
-            sandbox_id,
-            CommandRequest(
-                cmd=body.cmd,
-                cwd=body.cwd,
-                envs=body.envs,
-                timeout=body.timeout,
-                background=body.background,
-                stdin=body.stdin,
-            ),
+        req = CommandRequest(
+            cmd=body.cmd,
+            cwd=body.cwd,
+            envs=body.envs,
+            timeout=body.timeout,
+            background=body.background,
+            stdin=body.stdin,
         )
         if body.background:
+            info = await mgr.start_command(who, sandbox_id, req)
             return JSONResponse(status_code=201, content=m.CommandInfo.of(info).model_dump())
-        events = await mgr.command_events(who, sandbox_id, info["cmd_id"], 0)
+        info, events = await mgr.run_command(who, sandbox_id, req)
 
         async def with_start() -> AsyncIterator[dict[str, Any]]:
             yield {"type": "start", "cmd_id": info["cmd_id"], "pid": info["pid"]}
