@@ -893,9 +893,11 @@ def op_exec_kill(conn: Conn, req: dict) -> None:
     sig = req.get("signal", 9)
     if not isinstance(sig, int) or not 1 <= sig <= 64:
         raise OpError("invalid_request", "signal must be a signal number")
+    # Also after the command ended: processes it left behind (`server &`, a fork bomb) are
+    # still its own, and killing them is how a sandbox recovers from a runaway command.
     if c.running:
         c.killed = True
-        kill_tree(c, sig)
+    kill_tree(c, sig)
     conn.reply({"ok": True})
 
 
