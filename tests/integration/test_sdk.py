@@ -391,8 +391,6 @@ def test_files_policy_violation(sbx: Sandbox) -> None:
     assert ro.value.violation is not None and ro.value.violation.code == "read_only_path"
 
 
-@pytest.mark.xfail(reason="server bug: a refused PUT /files with a large (streamed) body "
-                          "answers 500 internal_error BrokenPipeError", strict=False)
 def test_files_refused_large_write(conn: dict[str, Any]) -> None:
     with Sandbox.create(resources={"file_size_mb": 5}, **conn) as sbx:
         with pytest.raises(InvalidArgumentError) as bad:
