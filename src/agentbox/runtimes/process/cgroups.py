@@ -228,6 +228,14 @@ class Cgroups:
                 time.sleep(0.01)  # the last processes are still being torn down
         return False
 
+    def remove_scope(self) -> None:
+        """Remove this server's (empty) scope groups."""
+        for base in self.base.values():
+            try:
+                base.rmdir()
+            except OSError:
+                pass
+
     def list_ids(self) -> set[str]:
         ids: set[str] = set()
         for base in self.base.values():

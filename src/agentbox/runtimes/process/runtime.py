@@ -443,6 +443,15 @@ class ProcessRuntime(Runtime):
         if "uid" in state:
             self.uids_in_use.add(state["uid"])
 
+    async def close(self) -> None:
+        """On server stop, drop this data dir's host scaffolding if no sandbox still uses it
+        (live sandboxes keep theirs: a restarted server re-adopts them)."""
+        if await self.list_sandboxes():
+            return
+        self.cgroups.remove_scope()
+        if self.bind_root != self.root:
+            shutil.rmtree(self.bind_root, ignore_errors=True)
+
     # ------------------------------------------------------------------ destroy
 
     async def destroy(
