@@ -178,3 +178,15 @@ def test_audit_records_commands(server: ServerHandle, sbx: tuple) -> None:
     assert done[0]["duration_ms"] is not None
     actions = {e["action"] for e in c.get("/v1/audit", params={"sandbox_id": sid}).json()["events"]}
     assert "sandbox.create" in actions
+
+
+def test_audit_since_accepts_rfc3339_and_unix(sbx: tuple) -> None:
+    c, sid = sbx
+    iso = c.get("/v1/audit", params={"sandbox_id": sid, "since": "2020-01-01T00:00:00Z"})
+    unix = c.get("/v1/audit", params={"sandbox_id": sid, "since": "1577836800"})
+    assert iso.status_code == unix.status_code == 200
+    assert iso.json()["events"] and iso.json()["events"] == unix.json()["events"]
+    future = c.get("/v1/audit", params={"sandbox_id": sid, "since": "2999-01-01T00:00:00Z"})
+    assert future.json()["events"] == []
+    bad = c.get("/v1/audit", params={"since": "yesterday"})
+    assert bad.status_code == 400 and bad.json()["code"] == "invalid_request"

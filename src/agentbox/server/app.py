@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -69,6 +70,25 @@ def _signal_number(value: str | int) -> int:
     if not 1 <= sig <= 64:
         raise InvalidRequest(f"signal must be between 1 and 64, not {sig}")
     return sig
+
+
+def _parse_time(value: str | None) -> float | None:
+    """An RFC 3339 time or unix seconds, as a unix time."""
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        pass
+    try:
+        t = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        raise InvalidRequest(
+            f"since={value!r} is neither an RFC 3339 time nor unix seconds"
+        ) from None
+    if t.tzinfo is None:
+        t = t.replace(tzinfo=UTC)
+    return t.timestamp()
 
 
 def create_app(data_dir: Path, admin_key: str | None = None) -> FastAPI:
@@ -480,11 +500,13 @@ def create_app(data_dir: Path, admin_key: str | None = None) -> FastAPI:
         sandbox_id: Annotated[str | None, Query(max_length=64)] = None,
         action: Annotated[str | None, Query(max_length=64)] = None,
         tenant: Annotated[str | None, Query(max_length=64)] = None,
-        since: Annotated[float | None, Query(ge=0, description="unix time")] = None,
+        since: Annotated[
+            str | None, Query(max_length=40, description="RFC 3339 time or unix seconds")
+        ] = None,
         limit: Annotated[int, Query(ge=1, le=10_000)] = 100,
     ) -> dict[str, Any]:
         scope = tenant if who.admin else who.tenant
-        events = state["store"].list_audit(scope, sandbox_id, action, since, limit)
+        events = state["store"].list_audit(scope, sandbox_id, action, _parse_time(since), limit)
         for e in events:
             e["time"] = m.rfc3339(e["time"])
         return {"events": events}
