@@ -45,16 +45,16 @@ def agent_socket(data_dir: Path, sid: str) -> Path:
 
 
 async def direct_agent_runs(sock: Path, n: int, warmup: int = 10) -> list[float]:
-    """exec.start then exec.events to the end, straight on the agent's socket."""
+    """exec.run (start + events on one connection) to the end, straight on the agent's socket."""
     from agentbox.agent.client import AgentClient
 
     client = AgentClient(sock)
     out = []
     for i in range(n + warmup):
         t0 = time.perf_counter()
-        info = (await client.call({"op": "exec.start", "cmd": "true", "timeout": 60}))["command"]
+        _, events = await client.command_stream({"op": "exec.run", "cmd": "true", "timeout": 60})
         end = None
-        async for ev in client.command_events(info["cmd_id"], 0):
+        async for ev in events:
             if isinstance(ev, dict) and ev.get("type") == "end":
                 end = ev
         dt = (time.perf_counter() - t0) * 1000
@@ -111,7 +111,7 @@ def main() -> None:
             sock = agent_socket(srv.data_dir, sid)
             m["agent socket: ping (connect + 1 frame each way)"] = asyncio.run(
                 direct_agent_pings(sock, args.floor_n))
-            m["agent socket: exec.start + exec.events `true` (no HTTP)"] = asyncio.run(
+            m["agent socket: exec.run `true` (no HTTP)"] = asyncio.run(
                 direct_agent_runs(sock, args.floor_n))
             m["HTTP: GET /v1/health"] = H.timed_runs(lambda: c.get("/v1/health"), args.n, 20)
             m["HTTP: GET /v1/sandboxes/{id} (auth + SQLite read)"] = H.timed_runs(

@@ -45,12 +45,18 @@ class _Conn:
         self.writer.write(frame)
         await self.writer.drain()
 
-    async def recv(self) -> tuple[int, bytes]:
+    async def recv(self) -> tuple[int, Any]:
+        """The next frame, decoded: a dict (J), an OutputChunk (O) or raw bytes (D, E)."""
         try:
             head = await self.reader.readexactly(P.HEADER.size)
             kind, length = P.HEADER.unpack(head)
             P.check_header(kind, length)
             payload = await self.reader.readexactly(length) if length else b""
+            if kind == P.KIND_JSON:
+                return kind, P.decode_json(payload)
+            if kind == P.KIND_OUTPUT:
+                stream, offset, data = P.decode_output(payload)
+                return kind, OutputChunk(P.STREAM_NAMES[stream], offset, data)
         except asyncio.IncompleteReadError:
             raise AgentUnavailable("the sandbox agent closed the connection") from None
         except P.ProtocolError as e:
@@ -58,13 +64,9 @@ class _Conn:
         return kind, payload
 
     async def recv_json(self) -> dict[str, Any]:
-        kind, payload = await self.recv()
+        kind, msg = await self.recv()
         if kind != P.KIND_JSON:
             raise AgentUnavailable("the sandbox agent sent data where a reply was expected")
-        try:
-            msg = P.decode_json(payload)
-        except P.ProtocolError as e:
-            raise AgentUnavailable(str(e)) from None
         return msg
 
     async def reply(self) -> dict[str, Any]:
@@ -184,20 +186,12 @@ class AgentClient:
         async def events() -> AsyncIterator[Any]:
             try:
                 while True:
-                    kind, payload = await conn.recv()
+                    kind, event = await conn.recv()
                     if kind == P.KIND_OUTPUT:
-                        try:
-                            stream, off, data = P.decode_output(payload)
-                        except P.ProtocolError as e:
-                            raise AgentUnavailable(str(e)) from None
-                        yield OutputChunk(P.STREAM_NAMES[stream], off, data)
+                        yield event
                         continue
                     if kind != P.KIND_JSON:
                         raise AgentUnavailable("the sandbox agent broke the event stream")
-                    try:
-                        event = P.decode_json(payload)
-                    except P.ProtocolError as e:
-                        raise AgentUnavailable(str(e)) from None
                     if event.get("type") == "keepalive":
                         continue
                     yield event

@@ -477,17 +477,7 @@ class SandboxManager:
         try:
             reply = await self._client(row).call(request, timeout)
         except (AgentOpError, AgentUnavailable) as e:
-            err = self._agent_error(row, e)
-            self.audit(
-                caller,
-                action,
-                sandbox_id,
-                status=err.status,
-                started=started,
-                error=err.code,
-                **audit_detail,
-            )
-            raise err from None
+            raise self._failed(caller, row, action, started, e, **audit_detail) from None
         self.audit(caller, action, sandbox_id, started=started, **audit_detail)
         return reply
 
@@ -501,17 +491,7 @@ class SandboxManager:
         try:
             size, chunks = await self._client(row).read_file(path)
         except (AgentOpError, AgentUnavailable) as e:
-            err = self._agent_error(row, e)
-            self.audit(
-                caller,
-                "file.read",
-                sandbox_id,
-                status=err.status,
-                started=started,
-                path=path,
-                error=err.code,
-            )
-            raise err from None
+            raise self._failed(caller, row, "file.read", started, e, path=path) from None
         self.audit(caller, "file.read", sandbox_id, started=started, path=path, size=size)
         return size, chunks
 
@@ -523,17 +503,7 @@ class SandboxManager:
         try:
             reply = await self._client(row).write_file(path, chunks)
         except (AgentOpError, AgentUnavailable) as e:
-            err = self._agent_error(row, e)
-            self.audit(
-                caller,
-                "file.write",
-                sandbox_id,
-                status=err.status,
-                started=started,
-                path=path,
-                error=err.code,
-            )
-            raise err from None
+            raise self._failed(caller, row, "file.write", started, e, path=path) from None
         entry = reply["entry"]
         self.audit(
             caller, "file.write", sandbox_id, started=started, path=path, size=entry.get("size")
@@ -568,7 +538,7 @@ class SandboxManager:
         try:
             info = (await self._client(row).call(body))["command"]
         except (AgentOpError, AgentUnavailable) as e:
-            raise self._command_failed(caller, row, req, started, e) from None
+            raise self._failed(caller, row, "command.run", started, e, cmd=req.cmd) from None
         self._baselines[(sandbox_id, info["cmd_id"])] = (baseline, req.timeout)
         self._watch(row, info["cmd_id"], req.cmd, caller, started)
         return info
@@ -584,7 +554,7 @@ class SandboxManager:
         try:
             info, stream = await self._client(row).command_stream(body)
         except (AgentOpError, AgentUnavailable) as e:
-            raise self._command_failed(caller, row, req, started, e) from None
+            raise self._failed(caller, row, "command.run", started, e, cmd=req.cmd) from None
         cmd_id = info["cmd_id"]
         self._baselines[(sandbox_id, cmd_id)] = (baseline, req.timeout)
 
@@ -596,23 +566,25 @@ class SandboxManager:
 
         return info, self._event_stream(row, cmd_id, stream, ended)
 
-    def _command_failed(
+    def _failed(
         self,
         caller: Caller,
         row: SandboxRow,
-        req: CommandRequest,
+        action: str,
         started: float,
         e: Exception,
+        **detail: Any,
     ) -> AgentboxError:
+        """Map an agent failure to an API error, audited with its status and reason."""
         err = self._agent_error(row, e)
         self.audit(
             caller,
-            "command.run",
+            action,
             row.sandbox_id,
             status=err.status,
             started=started,
-            cmd=req.cmd,
             error=err.code,
+            **detail,
         )
         return err
 

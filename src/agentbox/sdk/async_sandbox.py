@@ -149,7 +149,7 @@ async def _chunks(data: Any) -> AsyncIterator[bytes]:
             yield p.upload_parts(chunk)
 
 
-class AsyncCommandHandle:
+class AsyncCommandHandle(p.CommandHandleBase):
     """A background command: `await wait()`, `async for stdout, stderr in handle`, kill, stdin."""
 
     def __init__(self, commands: AsyncCommands, cmd_id: str, pid: int | None,
@@ -159,25 +159,6 @@ class AsyncCommandHandle:
         self._progress = p.CommandProgress(commands._sandbox_id, cmd_id, pid)
         self._on_stdout = on_stdout
         self._on_stderr = on_stderr
-
-    @property
-    def cmd_id(self) -> str:
-        return str(self._progress.cmd_id)
-
-    @property
-    def pid(self) -> int | None:
-        return self._progress.pid
-
-    @property
-    def stdout(self) -> str:
-        return "".join(self._progress.stdout)
-
-    @property
-    def stderr(self) -> str:
-        return "".join(self._progress.stderr)
-
-    def __repr__(self) -> str:
-        return f"AsyncCommandHandle(cmd_id={self.cmd_id!r}, pid={self.pid!r})"
 
     async def __aiter__(self) -> AsyncIterator[tuple[str | None, str | None]]:
         if self._progress.done:

@@ -7,8 +7,10 @@ faces cannot drift apart on paths, bodies, error mapping or NDJSON handling.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import ssl
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -78,10 +80,18 @@ def resolve_config(api_key: str | None = None, api_url: str | None = None,
     return ClientConfig(api_url=url.rstrip("/"), api_key=key, request_timeout=request_timeout)
 
 
+@functools.lru_cache(maxsize=1)
+def _tls_context() -> ssl.SSLContext:
+    # Building a TLS context loads the CA bundle (~20 ms); every Sandbox has its own client,
+    # so they share one context instead of paying that on each create/connect.
+    return httpx.create_ssl_context()
+
+
 def client_options(config: ClientConfig) -> dict[str, Any]:
     """Keyword arguments for httpx.Client / httpx.AsyncClient."""
     return {
         "base_url": config.api_url,
+        "verify": _tls_context(),
         "headers": {API_KEY_HEADER: config.api_key, "User-Agent": f"agentbox-sdk/{__version__}"},
         "timeout": httpx.Timeout(config.request_timeout),
     }
@@ -501,3 +511,29 @@ def upload_parts(data: str | bytes) -> bytes:
 
 def decode_text(data: bytes) -> str:
     return data.decode("utf-8", errors="replace")
+
+
+class CommandHandleBase:
+    """What both command-handle faces expose about a background command's progress."""
+
+    _progress: CommandProgress
+
+    @property
+    def cmd_id(self) -> str:
+        return str(self._progress.cmd_id)
+
+    @property
+    def pid(self) -> int | None:
+        return self._progress.pid
+
+    @property
+    def stdout(self) -> str:
+        """Output received so far."""
+        return "".join(self._progress.stdout)
+
+    @property
+    def stderr(self) -> str:
+        return "".join(self._progress.stderr)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(cmd_id={self.cmd_id!r}, pid={self.pid!r})"

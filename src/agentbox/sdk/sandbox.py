@@ -132,7 +132,7 @@ def _file_chunks(read: Callable[[int], Any]) -> Iterator[bytes]:
         yield p.upload_parts(chunk)
 
 
-class CommandHandle:
+class CommandHandle(p.CommandHandleBase):
     """A command running in the background: wait for it, stream it, feed it stdin, kill it."""
 
     def __init__(self, commands: Commands, cmd_id: str, pid: int | None,
@@ -142,26 +142,6 @@ class CommandHandle:
         self._progress = p.CommandProgress(commands._sandbox_id, cmd_id, pid)
         self._on_stdout = on_stdout
         self._on_stderr = on_stderr
-
-    @property
-    def cmd_id(self) -> str:
-        return str(self._progress.cmd_id)
-
-    @property
-    def pid(self) -> int | None:
-        return self._progress.pid
-
-    @property
-    def stdout(self) -> str:
-        """Output received so far."""
-        return "".join(self._progress.stdout)
-
-    @property
-    def stderr(self) -> str:
-        return "".join(self._progress.stderr)
-
-    def __repr__(self) -> str:
-        return f"CommandHandle(cmd_id={self.cmd_id!r}, pid={self.pid!r})"
 
     def __iter__(self) -> Iterator[tuple[str | None, str | None]]:
         """Yields (stdout, stderr) pairs with one side set, until the command ends."""
