@@ -181,3 +181,21 @@ def test_keep_workspace_survives_kill(server: ServerHandle, tenant_key: str) -> 
         assert "keep me" in out.stdout
     else:
         assert (kept / "workspace" / "result.txt").read_bytes() == b"keep me"
+
+
+def test_resource_limits_bind(server: ServerHandle, tenant_key: str) -> None:
+    with server.client(tenant_key) as c:
+        sid = create_sandbox(
+            c, resources={"cpu_count": 0.25, "nofile": 200, "file_size_mb": 2, "tmp_mb": 8}
+        )["sandbox_id"]
+        # CPU: a busy loop for 2 s of wall time gets about a quarter of one CPU.
+        spin = run(c, sid, "python3 -c \"import os,time\nt=time.time()\nwhile time.time()-t<2: "
+                   "pass\nprint(os.times().user+os.times().system)\"", timeout=30)
+        assert float(spin.stdout) < 1.0, spin.stdout
+        assert run(c, sid, "ulimit -n").stdout.strip() == "200"
+        big = run(c, sid, "head -c 3000000 /dev/zero > f.bin")
+        assert big.exit_code != 0 and big.end["violation"]["code"] == "file_size_limit"
+        tmp = run(c, sid, "for i in 1 2 3 4 5 6; do head -c 1900000 /dev/zero > /tmp/f$i "
+                  "|| exit 1; done")
+        assert tmp.exit_code != 0 and "No space left" in tmp.stderr
+        c.delete(f"/v1/sandboxes/{sid}")
