@@ -16,9 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
 ADMIN_KEY = "test-admin-key-0123456789"
-CLI_READY = (ROOT / "src/agentbox/cli/app.py").exists()
 
 
 def free_port() -> int:
@@ -70,16 +68,6 @@ class ServerHandle:
                 "--data-dir",
                 str(self.data_dir),
                 *self.extra_args,
-            ]
-            if CLI_READY
-            else [
-                sys.executable,
-                "-c",
-                "import sys; from pathlib import Path; "
-                "from agentbox.server.app import serve; "
-                "serve('127.0.0.1', int(sys.argv[1]), Path(sys.argv[2]))",
-                str(self.port),
-                str(self.data_dir),
             ],
             env=env,
             stdout=log,

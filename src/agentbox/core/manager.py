@@ -425,9 +425,7 @@ class SandboxManager:
                 await self._end(row, "killed", "vanished")
                 counts["vanished"] += 1
             else:
-                adopt = getattr(self.runtime, "adopt", None)
-                if adopt:
-                    adopt(row.sandbox_id, row.runtime_state)
+                self.runtime.adopt(row.sandbox_id, row.runtime_state)
                 known.add(row.sandbox_id)
                 self._running[row.sandbox_id] = row
                 counts["adopted"] += 1

@@ -79,6 +79,9 @@ class Runtime(ABC):
     def agent_address(self, sandbox_id: str, state: dict[str, Any]) -> AgentAddress:
         """The channel to the sandbox's agent."""
 
+    def adopt(self, sandbox_id: str, state: dict[str, Any]) -> None:  # noqa: B027
+        """Take over a live sandbox found after a restart (state this process must rebuild)."""
+
     def limit_counters(self, sandbox_id: str) -> dict[str, int]:
         """Counters of limits hit so far (`oom_kill`, `pids_max`), to explain a failure."""
         return {}
