@@ -91,7 +91,13 @@ def _parse_time(value: str | None) -> float | None:
     return t.timestamp()
 
 
-def create_app(data_dir: Path, admin_key: str | None = None) -> FastAPI:
+def create_app(
+    data_dir: Path,
+    admin_key: str | None = None,
+    runtime_name: str = "process",
+    runtime_config: dict[str, Any] | None = None,
+) -> FastAPI:
+    """The HTTP API over one data dir and one runtime (`runtime_config` goes to its constructor)."""
     data_dir = data_dir.resolve()
     state: dict[str, Any] = {}
 
@@ -110,7 +116,7 @@ def create_app(data_dir: Path, admin_key: str | None = None) -> FastAPI:
                 file=sys.stderr,
                 flush=True,
             )
-        runtime = get_runtime("process", data_dir=data_dir)
+        runtime = get_runtime(runtime_name, data_dir=data_dir, **(runtime_config or {}))
         manager = SandboxManager(store, runtime)
         await manager.start()
         state.update(store=store, auth=auth, manager=manager, runtime=runtime)
@@ -514,7 +520,13 @@ def create_app(data_dir: Path, admin_key: str | None = None) -> FastAPI:
     return app
 
 
-def serve(host: str, port: int, data_dir: Path) -> None:
+def serve(
+    host: str,
+    port: int,
+    data_dir: Path,
+    runtime_name: str = "process",
+    runtime_config: dict[str, Any] | None = None,
+) -> None:
     """Run the server in the foreground until SIGINT/SIGTERM (sandboxes keep running)."""
     import uvicorn
 
@@ -528,7 +540,7 @@ def serve(host: str, port: int, data_dir: Path) -> None:
         level=os.environ.get("AGENTBOX_LOG_LEVEL", "INFO"),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    app = create_app(data_dir, os.environ.get("AGENTBOX_ADMIN_KEY"))
+    app = create_app(data_dir, os.environ.get("AGENTBOX_ADMIN_KEY"), runtime_name, runtime_config)
     started = time.monotonic()
     log.info(
         "agentbox %s starting on http://%s:%d (data dir %s)", __version__, host, port, data_dir
