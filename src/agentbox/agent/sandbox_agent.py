@@ -28,6 +28,10 @@ if TYPE_CHECKING:  # the agent imports subprocess lazily: most sandboxes idle wi
     import subprocess
 
 WORKSPACE = "/workspace"
+# Layers switched off for the security battery's positive controls (runtimes/process/weaken.py);
+# empty in every real sandbox.
+WEAKENED: frozenset = frozenset()
+LEAKED_FD = -1
 MAX_PATH = 4096
 OUTPUT_CAP = 4 * 1024 * 1024  # buffered output per command; oldest dropped first
 FINISHED_KEPT = 32
@@ -211,7 +215,7 @@ def parse_path(raw: object) -> list[str]:
         raise OpError("invalid_path", f"path is longer than {MAX_PATH} bytes")
     full = raw if raw.startswith("/") else f"{WORKSPACE}/{raw}"
     parts = [p for p in full.split("/") if p not in ("", ".")]
-    if ".." in parts:
+    if ".." in parts and "unconfined-paths" not in WEAKENED:
         raise OpError(
             "invalid_path", f"{raw}: '..' is not allowed in paths; use an absolute path", path=raw
         )
@@ -225,6 +229,11 @@ def join(parts: list[str]) -> str:
 def open_dir(parts: list[str], flags: int = os.O_PATH) -> int:
     """Open a directory with no symlink anywhere on the way (openat2 RESOLVE_NO_SYMLINKS)."""
     path = join(parts)
+    if "unconfined-paths" in WEAKENED:
+        try:
+            return os.open(path, flags | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as e:
+            raise os_error(e, path) from None
     how = _OpenHow(
         flags | os.O_DIRECTORY | os.O_CLOEXEC, 0, _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_MAGICLINKS
     )
@@ -319,9 +328,8 @@ def op_read(conn: Conn, req: dict) -> None:
     pfd = parent_of(parts)
     try:
         # O_NONBLOCK: opening a FIFO must not hang the agent; cleared below for regular files.
-        fd = os.open(
-            parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=pfd
-        )
+        nofollow = 0 if "unconfined-paths" in WEAKENED else os.O_NOFOLLOW
+        fd = os.open(parts[-1], os.O_RDONLY | nofollow | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=pfd)
     except OSError as e:
         raise os_error(e, path) from None
     finally:
@@ -656,6 +664,7 @@ class Commands:
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 close_fds=True,
+                pass_fds=(LEAKED_FD,) if LEAKED_FD >= 0 else (),
             )
         except OSError as e:
             if e.errno in (errno.EAGAIN, errno.ENOMEM):
@@ -959,13 +968,21 @@ def serve_one(sock: _socket.socket) -> None:
 LANDLOCK_ABI = 0
 
 
+def _arg(name: str) -> str | None:
+    return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else None
+
+
 def main() -> None:
-    global LANDLOCK_ABI
+    global LANDLOCK_ABI, WORKSPACE, WEAKENED, LEAKED_FD
     fd = int(sys.argv[sys.argv.index("--listen-fd") + 1])
+    WORKSPACE = _arg("--workspace") or WORKSPACE
+    WEAKENED = frozenset(filter(None, (_arg("--weaken") or "").split(",")))
+    LEAKED_FD = int(_arg("--leak-fd") or -1)
     os.set_inheritable(fd, False)  # commands must never reach the control channel
     listener = _socket.socket(fileno=fd)
     _libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: sandboxed code cannot read agent memory
-    LANDLOCK_ABI = _landlock([WORKSPACE, "/tmp", "/dev/shm"])
+    if "no-landlock" not in WEAKENED:
+        LANDLOCK_ABI = _landlock([WORKSPACE, "/tmp", "/dev/shm"])
     threading.stack_size(512 * 1024)
     while True:
         try:

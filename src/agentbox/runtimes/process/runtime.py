@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import os
 import random
 import resource
@@ -25,6 +26,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -32,6 +34,7 @@ from agentbox.runtimes.base import AgentAddress, Runtime, RuntimeError_, Sandbox
 from agentbox.runtimes.process import workspace
 from agentbox.runtimes.process.cgroups import CgroupLimits, Cgroups
 from agentbox.runtimes.process.seccomp import build_filter
+from agentbox.runtimes.process.weaken import Weakening
 
 RUN_ROOT = Path("/run/agentbox")
 AGENT_SRC = Path(__file__).resolve().parent.parent.parent / "agent"
@@ -80,7 +83,13 @@ def _proc_start_time(pid: int) -> int | None:
 class ProcessRuntime(Runtime):
     name: ClassVar[str] = "process"
 
-    def __init__(self, data_dir: Path, use_loop: bool | None = None) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        use_loop: bool | None = None,
+        weaken: Iterable[str] = (),
+        bind_host: Iterable[str] = (),
+    ) -> None:
         if shutil.which("bwrap") is None:
             raise RuntimeError_("bubblewrap (bwrap) is not installed: apt-get install bubblewrap")
         if not Path(SANDBOX_PYTHON).exists():
@@ -112,6 +121,14 @@ class ProcessRuntime(Runtime):
             )
         self.use_loop = use_loop
         self.seccomp = build_filter()
+        # Positive controls of the security battery only; see weaken.py.
+        self.weak = Weakening.of(weaken, bind_host)
+        if self.weak:
+            logging.getLogger(__name__).warning(
+                "WEAKENED sandboxes for security testing: %s", ", ".join(sorted(self.weak.flags))
+            )
+        if "no-limits" in self.weak:
+            self.use_loop = False
         self.children: dict[str, subprocess.Popen] = {}
         self.uids_in_use: set[int] = set()
 
@@ -162,6 +179,8 @@ class ProcessRuntime(Runtime):
     def _allocate_uid(self) -> int:
         if not self.is_root:
             return os.geteuid()
+        if "same-uid" in self.weak:
+            return UID_RANGE[0] - 1
         for _ in range(1000):
             uid = random.randrange(*UID_RANGE)
             if uid not in self.uids_in_use:
@@ -171,21 +190,13 @@ class ProcessRuntime(Runtime):
 
     def _bwrap_argv(self, spec: SandboxSpec, ws: Path, fds: dict[str, int]) -> list[str]:
         r = spec.resources
-        argv = [
-            "bwrap",
-            "--unshare-all",
-            "--unshare-user",
-            "--disable-userns",
-            "--uid",
-            "1000",
-            "--gid",
-            "1000",
-            "--hostname",
-            "sandbox",
-            "--new-session",
-            "--cap-drop",
-            "ALL",
-        ]
+        weak = self.weak
+        if not weak:
+            argv = ["bwrap", "--unshare-all", "--unshare-user", "--disable-userns"]
+            argv += ["--uid", "1000", "--gid", "1000", "--cap-drop", "ALL"]
+        else:
+            argv = ["bwrap", *self._weakened_namespace_args()]
+        argv += ["--hostname", "sandbox", "--new-session"]
         for d in _RO_DIRS:
             argv += ["--ro-bind", d, d]
         for link in _MERGED_USR_LINKS:
@@ -194,17 +205,13 @@ class ProcessRuntime(Runtime):
                 argv += ["--symlink", os.readlink(p), link]
             elif p.is_dir():
                 argv += ["--ro-bind", link, link]
+        sized = "no-limits" not in weak
+        argv += ["--bind", "/proc", "/proc"] if "share-pid" in weak else ["--proc", "/proc"]
+        argv += ["--dev", "/dev"]
+        argv += ["--size", str(r.tmp_mb * 1024 * 1024)] if sized else []
+        argv += ["--tmpfs", "/tmp"]
+        argv += ["--size", str(min(r.tmp_mb, 64) * 1024 * 1024)] if sized else []
         argv += [
-            "--proc",
-            "/proc",
-            "--dev",
-            "/dev",
-            "--size",
-            str(r.tmp_mb * 1024 * 1024),
-            "--tmpfs",
-            "/tmp",
-            "--size",
-            str(min(r.tmp_mb, 64) * 1024 * 1024),
             "--tmpfs",
             "/dev/shm",
             "--dir",
@@ -244,21 +251,35 @@ class ProcessRuntime(Runtime):
         env.update(spec.envs)
         for k, v in env.items():
             argv += ["--setenv", k, v]
-        argv += [
-            "--seccomp",
-            str(fds["seccomp"]),
-            "--info-fd",
-            str(fds["info"]),
-            "--",
-            SANDBOX_PYTHON,
-            "-E",
-            "-s",
-            "-S",
-            f"{AGENT_MOUNT}/main.py",
-            "--listen-fd",
-            str(fds["listen"]),
-        ]
+        for host_path in weak.bind_host:
+            argv += ["--bind", host_path, host_path]
+        if "no-seccomp" not in weak:
+            argv += ["--seccomp", str(fds["seccomp"])]
+        argv += ["--info-fd", str(fds["info"]), "--"]
+        return argv + self._agent_argv(AGENT_MOUNT, fds)
+
+    def _agent_argv(self, agent_dir: str, fds: dict[str, int], ws: str | None = None) -> list[str]:
+        argv = [SANDBOX_PYTHON, "-E", "-s", "-S", f"{agent_dir}/main.py"]
+        argv += ["--listen-fd", str(fds["listen"])]
+        if ws is not None:
+            argv += ["--workspace", ws]
+        if self.weak.agent_flags():
+            argv += ["--weaken", ",".join(self.weak.agent_flags())]
+        if "leak" in fds:
+            argv += ["--leak-fd", str(fds["leak"])]
         return argv
+
+    def _weakened_namespace_args(self) -> list[str]:
+        weak = self.weak
+        args = []
+        for ns, flag in (("net", "share-net"), ("pid", "share-pid"), ("ipc", "share-ipc")):
+            if flag not in weak:
+                args.append(f"--unshare-{ns}")
+        args += ["--unshare-uts", "--unshare-cgroup"]
+        if "host-root" in weak:
+            return [*args, "--cap-add", "ALL"]
+        args += ["--unshare-user", "--uid", "1000", "--gid", "1000", "--cap-drop", "ALL"]
+        return args if "allow-userns" in weak else [*args, "--disable-userns"]
 
     async def create(self, spec: SandboxSpec) -> dict[str, Any]:
         return await asyncio.to_thread(self._create_sync, spec)
@@ -276,12 +297,12 @@ class ProcessRuntime(Runtime):
             )
             state["disk_limit_enforced"] = ws.disk_limit_enforced
             r = spec.resources
-            self.cgroups.create(
-                sid,
-                CgroupLimits(
-                    memory_bytes=r.memory_mb * 1024 * 1024, pids=r.pids, cpu_count=r.cpu_count
-                ),
+            limits = CgroupLimits(
+                memory_bytes=r.memory_mb * 1024 * 1024, pids=r.pids, cpu_count=r.cpu_count
             )
+            if "no-limits" in self.weak:
+                limits = CgroupLimits(1 << 40, 4_194_304, float(os.cpu_count() or 1))
+            self.cgroups.create(sid, limits)
             state.update(self._spawn(spec, sdir, ws.path, uid))
             self._write_state(sdir, state)
             return state
@@ -297,13 +318,16 @@ class ProcessRuntime(Runtime):
         os.chmod(sock_path, 0o600)
         listener.listen(128)
         info_r, info_w = os.pipe()
-        fds = {
+        fds: dict[str, int] = {
             "seccomp": _data_fd(self.seccomp),
             "passwd": _data_fd(_PASSWD),
             "group": _data_fd(_GROUP),
             "info": info_w,
             "listen": listener.fileno(),
         }
+        weak = self.weak
+        if "leak-fd" in weak:
+            fds["leak"] = os.open("/", os.O_PATH | os.O_DIRECTORY)
         r = spec.resources
         join_files = self.cgroups.join_files(spec.sandbox_id)
         limits = [
@@ -311,10 +335,12 @@ class ProcessRuntime(Runtime):
             (resource.RLIMIT_FSIZE, r.file_size_mb * 1024 * 1024),
             (resource.RLIMIT_CORE, 0),
         ]
-        if self.is_root:
+        if "no-limits" in weak:
+            limits = limits[2:]
+        elif self.is_root:
             # Per-uid process count: a second fence behind the pids cgroup.
             limits.append((resource.RLIMIT_NPROC, r.pids + 16))
-        drop_to = uid if self.is_root else None
+        drop_to = uid if self.is_root and "host-root" not in weak else None
 
         def enter_sandbox_context() -> None:
             # Runs in the child between fork and exec: join the cgroups first, so every
@@ -331,7 +357,12 @@ class ProcessRuntime(Runtime):
                 os.setgid(drop_to)
                 os.setuid(drop_to)
 
-        argv = self._bwrap_argv(spec, ws, fds)
+        if "unsandboxed" in weak:
+            argv = self._agent_argv(str(self.agent_dir), fds, str(ws))
+            env = {"PATH": _SANDBOX_PATH, "HOME": str(ws), "AGENTBOX_SANDBOX_ID": spec.sandbox_id}
+        else:
+            argv = self._bwrap_argv(spec, ws, fds)
+            env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
         log = open(sdir / "runtime.log", "ab")
         try:
             proc = subprocess.Popen(
@@ -343,7 +374,8 @@ class ProcessRuntime(Runtime):
                 pass_fds=tuple(fds.values()),
                 start_new_session=True,
                 preexec_fn=enter_sandbox_context,
-                env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
+                env=env,
+                cwd=str(ws),
             )
         finally:
             log.close()
@@ -353,7 +385,7 @@ class ProcessRuntime(Runtime):
             listener.close()  # the agent owns the listening socket now
         self.children[spec.sandbox_id] = proc
         try:
-            init_pid = self._read_info(info_r, proc)
+            init_pid = proc.pid if "unsandboxed" in weak else self._read_info(info_r, proc)
         finally:
             os.close(info_r)
         self._wait_for_agent(sock_path, proc, sdir)
@@ -478,7 +510,7 @@ class ProcessRuntime(Runtime):
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-        if not self.cgroups.kill_all(sid):
+        if "no-cgroup-kill" not in self.weak and not self.cgroups.kill_all(sid):
             raise RuntimeError_(f"could not kill every process of sandbox {sid}")
         child = self.children.pop(sid, None)
         if child is not None:
