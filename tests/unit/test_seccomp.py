@@ -38,6 +38,21 @@ print("bpf", probe(321, 0, 0, 0))
 print("io_uring_setup", probe(425, 1, 0))
 print("clone_newuser", probe(56, 0x10000000 | 17, 0, 0, 0, 0))
 print("getpid", probe(39))
+import socket
+def sock(fam, kind):
+    try:
+        socket.socket(fam, kind).close()
+        return "OK"
+    except OSError as e:
+        return errno.errorcode[e.errno]
+print("af_inet", sock(socket.AF_INET, socket.SOCK_STREAM))
+print("af_unix", sock(socket.AF_UNIX, socket.SOCK_STREAM))
+print("af_netlink", sock(socket.AF_NETLINK, socket.SOCK_DGRAM))
+print("af_vsock", sock(40, socket.SOCK_STREAM))
+print("af_alg", sock(38, socket.SOCK_SEQPACKET))
+print("socketpair_inet6", probe(53, 10, 1, 0, 0))
+print("personality_query", probe(135, 0xFFFFFFFF))
+print("personality_no_aslr", probe(135, 0x0040000))
 """
 
 
@@ -55,4 +70,10 @@ def test_filter_blocks_under_bwrap(tmp_path) -> None:
     assert results == {
         "unshare": "EPERM", "ptrace": "EPERM", "bpf": "EPERM", "io_uring_setup": "EPERM",
         "clone_newuser": "EPERM", "getpid": "OK",
+        "af_inet": "OK", "af_unix": "OK", "af_netlink": "OK",
+        "af_vsock": "EAFNOSUPPORT", "af_alg": "EAFNOSUPPORT",
+        # socketpair(AF_INET6) passes the filter and fails in the kernel (EOPNOTSUPP/EFAULT)
+        "socketpair_inet6": results.get("socketpair_inet6"),
+        "personality_query": "OK", "personality_no_aslr": "EPERM",
     }, out.stderr
+    assert results["socketpair_inet6"] != "EAFNOSUPPORT"

@@ -134,19 +134,26 @@ class AgentClient:
             conn.close()
             raise
 
+        size = int(head.get("size", 0))
+
         async def chunks() -> AsyncIterator[bytes]:
+            # Never more than the size announced: it is the response's Content-Length, and the
+            # agent runs inside the sandbox, so its stream is not trusted to keep the promise.
+            left = size
             try:
-                while True:
+                while left > 0:
                     kind, payload = await conn.recv()
                     if kind == P.KIND_END:
                         return
                     if kind != P.KIND_DATA:
                         raise AgentUnavailable("the sandbox agent broke the file stream")
+                    payload = payload[:left]
+                    left -= len(payload)
                     yield payload
             finally:
                 conn.close()
 
-        return int(head.get("size", 0)), chunks()
+        return size, chunks()
 
     async def write_file(self, path: str, chunks: AsyncIterator[bytes]) -> dict[str, Any]:
         conn = await self._open({"op": "fs.write", "path": path})

@@ -102,10 +102,24 @@ DENIED: dict[str, tuple[int | None, int | None]] = {
     "lookup_dcookie": (212, 18),
     "fanotify_init": (300, 262),
     "nfsservctl": (180, 42),
+    # moving another process's pages between NUMA nodes (CAP_SYS_NICE territory)
+    "move_pages": (279, 239),
+    "migrate_pages": (256, 238),
 }
 _CLONE = (56, 220)
 _CLONE3 = (435, 435)
 _IOCTL = (16, 29)
+_SOCKET = (41, 198)
+_SOCKETPAIR = (53, 199)
+_PERSONALITY = (135, 92)
+
+# Socket families a userland needs: unix, inet, inet6, netlink (getaddrinfo, `ip`). The rest
+# (vsock to the hypervisor, AF_ALG, packet, bluetooth, ...) are attack surface, and on kernels
+# with modules a socket() of an unknown family makes the kernel load its module.
+ALLOWED_SOCKET_FAMILIES = (1, 2, 10, 16)
+# personality(): Linux, 32-bit and uname26 personas, and the query. Not ADDR_NO_RANDOMIZE or
+# READ_IMPLIES_EXEC, which switch off exploit mitigations.
+ALLOWED_PERSONAS = (0x0, 0x8, 0x20000, 0x20008, 0xFFFFFFFF)
 
 # clone() flags that create namespaces; only bwrap (before the filter) may create them.
 CLONE_NS_FLAGS = (
@@ -172,6 +186,9 @@ def build_filter(machine: str | None = None) -> bytes:
         _Insn(_BPF_JEQ_K, _CLONE3[col], jt="enosys", jf=0),
         _Insn(_BPF_JEQ_K, _CLONE[col], jt="clone", jf=0),
         _Insn(_BPF_JEQ_K, _IOCTL[col], jt="ioctl", jf=0),
+        _Insn(_BPF_JEQ_K, _SOCKET[col], jt="socket", jf=0),
+        _Insn(_BPF_JEQ_K, _SOCKETPAIR[col], jt="socket", jf=0),
+        _Insn(_BPF_JEQ_K, _PERSONALITY[col], jt="personality", jf=0),
         _Insn(_BPF_RET_K, RET_ALLOW),
         _Insn(_BPF_LD_W_ABS, _off_arg_low(0), label="clone"),
         _Insn(_BPF_JSET_K, CLONE_NS_FLAGS, jt="eperm", jf=0),
@@ -180,8 +197,18 @@ def build_filter(machine: str | None = None) -> bytes:
     ]
     for req in DENIED_IOCTLS:
         p.append(_Insn(_BPF_JEQ_K, req, jt="eperm", jf=0))
+    p += [_Insn(_BPF_RET_K, RET_ALLOW), _Insn(_BPF_LD_W_ABS, _off_arg_low(0), label="socket")]
+    for fam in ALLOWED_SOCKET_FAMILIES:
+        p.append(_Insn(_BPF_JEQ_K, fam, jt="allow", jf=0))
     p += [
-        _Insn(_BPF_RET_K, RET_ALLOW),
+        _Insn(_BPF_RET_K, RET_ERRNO | errno.EAFNOSUPPORT),
+        _Insn(_BPF_LD_W_ABS, _off_arg_low(0), label="personality"),
+    ]
+    for persona in ALLOWED_PERSONAS:
+        p.append(_Insn(_BPF_JEQ_K, persona, jt="allow", jf=0))
+    p += [
+        _Insn(_BPF_RET_K, eperm),
+        _Insn(_BPF_RET_K, RET_ALLOW, label="allow"),
         _Insn(_BPF_RET_K, eperm, label="eperm"),
         _Insn(_BPF_RET_K, RET_ERRNO | errno.ENOSYS, label="enosys"),
         _Insn(_BPF_RET_K, RET_KILL_PROCESS, label="kill"),

@@ -23,7 +23,7 @@ WEAKENINGS: dict[str, str] = {
     "no-cgroup-kill": "destroy kills only the sandbox's init, not its whole cgroup",
     "same-uid": "every sandbox runs under the same host uid",
     "bind-host": "the paths in bind_host are bound read-write at the same place",
-    "unconfined-paths": "the agent's files API follows symlinks and accepts '..'",
+    "unconfined-paths": "the files API follows symlinks, accepts '..', reads any file type",
     "leak-fd": "a directory fd of the host's / is inherited by every command",
     "unsandboxed": "no bwrap at all: the agent runs as a plain host process",
 }

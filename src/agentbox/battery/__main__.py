@@ -1,0 +1,155 @@
+"""`python -m agentbox.battery`: attack a runtime, write the security scorecard.
+
+Runs every escape check against the runtime as shipped, then each check again against a
+deliberately weakened sandbox (its positive control). Exit status: 0 when every default check is
+BLOCKED (or N/A) and every positive control BROKEN; 1 when a default check is BROKEN; 2 when a
+check errored or a positive control did not break (the probe proves nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from datetime import UTC, datetime
+from pathlib import Path
+
+from agentbox.battery import netns
+from agentbox.battery.checks import CHECKS, Check, Ctx, ProbeFailed, Verdict
+from agentbox.battery.oracle import Oracle
+from agentbox.battery.scorecard import Row, render_json, render_markdown
+from agentbox.battery.target import Server
+
+
+def run_check(c: Check, ctx: Ctx) -> Verdict:
+    o = ctx.oracle
+    o.host_changes()
+    o.take_hits()
+    t0 = time.monotonic()
+    try:
+        v = c.fn(ctx)
+    except ProbeFailed as e:
+        v = Verdict("ERROR", evidence=str(e)[:400])
+    except Exception as e:  # a crashed check is reported, never hidden
+        tb = traceback.format_exception(e)[-3:]
+        v = Verdict("ERROR", evidence=f"{type(e).__name__}: {e} | {''.join(tb)[-400:]}")
+    time.sleep(0.25)  # let late packets reach the listeners
+    for h in o.take_hits():
+        v.add_break("NET", f"{h.what} {h.detail}"[:160])
+    for change in o.host_changes():
+        kind, _, what = change.partition(": ")
+        v.add_break(kind, what)
+    v.evidence = f"{v.evidence} [{time.monotonic() - t0:.1f}s]"
+    return v
+
+
+def profiles(checks: list[Check], controls: bool) -> list[tuple[str, frozenset[str]]]:
+    out = [("default", frozenset[str]())]
+    if controls:
+        seen = sorted({c.control for c in checks}, key=lambda s: sorted(s))
+        out += [("+".join(sorted(s)), s) for s in seen]
+    return out
+
+
+def machine() -> dict[str, str]:
+    cg = (
+        "v2"
+        if Path("/sys/fs/cgroup/cgroup.controllers").exists()
+        and not Path("/sys/fs/cgroup/memory").is_dir()
+        else "v1 (hybrid)"
+    )
+    return {
+        "kernel": platform.release(),
+        "arch": platform.machine(),
+        "cpus": str(os.cpu_count()),
+        "cgroups": cg,
+        "python": platform.python_version(),
+        "bwrap": shutil.which("bwrap") or "missing",
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(prog="python -m agentbox.battery", description=__doc__)
+    p.add_argument("--runtime", default="process")
+    p.add_argument("--markdown", type=Path, default=Path("SECURITY-SCORECARD.md"))
+    p.add_argument("--json", type=Path, default=Path("security-scorecard.json"))
+    p.add_argument("--only", default="", help="regex on check ids")
+    p.add_argument("--no-controls", action="store_true", help="skip the positive controls")
+    p.add_argument("--workdir", type=Path, default=None)
+    a = p.parse_args(argv)
+    if os.geteuid() != 0:
+        print("the battery needs root (per-sandbox uids, cgroups, a network namespace)")
+        return 2
+    if not netns.inside():
+        return netns.reexec(argv)
+
+    checks = [c for c in CHECKS if re.search(a.only, c.id)]
+    roles = netns.setup()
+    workdir = a.workdir or Path(tempfile.mkdtemp(prefix="abx-battery-"))
+    oracle = Oracle()
+    oracle.plant()
+    oracle.listen()
+    shadow = Path("/etc/shadow")
+    if shadow.exists():
+        oracle.extra_secrets["/etc/shadow"] = shadow.read_text().splitlines()[0]
+    rows = {c.id: Row(c.id, c.group, c.title, "+".join(sorted(c.control))) for c in checks}
+    started = time.monotonic()
+    try:
+        for name, flags in profiles(checks, not a.no_controls):
+            todo = checks if name == "default" else [c for c in checks if c.control == flags]
+            bind = [str(oracle.canary_dir)] if "bind-host" in flags else []
+            server = Server(workdir, name, flags, bind, oracle.server_env(), a.runtime)
+            server.start()
+            print(f"== {a.runtime} / {name}: {len(todo)} checks", flush=True)
+            try:
+                for c in todo:
+                    ctx = Ctx(server, oracle, roles)
+                    v = run_check(c, ctx)
+                    server.kill_boxes()
+                    if name == "default":
+                        rows[c.id].default = v
+                    else:
+                        rows[c.id].control_verdict = v
+                    mark = v.status + (f"({','.join(v.kinds)})" if v.kinds else "")
+                    print(f"  {c.id:32s} {mark:22s} {v.evidence[:110]}", flush=True)
+            finally:
+                server.stop()
+    finally:
+        oracle.remove()
+        if a.workdir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+    info = {
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "runtime": a.runtime,
+        "seconds": f"{time.monotonic() - started:.0f}",
+        **machine(),
+    }
+    ordered = [rows[c.id] for c in checks]
+    a.markdown.write_text(render_markdown(ordered, info))
+    a.json.write_text(json.dumps(render_json(ordered, info), indent=2))
+    broken = [r.id for r in ordered if r.default.status == "BROKEN"]
+    errors = [r.id for r in ordered if r.default.status == "ERROR"]
+    weak = [] if a.no_controls else [r.id for r in ordered if r.control_verdict.status != "BROKEN"]
+    print(
+        f"{len(ordered)} checks: {len(broken)} BROKEN, {len(errors)} ERROR by default; "
+        f"{len(weak)} positive controls did not break. Scorecard: {a.markdown}",
+        flush=True,
+    )
+    for label, ids in (("BROKEN", broken), ("ERROR", errors), ("control not broken", weak)):
+        if ids:
+            print(f"  {label}: {', '.join(ids)}")
+    if broken:
+        return 1
+    return 2 if errors or weak else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

