@@ -1,0 +1,1 @@
+"""Checks of agentbox from the outside: host inventories, the escape battery, reliability."""
