@@ -1022,6 +1022,33 @@ def _persistence(ctx: Ctx) -> Verdict:
     return v
 
 
+@check(
+    "persistence-host-leftovers",
+    "persistence",
+    "after kill the host holds nothing of the sandbox (inventory diff)",
+    ["share-pid", "no-cgroup-kill"],
+)
+def _leftovers(ctx: Ctx) -> Verdict:
+    from agentbox.battery import inventory
+
+    before = inventory.take(ctx.server.data_dir)
+    box = ctx.box()
+    box.probe("daemon", path="/workspace/.abx-lock2", nonce=ctx.oracle.nonce)
+    box.start("(setsid nohup sleep 300 >/dev/null 2>&1 &) ; sleep 300 &")
+    box.put("/workspace/data.bin", b"x" * 100_000)
+    time.sleep(0.3)
+    r = box.kill()
+    deadline = time.monotonic() + 5
+    leaks = inventory.leaks(before, inventory.take(ctx.server.data_dir))
+    while leaks and time.monotonic() < deadline:
+        time.sleep(0.1)
+        leaks = inventory.leaks(before, inventory.take(ctx.server.data_dir))
+    v = blocked(f"kill -> HTTP {r.status_code}; host inventory unchanged")
+    for item in leaks[:5]:
+        v.add_break("ESCAPE", item[:150])
+    return v
+
+
 # ------------------------------------------------------------------------- E. exhaustion
 
 R = BATTERY_RESOURCES

@@ -265,6 +265,28 @@ class Server:
 
     def stop(self) -> None:
         self.kill_boxes()
+        self._stop_process()
+        if self.weaken:
+            self._clean_up_after_weakened()
+
+    def _clean_up_after_weakened(self) -> None:
+        """A positive control may leave what the product never would (a daemon that survived
+        kill, its busy mount): kill it, then let a restarted server's reconcile remove the rest."""
+        from agentbox.battery import inventory
+
+        inv = inventory.take(self.data_dir)
+        if inv.is_empty():
+            return
+        for p in inv.processes:
+            try:
+                os.kill(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.2)
+        self.start()
+        self._stop_process()
+
+    def _stop_process(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
