@@ -87,6 +87,7 @@ class Oracle:
         self.signal_log.touch()
         # A host process the sandbox must neither see, trace nor signal.
         code = (
+            f"# abx-canary-proc-{self.nonce}\n"  # early in its cmdline, where `ps` shows it
             "import signal,sys,time\n"
             "def h(*a):\n"
             f"    open({str(self.signal_log)!r},'a').write('SIGUSR1\\n')\n"
@@ -94,7 +95,7 @@ class Oracle:
             "while True: time.sleep(3600)\n"
         )
         self._canary_proc = subprocess.Popen(
-            [sys.executable, "-c", code, f"abx-canary-proc-{self.nonce}"],
+            [sys.executable, "-c", code],
             stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
