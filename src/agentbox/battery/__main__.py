@@ -21,7 +21,7 @@ import traceback
 from datetime import UTC, datetime
 from pathlib import Path
 
-from agentbox.battery import netns
+from agentbox.battery import inventory, netns
 from agentbox.battery.checks import CHECKS, Check, Ctx, ProbeFailed, Verdict
 from agentbox.battery.oracle import Oracle
 from agentbox.battery.scorecard import Row, render_json, render_markdown
@@ -102,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         oracle.extra_secrets["/etc/shadow"] = shadow.read_text().splitlines()[0]
     rows = {c.id: Row(c.id, c.group, c.title, "+".join(sorted(c.control))) for c in checks}
     started = time.monotonic()
+    leftovers: list[str] = []
     try:
         for name, flags in profiles(checks, not a.no_controls):
             todo = checks if name == "default" else [c for c in checks if c.control == flags]
@@ -122,6 +123,10 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"  {c.id:32s} {mark:22s} {v.evidence[:110]}", flush=True)
             finally:
                 server.stop()
+            if name == "default":
+                # After the shipped configuration's run the host must hold nothing of it.
+                left = inventory.take(server.data_dir)
+                leftovers = [line for items in left.items().values() for line in items]
     finally:
         oracle.remove()
         if a.workdir is None:
@@ -130,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "runtime": a.runtime,
         "seconds": f"{time.monotonic() - started:.0f}",
+        "leftovers": "; ".join(leftovers)[:500] or "none",
         **machine(),
     }
     ordered = [rows[c.id] for c in checks]
@@ -146,7 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     for label, ids in (("BROKEN", broken), ("ERROR", errors), ("control not broken", weak)):
         if ids:
             print(f"  {label}: {', '.join(ids)}")
-    if broken:
+    if leftovers:
+        print(f"  the default run left on the host: {leftovers[:5]}")
+    if broken or leftovers:
         return 1
     return 2 if errors or weak else 0
 

@@ -51,6 +51,8 @@ def render_markdown(rows: list[Row], info: dict[str, str]) -> str:
         f"- Default configuration: **{len(rows)} checks**, "
         + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())),
         f"- Positive controls: **{controls_broken} of {len(rows)} BROKEN** as they must be",
+        f"- Host inventory after the default run (processes, mounts, cgroups, loop devices, "
+        f"network namespaces, data-dir entries): {info['leftovers']}",
         f"- Shared-kernel risk: every process-tier sandbox runs on the host kernel "
         f"({info['kernel']}); a kernel bug reachable through the allowed syscalls is an escape "
         "the battery cannot rule out. Stronger tiers (gVisor, microVMs) address that.",
