@@ -15,6 +15,7 @@ from __future__ import annotations
 import _socket  # not `socket`: its enum/selectors imports cost ~5 ms per sandbox start
 import ctypes
 import errno
+import json
 import os
 import stat
 import sys
@@ -407,6 +408,8 @@ def op_write(conn: Conn, req: dict) -> None:
 def _write(conn: Conn, req: dict) -> None:
     parts = parse_path(req.get("path"))
     path = join(parts)
+    if not parts:
+        raise OpError("invalid_path", "/ is a directory: give the path of a file", path="/")
     if len(parts[-1].encode("utf-8", "surrogateescape")) > 255:
         raise OpError("invalid_path", f"{path}: a file name may be at most 255 bytes", path=path)
     pfd = parent_of(parts, create=True)
@@ -453,20 +456,26 @@ def op_list(conn: Conn, req: dict) -> None:
     if not isinstance(depth, int) or depth < 1:
         raise OpError("invalid_request", "depth must be an integer >= 1")
     out: list[dict] = []
+    # The reply is one frame (at most P.MAX_JSON bytes): stop well before, and say so.
+    budget = [P.MAX_JSON // 2]
 
     def walk(dparts: list[str], level: int) -> None:
         fd = open_dir(dparts, os.O_RDONLY)
         try:
-            with os.scandir(fd) as it:
-                names = sorted(e.name for e in it)
+            try:
+                with os.scandir(fd) as it:
+                    names = sorted(e.name for e in it)
+            except OSError as e:
+                raise os_error(e, join(dparts)) from None
             for name in names:
-                if len(out) >= LIST_LIMIT:
+                if len(out) >= LIST_LIMIT or budget[0] <= 0:
                     return
                 try:
                     st = os.stat(name, dir_fd=fd, follow_symlinks=False)
                 except OSError:
                     continue
                 out.append(entry(name, join(dparts + [name]), st, fd))
+                budget[0] -= len(json.dumps(out[-1])) + 2
                 if stat.S_ISDIR(st.st_mode) and level < depth:
                     try:
                         walk(dparts + [name], level + 1)
@@ -476,7 +485,7 @@ def op_list(conn: Conn, req: dict) -> None:
             os.close(fd)
 
     walk(parts, 1)
-    conn.reply({"ok": True, "entries": out, "truncated": len(out) >= LIST_LIMIT})
+    conn.reply({"ok": True, "entries": out, "truncated": len(out) >= LIST_LIMIT or budget[0] <= 0})
 
 
 def op_mkdir(conn: Conn, req: dict) -> None:

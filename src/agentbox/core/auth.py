@@ -36,7 +36,7 @@ def _hash(key: str) -> str:
 
 
 def check_tenant_name(tenant: str) -> str:
-    if not _TENANT_RE.match(tenant):
+    if not _TENANT_RE.fullmatch(tenant):
         raise InvalidRequest(
             f"invalid tenant name {tenant!r}: use 1-64 letters, digits, '.', '_' or '-'"
         )

@@ -38,10 +38,11 @@ def _error(
     detail: dict[str, Any] | None = None,
     headers: dict[str, str] | None = None,
 ) -> JSONResponse:
+    # Messages and details may quote sandbox-made names (bytes, not always UTF-8).
     return JSONResponse(
         status_code=status,
         headers=headers,
-        content={"code": code, "message": message, "detail": detail or {}},
+        content={"code": code, "message": m.text(message), "detail": m.clean(detail or {})},
     )
 
 
@@ -61,12 +62,13 @@ def _signal_number(value: str | int) -> int:
     if isinstance(value, int):
         sig = value
     else:
-        name = value.upper()
+        name = value.strip().upper()
         name = name if name.startswith("SIG") else "SIG" + name
-        try:
-            sig = int(getattr(signals, name))
-        except AttributeError:
-            raise InvalidRequest(f"unknown signal {value!r}") from None
+        # Signals only: the module also holds SIG_IGN, SIG_DFL, SIG_BLOCK... (0, 1, 2).
+        member = signals.Signals.__members__.get(name)
+        if member is None:
+            raise InvalidRequest(f"unknown signal {value!r}; use a name like SIGTERM or a number")
+        sig = int(member)
     if not 1 <= sig <= 64:
         raise InvalidRequest(f"signal must be between 1 and 64, not {sig}")
     return sig
@@ -157,9 +159,23 @@ def create_app(
         return _error(422, "invalid_request", f"invalid request: {summary}", {"errors": errors})
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        codes = {404: "not_found", 405: "method_not_allowed", 401: "unauthorized"}
-        return _error(e.status_code, codes.get(e.status_code, "http_error"), str(e.detail))
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        # Raised by the framework itself (no such route, wrong method, unparseable body):
+        # answer with a documented code and a message that says what to change.
+        status, message = e.status_code, str(e.detail)
+        route = f"{request.method} {request.url.path}"
+        if status == 404:
+            code, message = "not_found", f"no such route: {route}; see GET /openapi.json"
+        elif status == 405:
+            code, message = "method_not_allowed", f"method not allowed: {route}"
+        elif status == 400 and message == "There was an error parsing the body":
+            code = "invalid_request"
+            message = "the request body could not be parsed: send UTF-8 JSON (an object)"
+        else:
+            code = {401: "unauthorized", 403: "forbidden"}.get(status, "invalid_request")
+            if status >= 500:
+                code = "internal_error"
+        return _error(status, code, message, headers=dict(e.headers) if e.headers else None)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, e: Exception) -> JSONResponse:
@@ -168,13 +184,15 @@ def create_app(
 
     # ------------------------------------------------------------------ dependencies
 
-    def manager() -> SandboxManager:
+    # Dependencies are coroutines: plain functions would each be run in a worker thread, two
+    # thread hand-offs per request, which is where a busy host's scheduling delays add up.
+    async def manager() -> SandboxManager:
         return state["manager"]
 
-    def caller(x_api_key: Annotated[str | None, Header()] = None) -> Caller:
+    async def caller(x_api_key: Annotated[str | None, Header()] = None) -> Caller:
         return state["auth"].authenticate(x_api_key)
 
-    def admin(c: Annotated[Caller, Depends(caller)]) -> Caller:
+    async def admin(c: Annotated[Caller, Depends(caller)]) -> Caller:
         if not c.admin:
             raise Forbidden("this route needs an admin API key")
         return c

@@ -14,6 +14,28 @@ def rfc3339(t: float | None) -> str | None:
     return None if t is None else datetime.fromtimestamp(t, UTC).isoformat().replace("+00:00", "Z")
 
 
+def text(s: str) -> str:
+    """A sandbox-made string (a file name is bytes) as valid UTF-8: invalid bytes become U+FFFD.
+
+    The agent hands non-UTF-8 names over as surrogate escapes, which no JSON encoder takes.
+    """
+    try:
+        return s.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    except UnicodeEncodeError:  # a surrogate that is no escaped byte
+        return s.encode("utf-8", "replace").decode("utf-8")
+
+
+def clean(value: Any) -> Any:
+    """`text()` applied to every string in a JSON-like value."""
+    if isinstance(value, str):
+        return text(value)
+    if isinstance(value, dict):
+        return {text(str(k)): clean(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [clean(v) for v in value]
+    return value
+
+
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -136,15 +158,16 @@ class EntryInfo(BaseModel):
 
     @classmethod
     def of(cls, e: dict[str, Any]) -> EntryInfo:
+        target = e.get("symlink_target")
         return cls(
-            name=e["name"],
-            path=e["path"],
+            name=text(e["name"]),
+            path=text(e["path"]),
             type=e["type"],
             size=e["size"],
             mode=e["mode"],
             permissions=e["permissions"],
             modified_time=rfc3339(e.get("modified_time")),
-            symlink_target=e.get("symlink_target"),
+            symlink_target=None if target is None else text(target),
         )
 
 
@@ -174,12 +197,14 @@ class KeyCreated(BaseModel):
 
 
 class QuotaBody(Strict):
+    # Bounded like the resources they cap (and finite: a JSON 1e999 is infinity, which no
+    # answer could carry back).
     max_sandboxes: int | None = Field(None, ge=0, le=100_000)
-    max_memory_mb: int | None = Field(None, gt=0)
-    max_cpu_count: float | None = Field(None, gt=0)
-    max_timeout: float | None = Field(None, gt=0)
-    max_disk_mb: int | None = Field(None, gt=0)
-    max_pids: int | None = Field(None, gt=0)
+    max_memory_mb: int | None = Field(None, gt=0, le=1 << 30)
+    max_cpu_count: float | None = Field(None, gt=0, le=1024)
+    max_timeout: float | None = Field(None, gt=0, le=10**9)
+    max_disk_mb: int | None = Field(None, gt=0, le=1 << 30)
+    max_pids: int | None = Field(None, gt=0, le=1 << 22)
 
 
 class ErrorBody(BaseModel):
