@@ -88,7 +88,7 @@ class CommandRequest:
 
 def _check_envs(envs: dict[str, str]) -> None:
     for k, v in envs.items():
-        if not _ENV_NAME.match(k):
+        if not _ENV_NAME.fullmatch(k):  # fullmatch: `$` would also accept a trailing newline
             raise InvalidRequest(f"invalid environment variable name {k!r}")
         if "\0" in v:
             raise InvalidRequest(f"environment variable {k} contains a NUL byte")
@@ -116,6 +116,9 @@ class SandboxManager:
         # Running sandboxes, read on every command and file call. This process is the only
         # writer of their rows (embedded mode), so the cache is kept exact on every change.
         self._running: dict[str, SandboxRow] = {}
+        # Sandboxes being torn down -> the state they are ending in: their agent connections
+        # break before the record changes, and callers must hear "ended", not "unavailable".
+        self._ending: dict[str, str] = {}
 
     # ------------------------------------------------------------------ audit
 
@@ -224,22 +227,30 @@ class SandboxManager:
         spec = SandboxSpec(
             sandbox_id=sandbox_id, template=template, resources=resources, envs=req.envs
         )
-        try:
-            state = await self.runtime.create(spec)
-        except Exception as e:
-            log.exception("create %s failed", sandbox_id)
+        # The sandbox's lock is held until its record says running (or failed): a kill that
+        # arrives while it starts (the API lists `starting` sandboxes) waits for the runtime to
+        # finish, then tears down a whole sandbox, instead of racing the create half-way.
+        async with self._lock(sandbox_id):
+            try:
+                state = await self.runtime.create(spec)
+            except Exception as e:
+                log.exception("create %s failed", sandbox_id)
+                self.store.update_sandbox(
+                    sandbox_id, state="failed", end_reason="failed", ended_at=time.time()
+                )
+                self.audit(
+                    caller, "sandbox.create", sandbox_id, status=503, started=started, error=str(e)
+                )
+                self._sandbox_locks.pop(sandbox_id, None)  # nothing left to serialize
+                raise SandboxUnavailable(f"the sandbox could not be started: {e}") from None
+            # The deadline counts from when the sandbox is usable, not from when it was asked.
+            now = time.time()
             self.store.update_sandbox(
-                sandbox_id, state="failed", end_reason="failed", ended_at=time.time()
+                sandbox_id, state="running", runtime_state=state, end_at=now + req.timeout
             )
-            self.audit(
-                caller, "sandbox.create", sandbox_id, status=503, started=started, error=str(e)
-            )
-            raise SandboxUnavailable(f"the sandbox could not be started: {e}") from None
-        # The deadline counts from when the sandbox is usable, not from when it was asked for.
-        now = time.time()
-        self.store.update_sandbox(
-            sandbox_id, state="running", runtime_state=state, end_at=now + req.timeout
-        )
+            row = self.store.get_sandbox(sandbox_id)
+            assert row is not None
+            self._running[sandbox_id] = row
         self._wake.set()
         self.audit(
             caller,
@@ -251,9 +262,6 @@ class SandboxManager:
             timeout=req.timeout,
             resources=asdict(resources),
         )
-        row = self.store.get_sandbox(sandbox_id)
-        assert row is not None
-        self._running[sandbox_id] = row
         return row
 
     def get(self, caller: Caller, sandbox_id: str) -> SandboxRow:
@@ -288,6 +296,8 @@ class SandboxManager:
                 before = int(next_token)
             except ValueError:
                 raise InvalidRequest("invalid next_token") from None
+            if not 0 <= before < 1 << 63:  # beyond SQLite's integers: never one we handed out
+                raise InvalidRequest("invalid next_token")
         out: list[SandboxRow] = []
         while len(out) < limit:
             batch = self.store.list_sandboxes(caller.tenant, states, before, max(limit, 100))
@@ -322,11 +332,15 @@ class SandboxManager:
                 setting="quota.max_timeout",
                 limit=quota["max_timeout"],
             )
-        self.store.update_sandbox(row.sandbox_id, end_at=time.time() + timeout)
-        self._running.pop(row.sandbox_id, None)
-        fresh = self.store.get_sandbox(row.sandbox_id)
-        if fresh is not None and fresh.state == "running":
-            self._running[row.sandbox_id] = fresh
+        # Under the sandbox's lock: `_end` holds it while tearing the sandbox down, and a
+        # deadline moved (and the row re-cached as running) meanwhile would resurrect it.
+        async with self._lock(row.sandbox_id):
+            row = self.running(caller, sandbox_id)
+            self.store.update_sandbox(row.sandbox_id, end_at=time.time() + timeout)
+            self._running.pop(row.sandbox_id, None)
+            fresh = self.store.get_sandbox(row.sandbox_id)
+            if fresh is not None and fresh.state == "running":
+                self._running[row.sandbox_id] = fresh
         self._wake.set()
         self.audit(caller, "sandbox.timeout", sandbox_id, timeout=timeout)
         return self.get(caller, sandbox_id)
@@ -344,6 +358,7 @@ class SandboxManager:
                 if fresh.state == "running":
                     self._running[fresh.sandbox_id] = fresh
                 return False  # the deadline moved while we waited for the lock
+            self._ending[fresh.sandbox_id] = state
             try:
                 await self.runtime.destroy(
                     fresh.sandbox_id, fresh.runtime_state, fresh.keep_workspace
@@ -354,6 +369,8 @@ class SandboxManager:
                     f"sandbox {fresh.sandbox_id} could not be torn down completely yet; "
                     "retry the kill"
                 ) from None
+            finally:
+                self._ending.pop(fresh.sandbox_id, None)
             self.store.update_sandbox(
                 fresh.sandbox_id, state=state, end_reason=reason, ended_at=time.time()
             )
@@ -454,8 +471,9 @@ class SandboxManager:
         if isinstance(e, AgentOpError):
             return from_agent(e.code, e.message, e.detail)
         fresh = self.store.get_sandbox(row.sandbox_id)
-        if fresh is None or fresh.state != "running":
-            state = fresh.state if fresh else "gone"
+        ending = self._ending.get(row.sandbox_id)
+        if fresh is None or fresh.state != "running" or ending:
+            state = ending or (fresh.state if fresh else "gone")
             return SandboxNotRunning(
                 f"sandbox {row.sandbox_id} is {state}; create a new sandbox", state=state
             )
@@ -502,6 +520,9 @@ class SandboxManager:
             reply = await self._client(row).write_file(path, chunks)
         except (AgentOpError, AgentUnavailable) as e:
             raise self._failed(caller, row, "file.write", started, e, path=path) from None
+        except OSError as e:  # the agent hung up mid-upload: its reply, if any, is lost
+            lost = AgentUnavailable(f"lost the sandbox agent during the upload: {e}")
+            raise self._failed(caller, row, "file.write", started, lost, path=path) from None
         entry = reply["entry"]
         self.audit(
             caller, "file.write", sandbox_id, started=started, path=path, size=entry.get("size")
@@ -513,6 +534,8 @@ class SandboxManager:
     def _exec_request(self, req: CommandRequest, op: str) -> dict[str, Any]:
         if not req.cmd.strip():
             raise InvalidRequest("cmd must not be empty")
+        if "\0" in req.cmd:
+            raise InvalidRequest("cmd contains a NUL byte")
         if req.timeout < 0:
             raise InvalidRequest("timeout must be >= 0 (0 = no timeout)")
         _check_envs(req.envs)

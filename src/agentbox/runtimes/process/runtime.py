@@ -450,8 +450,16 @@ class ProcessRuntime(Runtime):
     # ------------------------------------------------------------------ status
 
     async def is_alive(self, sandbox_id: str, state: dict[str, Any]) -> bool:
-        pid, start = state.get("init_pid"), state.get("init_start")
-        return isinstance(pid, int) and start is not None and _proc_start_time(pid) == start
+        # The namespace's init alone is not enough: bwrap's init outlives the agent as long as
+        # any daemon does, leaving a sandbox nothing can reach. The outer bwrap exits when the
+        # agent (its first process) does, so it stands for the agent.
+        for pid_key, start_key in (("init_pid", "init_start"), ("bwrap_pid", "bwrap_start")):
+            pid, start = state.get(pid_key), state.get(start_key)
+            if pid_key == "bwrap_pid" and pid_key not in state:
+                continue
+            if not (isinstance(pid, int) and start is not None and _proc_start_time(pid) == start):
+                return False
+        return True
 
     def agent_address(self, sandbox_id: str, state: dict[str, Any]) -> AgentAddress:
         return AgentAddress(socket_path=Path(state["socket"]))

@@ -73,7 +73,12 @@ def create(sandbox_dir: Path, bind_dir: Path, disk_mb: int, uid: int, use_loop: 
                 str(image),
             ]
         )
-        _run(["mount", "-o", "loop,nosuid,nodev,noatime", str(image), str(mnt)])
+        device = _attach(image)
+        try:
+            _run(["mount", "-o", "nosuid,nodev,noatime", device, str(mnt)])
+        except BaseException:
+            subprocess.run(["losetup", "-d", device], capture_output=True)
+            raise
         try:
             (mnt / "lost+found").rmdir()
         except OSError:
@@ -83,13 +88,49 @@ def create(sandbox_dir: Path, bind_dir: Path, disk_mb: int, uid: int, use_loop: 
     return Workspace(path=mnt, disk_limit_enforced=use_loop)
 
 
+def _attach(image: Path) -> str:
+    """A loop device for the image, with direct I/O: the path of the device.
+
+    Buffered, every block the sandbox writes is cached twice: in the workspace filesystem's
+    cache, charged to the sandbox's memory cgroup, and again in the cache of the image file on
+    the host, charged to no sandbox (a sandbox limited to 64 MiB that wrote 500 MiB grew the
+    host's page cache by ~550 MiB, and the host's writeback did the work). With direct I/O only
+    the sandbox's own, limited, cache holds it. Attaching here rather than with `mount -o loop`
+    is also faster (~6 ms instead of ~13 ms: libmount scans every loop device for overlaps, and
+    switching an attached device to direct I/O afterwards freezes its queue for ~16 ms).
+    """
+    for options in (["--direct-io=on"], []):  # without direct I/O if the backing fs refuses it
+        proc = subprocess.run(
+            ["losetup", *options, "--find", "--show", str(image)], capture_output=True, text=True
+        )
+        if proc.returncode == 0 and proc.stdout.strip().startswith("/dev/loop"):
+            return proc.stdout.strip()
+    raise WorkspaceError(f"losetup failed: {proc.stderr.strip() or proc.stdout.strip()}")
+
+
+def _detach_loops(image: Path) -> None:
+    """Detach loop devices still backed by `image` (a create cut short between attaching the
+    device and mounting it: devices attached by losetup do not clear themselves)."""
+    target = os.path.realpath(image)
+    for f in Path("/sys/block").glob("loop*/loop/backing_file"):
+        try:
+            backing = f.read_text().strip().removesuffix(" (deleted)")
+        except OSError:
+            continue
+        if backing == target:
+            subprocess.run(["losetup", "-d", f"/dev/{f.parent.parent.name}"], capture_output=True)
+
+
 def destroy(sandbox_dir: Path, bind_dir: Path, keep: bool) -> bool:
     """Unmount and remove the workspace. With `keep`, the image (or directory) stays on disk."""
     ok = True
-    for mnt in mounted_under(bind_dir) + mounted_under(sandbox_dir):
+    mounts = mounted_under(bind_dir) + mounted_under(sandbox_dir)
+    for mnt in mounts:
         ok = _umount(mnt) and ok
     if not ok:
         return False
+    if not mounts and (sandbox_dir / IMAGE_NAME).exists():
+        _detach_loops(sandbox_dir / IMAGE_NAME)
     mnt = bind_dir / MOUNT_NAME
     if keep and mnt.exists() and not (sandbox_dir / IMAGE_NAME).exists():
         # A plain-directory workspace: move it next to the rest of the sandbox's files.

@@ -1,0 +1,244 @@
+"""Leak test: create -> exec -> kill cycles with faults injected mid-create and mid-kill.
+
+Faults: the sandbox's agent or its pid-namespace init SIGKILLed right after create, its bwrap
+process killed (idle, and in the middle of a kill), the server SIGKILLed in the middle of a
+create and of a kill (then restarted, so reconciliation runs), and a kill that arrives while the
+sandbox is still starting. After every cycle each sandbox must be fully usable or cleanly gone;
+at the end, with everything killed, the host inventory must equal the one before the server
+started.
+
+    AGENTBOX_LEAK_CYCLES=200 AGENTBOX_LEAK_SEED=7 .venv/bin/pytest -q tests/reliability/test_leak.py
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from _rel import (
+    Background,
+    RelServer,
+    assert_usable_or_gone,
+    private_server,
+    run_ok,
+    sandbox_pids,
+)
+
+pytestmark = pytest.mark.reliability
+
+FAULTS = (
+    "none",
+    "agent_killed",
+    "init_killed",
+    "bwrap_killed",
+    "bwrap_killed_mid_kill",
+    "server_killed_mid_create",
+    "server_killed_mid_kill",
+    "kill_while_starting",
+    "runtime_killed_mid_create",
+)
+CYCLES = int(os.environ.get("AGENTBOX_LEAK_CYCLES", str(2 * len(FAULTS))))
+SEED = int(os.environ.get("AGENTBOX_LEAK_SEED", str(int(time.time()) % 100_000)))
+BODY = {"timeout": 300, "resources": {"disk_mb": 64, "memory_mb": 128}}
+WORK = "echo data > /workspace/f; (sleep 600 &); sleep 600 & echo started"
+
+
+@pytest.fixture
+def srv(tmp_path: Path) -> Iterator[RelServer]:
+    with private_server(tmp_path) as s:
+        yield s
+
+
+def _kill(pid: int | None) -> None:
+    if pid:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _delete(c: httpx.Client, sid: str) -> int:
+    """DELETE until it sticks: 503 means "torn down only partly, retry"; anything else but
+    204 is a bug."""
+    for _ in range(20):
+        r = c.delete(f"/v1/sandboxes/{sid}")
+        if r.status_code == 204:
+            return 204
+        assert r.status_code == 503, f"kill {sid}: {r.status_code} {r.text}"
+        assert r.json()["code"] == "sandbox_unavailable", r.text
+        time.sleep(0.1)
+    raise AssertionError(f"kill {sid} kept answering 503")
+
+
+def _state(c: httpx.Client, sid: str) -> dict:
+    r = c.get(f"/v1/sandboxes/{sid}")
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _create_and_work(srv: RelServer, c: httpx.Client) -> str:
+    r = c.post("/v1/sandboxes", json=BODY)
+    assert r.status_code == 201, r.text
+    sid = r.json()["sandbox_id"]
+    assert run_ok(c, sid, WORK).strip() == "started"
+    r = c.post(f"/v1/sandboxes/{sid}/commands", json={"cmd": "sleep 600", "background": True})
+    assert r.status_code == 201, r.text
+    return sid
+
+
+def _probe_dead(c: httpx.Client, sid: str) -> None:
+    """A sandbox whose processes died answers a clean 409/503, never 500 or a hang."""
+    r = c.post(f"/v1/sandboxes/{sid}/commands", json={"cmd": "true", "background": True})
+    assert r.status_code in (201, 409, 503), f"{r.status_code} {r.text}"
+    if r.status_code != 201:
+        assert r.json()["code"] in ("sandbox_not_running", "sandbox_unavailable"), r.text
+
+
+def _wait_ended(c: httpx.Client, sid: str, within: float) -> dict:
+    deadline = time.monotonic() + within
+    while True:
+        info = _state(c, sid)
+        if info["state"] not in ("starting", "running") or time.monotonic() > deadline:
+            return info
+        time.sleep(0.05)
+
+
+def _first_runtime_process(srv: RelServer, create: Background, comm: str) -> str | None:
+    """SIGKILL the first process named `comm` whose argv names this server's sandbox trees,
+    while `create` runs; what was killed (None if the create finished first)."""
+    needles = [f"{srv.data_dir.resolve()}/sandboxes/", f"/run/agentbox/{srv.digest}/"]
+    while create.thread.is_alive():
+        for name in os.listdir("/proc"):
+            if not name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{name}/cmdline", "rb") as f:
+                    argv = f.read().decode(errors="replace").split("\0")
+            except OSError:
+                continue
+            if os.path.basename(argv[0]) == comm and any(n in a for a in argv for n in needles):
+                _kill(int(name))
+                return comm
+    return None
+
+
+def _cycle(srv: RelServer, fault: str, rng: random.Random, round_: int) -> str:
+    """One create/exec/kill cycle with `fault`; returns what happened, for the summary.
+    Faults that leave a dead sandbox are cleaned up by a kill on even rounds and by the health
+    loop on odd ones (so the default two rounds cover both)."""
+    with srv.client() as c:
+        if fault == "server_killed_mid_create":
+            bg = Background(lambda: c.post("/v1/sandboxes", json=BODY))
+            time.sleep(rng.uniform(0, 0.12))  # a create takes ~60-150 ms here
+            srv.crash()
+            try:
+                outcome = f"create answered {bg.result().status_code}"
+            except httpx.HTTPError:
+                outcome = "create lost"
+            srv.restart()
+            assert_usable_or_gone(srv)  # a create that completed left a usable sandbox
+            srv.kill_everything()
+            return outcome
+        if fault == "runtime_killed_mid_create":
+            # Kill the first runtime process of the new sandbox seen: mkfs, losetup, mount, bwrap.
+            bg = Background(lambda: c.post("/v1/sandboxes", json=BODY))
+            victim = _first_runtime_process(
+                srv, bg, rng.choice(("mkfs.ext4", "losetup", "mount", "bwrap"))
+            )
+            created = bg.result()
+            assert created.status_code in (201, 503), created.text
+            if created.status_code == 503:
+                assert created.json()["code"] == "sandbox_unavailable", created.text
+            else:
+                srv.kill_everything()  # too late to hurt it: it must be whole (checked after)
+            return f"{victim or 'nothing caught'} killed, create answered {created.status_code}"
+        if fault == "kill_while_starting":
+            bg = Background(lambda: c.post("/v1/sandboxes", json=BODY))
+            sid = None
+            deadline = time.monotonic() + 10
+            while sid is None and time.monotonic() < deadline:
+                r = c.get("/v1/sandboxes", params={"state": "starting"})
+                starting = r.json()["sandboxes"]
+                sid = starting[0]["sandbox_id"] if starting else None
+            if sid is None:  # it started before we saw it: kill it running instead
+                sid = bg.result().json()["sandbox_id"]
+            assert _delete(c, sid) == 204
+            created = bg.result()
+            # The kill waits for the start to finish, then ends a whole sandbox: it is killed,
+            # not failed (the record of a kill is never overwritten) nor running again.
+            assert created.status_code == 201, created.text
+            info = _state(c, sid)
+            assert info["state"] == "killed" and info["end_reason"] == "killed", info
+            return f"create answered {created.status_code}, sandbox {info['state']}"
+
+        sid = _create_and_work(srv, c)
+        state = srv.runtime_state(sid)
+        assert state is not None
+        if fault == "none":
+            assert _delete(c, sid) == 204
+        elif fault in ("agent_killed", "init_killed"):
+            if fault == "agent_killed":
+                agents = sandbox_pids(srv.inventory(), sid, comm="python3")
+                assert agents, srv.inventory().about(sid)
+                _kill(min(agents))
+            else:
+                _kill(state["init_pid"])
+            _probe_dead(c, sid)
+            if round_ % 2 == 0:
+                assert _delete(c, sid) == 204
+            else:  # the health loop must notice on its own
+                info = _wait_ended(c, sid, within=10)
+                assert info["state"] == "killed" and info["end_reason"] == "vanished", info
+        elif fault == "bwrap_killed":
+            # The runtime process died: the sandbox is ended as vanished (or killed first).
+            _kill(state["bwrap_pid"])
+            if round_ % 2 == 0:
+                assert _delete(c, sid) == 204
+            else:
+                info = _wait_ended(c, sid, within=10)
+                assert info["state"] == "killed" and info["end_reason"] == "vanished", info
+        elif fault == "bwrap_killed_mid_kill":
+            bg = Background(lambda: _delete(c, sid))
+            time.sleep(rng.uniform(0, 0.03))
+            _kill(state["bwrap_pid"])
+            _kill(state["init_pid"])
+            assert bg.result() == 204
+        elif fault == "server_killed_mid_kill":
+            bg = Background(lambda: c.delete(f"/v1/sandboxes/{sid}"))
+            time.sleep(rng.uniform(0, 0.05))
+            srv.crash()
+            try:
+                first = str(bg.result().status_code)
+            except httpx.HTTPError:
+                first = "lost"
+            srv.restart()
+            assert _delete(c, sid) == 204
+            return f"first kill {first}, then {_state(c, sid)['end_reason']}"
+        info = _state(c, sid)
+        assert info["state"] == "killed", info
+        return info["end_reason"]
+
+
+def test_leak_cycles_with_faults(srv: RelServer) -> None:
+    rng = random.Random(SEED)
+    print(f"\nleak test: {CYCLES} cycles, seed {SEED} (AGENTBOX_LEAK_SEED to replay)")
+    outcomes: Counter[str] = Counter()
+    for i in range(CYCLES):
+        fault = FAULTS[i % len(FAULTS)]
+        try:
+            outcome = _cycle(srv, fault, rng, i // len(FAULTS))
+            seen = assert_usable_or_gone(srv)
+        except AssertionError as e:
+            raise AssertionError(f"cycle {i} ({fault}, seed {SEED}): {e}") from None
+        outcomes[f"{fault}: {outcome}"] += 1
+        assert seen["running"] == 0, seen  # every cycle ends with its sandbox killed
+    for line, n in sorted(outcomes.items()):
+        print(f"  {n:3d} x {line}")
+    # private_server kills what is left and checks the inventory against the start
