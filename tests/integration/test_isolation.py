@@ -586,7 +586,9 @@ def test_fork_bomb_is_contained(server, client, boxes) -> None:
     assert pmax.read_text().strip() == "128"
     peak = 0
     with Prober(server, client.headers["X-API-Key"], b) as probe:
-        h.run_bg(client, a, "bash -c ':(){ :|:& };:'", timeout=5)
+        # The short sleep lets the command start cleanly first: a bomb that fills the pids
+        # cgroup before the agent has its reader threads is refused as "could not start".
+        h.run_bg(client, a, "sleep 0.3; bash -c ':(){ :|:& };:'", timeout=5)
         deadline = time.monotonic() + 6
         host_worst = 0.0
         while time.monotonic() < deadline:

@@ -694,7 +694,9 @@ class Commands:
                 c.readers.append(t)
             threading.Thread(target=self._wait, args=(c,), daemon=True).start()
         except RuntimeError:  # no thread for it: the sandbox is at its process limit
-            c.proc.kill()
+            # "Could not start" must leave nothing running: the command may already have
+            # forked (a fork bomb fills the pids cgroup before its reader threads exist).
+            kill_tree(c)
             c.proc.wait()
             raise PIDS_EXHAUSTED from None
         with self.lock:
