@@ -45,7 +45,9 @@ CEILING = 4.0  # over BOUND is reported (xfail); over CEILING is a failure
 A_LIMITS = {"cpu_count": 0.5, "memory_mb": 64, "pids": 64, "disk_mb": 64, "tmp_mb": 16}
 
 FORK_BOMB = (
-    "python3 -c 'import os\n"
+    # The sleep lets the agent finish starting the command before the bomb fills the pids
+    # cgroup (otherwise the start itself is refused as "could not start": limit_exceeded).
+    "sleep 0.3; python3 -c 'import os\n"
     "while True:\n"
     "    try:\n"
     "        pid = os.fork()\n"

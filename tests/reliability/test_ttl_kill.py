@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Iterator
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -247,3 +248,49 @@ def test_concurrent_kills_and_kill_during_a_command(srv: RelServer) -> None:
         assert end["killed"] and end["violation"]["code"] == "sandbox_ended", end
         assert c.get(f"/v1/sandboxes/{sid}").json()["state"] == "killed"
         assert srv.inventory().about(sid) == []
+
+
+def test_command_kill_gets_through_at_the_process_limit(srv: RelServer) -> None:
+    """At the process limit the agent cannot start a thread per request and answers on its
+    accept loop; a wait or stream answered there held the loop, and the kill that would free
+    the sandbox hung (seen as a 60 s timeout under a fork bomb)."""
+    with srv.client() as c:
+        sid = c.post("/v1/sandboxes", json={"resources": {"pids": 32}}).json()["sandbox_id"]
+        r = c.post(
+            f"/v1/sandboxes/{sid}/commands",
+            json={
+                "cmd": "for i in $(seq 100); do sleep 1000 & done 2>/dev/null; wait",
+                "background": True,
+                "timeout": 0,
+            },
+        )
+        cmd_id = r.json()["cmd_id"]
+        pids = [Path(p) for p in srv.inventory().cgroups if p.endswith(sid) and "/pids/" in p]
+        deadline = time.monotonic() + 10
+        while pids and (pids[0] / "pids.current").read_text().strip() != "32":
+            assert time.monotonic() < deadline, "the sandbox never reached its process limit"
+            time.sleep(0.05)
+        # Long-lived requests arriving now: a stream of the command and the server's own wait.
+        streams = [
+            Background(
+                lambda: httpx.get(
+                    f"{srv.url}/v1/sandboxes/{sid}/commands/{cmd_id}/events",
+                    headers=c.headers,
+                    timeout=30,
+                )
+            )
+            for _ in range(2)
+        ]
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        r = c.post(f"/v1/sandboxes/{sid}/commands/{cmd_id}/kill", json={}, timeout=20)
+        assert r.status_code == 204, r.text
+        assert time.monotonic() - t0 < 5, "the kill waited behind a stream"
+        for s in streams:
+            got = s.result()
+            # Refused with the reason (at the process limit) or served to the end.
+            assert got.status_code in (200, 400), got.text
+            if got.status_code == 400:
+                assert got.json()["detail"]["violation"]["code"] == "pids_limit", got.text
+        assert run_ok(c, sid, "echo recovered") == "recovered\n"
+        c.delete(f"/v1/sandboxes/{sid}")

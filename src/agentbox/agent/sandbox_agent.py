@@ -949,7 +949,16 @@ OPS = {
 }
 
 
-def serve_one(sock: _socket.socket) -> None:
+# The ops that finish at once: the only ones served on the accept loop itself when no thread
+# can start (the sandbox is at its process limit). A wait or a stream served there would hold
+# the loop until it ended, and nothing else, not even the kill that would end it, got through.
+INLINE_OPS = frozenset(
+    {"ping", "fs.stat", "fs.list", "fs.mkdir", "fs.remove", "fs.rename"}
+    | {"exec.info", "exec.list", "exec.stdin", "exec.kill"}
+)
+
+
+def serve_one(sock: _socket.socket, inline: bool = False) -> None:
     conn = Conn(sock)
     try:
         kind, payload = conn.recv()
@@ -959,6 +968,8 @@ def serve_one(sock: _socket.socket) -> None:
         op = OPS.get(req.get("op"))
         if op is None:
             raise OpError("invalid_request", f"unknown op {req.get('op')!r}")
+        if inline and req.get("op") not in INLINE_OPS:
+            raise PIDS_EXHAUSTED
         op(conn, req)
     except OpError as e:
         try:
@@ -1012,4 +1023,4 @@ def main() -> None:
             threading.Thread(target=serve_one, args=(sock,), daemon=True).start()
         except RuntimeError:
             # At the process limit no thread can start; answer inline rather than die.
-            serve_one(sock)
+            serve_one(sock, inline=True)
