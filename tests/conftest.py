@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,13 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from agentbox.battery.target import free_port
+
 ADMIN_KEY = "test-admin-key-0123456789"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
