@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -53,6 +54,20 @@ def test_diff_semantics_and_json() -> None:
     assert len(inv.diff(after, reused)) == 2
 
 
+def _child_of(ppid: int, timeout: float = 5) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for name in os.listdir("/proc"):
+            try:
+                stat = Path(f"/proc/{name}/stat").read_text()
+            except (OSError, ValueError):
+                continue
+            if name.isdigit() and int(stat.rsplit(")", 1)[1].split()[1]) == ppid:
+                return int(name)
+        time.sleep(0.02)
+    raise AssertionError(f"no child of {ppid} appeared")
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="planting mounts, cgroups and uids needs root")
 def test_sees_planted_leaks(tmp_path: Path) -> None:
     data_dir = tmp_path / "data"
@@ -95,6 +110,17 @@ def test_sees_planted_leaks(tmp_path: Path) -> None:
             os.setuid(uid)
 
         procs.append(subprocess.Popen(["sleep", "60"], preexec_fn=drop))
+        # ... and one whose parent is another data dir's sandbox (a server without cgroups).
+        other_root = "/run/agentbox/ffffffffffff/sbx_other/workspace"
+        theirs = subprocess.Popen(
+            [
+                "sh",
+                "-c",
+                f"setpriv --reuid={uid} --regid={uid} --clear-groups sleep 60; true",
+                other_root,
+            ]
+        )
+        their_child = _child_of(theirs.pid)
         if cgroups:
             joined = subprocess.Popen(["sleep", "60"])
             procs.append(joined)
@@ -111,11 +137,16 @@ def test_sees_planted_leaks(tmp_path: Path) -> None:
         found = {p.pid: p for p in after.processes}
         assert "argv" in found[procs[0].pid].why
         assert found[procs[1].pid].why == ["sandbox-uid"] and found[procs[1].pid].uid == uid
+        assert their_child not in found, "another data dir's sandbox process was counted"
         if cgroups:
             assert found[procs[2].pid].sandbox == "sbx_planted"
             assert "cgroup" in found[procs[2].pid].why
         assert "sbx_planted" in after.sandbox_ids()
     finally:
+        if "their_child" in locals():
+            os.kill(their_child, signal.SIGKILL)
+        if "theirs" in locals():
+            procs.append(theirs)
         for proc in procs:
             proc.kill()
             proc.wait()

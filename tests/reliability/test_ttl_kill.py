@@ -259,7 +259,8 @@ def test_command_kill_gets_through_at_the_process_limit(srv: RelServer) -> None:
         r = c.post(
             f"/v1/sandboxes/{sid}/commands",
             json={
-                "cmd": "for i in $(seq 100); do sleep 1000 & done 2>/dev/null; wait",
+                # The sleep lets the start finish before the pids cgroup is full.
+                "cmd": "sleep 0.3; for i in $(seq 100); do sleep 1000 & done 2>/dev/null; wait",
                 "background": True,
                 "timeout": 0,
             },

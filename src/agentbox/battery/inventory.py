@@ -175,10 +175,15 @@ def _unescape(s: str) -> str:
 
 
 def _processes(
-    digest: str, needles: list[str], host_netns: set[str]
+    digest: str, needles: list[str], host_netns: set[str], run_root: Path
 ) -> tuple[list[ProcessInfo], list[str]]:
     procs: list[ProcessInfo] = []
     me = os.getpid()
+    # Every process's parent and the data dir (digest) its cgroup or argv names, if any: a
+    # sandbox-uid process outside every scope's cgroup is told apart by its ancestors.
+    family: dict[int, tuple[int, str | None]] = {}
+    bind_re = re.compile(re.escape(str(run_root)) + r"/([0-9a-f]{12})/")
+    unattributed: list[ProcessInfo] = []
     for name in os.listdir("/proc"):
         if not name.isdigit() or int(name) == me:
             continue
@@ -211,11 +216,13 @@ def _processes(
         chosen = ""
         other_scope = False
         sandbox: str | None = None
+        owner: str | None = None
         for line in cgroups.splitlines():
             path = line.split(":", 2)[-1]
             m = _SCOPE.search(path)
             if m is None:
                 continue
+            owner = owner or m.group(1)
             if m.group(1) == digest:
                 if "cgroup" not in why:
                     why.append("cgroup")
@@ -225,12 +232,17 @@ def _processes(
             else:
                 other_scope = True
                 chosen = chosen or path
+        if owner is None:
+            m = bind_re.search(cmdline)
+            owner = m.group(1) if m else None
+        family[pid] = (ppid, owner)
         if any(n in cmdline for n in needles):
             why.append("argv")
             if sandbox is None:
                 ids = _SANDBOX_ID.findall(cmdline)
                 sandbox = ids[0] if ids else None
-        if UID_RANGE[0] <= uid < UID_RANGE[1] and not other_scope:
+        in_range = UID_RANGE[0] <= uid < UID_RANGE[1]
+        if in_range and not other_scope:
             why.append("sandbox-uid")
         if not why:
             continue
@@ -245,21 +257,33 @@ def _processes(
             netns = os.readlink(f"/proc/{pid}/ns/net")
         except OSError:
             pass
-        procs.append(
-            ProcessInfo(
-                pid=pid,
-                start=start,
-                ppid=ppid,
-                uid=uid,
-                state=state,
-                comm=comm,
-                cmdline=cmdline[:300],
-                cgroup=chosen,
-                sandbox=sandbox,
-                netns=netns,
-                why=why,
-            )
+        info = ProcessInfo(
+            pid=pid,
+            start=start,
+            ppid=ppid,
+            uid=uid,
+            state=state,
+            comm=comm,
+            cmdline=cmdline[:300],
+            cgroup=chosen,
+            sandbox=sandbox,
+            netns=netns,
+            why=why,
         )
+        if why == ["sandbox-uid"]:
+            unattributed.append(info)
+        else:
+            procs.append(info)
+    for info in unattributed:
+        # Outside every agentbox cgroup: another data dir's if an ancestor says so (a sandbox
+        # of a server run without cgroups); else ours to report (it may have escaped ours).
+        pid, seen = info.ppid, 0
+        owner = None
+        while pid > 1 and seen < 64 and owner is None:
+            pid, owner = family.get(pid, (0, None))
+            seen += 1
+        if owner is None or owner == digest:
+            procs.append(info)
     procs.sort(key=lambda p: p.pid)
     holders: dict[str, set[str]] = {}
     for p in procs:
@@ -355,7 +379,7 @@ def take(
             host_netns.add(os.readlink(holder))
         except OSError:
             pass
-    procs, netns = _processes(digest, needles, host_netns)
+    procs, netns = _processes(digest, needles, host_netns, run_root)
     return Inventory(
         data_dir=str(data_dir),
         bind_root=str(bind_root),

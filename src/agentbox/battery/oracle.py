@@ -294,7 +294,8 @@ def _host_mounts() -> set[str]:
     except OSError:
         return set()
     points = {line.split()[4] for line in text.splitlines() if len(line.split()) > 4}
-    return {p for p in points if not p.startswith("/run/agentbox/")}
+    # Workspaces of any agentbox data dir on this host (tests may run beside the battery).
+    return {p for p in points if not p.startswith("/run/agentbox/") and "/sandboxes/sbx_" not in p}
 
 
 def _listing(d: Path) -> set[str]:

@@ -486,6 +486,8 @@ class ProcessRuntime(Runtime):
     async def close(self) -> None:
         """On server stop, drop this data dir's host scaffolding if no sandbox still uses it
         (live sandboxes keep theirs: a restarted server re-adopts them)."""
+        if self.use_loop:
+            workspace.detach_orphan_loops(self.root)
         if await self.list_sandboxes():
             return
         self.cgroups.remove_scope()
@@ -536,6 +538,8 @@ class ProcessRuntime(Runtime):
                 time.sleep(0.005)
         if not workspace.destroy(sdir, self.bind_root / sid, keep=keep_workspace):
             raise RuntimeError_(f"could not unmount the workspace of sandbox {sid}")
+        if self.use_loop:
+            workspace.detach_orphan_loops(self.root)
         if not self.cgroups.remove(sid):
             raise RuntimeError_(f"could not remove the cgroups of sandbox {sid}")
         if keep_workspace and sdir.exists():

@@ -121,6 +121,22 @@ def _detach_loops(image: Path) -> None:
             subprocess.run(["losetup", "-d", f"/dev/{f.parent.parent.name}"], capture_output=True)
 
 
+def detach_orphan_loops(root: Path) -> None:
+    """Detach loop devices whose image under `root` is gone. A live sandbox's image is never
+    deleted, so these are orphans: a server killed mid-create leaves its `losetup` running, and
+    it can attach after the restarted server already removed that sandbox."""
+    prefix = f"{os.path.realpath(root)}/"
+    for f in Path("/sys/block").glob("loop*/loop/backing_file"):
+        try:
+            backing = f.read_text().strip()
+        except OSError:
+            continue
+        if backing.startswith(prefix) and (
+            backing.endswith(" (deleted)") or not os.path.exists(backing)
+        ):
+            subprocess.run(["losetup", "-d", f"/dev/{f.parent.parent.name}"], capture_output=True)
+
+
 def destroy(sandbox_dir: Path, bind_dir: Path, keep: bool) -> bool:
     """Unmount and remove the workspace. With `keep`, the image (or directory) stays on disk."""
     ok = True
