@@ -31,6 +31,8 @@ from typing import Any
 
 import httpx
 
+from agentbox.battery.target import wait_healthy
+
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 ADMIN_KEY = "bench-admin-key-0123456789abcdef"
@@ -224,17 +226,7 @@ class BenchServer:
                                      stderr=subprocess.STDOUT, start_new_session=True,
                                      cwd=str(ROOT))
         log.close()
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.log_path.read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{self.url}/v1/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
-        raise RuntimeError(f"server did not come up: {self.log_path.read_text()[-3000:]}")
+        wait_healthy(self.url, self.proc, self.log_path)
 
     def set_quota(self, **quota: Any) -> None:
         with self.client() as c:

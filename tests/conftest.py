@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from agentbox.battery.target import free_port
+from agentbox.battery.target import free_port, wait_healthy
 
 ADMIN_KEY = "test-admin-key-0123456789"
 
@@ -69,17 +69,7 @@ class ServerHandle:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.log_path.read_text()[-4000:]}")
-            try:
-                if httpx.get(f"{self.url}/v1/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
-        raise RuntimeError(f"server did not come up: {self.log_path.read_text()[-4000:]}")
+        wait_healthy(self.url, self.proc, self.log_path)
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         """Stop the server process only; sandboxes outlive it by design."""

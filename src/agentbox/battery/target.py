@@ -35,6 +35,24 @@ BATTERY_RESOURCES = {
 }
 
 
+def wait_healthy(url: str, proc: subprocess.Popen, log_path: Path, timeout: float = 30) -> None:
+    """Wait until a just-started server answers /v1/health; RuntimeError with its log if not."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(f"{url}/v1/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    state = "exited" if proc.poll() is not None else "did not come up"
+    try:
+        log = log_path.read_text(errors="replace")[-3000:]
+    except OSError:
+        log = ""
+    raise RuntimeError(f"server at {url} {state}: {log}")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -204,23 +222,7 @@ class Server:
             self.proc = subprocess.Popen(
                 argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                break
-            try:
-                if httpx.get(f"{self.url}/v1/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
-        raise RuntimeError(f"server {self.name} did not start: {self.log_tail()}")
-
-    def log_tail(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-3000:]
-        except OSError:
-            return ""
+        wait_healthy(self.url, self.proc, self.log_path)
 
     def alive(self) -> bool:
         try:

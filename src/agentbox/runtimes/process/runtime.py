@@ -120,6 +120,9 @@ class ProcessRuntime(Runtime):
                 and Path("/dev/loop-control").exists()
             )
         self.use_loop = use_loop
+        if use_loop:
+            # Not on every destroy: it reads every loop device's backing file (O(live sandboxes)).
+            workspace.detach_orphan_loops(self.root)
         self.seccomp = build_filter()
         # Positive controls of the security battery only; see weaken.py.
         self.weak = Weakening.of(weaken, bind_host)
@@ -538,8 +541,6 @@ class ProcessRuntime(Runtime):
                 time.sleep(0.005)
         if not workspace.destroy(sdir, self.bind_root / sid, keep=keep_workspace):
             raise RuntimeError_(f"could not unmount the workspace of sandbox {sid}")
-        if self.use_loop:
-            workspace.detach_orphan_loops(self.root)
         if not self.cgroups.remove(sid):
             raise RuntimeError_(f"could not remove the cgroups of sandbox {sid}")
         if keep_workspace and sdir.exists():
