@@ -180,6 +180,8 @@ class BenchServer:
     """One `agentbox` server process with a private data dir; a context manager."""
 
     name: str
+    warm_pools: dict[str, int] | None = None
+    template_dir: Path | None = None
     root: Path = field(init=False)
     data_dir: Path = field(init=False)
     port: int = field(init=False)
@@ -216,8 +218,11 @@ class BenchServer:
     def _start(self) -> None:
         env = dict(os.environ, AGENTBOX_ADMIN_KEY=ADMIN_KEY,
                    AGENTBOX_LOG_LEVEL=os.environ.get("AGENTBOX_LOG_LEVEL", "WARNING"))
+        tdir = None if self.template_dir is None else str(self.template_dir)
         code = ("from agentbox.server.app import serve; from pathlib import Path; "
-                f"serve('127.0.0.1', {self.port}, Path({str(self.data_dir)!r}))")
+                f"serve('127.0.0.1', {self.port}, Path({str(self.data_dir)!r}), "
+                f"template_dir=None if {tdir!r} is None else Path({tdir!r}), "
+                f"warm_pools={self.warm_pools!r})")
         self.log_path = Path(tempfile.gettempdir()) / f"{self.root.name}.server.log"
         log = open(self.log_path, "ab")
         # Own session: a Ctrl-C in the terminal reaches the benchmark, which then cleans up
@@ -237,6 +242,10 @@ class BenchServer:
         """DELETE every live sandbox of this server through the API; how many were killed."""
         killed = 0
         with self.client(timeout=30) as c:
+            # Warm pool members belong to no tenant: shrinking the pools ends them.
+            pools = c.get("/v1/pools")
+            for pool in pools.json().get("pools", []) if pools.status_code == 200 else []:
+                c.put(f"/v1/pools/{pool['template']}", json={"size": 0})
             for _ in range(20):
                 r = c.get("/v1/sandboxes", params={"state": "running,starting", "limit": 1000})
                 r.raise_for_status()

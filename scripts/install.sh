@@ -11,6 +11,9 @@ command -v mkfs.ext4 >/dev/null || need_apt+=(e2fsprogs)
 command -v losetup >/dev/null || need_apt+=(mount)
 command -v ip >/dev/null || need_apt+=(iproute2)
 command -v ps >/dev/null || need_apt+=(procps)
+# Templates are root filesystems built from Debian packages (no Docker, no registry).
+command -v mmdebstrap >/dev/null || need_apt+=(mmdebstrap)
+command -v node >/dev/null || need_apt+=(nodejs)
 PY=${PYTHON:-python3}
 if ! "$PY" -c "import ensurepip, venv" 2>/dev/null; then
   need_apt+=(python3-venv)

@@ -83,6 +83,14 @@ class ServerHandle:
         self.proc = None
 
     def kill_all_sandboxes(self) -> None:
+        # Warm pool members belong to no tenant: shrinking the pools ends them.
+        try:
+            with self.client() as c:
+                r = c.get("/v1/pools")
+                for pool in r.json().get("pools", []) if r.status_code == 200 else []:
+                    c.put(f"/v1/pools/{pool['template']}", json={"size": 0})
+        except httpx.HTTPError:
+            pass
         for key in [self.admin_key, *self.keys]:
             try:
                 with self.client(key) as c:
@@ -183,3 +191,43 @@ def run(client: httpx.Client, sandbox_id: str, cmd: str, **body) -> RunResult:
         end=end,
         events=events,
     )
+
+
+def shared_template_dir() -> Path:
+    """Built templates shared by every test server of a run (and by later runs on the same
+    machine): building code-interpreter takes minutes, finding it in the cache takes ms."""
+    return Path(os.environ.get("AGENTBOX_TEST_TEMPLATE_DIR", "/var/tmp/agentbox-test-templates"))
+
+
+@pytest.fixture(scope="session")
+def code_template() -> Path:
+    """The shipped code-interpreter template, built (or found in the cache) once per session."""
+    from agentbox.templates import TemplateStore, builtin_spec_path, load_spec
+
+    root = shared_template_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    path = builtin_spec_path("code-interpreter")
+    assert path is not None
+    log = open(root / "build.log", "a")
+    try:
+        TemplateStore(root).build(
+            load_spec(path.read_text(), path.parent),
+            lambda e: log.write(json.dumps(e) + "\n"),
+        )
+    finally:
+        log.close()
+    return root
+
+
+@pytest.fixture(scope="session")
+def ci_server(
+    tmp_path_factory: pytest.TempPathFactory, code_template: Path
+) -> Iterator[ServerHandle]:
+    """A server whose code-interpreter template is built, with a warm pool of one."""
+    handle = start_server(
+        tmp_path_factory.mktemp("agentbox-ci"),
+        ["--template-dir", str(code_template), "--warm-pool", "code-interpreter=1"],
+    )
+    yield handle
+    handle.kill_all_sandboxes()
+    handle.stop()

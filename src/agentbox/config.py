@@ -28,3 +28,26 @@ def local_admin_key(data_dir: Path | None = None) -> str | None:
         return path.read_text().strip() or None
     except OSError:
         return None
+
+
+def parse_pool_sizes(items: list[str]) -> dict[str, int]:
+    """`TEMPLATE=N` items (from `--warm-pool` and AGENTBOX_WARM_POOLS, comma-separated)."""
+    sizes: dict[str, int] = {}
+    for item in items:
+        for part in filter(None, (p.strip() for p in item.split(","))):
+            name, sep, count = part.partition("=")
+            if not sep or not name or not count.isdigit():
+                raise ValueError(f"{part!r} must look like TEMPLATE=N (e.g. code-interpreter=2)")
+            sizes[name] = int(count)
+    return sizes
+
+
+def default_pool_sizes() -> dict[str, int]:
+    """Warm pools from the server config (AGENTBOX_WARM_POOLS="default=2,code-interpreter=1")."""
+    return parse_pool_sizes([os.environ.get("AGENTBOX_WARM_POOLS", "")])
+
+
+def default_template_dir() -> Path | None:
+    """AGENTBOX_TEMPLATE_DIR (several servers, or test runs, may share built templates)."""
+    env = os.environ.get("AGENTBOX_TEMPLATE_DIR")
+    return Path(env) if env else None

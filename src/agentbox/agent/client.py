@@ -210,3 +210,31 @@ class AgentClient:
                 conn.close()
 
         return info, events()
+
+    # ------------------------------------------------------------------ code
+
+    async def event_stream(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """Send a request answered by `{"ok": true}` and then JSON events, up to one whose
+        type is `done` or `failed`. Refusals surface here, before any event."""
+        conn = await self._open(request)
+        try:
+            await conn.reply()
+        except BaseException:
+            conn.close()
+            raise
+
+        async def events() -> AsyncIterator[dict[str, Any]]:
+            try:
+                while True:
+                    event = await conn.recv_json()
+                    if event.get("type") == "keepalive":
+                        continue
+                    yield event
+                    if event.get("type") in ("done", "failed"):
+                        return
+            except OSError as e:
+                raise AgentUnavailable(f"lost the sandbox agent: {e}") from None
+            finally:
+                conn.close()
+
+        return events()

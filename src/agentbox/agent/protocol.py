@@ -24,7 +24,7 @@ import struct
 VERSION = "0.1.0"
 HEADER = struct.Struct(">BI")
 OUTPUT_HEADER = struct.Struct(">BQ")
-MAX_JSON = 1 << 20
+MAX_JSON = 8 << 20  # a code result carries its images (base64) in one event
 MAX_DATA = 1 << 20
 CHUNK = 256 * 1024
 

@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # the agent imports subprocess lazily: most sandboxes idle wi
     import subprocess
 
 WORKSPACE = "/workspace"
+DEFAULT_CWD = WORKSPACE  # where commands start: the template's working dir (the agent's cwd)
 # Layers switched off for the security battery's positive controls (runtimes/process/weaken.py);
 # empty in every real sandbox.
 WEAKENED: frozenset = frozenset()
@@ -547,6 +548,15 @@ def op_rename(conn: Conn, req: dict) -> None:
 # ---------------------------------------------------------------- commands
 
 
+def check_envs(envs: object) -> dict:
+    if not isinstance(envs, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) and k and "=" not in k and "\0" not in k + v
+        for k, v in envs.items()
+    ):
+        raise OpError("invalid_request", "envs must map names to string values")
+    return envs
+
+
 class Command:
     def __init__(self, cmd_id: str, cmd: str, cwd: str, timeout: float) -> None:
         self.id = cmd_id
@@ -650,15 +660,10 @@ class Commands:
         cmd = req.get("cmd")
         if not isinstance(cmd, str) or not cmd.strip():
             raise OpError("invalid_request", "cmd must be a non-empty string")
-        cwd = join(parse_path(req.get("cwd") or WORKSPACE))
+        cwd = join(parse_path(req.get("cwd") or DEFAULT_CWD))
         if not os.path.isdir(cwd):
             raise OpError("path_not_found", f"working directory {cwd} does not exist", path=cwd)
-        envs = req.get("envs") or {}
-        if not isinstance(envs, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) and k and "=" not in k and "\0" not in k + v
-            for k, v in envs.items()
-        ):
-            raise OpError("invalid_request", "envs must map names to string values")
+        envs = check_envs(req.get("envs") or {})
         timeout = req.get("timeout") or 0
         with self.lock:
             self.seq += 1
@@ -925,6 +930,91 @@ def op_exec_kill(conn: Conn, req: dict) -> None:
     conn.reply({"ok": True})
 
 
+def _code_host():  # noqa: ANN202 - the module is imported on first use
+    import code_bridge
+
+    return code_bridge
+
+
+def _code_failed(event: dict) -> OpError:
+    code, message = _code_host().failure(event)
+    return OpError(code, message)
+
+
+_CODE_CALLS = frozenset(
+    {"create_context", "list_contexts", "restart_context", "remove_context", "warm"}
+)
+
+
+def op_code_call(conn: Conn, req: dict) -> None:
+    """A code-interpreter request with one reply: contexts, warm-up."""
+    cb = _code_host()
+    call = req.get("call")
+    if call not in _CODE_CALLS:
+        raise OpError("invalid_request", f"unknown code call {call!r}")
+    args = {k: v for k, v in req.items() if k not in ("op", "call")}
+    try:
+        event = cb.HOST_PROCESS.call(call, args)
+    except cb.HostGone as e:
+        raise OpError("code_host_unavailable", str(e)) from None
+    if event.get("event") == "failed":
+        raise _code_failed(event)
+    conn.reply({"ok": True, **{k: v for k, v in event.items() if k not in ("id", "event")}})
+
+
+def op_code_execute(conn: Conn, req: dict) -> None:
+    """Run code in a context and stream its events (stdout, stderr, result, error, ...)."""
+    cb = _code_host()
+    args = {k: v for k, v in req.items() if k != "op"}
+    try:
+        q = cb.HOST_PROCESS.request("execute", args)
+    except cb.HostGone as e:
+        raise OpError("code_host_unavailable", str(e)) from None
+    import queue
+
+    first = True
+    while True:
+        try:
+            event = q.get(timeout=KEEPALIVE_S)
+        except queue.Empty:
+            conn.reply({"type": "keepalive"})  # also notices a client that went away
+            continue
+        kind = event.pop("event", None)
+        event.pop("id", None)
+        if first:
+            first = False
+            if kind == "failed":  # refused before it ran: an ordinary error reply
+                raise _code_failed({"event": kind, **event})
+            conn.reply({"ok": True})
+        if kind == "failed":
+            code, message = cb.failure(event)
+            conn.reply({"type": "failed", "code": code, "message": message})
+            return
+        frame = P.encode_json({"type": kind, **event})
+        if len(frame) > P.MAX_JSON:
+            frame = P.encode_json(
+                {
+                    "type": "stderr",
+                    "text": f"[agentbox: a {kind} event of {len(frame)} bytes was dropped: "
+                    f"events are limited to {P.MAX_JSON} bytes; write large outputs to a file]\n",
+                }
+            )
+        conn.send(frame)
+        if kind == "done":
+            return
+
+
+def op_env_set(conn: Conn, req: dict) -> None:
+    """New default environment variables for later commands and code (claimed warm sandboxes)."""
+    envs = check_envs(req.get("envs"))
+    cb = _code_host()
+    try:
+        cb.HOST_PROCESS.set_env(envs)
+    except cb.HostGone as e:
+        raise OpError("code_host_unavailable", str(e)) from None
+    conn.reply({"ok": True})
+
+
 def op_ping(conn: Conn, req: dict) -> None:
     conn.reply({"ok": True, "version": P.VERSION, "pid": os.getpid(), "landlock": LANDLOCK_ABI})
 
@@ -946,6 +1036,9 @@ OPS = {
     "exec.wait": op_exec_wait,
     "exec.stdin": op_exec_stdin,
     "exec.kill": op_exec_kill,
+    "code.call": op_code_call,
+    "code.execute": op_code_execute,
+    "env.set": op_env_set,
 }
 
 
@@ -999,9 +1092,10 @@ def _arg(name: str) -> str | None:
 
 
 def main() -> None:
-    global LANDLOCK_ABI, WORKSPACE, WEAKENED, LEAKED_FD
+    global LANDLOCK_ABI, WORKSPACE, WEAKENED, LEAKED_FD, DEFAULT_CWD
     fd = int(sys.argv[sys.argv.index("--listen-fd") + 1])
     WORKSPACE = _arg("--workspace") or WORKSPACE
+    DEFAULT_CWD = os.getcwd()
     WEAKENED = frozenset(filter(None, (_arg("--weaken") or "").split(",")))
     LEAKED_FD = int(_arg("--leak-fd") or -1)
     os.set_inheritable(fd, False)  # commands must never reach the control channel

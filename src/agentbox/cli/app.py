@@ -30,6 +30,7 @@ from agentbox.sdk import (
     Resources,
     Sandbox,
     SandboxInfo,
+    Templates,
 )
 from agentbox.sdk.audit import list_audit_events
 
@@ -39,6 +40,10 @@ app = typer.Typer(
 )
 keys_app = typer.Typer(help="Manage API keys on the local data dir.", no_args_is_help=True)
 app.add_typer(keys_app, name="keys")
+template_app = typer.Typer(help="Build, list and remove templates.", no_args_is_help=True)
+app.add_typer(template_app, name="template")
+pool_app = typer.Typer(help="Warm pools of started sandboxes.", no_args_is_help=True)
+app.add_typer(pool_app, name="pool")
 
 out = Console()
 err = Console(stderr=True)
@@ -105,11 +110,22 @@ def serve(
     data_dir: Annotated[Path | None, typer.Option(
         help="State dir [default: AGENTBOX_DATA_DIR, /var/lib/agentbox as root, "
              "else ~/.local/share/agentbox]")] = None,
+    warm_pool: Annotated[list[str] | None, typer.Option(
+        "--warm-pool", help="TEMPLATE=N: keep N started sandboxes of TEMPLATE ready "
+        "(repeatable; also AGENTBOX_WARM_POOLS).")] = None,
+    template_dir: Annotated[Path | None, typer.Option(
+        help="Where built templates live [default: AGENTBOX_TEMPLATE_DIR, "
+             "else DATA_DIR/templates]")] = None,
 ) -> None:
     """Run the agentbox server in the foreground."""
     from agentbox.server.app import serve as run_server  # the server is heavy: load on use
 
-    run_server(host=host, port=port, data_dir=data_dir or config.default_data_dir())
+    try:
+        pools = {**config.default_pool_sizes(), **config.parse_pool_sizes(warm_pool or [])}
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--warm-pool") from None
+    run_server(host=host, port=port, data_dir=data_dir or config.default_data_dir(),
+               template_dir=template_dir or config.default_template_dir(), warm_pools=pools)
 
 
 @keys_app.command("create")
@@ -385,6 +401,168 @@ def audit(
 def _print_error(e: AgentboxError, prefix: str = "") -> None:
     code = f" [dim]({escape(e.code)})[/dim]" if e.code and e.code != "error" else ""
     err.print(f"[red]error:[/red] {escape(prefix)}{escape(e.message)}{code}", highlight=False)
+
+
+# ---------------------------------------------------------------------------- code
+
+
+@app.command("run-code")
+def run_code(
+    ctx: typer.Context,
+    sandbox_id: Annotated[str, typer.Argument(help="Sandbox to run in.")],
+    code: Annotated[str, typer.Argument(help="Code to run; - reads it from stdin.")],
+    language: Annotated[str | None, typer.Option(
+        "--language", "-l", help="python (default), bash or javascript.")] = None,
+    context: Annotated[str | None, typer.Option(help="Context id (not with --language).")] = None,
+    timeout: Annotated[float | None, typer.Option(help="Seconds (0 = none).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the Execution as JSON.")] = False,
+) -> None:
+    """Run code in a sandbox's stateful interpreter; exit 1 if it raised."""
+    if code == "-":
+        code = sys.stdin.read()
+    sbx = Sandbox.connect(sandbox_id, **_conn(ctx))
+    try:
+        stream = not as_json
+        execution = sbx.run_code(
+            code, language=language, context=context, timeout=timeout,
+            on_stdout=(lambda m: print(m.line, end="", flush=True)) if stream else None,
+            on_stderr=(lambda m: print(m.line, end="", file=sys.stderr, flush=True))
+            if stream else None)
+    finally:
+        sbx.close()
+    if as_json:
+        _print_json(dataclasses.asdict(execution))
+    else:
+        for r in execution.results:
+            if r.is_main_result and r.text is not None:
+                print(r.text)
+            elif r.formats():
+                err.print(f"[dim]<result: {', '.join(r.formats())}>[/dim]", highlight=False)
+        if execution.error is not None:
+            err.print(f"[red]{escape(execution.error.name)}[/red]: "
+                      f"{escape(execution.error.value)}", highlight=False)
+    if execution.error is not None:
+        raise typer.Exit(1)
+
+
+# ---------------------------------------------------------------------------- templates
+
+
+def _size(n: int) -> str:
+    return f"{n / (1 << 20):.0f} MiB"
+
+
+@template_app.command("build")
+def template_build(
+    ctx: typer.Context,
+    spec: Annotated[str, typer.Argument(
+        help="A spec file (TOML) or the name of a shipped spec (e.g. code-interpreter).")],
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Print every log line.")] = False,
+) -> None:
+    """Build a template, streaming its log; unchanged steps come from the cache."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from agentbox.templates import (
+        SpecError,
+        load_spec,
+        render_spec,  # the spec with `src` files inlined
+    )
+
+    path = Path(spec)
+    text: str | None = None
+    if path.suffix == ".toml" or path.exists():
+        try:
+            text = render_spec(load_spec(path.read_text(), path.parent))
+        except (OSError, SpecError) as e:
+            err.print(f"[red]error:[/red] {escape(str(e))}", highlight=False)
+            raise typer.Exit(1) from None
+    templates = Templates(**_conn(ctx), request_timeout=3600)
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[note]}"),
+                  TimeElapsedColumn(), console=err, transient=False) as progress:
+        task = progress.add_task("build", total=None, note="")
+
+        def on_event(event: dict[str, Any]) -> None:
+            kind = event.get("type")
+            if kind == "step":
+                note = "cached" if event.get("cached") else "building"
+                progress.update(task, total=event.get("total"), completed=event.get("index", 0),
+                                description=f"step {event.get('name')}", note=note)
+            elif kind == "step_done":
+                progress.update(task, completed=int(event.get("index", 0)) + 1)
+            elif kind == "log":
+                line = str(event.get("line", ""))
+                if verbose:
+                    progress.console.print(escape(line), highlight=False)
+                progress.update(task, note=escape(line[-50:]))
+
+        try:
+            info = templates.build(spec=text, builtin=None if text is not None else spec,
+                                   on_event=on_event)
+        finally:
+            templates.close()
+        progress.update(task, description="done", note="")
+    out.print(f"built [bold]{escape(info.name)}[/bold] ({_size(info.size_bytes)}, "
+              f"key {info.key[:12]})")
+
+
+@template_app.command("ls")
+def template_ls(
+    ctx: typer.Context,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """List built templates (and the shipped specs not built yet)."""
+    with Templates(**_conn(ctx)) as templates:
+        built, shipped = templates.list(), templates.builtin()
+    if as_json:
+        _print_json({"templates": [dataclasses.asdict(t) for t in built], "builtin": shipped})
+        return
+    rows = [[escape(t.name), _size(t.size_bytes), _time(t.built_at), t.key[:12],
+             ",".join(t.warm) or "-"] for t in built]
+    names = {t.name for t in built}
+    rows += [[escape(n), "-", "not built", "-", "-"] for n in shipped if n not in names]
+    _print_table(["NAME", "SIZE", "BUILT", "KEY", "WARM"], rows)
+
+
+@template_app.command("rm")
+def template_rm(
+    ctx: typer.Context,
+    names: Annotated[list[str], typer.Argument(help="Templates to remove.")],
+) -> None:
+    """Remove built templates (refused while sandboxes use them)."""
+    with Templates(**_conn(ctx)) as templates:
+        for name in names:
+            templates.remove(name)
+            print(f"removed {name}")
+
+
+@pool_app.command("ls")
+def pool_ls(
+    ctx: typer.Context,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Warm pools: size, ready members, hits, misses and refill times."""
+    with Templates(**_conn(ctx)) as templates:
+        pools = templates.pools()
+    if as_json:
+        _print_json([dataclasses.asdict(p) for p in pools])
+        return
+    rows = [[escape(p.template), str(p.size), str(p.ready), str(p.starting), str(p.hits),
+             str(p.misses), "-" if p.refill_ms_p50 is None else f"{p.refill_ms_p50:.0f} ms",
+             escape(p.last_error or "")] for p in pools]
+    _print_table(["TEMPLATE", "SIZE", "READY", "STARTING", "HITS", "MISSES", "REFILL P50",
+                  "LAST ERROR"], rows)
+
+
+@pool_app.command("set")
+def pool_set(
+    ctx: typer.Context,
+    template: Annotated[str, typer.Argument(help="Template of the pool.")],
+    size: Annotated[int, typer.Argument(help="Sandboxes to keep ready (0 removes them).")],
+) -> None:
+    """Resize a warm pool (admin key)."""
+    with Templates(**_conn(ctx)) as templates:
+        p = templates.set_pool_size(template, size)
+    print(f"pool {p.template}: size {p.size}, ready {p.ready}")
 
 
 def main() -> None:

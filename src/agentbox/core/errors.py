@@ -76,6 +76,12 @@ AGENT_CODE_STATUS = {
     "read_only_path": 403,
     "limit_exceeded": 400,
     "io_error": 400,
+    # the code interpreter
+    "context_not_found": 404,
+    "unsupported": 400,
+    "kernel_dead": 409,
+    "code_host_unavailable": 503,
+    "code_host_error": 502,
 }
 
 

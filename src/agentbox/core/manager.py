@@ -17,6 +17,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from agentbox.agent.client import AgentClient, AgentOpError, AgentUnavailable, OutputChunk
@@ -33,12 +34,22 @@ from agentbox.core.errors import (
     SandboxUnavailable,
     from_agent,
 )
+from agentbox.core.pools import MAX_POOL_SIZE, POOL_TENANT, WarmPools
 from agentbox.runtimes.base import Resources, Runtime, SandboxSpec
 from agentbox.store.db import SandboxRow, Store
+from agentbox.templates import (
+    BuildError,
+    TemplateInfo,
+    TemplateSpec,
+    TemplateStore,
+    builtin_spec_path,
+    load_spec,
+)
 
 log = logging.getLogger("agentbox.manager")
 
-TEMPLATES = ("default",)
+DEFAULT_TEMPLATE = "default"  # the host's own userland, read-only
+POOL_LIFETIME_S = 10 * 365 * 86_400  # members never expire; a claim sets the real deadline
 DEFAULT_QUOTA: dict[str, Any] = {
     "max_sandboxes": 20,
     "max_memory_mb": 4096,
@@ -76,6 +87,18 @@ class CreateRequest:
     keep_workspace: bool = False
 
 
+LANGUAGES = ("python", "bash", "javascript")
+
+
+@dataclass
+class CodeRequest:
+    code: str
+    language: str | None = None
+    context_id: str | None = None
+    envs: dict[str, str] = field(default_factory=dict)
+    timeout: float | None = None
+
+
 @dataclass
 class CommandRequest:
     cmd: str
@@ -84,6 +107,14 @@ class CommandRequest:
     timeout: float = 60
     background: bool = False
     stdin: bool = False
+
+
+def builtin_spec_names() -> list[str]:
+    """Templates agentbox ships a spec for (built on first use)."""
+    import agentbox.templates
+
+    specs = Path(agentbox.templates.__file__).parent / "specs"
+    return sorted(p.stem for p in specs.glob("*.toml"))
 
 
 def _check_envs(envs: dict[str, str]) -> None:
@@ -103,9 +134,18 @@ def _check_metadata(meta: dict[str, str]) -> None:
 
 
 class SandboxManager:
-    def __init__(self, store: Store, runtime: Runtime) -> None:
+    def __init__(
+        self,
+        store: Store,
+        runtime: Runtime,
+        templates: TemplateStore,
+        pool_sizes: dict[str, int] | None = None,
+    ) -> None:
         self.store = store
         self.runtime = runtime
+        self.templates = templates
+        self._template_locks: dict[str, asyncio.Lock] = {}
+        self.pools = WarmPools(pool_sizes or {}, self._make_member, self._end_member)
         self._tenant_locks: dict[str, asyncio.Lock] = {}
         self._sandbox_locks: dict[str, asyncio.Lock] = {}
         self._baselines: dict[tuple[str, str], tuple[dict[str, int], float]] = {}
@@ -180,11 +220,50 @@ class SandboxManager:
     def _lock(self, sandbox_id: str) -> asyncio.Lock:
         return self._sandbox_locks.setdefault(sandbox_id, asyncio.Lock())
 
+    async def template(self, name: str) -> TemplateInfo | None:
+        """The built template `name` (None for the host userland); a shipped template that
+        was never built is built now, once, however many creates wait for it."""
+        if name == DEFAULT_TEMPLATE:
+            return None
+        info = self.templates.get(name)
+        if info is not None:
+            return info
+        spec_path = builtin_spec_path(name)
+        if spec_path is None:
+            names = [DEFAULT_TEMPLATE, *sorted(t.name for t in self.templates.list())]
+            raise NotFound(
+                f"unknown template {name!r}; built: {', '.join(names)}; build one with "
+                "`agentbox template build SPEC`",
+                template=name,
+            )
+        async with self._template_locks.setdefault(name, asyncio.Lock()):
+            info = self.templates.get(name)
+            if info is None:
+                log.info("building shipped template %s on first use", name)
+                spec = load_spec(spec_path.read_text(), spec_path.parent)
+                try:
+                    info = await asyncio.to_thread(self.templates.build, spec)
+                except BuildError as e:
+                    raise SandboxUnavailable(f"template {name} could not be built: {e}") from None
+        return info
+
+    def _check_capacity(self, caller: Caller, quota: dict[str, Any], started: float) -> None:
+        live = self.store.count_live(caller.tenant)
+        if live >= quota["max_sandboxes"]:
+            self.audit(
+                caller, "sandbox.create", status=429, started=started, error="quota_exceeded"
+            )
+            raise QuotaExceeded(
+                f"tenant {caller.tenant} already has {live} running sandboxes, its limit "
+                f"is {quota['max_sandboxes']}; kill one or ask an admin to raise "
+                "quota.max_sandboxes",
+                setting="quota.max_sandboxes",
+                limit=quota["max_sandboxes"],
+            )
+
     async def create(self, caller: Caller, req: CreateRequest) -> SandboxRow:
         started = time.monotonic()
-        template = req.template or "default"
-        if template not in TEMPLATES:
-            raise NotFound(f"unknown template {template!r}; available: {', '.join(TEMPLATES)}")
+        template = req.template or DEFAULT_TEMPLATE
         _check_envs(req.envs)
         _check_metadata(req.metadata)
         quota = self.quota(caller.tenant)
@@ -195,63 +274,23 @@ class SandboxManager:
                 limit=quota["max_timeout"],
             )
         resources = self._resources(req.resources, quota)
+        if resources == Resources() and not req.keep_workspace:
+            row = await self._claim(caller, template, req, quota, started)
+            if row is not None:
+                return row
+        tpl = await self.template(template)
         sandbox_id = "sbx_" + secrets.token_hex(8)
         lock = self._tenant_locks.setdefault(caller.tenant, asyncio.Lock())
         async with lock:
-            live = self.store.count_live(caller.tenant)
-            if live >= quota["max_sandboxes"]:
-                self.audit(
-                    caller, "sandbox.create", status=429, started=started, error="quota_exceeded"
-                )
-                raise QuotaExceeded(
-                    f"tenant {caller.tenant} already has {live} running sandboxes, its limit "
-                    f"is {quota['max_sandboxes']}; kill one or ask an admin to raise "
-                    "quota.max_sandboxes",
-                    setting="quota.max_sandboxes",
-                    limit=quota["max_sandboxes"],
-                )
-            now = time.time()
-            self.store.insert_sandbox(
-                sandbox_id=sandbox_id,
-                tenant=caller.tenant,
-                template=template,
-                runtime=self.runtime.name,
-                state="starting",
-                metadata=req.metadata,
-                resources=asdict(resources),
-                runtime_state=None,
-                keep_workspace=req.keep_workspace,
-                created_at=now,
-                end_at=now + req.timeout,
+            self._check_capacity(caller, quota, started)
+            self._insert(sandbox_id, caller.tenant, template, req, resources)
+        try:
+            row = await self._start(sandbox_id, tpl, template, resources, req.envs, req.timeout)
+        except AgentboxError as e:
+            self.audit(
+                caller, "sandbox.create", sandbox_id, status=503, started=started, error=e.message
             )
-        spec = SandboxSpec(
-            sandbox_id=sandbox_id, template=template, resources=resources, envs=req.envs
-        )
-        # The sandbox's lock is held until its record says running (or failed): a kill that
-        # arrives while it starts (the API lists `starting` sandboxes) waits for the runtime to
-        # finish, then tears down a whole sandbox, instead of racing the create half-way.
-        async with self._lock(sandbox_id):
-            try:
-                state = await self.runtime.create(spec)
-            except Exception as e:
-                log.exception("create %s failed", sandbox_id)
-                self.store.update_sandbox(
-                    sandbox_id, state="failed", end_reason="failed", ended_at=time.time()
-                )
-                self.audit(
-                    caller, "sandbox.create", sandbox_id, status=503, started=started, error=str(e)
-                )
-                self._sandbox_locks.pop(sandbox_id, None)  # nothing left to serialize
-                raise SandboxUnavailable(f"the sandbox could not be started: {e}") from None
-            # The deadline counts from when the sandbox is usable, not from when it was asked.
-            now = time.time()
-            self.store.update_sandbox(
-                sandbox_id, state="running", runtime_state=state, end_at=now + req.timeout
-            )
-            row = self.store.get_sandbox(sandbox_id)
-            assert row is not None
-            self._running[sandbox_id] = row
-        self._wake.set()
+            raise
         self.audit(
             caller,
             "sandbox.create",
@@ -261,8 +300,255 @@ class SandboxManager:
             template=template,
             timeout=req.timeout,
             resources=asdict(resources),
+            pool="miss" if template in self.pools.pools else None,
         )
         return row
+
+    def _insert(
+        self,
+        sandbox_id: str,
+        tenant: str,
+        template: str,
+        req: CreateRequest,
+        resources: Resources,
+    ) -> None:
+        now = time.time()
+        self.store.insert_sandbox(
+            sandbox_id=sandbox_id,
+            tenant=tenant,
+            template=template,
+            runtime=self.runtime.name,
+            state="starting",
+            metadata=req.metadata,
+            resources=asdict(resources),
+            runtime_state=None,
+            keep_workspace=req.keep_workspace,
+            created_at=now,
+            end_at=now + req.timeout,
+        )
+
+    async def _start(
+        self,
+        sandbox_id: str,
+        tpl: TemplateInfo | None,
+        template: str,
+        resources: Resources,
+        envs: dict[str, str],
+        timeout: float,
+    ) -> SandboxRow:
+        """Bring an inserted `starting` sandbox up: runtime, template start command, warm
+        code contexts; its row says running (or failed) when this returns."""
+        spec = SandboxSpec(
+            sandbox_id=sandbox_id,
+            template=template,
+            resources=resources,
+            envs={**(tpl.env if tpl else {}), **envs},
+            rootfs=str(tpl.rootfs) if tpl else None,
+            workdir=tpl.workdir if tpl else "/workspace",
+            user=tpl.user if tpl else "user",
+        )
+        # The sandbox's lock is held until its record says running (or failed): a kill that
+        # arrives while it starts (the API lists `starting` sandboxes) waits for the runtime to
+        # finish, then tears down a whole sandbox, instead of racing the create half-way.
+        async with self._lock(sandbox_id):
+            state: dict[str, Any] | None = None
+            try:
+                state = await self.runtime.create(spec)
+                if tpl is not None:
+                    await self._template_ready(sandbox_id, state, tpl)
+            except Exception as e:
+                log.exception("create %s failed", sandbox_id)
+                if state is not None:
+                    try:
+                        await self.runtime.destroy(sandbox_id, state, keep_workspace=False)
+                    except Exception:  # noqa: BLE001 - reconcile removes what is left
+                        log.exception("could not remove the failed sandbox %s", sandbox_id)
+                self.store.update_sandbox(
+                    sandbox_id, state="failed", end_reason="failed", ended_at=time.time()
+                )
+                self._sandbox_locks.pop(sandbox_id, None)  # nothing left to serialize
+                msg = e.message if isinstance(e, AgentboxError) else str(e)
+                raise SandboxUnavailable(f"the sandbox could not be started: {msg}") from None
+            # The deadline counts from when the sandbox is usable, not from when it was asked.
+            now = time.time()
+            self.store.update_sandbox(
+                sandbox_id, state="running", runtime_state=state, end_at=now + timeout
+            )
+            row = self.store.get_sandbox(sandbox_id)
+            assert row is not None
+            self._running[sandbox_id] = row
+        self._wake.set()
+        return row
+
+    async def _template_ready(
+        self, sandbox_id: str, state: dict[str, Any], tpl: TemplateInfo
+    ) -> None:
+        """Run the template's start command until its readiness check passes; warm the code
+        contexts it names."""
+        client = AgentClient(self.runtime.agent_address(sandbox_id, state).socket_path)
+        if tpl.start_cmd:
+            await client.call({"op": "exec.start", "cmd": tpl.start_cmd, "cmd_id": "start"})
+            if tpl.ready_cmd:
+                deadline = time.monotonic() + tpl.ready_timeout
+                while True:
+                    info, events = await client.command_stream(
+                        {"op": "exec.run", "cmd": tpl.ready_cmd, "timeout": 10}
+                    )
+                    end: dict[str, Any] = {}
+                    async for ev in events:
+                        if isinstance(ev, dict) and ev.get("type") == "end":
+                            end = ev
+                    if end.get("exit_code") == 0:
+                        break
+                    if time.monotonic() > deadline:
+                        raise SandboxUnavailable(
+                            f"template {tpl.name}: the start command was not ready after "
+                            f"{tpl.ready_timeout} s (readiness check: {tpl.ready_cmd})"
+                        )
+                    await asyncio.sleep(0.1)
+        if tpl.warm:
+            try:
+                await client.call(
+                    {"op": "code.call", "call": "warm", "languages": list(tpl.warm)}, timeout=120
+                )
+            except AgentOpError as e:
+                raise SandboxUnavailable(
+                    f"template {tpl.name}: the code interpreter did not start: {e.message}"
+                ) from None
+
+    # ------------------------------------------------------------------ warm pools
+
+    async def _claim(
+        self,
+        caller: Caller,
+        template: str,
+        req: CreateRequest,
+        quota: dict[str, Any],
+        started: float,
+    ) -> SandboxRow | None:
+        """Hand a ready pool member to the caller; None when there is none (a cold create)."""
+        if template not in self.pools.pools:
+            return None
+        lock = self._tenant_locks.setdefault(caller.tenant, asyncio.Lock())
+        async with lock:
+            self._check_capacity(caller, quota, started)
+            sid = self.pools.take(template, lambda s: s in self._running)
+            if sid is None:
+                return None
+            now = time.time()
+            self.store.update_sandbox(
+                sid,
+                tenant=caller.tenant,
+                metadata=req.metadata,
+                created_at=now,
+                end_at=now + req.timeout,
+            )
+            row = self.store.get_sandbox(sid)
+            assert row is not None
+            self._running[sid] = row
+        self._wake.set()
+        if req.envs:
+            try:
+                await self._client(row).call({"op": "env.set", "envs": req.envs})
+            except (AgentOpError, AgentUnavailable) as e:
+                await self._end(row, "failed", "failed")
+                log.warning("claimed pool member %s failed its hand-over: %s", sid, e)
+                return None
+        self.audit(
+            caller,
+            "sandbox.create",
+            sid,
+            status=201,
+            started=started,
+            template=template,
+            timeout=req.timeout,
+            resources=row.resources,
+            pool="hit",
+        )
+        return row
+
+    async def _make_member(self, template: str) -> str:
+        tpl = await self.template(template)
+        sandbox_id = "sbx_" + secrets.token_hex(8)
+        req = CreateRequest(template=template, timeout=POOL_LIFETIME_S)
+        self._insert(sandbox_id, POOL_TENANT, template, req, Resources())
+        await self._start(sandbox_id, tpl, template, Resources(), {}, POOL_LIFETIME_S)
+        self.audit(None, "pool.refill", sandbox_id, tenant=POOL_TENANT, template=template)
+        return sandbox_id
+
+    async def _end_member(self, sandbox_id: str) -> None:
+        row = self.store.get_sandbox(sandbox_id)
+        if row is not None and row.tenant == POOL_TENANT:
+            await self._end(row, "killed", "pool_shrunk")
+
+    async def build_template(
+        self, caller: Caller, spec: TemplateSpec
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Build a template in a worker thread; yields its log events as they come.
+
+        The build goes on if the client leaves: its layers land in the cache either way."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+        started = time.monotonic()
+
+        def log_event(event: dict[str, Any]) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+        async def run() -> None:
+            lock = self._template_locks.setdefault(spec.name, asyncio.Lock())
+            try:
+                async with lock:
+                    info = await asyncio.to_thread(self.templates.build, spec, log_event)
+                self.audit(
+                    caller, "template.build", started=started, template=spec.name, key=info.key
+                )
+            except Exception as e:  # noqa: BLE001 - reported to the client as the last event
+                if not isinstance(e, BuildError):
+                    log.exception("template build %s failed", spec.name)
+                self.audit(
+                    caller,
+                    "template.build",
+                    status=422,
+                    started=started,
+                    template=spec.name,
+                    error=str(e)[:500],
+                )
+                events.put_nowait({"type": "error", "code": "build_failed", "message": str(e)})
+            finally:
+                events.put_nowait(None)
+
+        task = asyncio.create_task(run())
+        self._watchers.add(task)
+        task.add_done_callback(self._watchers.discard)
+        while (event := await events.get()) is not None:
+            yield event
+
+    async def remove_template(self, caller: Caller, name: str) -> None:
+        users = [r.sandbox_id for r in self.store.live_sandboxes() if r.template == name]
+        if users:
+            pooled = name in self.pools.pools and self.pools.pools[name].size > 0
+            raise Conflict(
+                f"template {name} is in use by {len(users)} live sandbox(es)"
+                + ("; set its warm pool to 0 first" if pooled else "; kill them first"),
+                template=name,
+            )
+        if not await asyncio.to_thread(self.templates.remove, name):
+            raise NotFound(f"template {name!r} is not built", template=name)
+        self.audit(caller, "template.remove", template=name)
+
+    def pool_stats(self) -> list[dict[str, Any]]:
+        return self.pools.stats()
+
+    async def set_pool_size(self, caller: Caller, template: str, size: int) -> dict[str, Any]:
+        if not 0 <= size <= MAX_POOL_SIZE:
+            raise InvalidRequest(f"pool size must be between 0 and {MAX_POOL_SIZE}")
+        if template != DEFAULT_TEMPLATE and (
+            self.templates.get(template) is None and builtin_spec_path(template) is None
+        ):
+            raise NotFound(f"unknown template {template!r}; build it first", template=template)
+        pool = await self.pools.set_size(template, size)
+        self.audit(caller, "pool.set", template=template, size=size)
+        return pool.stats()
 
     def get(self, caller: Caller, sandbox_id: str) -> SandboxRow:
         row = self._running.get(sandbox_id) or self.store.get_sandbox(sandbox_id)
@@ -351,6 +637,7 @@ class SandboxManager:
         """Destroy a sandbox and record how it ended; False if it had already ended."""
         async with self._lock(row.sandbox_id):
             self._running.pop(row.sandbox_id, None)
+            self.pools.forget(row.sandbox_id)
             fresh = self.store.get_sandbox(row.sandbox_id)
             if fresh is None or not fresh.live:
                 return False
@@ -386,8 +673,10 @@ class SandboxManager:
     async def start(self) -> None:
         await self.reconcile()
         self._tasks = [asyncio.create_task(self._reaper()), asyncio.create_task(self._health())]
+        self.pools.start()
 
     async def stop(self) -> None:
+        await self.pools.stop()
         for t in [*self._tasks, *self._watchers]:
             t.cancel()
         await asyncio.gather(*self._tasks, *self._watchers, return_exceptions=True)
@@ -427,7 +716,14 @@ class SandboxManager:
 
     async def reconcile(self) -> dict[str, int]:
         """After a (re)start: re-adopt live sandboxes, reap expired ones, remove strays."""
-        counts = {"adopted": 0, "expired": 0, "vanished": 0, "failed": 0, "strays": 0}
+        counts = {
+            "adopted": 0,
+            "expired": 0,
+            "vanished": 0,
+            "failed": 0,
+            "strays": 0,
+            "pool_removed": 0,
+        }
         now = time.time()
         known: set[str] = set()
         for row in self.store.live_sandboxes():
@@ -445,6 +741,10 @@ class SandboxManager:
                 self.runtime.adopt(row.sandbox_id, row.runtime_state)
                 known.add(row.sandbox_id)
                 self._running[row.sandbox_id] = row
+                if row.tenant == POOL_TENANT and not self.pools.adopt(row.template, row.sandbox_id):
+                    await self._end(row, "killed", "pool_shrunk")
+                    counts["pool_removed"] += 1
+                    continue
                 counts["adopted"] += 1
                 try:
                     for info in (await self._client(row).call({"op": "exec.list"}))["commands"]:
@@ -752,6 +1052,118 @@ class SandboxManager:
             "command.kill",
             cmd_id=cmd_id,
             signal=sig,
+        )
+
+    # ------------------------------------------------------------------ code interpreter
+
+    async def run_code(
+        self, caller: Caller, sandbox_id: str, req: CodeRequest
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Run code in a context; events: stdout, stderr, result, error, execution_count, end."""
+        if "\0" in req.code:
+            raise InvalidRequest("code contains a NUL byte")
+        if req.language is not None and req.language not in LANGUAGES:
+            raise InvalidRequest(
+                f"unsupported language {req.language!r}; use one of {', '.join(LANGUAGES)}"
+            )
+        if req.language is not None and req.context_id is not None:
+            raise InvalidRequest("give either language or context_id, not both")
+        if req.timeout is not None and req.timeout < 0:
+            raise InvalidRequest("timeout must be >= 0 (0 = no timeout)")
+        _check_envs(req.envs)
+        body: dict[str, Any] = {"op": "code.execute", "code": req.code, "envs": req.envs}
+        if req.context_id is not None:
+            body["context_id"] = req.context_id
+        else:
+            body["language"] = req.language or "python"
+        if req.timeout:
+            body["timeout"] = req.timeout
+        started = time.monotonic()
+        row = self.running(caller, sandbox_id)
+        detail = {"language": req.language, "context_id": req.context_id, "size": len(req.code)}
+        try:
+            events = await self._client(row).event_stream(body)
+        except (AgentOpError, AgentUnavailable) as e:
+            raise self._failed(caller, row, "code.run", started, e, **detail) from None
+        return self._code_events(caller, row, events, started, detail)
+
+    async def _code_events(
+        self,
+        caller: Caller,
+        row: SandboxRow,
+        events: AsyncIterator[dict[str, Any]],
+        started: float,
+        detail: dict[str, Any],
+    ) -> AsyncIterator[dict[str, Any]]:
+        error_name: str | None = None
+        end: dict[str, Any] | None = None
+        try:
+            async for ev in events:
+                kind = ev.get("type")
+                if kind in ("stdout", "stderr"):
+                    yield {
+                        "type": kind,
+                        "text": str(ev.get("text", "")),
+                        "timestamp": ev.get("timestamp"),
+                    }
+                elif kind == "result" and isinstance(ev.get("result"), dict):
+                    yield {"type": "result", "result": ev["result"]}
+                elif kind == "error" and isinstance(ev.get("error"), dict):
+                    err = ev["error"]
+                    error_name = str(err.get("name", ""))
+                    yield {
+                        "type": "error",
+                        "error": {
+                            "name": error_name,
+                            "value": str(err.get("value", "")),
+                            "traceback": str(err.get("traceback", "")),
+                        },
+                    }
+                elif kind == "execution_count":
+                    yield {"type": "execution_count", "execution_count": ev.get("execution_count")}
+                elif kind == "done":
+                    end = {
+                        "type": "end",
+                        "execution_count": ev.get("execution_count"),
+                        "timed_out": bool(ev.get("timed_out")),
+                    }
+                    yield end
+                elif kind == "failed":
+                    err = from_agent(str(ev.get("code")), str(ev.get("message", "")), {})
+                    error_name = err.code
+                    end = {"type": "end", "execution_count": None, "timed_out": False}
+                    yield {"type": "failed", "code": err.code, "message": err.message}
+        except (AgentOpError, AgentUnavailable) as e:
+            err = self._agent_error(row, e)
+            error_name = err.code
+            yield {"type": "failed", "code": err.code, "message": err.message}
+        finally:
+            self.audit(
+                caller,
+                "code.run",
+                row.sandbox_id,
+                started=started,
+                error=error_name,
+                timed_out=(end or {}).get("timed_out"),
+                completed=end is not None,
+                **detail,
+            )
+
+    async def code_call(
+        self, caller: Caller, sandbox_id: str, call: str, action: str, **args: Any
+    ) -> dict[str, Any]:
+        """Context management: create_context, list_contexts, restart_context, remove_context."""
+        if "language" in args and args["language"] not in LANGUAGES:
+            raise InvalidRequest(
+                f"unsupported language {args['language']!r}; use one of {', '.join(LANGUAGES)}"
+            )
+        return await self.agent_call(
+            caller,
+            sandbox_id,
+            {"op": "code.call", "call": call, **args},
+            action,
+            timeout=120,
+            **args,
         )
 
 

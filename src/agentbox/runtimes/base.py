@@ -35,6 +35,10 @@ class SandboxSpec:
     template: str
     resources: Resources
     envs: dict[str, str] = field(default_factory=dict)
+    # The template's root filesystem, seen read-only; None = the host's userland.
+    rootfs: str | None = None
+    workdir: str = "/workspace"
+    user: str = "user"  # "user" (uid 1000) or "root" (uid 0 of the sandbox, no capabilities)
 
 
 @dataclass(frozen=True)

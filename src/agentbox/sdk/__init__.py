@@ -14,12 +14,20 @@ from agentbox.sdk.models import (
     AuditEvent,
     CommandInfo,
     CommandResult,
+    Context,
     EntryInfo,
+    Execution,
+    ExecutionError,
+    Logs,
+    OutputMessage,
+    PoolStats,
     Resources,
+    Result,
     SandboxInfo,
+    TemplateInfo,
     Violation,
 )
-from agentbox.sdk.sandbox import CommandHandle, Sandbox
+from agentbox.sdk.sandbox import CommandHandle, Sandbox, Templates
 
 __all__ = [
     "Sandbox",
@@ -33,5 +41,14 @@ __all__ = [
     "Resources",
     "Violation",
     "AuditEvent",
+    "Templates",
+    "Execution",
+    "Result",
+    "Logs",
+    "ExecutionError",
+    "OutputMessage",
+    "Context",
+    "TemplateInfo",
+    "PoolStats",
     *_exception_names,
 ]

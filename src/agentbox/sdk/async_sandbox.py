@@ -15,7 +15,15 @@ import httpx
 
 from agentbox.sdk import protocol as p
 from agentbox.sdk.exceptions import AgentboxError, NotFoundError
-from agentbox.sdk.models import CommandInfo, CommandResult, EntryInfo, Resources, SandboxInfo
+from agentbox.sdk.models import (
+    CommandInfo,
+    CommandResult,
+    Context,
+    EntryInfo,
+    Execution,
+    Resources,
+    SandboxInfo,
+)
 
 T = TypeVar("T")
 OutputCallback = Callable[[str], Any] | Callable[[str], Awaitable[Any]]
@@ -23,7 +31,7 @@ AsyncWriteData = (str | bytes | bytearray | memoryview | IO[bytes] | Iterable[by
                   | AsyncIterable[bytes])
 
 
-async def _deliver(callback: OutputCallback | None, data: str) -> None:
+async def _deliver(callback: Callable[[Any], Any] | None, data: Any) -> None:
     if callback is None:
         return
     result = callback(data)
@@ -359,6 +367,40 @@ class AsyncSandbox:
 
     async def get_info(self) -> SandboxInfo:
         return await self._transport.call(p.get_sandbox(self.sandbox_id))
+
+    # -------------------------------------------------------------------- code interpreter
+
+    async def run_code(self, code: str, language: str | None = None,
+                       context: Context | str | None = None,
+                       on_stdout: Callable[[Any], Any] | None = None,
+                       on_stderr: Callable[[Any], Any] | None = None,
+                       on_result: Callable[[Any], Any] | None = None,
+                       on_error: Callable[[Any], Any] | None = None,
+                       envs: Mapping[str, str] | None = None,
+                       timeout: float | None = None) -> Execution:
+        """Run code in a stateful context; see `Sandbox.run_code`. Callbacks may be async."""
+        callbacks = {"on_stdout": on_stdout, "on_stderr": on_stderr, "on_result": on_result,
+                     "on_error": on_error}
+        builder = p.ExecutionBuilder()
+        call = p.run_code(self.sandbox_id, code, language, context, envs, timeout)
+        async for event in self._transport.events(call, p.code_read_timeout(timeout)):
+            fired = builder.feed(event)
+            if fired is not None:
+                await _deliver(callbacks[fired[0]], fired[1])
+        return builder.result()
+
+    async def create_code_context(self, language: str = "python",
+                                  cwd: str | None = None) -> Context:
+        return await self._transport.call(p.create_code_context(self.sandbox_id, language, cwd))
+
+    async def list_code_contexts(self) -> list[Context]:
+        return await self._transport.call(p.list_code_contexts(self.sandbox_id))
+
+    async def restart_code_context(self, context: Context | str) -> Context:
+        return await self._transport.call(p.restart_code_context(self.sandbox_id, context))
+
+    async def remove_code_context(self, context: Context | str) -> None:
+        await self._transport.call(p.remove_code_context(self.sandbox_id, context))
 
     async def is_running(self) -> bool:
         try:

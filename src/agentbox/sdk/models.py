@@ -161,3 +161,153 @@ class AuditEvent:
             status=data.get("status"), duration_ms=data.get("duration_ms"),
             detail=dict(data.get("detail") or {}),
         )
+
+
+# ---------------------------------------------------------------------------- code interpreter
+
+_RESULT_FORMATS = ("text", "html", "markdown", "svg", "png", "jpeg", "pdf", "latex", "json",
+                   "javascript")
+
+
+@dataclass
+class Result:
+    """One rich output of a cell: what Jupyter displayed, in each format it offered.
+
+    `is_main_result` marks the cell's value (its last expression); displays (`display()`, a
+    matplotlib figure) are not main results. Images (png, jpeg) are base64 strings."""
+
+    text: str | None = None
+    html: str | None = None
+    markdown: str | None = None
+    svg: str | None = None
+    png: str | None = None
+    jpeg: str | None = None
+    pdf: str | None = None
+    latex: str | None = None
+    json: Any = None
+    javascript: str | None = None
+    data: Any = None
+    chart: Any = None
+    is_main_result: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, data: Any) -> Result:
+        data = data if isinstance(data, dict) else {}
+        known = {k: data[k] for k in (*_RESULT_FORMATS, "data", "chart") if k in data}
+        extra = data.get("extra") if isinstance(data.get("extra"), dict) else {}
+        return cls(**known, is_main_result=bool(data.get("is_main_result")), extra=extra)
+
+    def formats(self) -> list[str]:
+        """The formats this result carries (e.g. ["text", "png"])."""
+        return [f for f in (*_RESULT_FORMATS, "chart") if getattr(self, f) is not None]
+
+    def __str__(self) -> str:
+        return self.text or ""
+
+
+@dataclass
+class Logs:
+    stdout: list[str] = field(default_factory=list)
+    stderr: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ExecutionError:
+    """An exception the code raised (or a timeout / a dead kernel): name, value, traceback."""
+
+    name: str
+    value: str
+    traceback: str
+
+
+@dataclass
+class Execution:
+    """The outcome of `run_code`: results, logs, the error if any, and the execution count."""
+
+    results: list[Result] = field(default_factory=list)
+    logs: Logs = field(default_factory=Logs)
+    error: ExecutionError | None = None
+    execution_count: int | None = None
+    timed_out: bool = False
+
+    @property
+    def text(self) -> str | None:
+        """The text of the main result (the cell's value), if any."""
+        for r in self.results:
+            if r.is_main_result:
+                return r.text
+        return None
+
+
+@dataclass(frozen=True)
+class OutputMessage:
+    line: str
+    timestamp: float | None = None
+    error: bool = False
+
+    def __str__(self) -> str:
+        return self.line
+
+
+@dataclass(frozen=True)
+class Context:
+    """A code context: its own kernel (python) or process (bash, javascript) and state."""
+
+    id: str
+    language: str
+    cwd: str | None = None
+    default: bool = False
+
+    @classmethod
+    def from_json(cls, data: Any) -> Context:
+        data = data if isinstance(data, dict) else {}
+        return cls(id=str(data.get("id", "")), language=str(data.get("language", "")),
+                   cwd=data.get("cwd"), default=bool(data.get("default")))
+
+
+@dataclass(frozen=True)
+class TemplateInfo:
+    name: str
+    key: str
+    size_bytes: int
+    built_at: datetime | None
+    env: dict[str, str]
+    workdir: str
+    user: str
+    start_cmd: str | None = None
+    ready_cmd: str | None = None
+    warm: list[str] = field(default_factory=list)
+
+    @classmethod
+    def from_json(cls, data: Any) -> TemplateInfo:
+        data = data if isinstance(data, dict) else {}
+        return cls(name=str(data.get("name", "")), key=str(data.get("key", "")),
+                   size_bytes=int(data.get("size_bytes") or 0),
+                   built_at=_time(data.get("built_at")), env=dict(data.get("env") or {}),
+                   workdir=str(data.get("workdir", "")), user=str(data.get("user", "")),
+                   start_cmd=data.get("start_cmd"), ready_cmd=data.get("ready_cmd"),
+                   warm=list(data.get("warm") or []))
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """A warm pool's size and how it has served creates."""
+
+    template: str
+    size: int
+    ready: int
+    starting: int
+    hits: int
+    misses: int
+    failures: int
+    last_error: str | None
+    refills: int
+    refill_ms_p50: float | None
+    refill_ms_max: float | None
+    refill_ms_last: float | None
+
+    @classmethod
+    def from_json(cls, data: Any) -> PoolStats:
+        data = data if isinstance(data, dict) else {}
+        return cls(**{k: data.get(k) for k in cls.__dataclass_fields__})

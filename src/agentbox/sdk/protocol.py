@@ -37,9 +37,16 @@ from agentbox.sdk.models import (
     AuditEvent,
     CommandInfo,
     CommandResult,
+    Context,
     EntryInfo,
+    Execution,
+    ExecutionError,
+    OutputMessage,
+    PoolStats,
     Resources,
+    Result,
     SandboxInfo,
+    TemplateInfo,
     Violation,
 )
 
@@ -320,6 +327,149 @@ def list_audit(sandbox_id: str | None, action: str | None, tenant: str | None,
     return Call("GET", "/v1/audit", parse, params=params)
 
 
+# Code interpreter
+
+# `run_code`'s default timeout, as in E2B's code interpreter: long cells are normal there.
+RUN_CODE_TIMEOUT = 300.0
+
+
+def run_code(sandbox_id: str, code: str, language: str | None, context: Context | str | None,
+             envs: Mapping[str, str] | None, timeout: float | None) -> Call[None]:
+    if language is not None and context is not None:
+        raise InvalidArgumentError("give either language or context, not both",
+                                   code="invalid_request")
+    body: dict[str, Any] = {"code": code, "envs": dict(envs or {})}
+    if context is not None:
+        body["context_id"] = context.id if isinstance(context, Context) else str(context)
+    elif language is not None:
+        body["language"] = language
+    if timeout is not None:
+        body["timeout"] = timeout
+    return Call("POST", f"{_sbx(sandbox_id)}/code/execute", _none, json=body)
+
+
+def code_read_timeout(timeout: float | None) -> float | None:
+    """Silence allowed on a run_code stream: the server sends keepalives every 15 s."""
+    return None if timeout == 0 else (timeout or RUN_CODE_TIMEOUT) + STREAM_GRACE
+
+
+def _context(r: httpx.Response) -> Context:
+    return Context.from_json(r.json())
+
+
+def create_code_context(sandbox_id: str, language: str, cwd: str | None) -> Call[Context]:
+    body: dict[str, Any] = {"language": language}
+    if cwd is not None:
+        body["cwd"] = cwd
+    return Call("POST", f"{_sbx(sandbox_id)}/code/contexts", _context, json=body)
+
+
+def list_code_contexts(sandbox_id: str) -> Call[list[Context]]:
+    def parse(r: httpx.Response) -> list[Context]:
+        return [Context.from_json(c) for c in r.json().get("contexts", [])]
+
+    return Call("GET", f"{_sbx(sandbox_id)}/code/contexts", parse)
+
+
+def _context_id(context: Context | str) -> str:
+    return _seg(context.id if isinstance(context, Context) else context)
+
+
+def restart_code_context(sandbox_id: str, context: Context | str) -> Call[Context]:
+    return Call("POST", f"{_sbx(sandbox_id)}/code/contexts/{_context_id(context)}/restart",
+                _context)
+
+
+def remove_code_context(sandbox_id: str, context: Context | str) -> Call[None]:
+    return Call("DELETE", f"{_sbx(sandbox_id)}/code/contexts/{_context_id(context)}", _none)
+
+
+class ExecutionBuilder:
+    """Folds run_code's NDJSON events into an `Execution`, naming the callback each one is for.
+
+    `feed` returns (callback name, argument) for the caller to invoke (on_stdout, on_stderr,
+    on_result, on_error), or None."""
+
+    def __init__(self) -> None:
+        self.execution = Execution()
+        self.ended = False
+
+    def feed(self, event: dict[str, Any]) -> tuple[str, Any] | None:
+        kind = event.get("type")
+        ex = self.execution
+        if kind in ("stdout", "stderr"):
+            text = str(event.get("text", ""))
+            getattr(ex.logs, kind).append(text)
+            return f"on_{kind}", OutputMessage(text, event.get("timestamp"), kind == "stderr")
+        if kind == "result":
+            result = Result.from_json(event.get("result"))
+            ex.results.append(result)
+            return "on_result", result
+        if kind == "error":
+            err = event.get("error") if isinstance(event.get("error"), dict) else {}
+            ex.error = ExecutionError(str(err.get("name", "")), str(err.get("value", "")),
+                                      str(err.get("traceback", "")))
+            return "on_error", ex.error
+        if kind == "execution_count":
+            ex.execution_count = event.get("execution_count")
+        elif kind == "end":
+            self.ended = True
+            ex.timed_out = bool(event.get("timed_out"))
+            if event.get("execution_count") is not None:
+                ex.execution_count = event.get("execution_count")
+        elif kind == "failed":
+            self.ended = True
+            raise error_from_code(str(event.get("code", "error")), str(event.get("message", "")))
+        return None
+
+    def result(self) -> Execution:
+        if not self.ended:
+            raise AgentboxError("the run_code stream ended before the execution did",
+                                code="stream_ended")
+        return self.execution
+
+
+# Templates and warm pools
+
+
+def _template(r: httpx.Response) -> TemplateInfo:
+    return TemplateInfo.from_json(r.json())
+
+
+def list_templates() -> Call[tuple[list[TemplateInfo], list[str]]]:
+    def parse(r: httpx.Response) -> tuple[list[TemplateInfo], list[str]]:
+        body = r.json()
+        return ([TemplateInfo.from_json(t) for t in body.get("templates", [])],
+                [str(b) for b in body.get("builtin", [])])
+
+    return Call("GET", "/v1/templates", parse)
+
+
+def get_template(name: str) -> Call[TemplateInfo]:
+    return Call("GET", f"/v1/templates/{_seg(name)}", _template)
+
+
+def build_template(spec: str | None = None, builtin: str | None = None) -> Call[None]:
+    body = {"spec": spec} if spec is not None else {"builtin": builtin}
+    return Call("POST", "/v1/templates", _none, json=body)
+
+
+def remove_template(name: str) -> Call[None]:
+    return Call("DELETE", f"/v1/templates/{_seg(name)}", _none)
+
+
+def list_pools() -> Call[list[PoolStats]]:
+    def parse(r: httpx.Response) -> list[PoolStats]:
+        return [PoolStats.from_json(p) for p in r.json().get("pools", [])]
+
+    return Call("GET", "/v1/pools", parse)
+
+
+def set_pool_size(template: str, size: int) -> Call[PoolStats]:
+    return Call("PUT", f"/v1/pools/{_seg(template)}", lambda r: PoolStats.from_json(r.json()),
+                json={"size": size})
+
+
 # ---------------------------------------------------------------------------- errors
 
 _BY_STATUS: dict[int, type[AgentboxError]] = {
@@ -336,6 +486,8 @@ _BY_CODE: dict[str, type[AgentboxError]] = {
     "invalid_request": InvalidArgumentError, "invalid_path": InvalidArgumentError,
     "limit_exceeded": InvalidArgumentError, "quota_exceeded": QuotaExceededError,
     "conflict": ConflictError, "sandbox_not_running": ConflictError,
+    "context_not_found": NotFoundError, "kernel_dead": ConflictError,
+    "unsupported": InvalidArgumentError,
 }
 
 

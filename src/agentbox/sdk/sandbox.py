@@ -13,9 +13,16 @@ from agentbox.sdk.exceptions import AgentboxError, NotFoundError
 from agentbox.sdk.models import (
     CommandInfo,
     CommandResult,
+    Context,
     EntryInfo,
+    Execution,
+    ExecutionError,
+    OutputMessage,
+    PoolStats,
     Resources,
+    Result,
     SandboxInfo,
+    TemplateInfo,
 )
 
 T = TypeVar("T")
@@ -297,6 +304,61 @@ class Files:
         return self._transport.call(p.rename_file(self._sandbox_id, src, dst))
 
 
+class Templates:
+    """Templates (root filesystems built offline) and warm pools: `Templates()` with a key.
+
+    Building, removing and sizing pools need an admin key; listing needs any key."""
+
+    def __init__(self, api_key: str | None = None, api_url: str | None = None,
+                 request_timeout: float = 60) -> None:
+        self._transport = Transport(p.resolve_config(api_key, api_url, request_timeout))
+
+    def list(self) -> list[TemplateInfo]:
+        return self._transport.call(p.list_templates())[0]
+
+    def builtin(self) -> list[str]:
+        """Names of the specs agentbox ships (built on first use)."""
+        return self._transport.call(p.list_templates())[1]
+
+    def get(self, name: str) -> TemplateInfo:
+        return self._transport.call(p.get_template(name))
+
+    def build(self, spec: str | None = None, builtin: str | None = None,
+              on_event: Callable[[dict[str, Any]], Any] | None = None) -> TemplateInfo:
+        """Build from a spec's TOML text (files inline) or a shipped spec's name; build log
+        events go to `on_event` as they come. Unchanged steps come from the cache."""
+        name: str | None = None
+        for event in self._transport.events(p.build_template(spec, builtin), None):
+            if on_event is not None:
+                on_event(event)
+            if event.get("type") == "error":
+                raise p.error_from_code("build_failed", str(event.get("message", "")))
+            if event.get("type") == "done":
+                name = str((event.get("template") or {}).get("name", ""))
+        if not name:
+            raise AgentboxError("the build stream ended before the build did",
+                                code="stream_ended")
+        return self.get(name)
+
+    def remove(self, name: str) -> None:
+        self._transport.call(p.remove_template(name))
+
+    def pools(self) -> list[PoolStats]:
+        return self._transport.call(p.list_pools())
+
+    def set_pool_size(self, template: str, size: int) -> PoolStats:
+        return self._transport.call(p.set_pool_size(template, size))
+
+    def close(self) -> None:
+        self._transport.close()
+
+    def __enter__(self) -> Templates:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 class Sandbox:
     """An agentbox sandbox. Make one with `Sandbox.create()` or `Sandbox.connect(id)`.
 
@@ -363,6 +425,45 @@ class Sandbox:
 
     def get_info(self) -> SandboxInfo:
         return self._transport.call(p.get_sandbox(self.sandbox_id))
+
+    # -------------------------------------------------------------------- code interpreter
+
+    def run_code(self, code: str, language: str | None = None,
+                 context: Context | str | None = None,
+                 on_stdout: Callable[[OutputMessage], Any] | None = None,
+                 on_stderr: Callable[[OutputMessage], Any] | None = None,
+                 on_result: Callable[[Result], Any] | None = None,
+                 on_error: Callable[[ExecutionError], Any] | None = None,
+                 envs: Mapping[str, str] | None = None,
+                 timeout: float | None = None) -> Execution:
+        """Run code in a stateful context (python by default: a Jupyter kernel).
+
+        Without `context`, the language's default context is used. Results stream to the
+        callbacks as they appear. An exception in the code is `execution.error`, not raised;
+        at `timeout` (default 300 s, 0 = none) the cell is interrupted and the context kept."""
+        callbacks = {"on_stdout": on_stdout, "on_stderr": on_stderr, "on_result": on_result,
+                     "on_error": on_error}
+        builder = p.ExecutionBuilder()
+        call = p.run_code(self.sandbox_id, code, language, context, envs, timeout)
+        for event in self._transport.events(call, p.code_read_timeout(timeout)):
+            fired = builder.feed(event)
+            if fired is not None and callbacks[fired[0]] is not None:
+                callbacks[fired[0]](fired[1])  # type: ignore[misc]
+        return builder.result()
+
+    def create_code_context(self, language: str = "python", cwd: str | None = None) -> Context:
+        """A new context with its own state (its own kernel, for python)."""
+        return self._transport.call(p.create_code_context(self.sandbox_id, language, cwd))
+
+    def list_code_contexts(self) -> list[Context]:
+        return self._transport.call(p.list_code_contexts(self.sandbox_id))
+
+    def restart_code_context(self, context: Context | str) -> Context:
+        """Restart the context's kernel: its state is gone, its id stays."""
+        return self._transport.call(p.restart_code_context(self.sandbox_id, context))
+
+    def remove_code_context(self, context: Context | str) -> None:
+        self._transport.call(p.remove_code_context(self.sandbox_id, context))
 
     def is_running(self) -> bool:
         try:

@@ -23,10 +23,23 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agentbox import __version__
 from agentbox.core.auth import Authenticator, Caller, check_tenant_name, create_key
-from agentbox.core.errors import AgentboxError, Forbidden, InvalidRequest, NotFound
-from agentbox.core.manager import CommandRequest, CreateRequest, SandboxManager
+from agentbox.core.errors import (
+    AgentboxError,
+    Forbidden,
+    InvalidRequest,
+    NotFound,
+    SandboxUnavailable,
+)
+from agentbox.core.manager import (
+    CodeRequest,
+    CommandRequest,
+    CreateRequest,
+    SandboxManager,
+    builtin_spec_names,
+)
 from agentbox.server import models as m
 from agentbox.store.db import Store
+from agentbox.templates import SpecError, TemplateStore, builtin_spec_path, load_spec
 
 log = logging.getLogger("agentbox.server")
 
@@ -98,8 +111,14 @@ def create_app(
     admin_key: str | None = None,
     runtime_name: str = "process",
     runtime_config: dict[str, Any] | None = None,
+    template_dir: Path | None = None,
+    warm_pools: dict[str, int] | None = None,
 ) -> FastAPI:
-    """The HTTP API over one data dir and one runtime (`runtime_config` goes to its constructor)."""
+    """The HTTP API over one data dir and one runtime (`runtime_config` goes to its constructor).
+
+    Templates live in `template_dir` (default `<data_dir>/templates`; servers may share one);
+    `warm_pools` maps template names to pool sizes.
+    """
     data_dir = data_dir.resolve()
     state: dict[str, Any] = {}
 
@@ -119,7 +138,8 @@ def create_app(
                 flush=True,
             )
         runtime = get_runtime(runtime_name, data_dir=data_dir, **(runtime_config or {}))
-        manager = SandboxManager(store, runtime)
+        templates = TemplateStore(template_dir or data_dir / "templates")
+        manager = SandboxManager(store, runtime, templates, warm_pools)
         await manager.start()
         state.update(store=store, auth=auth, manager=manager, runtime=runtime)
         try:
@@ -483,6 +503,148 @@ def create_app(
 
     # ------------------------------------------------------------------ keys, quotas, audit
 
+    # ------------------------------------------------------------------ code interpreter
+
+    @app.post(
+        "/v1/sandboxes/{sandbox_id}/code/execute",
+        responses={**responses, 200: {"content": {"application/x-ndjson": {}}}},
+        tags=["code"],
+    )
+    async def run_code(sandbox_id: str, body: m.CodeBody, mgr: Mgr, who: Who) -> Response:
+        req = CodeRequest(
+            code=body.code,
+            language=body.language,
+            context_id=body.context_id,
+            envs=body.envs,
+            timeout=body.timeout,
+        )
+        events = await mgr.run_code(who, sandbox_id, req)
+
+        async def cleaned() -> AsyncIterator[dict[str, Any]]:
+            async for e in events:
+                yield m.clean(e)
+
+        return _ndjson(cleaned())
+
+    @app.post(
+        "/v1/sandboxes/{sandbox_id}/code/contexts",
+        status_code=201,
+        response_model=m.CodeContext,
+        responses=responses,
+        tags=["code"],
+    )
+    async def create_context(
+        sandbox_id: str, body: m.ContextBody, mgr: Mgr, who: Who
+    ) -> m.CodeContext:
+        args: dict[str, Any] = {"language": body.language}
+        if body.cwd is not None:
+            args["cwd"] = body.cwd
+        reply = await mgr.code_call(
+            who, sandbox_id, "create_context", "code.context.create", **args
+        )
+        return m.CodeContext.of(reply.get("context"))
+
+    @app.get(
+        "/v1/sandboxes/{sandbox_id}/code/contexts",
+        response_model=m.CodeContextList,
+        responses=responses,
+        tags=["code"],
+    )
+    async def list_contexts(sandbox_id: str, mgr: Mgr, who: Who) -> m.CodeContextList:
+        reply = await mgr.code_call(who, sandbox_id, "list_contexts", "code.context.list")
+        contexts = reply.get("contexts")
+        if not isinstance(contexts, list):
+            raise SandboxUnavailable("the sandbox sent no context list")
+        return m.CodeContextList(contexts=[m.CodeContext.of(c) for c in contexts])
+
+    @app.post(
+        "/v1/sandboxes/{sandbox_id}/code/contexts/{context_id}/restart",
+        response_model=m.CodeContext,
+        responses=responses,
+        tags=["code"],
+    )
+    async def restart_context(
+        sandbox_id: str, context_id: str, mgr: Mgr, who: Who
+    ) -> m.CodeContext:
+        reply = await mgr.code_call(
+            who, sandbox_id, "restart_context", "code.context.restart", context_id=context_id
+        )
+        return m.CodeContext.of(reply.get("context"))
+
+    @app.delete(
+        "/v1/sandboxes/{sandbox_id}/code/contexts/{context_id}",
+        status_code=204,
+        responses=responses,
+        tags=["code"],
+    )
+    async def remove_context(sandbox_id: str, context_id: str, mgr: Mgr, who: Who) -> Response:
+        await mgr.code_call(
+            who, sandbox_id, "remove_context", "code.context.remove", context_id=context_id
+        )
+        return Response(status_code=204)
+
+    # ------------------------------------------------------------------ templates, pools
+
+    @app.get(
+        "/v1/templates", response_model=m.TemplateList, responses=responses, tags=["templates"]
+    )
+    async def list_templates(mgr: Mgr, who: Who) -> m.TemplateList:
+        return m.TemplateList(
+            templates=[m.TemplateInfo.of(t) for t in mgr.templates.list()],
+            builtin=builtin_spec_names(),
+        )
+
+    @app.get(
+        "/v1/templates/{name}",
+        response_model=m.TemplateInfo,
+        responses=responses,
+        tags=["templates"],
+    )
+    async def get_template(name: str, mgr: Mgr, who: Who) -> m.TemplateInfo:
+        info = mgr.templates.get(name)
+        if info is None:
+            raise NotFound(f"template {name!r} is not built", template=name)
+        return m.TemplateInfo.of(info)
+
+    @app.post(
+        "/v1/templates",
+        responses={**responses, 200: {"content": {"application/x-ndjson": {}}}},
+        tags=["templates"],
+    )
+    async def build_template(body: m.TemplateBuildBody, mgr: Mgr, who: Admin) -> Response:
+        """Build (or find in the cache) a template; streams the build log as NDJSON."""
+        if (body.spec is None) == (body.builtin is None):
+            raise InvalidRequest("give exactly one of spec (TOML text) or builtin (a name)")
+        if body.builtin is not None:
+            path = builtin_spec_path(body.builtin)
+            if path is None:
+                raise NotFound(
+                    f"no shipped spec {body.builtin!r}; shipped: {', '.join(builtin_spec_names())}"
+                )
+            text, base = path.read_text(), path.parent
+        else:
+            text, base = body.spec or "", None
+        try:
+            spec = load_spec(text, base)
+        except SpecError as e:
+            raise InvalidRequest(f"invalid template spec: {e}") from None
+        return _ndjson(mgr.build_template(who, spec))
+
+    @app.delete("/v1/templates/{name}", status_code=204, responses=responses, tags=["templates"])
+    async def remove_template(name: str, mgr: Mgr, who: Admin) -> Response:
+        await mgr.remove_template(who, name)
+        return Response(status_code=204)
+
+    @app.get("/v1/pools", response_model=m.PoolList, responses=responses, tags=["pools"])
+    async def list_pools(mgr: Mgr, who: Who) -> m.PoolList:
+        return m.PoolList(pools=[m.PoolStats(**p) for p in mgr.pool_stats()])
+
+    @app.put(
+        "/v1/pools/{template}", response_model=m.PoolStats, responses=responses, tags=["pools"]
+    )
+    async def set_pool(template: str, body: m.PoolBody, mgr: Mgr, who: Admin) -> m.PoolStats:
+        return m.PoolStats(**await mgr.set_pool_size(who, template, body.size))
+
     @app.post(
         "/v1/keys",
         status_code=201,
@@ -544,6 +706,8 @@ def serve(
     data_dir: Path,
     runtime_name: str = "process",
     runtime_config: dict[str, Any] | None = None,
+    template_dir: Path | None = None,
+    warm_pools: dict[str, int] | None = None,
 ) -> None:
     """Run the server in the foreground until SIGINT/SIGTERM (sandboxes keep running)."""
     import uvicorn
@@ -558,7 +722,14 @@ def serve(
         level=os.environ.get("AGENTBOX_LOG_LEVEL", "INFO"),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    app = create_app(data_dir, os.environ.get("AGENTBOX_ADMIN_KEY"), runtime_name, runtime_config)
+    app = create_app(
+        data_dir,
+        os.environ.get("AGENTBOX_ADMIN_KEY"),
+        runtime_name,
+        runtime_config,
+        template_dir,
+        warm_pools,
+    )
     started = time.monotonic()
     log.info(
         "agentbox %s starting on http://%s:%d (data dir %s)", __version__, host, port, data_dir

@@ -211,3 +211,111 @@ class ErrorBody(BaseModel):
     code: str
     message: str
     detail: dict[str, Any] = Field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------- code interpreter
+
+Language = Literal["python", "bash", "javascript"]
+
+
+class CodeBody(Strict):
+    code: str = Field(..., max_length=4 << 20)
+    language: Language | None = Field(None, description="default python; not with context_id")
+    context_id: str | None = Field(None, max_length=64)
+    envs: dict[str, str] = Field(default_factory=dict)
+    timeout: float | None = Field(None, ge=0, le=86_400, description="seconds; 0 = none")
+
+
+class ContextBody(Strict):
+    language: Language = "python"
+    cwd: str | None = Field(None, max_length=4096)
+
+
+class CodeContext(BaseModel):
+    id: str
+    language: str
+    cwd: str | None = None
+    default: bool = False
+
+    @classmethod
+    def of(cls, c: Any) -> CodeContext:
+        if not isinstance(c, dict):
+            raise ValueError("bad context from the sandbox")
+        return cls(
+            id=str(c.get("id")),
+            language=str(c.get("language")),
+            cwd=None if c.get("cwd") is None else text(str(c["cwd"])),
+            default=bool(c.get("default")),
+        )
+
+
+class CodeContextList(BaseModel):
+    contexts: list[CodeContext]
+
+
+# ---------------------------------------------------------------------- templates and pools
+
+
+class TemplateBuildBody(Strict):
+    spec: str | None = Field(
+        None, max_length=1 << 20, description="the spec file's TOML text (files inline)"
+    )
+    builtin: str | None = Field(
+        None, max_length=64, description="build a shipped spec by name, e.g. code-interpreter"
+    )
+
+
+class TemplateInfo(BaseModel):
+    name: str
+    key: str
+    size_bytes: int
+    built_at: str | None
+    env: dict[str, str]
+    workdir: str
+    user: str
+    start_cmd: str | None = None
+    ready_cmd: str | None = None
+    warm: list[str] = Field(default_factory=list)
+
+    @classmethod
+    def of(cls, t: Any) -> TemplateInfo:
+        return cls(
+            name=t.name,
+            key=t.key,
+            size_bytes=t.size_bytes,
+            built_at=rfc3339(t.built_at),
+            env=dict(t.env),
+            workdir=t.workdir,
+            user=t.user,
+            start_cmd=t.start_cmd,
+            ready_cmd=t.ready_cmd,
+            warm=list(t.warm),
+        )
+
+
+class TemplateList(BaseModel):
+    templates: list[TemplateInfo]
+    builtin: list[str] = Field(description="shipped specs that build on first use")
+
+
+class PoolBody(Strict):
+    size: int = Field(..., ge=0, le=64)
+
+
+class PoolStats(BaseModel):
+    template: str
+    size: int
+    ready: int
+    starting: int
+    hits: int
+    misses: int
+    failures: int
+    last_error: str | None
+    refills: int
+    refill_ms_p50: float | None
+    refill_ms_max: float | None
+    refill_ms_last: float | None
+
+
+class PoolList(BaseModel):
+    pools: list[PoolStats]

@@ -38,7 +38,14 @@ from agentbox.runtimes.process.weaken import Weakening
 
 RUN_ROOT = Path("/run/agentbox")
 AGENT_SRC = Path(__file__).resolve().parent.parent.parent / "agent"
-AGENT_FILES = ("main.py", "sandbox_agent.py", "protocol.py")
+AGENT_FILES = (
+    "main.py",
+    "sandbox_agent.py",
+    "protocol.py",
+    "code_bridge.py",
+    "code_host.py",
+    "js_repl.js",
+)
 AGENT_MOUNT = "/opt/agentbox"
 SANDBOX_PYTHON = "/usr/bin/python3"
 UID_RANGE = (200_000, 265_000)
@@ -152,7 +159,7 @@ class ProcessRuntime(Runtime):
                 shutil.copyfile(src, tmp)
                 os.chmod(tmp, 0o644)
                 tmp.replace(target)
-            if name != "main.py":
+            if name.endswith(".py") and name != "main.py":
                 try:
                     py_compile.compile(
                         str(target),
@@ -194,36 +201,38 @@ class ProcessRuntime(Runtime):
     def _bwrap_argv(self, spec: SandboxSpec, ws: Path, fds: dict[str, int]) -> list[str]:
         r = spec.resources
         weak = self.weak
+        uid = "0" if spec.user == "root" else "1000"
         if not weak:
             argv = ["bwrap", "--unshare-all", "--unshare-user", "--disable-userns"]
-            argv += ["--uid", "1000", "--gid", "1000", "--cap-drop", "ALL"]
+            argv += ["--uid", uid, "--gid", uid, "--cap-drop", "ALL"]
         else:
             argv = ["bwrap", *self._weakened_namespace_args()]
         argv += ["--hostname", "sandbox", "--new-session"]
-        for d in _RO_DIRS:
-            argv += ["--ro-bind", d, d]
-        for link in _MERGED_USR_LINKS:
-            p = Path(link)
-            if p.is_symlink():
-                argv += ["--symlink", os.readlink(p), link]
-            elif p.is_dir():
-                argv += ["--ro-bind", link, link]
+        if spec.rootfs:
+            # A template: its whole tree read-only, then the sandbox's own mounts on top.
+            argv += ["--ro-bind", spec.rootfs, "/"]
+        else:
+            for d in _RO_DIRS:
+                argv += ["--ro-bind", d, d]
+            for link in _MERGED_USR_LINKS:
+                p = Path(link)
+                if p.is_symlink():
+                    argv += ["--symlink", os.readlink(p), link]
+                elif p.is_dir():
+                    argv += ["--ro-bind", link, link]
         sized = "no-limits" not in weak
         argv += ["--bind", "/proc", "/proc"] if "share-pid" in weak else ["--proc", "/proc"]
         argv += ["--dev", "/dev"]
         argv += ["--size", str(r.tmp_mb * 1024 * 1024)] if sized else []
         argv += ["--tmpfs", "/tmp"]
         argv += ["--size", str(min(r.tmp_mb, 64) * 1024 * 1024)] if sized else []
+        argv += ["--tmpfs", "/dev/shm", "--dir", "/run", "--dir", "/var"]
+        if spec.rootfs and not Path(spec.rootfs, "var/tmp").is_symlink():
+            argv += ["--size", str(min(r.tmp_mb, 64) * 1024 * 1024)] if sized else []
+            argv += ["--tmpfs", "/var/tmp"]
+        else:
+            argv += ["--symlink", "/tmp", "/var/tmp"]
         argv += [
-            "--tmpfs",
-            "/dev/shm",
-            "--dir",
-            "/run",
-            "--dir",
-            "/var",
-            "--symlink",
-            "/tmp",
-            "/var/tmp",
             "--bind",
             str(ws),
             "/workspace",
@@ -237,7 +246,7 @@ class ProcessRuntime(Runtime):
             str(fds["group"]),
             "/etc/group",
             "--chdir",
-            "/workspace",
+            spec.workdir,
             "--clearenv",
         ]
         env = {

@@ -1,0 +1,173 @@
+"""The code interpreter end to end: a real server, code-interpreter sandboxes (built from the
+shipped template), real Jupyter kernels, bash and node contexts, through the SDK."""
+
+from __future__ import annotations
+
+import base64
+import time
+
+import httpx
+import pytest
+
+from agentbox.sdk import ConflictError, InvalidArgumentError, NotFoundError, Sandbox
+
+pytestmark = pytest.mark.slow  # needs the code-interpreter template (built once per machine)
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def key(ci_server) -> str:
+    return ci_server.make_key(f"code-{time.monotonic_ns() % 10**8}")
+
+
+@pytest.fixture(scope="module")
+def sbx(ci_server, key):
+    s = Sandbox.create(template="code-interpreter", api_url=ci_server.url, api_key=key, timeout=600)
+    yield s
+    s.kill()
+    s.close()
+
+
+def test_state_persists_between_calls(sbx):
+    first = sbx.run_code("x = 6*7\nprint(x)")
+    assert first.logs.stdout == ["42\n"]
+    assert first.error is None
+    second = sbx.run_code("x + 1")
+    assert second.text == "43"
+    assert second.execution_count == first.execution_count + 1
+
+
+def test_contexts_are_isolated(sbx):
+    sbx.run_code("shared = 'default context'")
+    ctx = sbx.create_code_context(language="python")
+    assert ctx.language == "python"
+    missing = sbx.run_code("shared", context=ctx)
+    assert missing.error is not None and missing.error.name == "NameError"
+    sbx.run_code("shared = 'own'", context=ctx)
+    assert sbx.run_code("shared").text == "'default context'"
+    assert ctx.id in {c.id for c in sbx.list_code_contexts()}
+    sbx.remove_code_context(ctx)
+    assert ctx.id not in {c.id for c in sbx.list_code_contexts()}
+    with pytest.raises(NotFoundError):
+        sbx.run_code("1", context=ctx)
+
+
+def test_rich_results(sbx):
+    plot = sbx.run_code(
+        "import matplotlib.pyplot as plt\nplt.plot([1, 2, 3], [3, 1, 2])\nplt.title('t')\n"
+        "plt.show()"
+    )
+    pngs = [r.png for r in plot.results if r.png]
+    assert pngs, plot
+    assert base64.b64decode(pngs[0]).startswith(PNG_SIGNATURE)
+    html = sbx.run_code(
+        "from IPython.display import HTML, Markdown, display\n"
+        "display(HTML('<b>bold</b>'))\ndisplay(Markdown('# title'))"
+    )
+    assert any(r.html == "<b>bold</b>" for r in html.results)
+    assert any(r.markdown == "# title" for r in html.results)
+    assert all(not r.is_main_result for r in html.results)
+    frame = sbx.run_code("import pandas as pd\npd.DataFrame({'a': [1, 2]})")
+    main = [r for r in frame.results if r.is_main_result]
+    assert main and main[0].html and "<table" in main[0].html and main[0].text
+
+
+def test_error_carries_traceback(sbx):
+    ex = sbx.run_code("def f():\n    return 1 / 0\nf()")
+    assert ex.error is not None
+    assert ex.error.name == "ZeroDivisionError"
+    assert "division by zero" in ex.error.value
+    assert "f()" in ex.error.traceback
+
+
+def test_callbacks_stream_as_output_appears(sbx):
+    seen: list[tuple[float, str]] = []
+    t0 = time.monotonic()
+    ex = sbx.run_code(
+        "import time\nfor i in range(3):\n    print(i, flush=True)\n    time.sleep(0.4)",
+        on_stdout=lambda m: seen.append((time.monotonic() - t0, m.line)),
+    )
+    total = time.monotonic() - t0
+    assert "".join(line for _, line in seen) == "0\n1\n2\n"
+    assert seen[0][0] < total - 0.5, (seen, total)  # the first line came before the end
+    assert ex.logs.stdout
+
+
+def test_timeout_interrupts_and_keeps_the_context(sbx):
+    t0 = time.monotonic()
+    ex = sbx.run_code("import time\nkept = 5\ntime.sleep(60)", timeout=2)
+    assert time.monotonic() - t0 < 20
+    assert ex.timed_out
+    assert ex.error is not None
+    assert sbx.run_code("kept").text == "5"
+
+
+def test_kernel_death_and_restart(sbx):
+    ctx = sbx.create_code_context()
+    sbx.run_code("before = 1", context=ctx)
+    died = None
+    try:
+        died = sbx.run_code("import os\nos._exit(1)", context=ctx)
+    except ConflictError as e:
+        assert e.code == "kernel_dead"
+    if died is not None:
+        assert died.error is not None and "ied" in died.error.name + died.error.value
+    with pytest.raises(ConflictError) as info:
+        sbx.run_code("1", context=ctx)
+    assert info.value.code == "kernel_dead"
+    restarted = sbx.restart_code_context(ctx)
+    assert restarted.id == ctx.id
+    assert sbx.run_code("1 + 1", context=ctx).text == "2"
+    assert sbx.run_code("before", context=ctx).error.name == "NameError"
+
+
+def test_bash_context_keeps_cwd_and_variables(sbx):
+    sbx.run_code("cd /tmp && FOO=bar", language="bash")
+    ex = sbx.run_code("echo $PWD $FOO", language="bash")
+    assert ex.logs.stdout and "".join(ex.logs.stdout).strip() == "/tmp bar"
+    failed = sbx.run_code("ls /nonexistent", language="bash")
+    assert failed.error is not None
+
+
+def test_javascript_context_keeps_state(sbx):
+    sbx.run_code("let a = 2; function twice(n) { return n * 2 }", language="javascript")
+    ex = sbx.run_code("console.log(twice(a) * 10 + 2)", language="javascript")
+    assert "".join(ex.logs.stdout).strip() == "42"
+    err = sbx.run_code("throw new TypeError('nope')", language="javascript")
+    assert err.error is not None and "nope" in err.error.value
+
+
+def test_language_and_context_together_is_refused(sbx):
+    with pytest.raises(InvalidArgumentError):
+        sbx.run_code("1", language="python", context="abc")
+    with httpx.Client(
+        base_url=sbx._transport.config.api_url, headers={"X-API-Key": sbx._transport.config.api_key}
+    ) as c:
+        r = c.post(
+            f"/v1/sandboxes/{sbx.sandbox_id}/code/execute",
+            json={"code": "1", "language": "python", "context_id": "abc"},
+        )
+        assert r.status_code == 400, r.text
+        r = c.post(
+            f"/v1/sandboxes/{sbx.sandbox_id}/code/execute", json={"code": "1", "language": "cobol"}
+        )
+        assert r.status_code in (400, 422), r.text
+
+
+def test_template_is_read_only_and_offline(sbx):
+    ex = sbx.run_code("open('/usr/lib/agentbox-probe', 'w')")
+    assert ex.error is not None and ex.error.name in ("OSError", "PermissionError")
+    net = sbx.run_code("import socket\nsocket.create_connection(('1.1.1.1', 80), timeout=2)")
+    assert net.error is not None
+    # The template's own /etc, not the host's.
+    assert sbx.run_code("open('/etc/debian_version').read().strip()[:2]").text == "'12'"
+
+
+def test_other_tenants_cannot_run_code(ci_server, sbx):
+    other = ci_server.make_key(f"other-{time.monotonic_ns() % 10**8}")
+    with httpx.Client(base_url=ci_server.url, headers={"X-API-Key": other}) as c:
+        r = c.post(f"/v1/sandboxes/{sbx.sandbox_id}/code/execute", json={"code": "1"})
+        assert r.status_code == 404
+        r = c.get(f"/v1/sandboxes/{sbx.sandbox_id}/code/contexts")
+        assert r.status_code == 404
