@@ -81,7 +81,7 @@ def main() -> None:
 
         def once() -> None:
             events = run_code(c, sid, CODE)
-            assert [e["text"] for e in events if e["type"] == "stdout"] == ["42\n"], events
+            assert "".join(e["text"] for e in events if e["type"] == "stdout") == "42\n", events
 
         m["agentbox run_code, warm context (RESULT)"] = H.timed_runs(once, args.n, 20)
         c.delete(f"/v1/sandboxes/{sid}")

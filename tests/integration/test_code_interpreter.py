@@ -171,3 +171,66 @@ def test_other_tenants_cannot_run_code(ci_server, sbx):
         assert r.status_code == 404
         r = c.get(f"/v1/sandboxes/{sbx.sandbox_id}/code/contexts")
         assert r.status_code == 404
+
+
+def _build_events(client: httpx.Client, body: dict) -> tuple[int, list[dict]]:
+    import json
+
+    with client.stream("POST", "/v1/templates", json=body, timeout=600) as r:
+        if r.status_code != 200:
+            r.read()
+            return r.status_code, [r.json()]
+        return 200, [json.loads(line) for line in r.iter_lines() if line]
+
+
+def test_template_api_build_is_a_cache_hit_and_admin_only(ci_server, key):
+    with ci_server.client() as admin:
+        status, events = _build_events(admin, {"builtin": "code-interpreter"})
+        assert status == 200, events
+        steps = [e for e in events if e["type"] == "step"]
+        assert steps and all(e["cached"] for e in steps), steps
+        assert events[-1]["type"] == "done"
+        listed = admin.get("/v1/templates").json()
+        assert "code-interpreter" in {t["name"] for t in listed["templates"]}
+        assert "code-interpreter" in listed["builtin"]
+        status, events = _build_events(admin, {"spec": 'name = "x"\nbogus = 1\n'})
+        assert status == 400 and "bogus" in events[0]["message"], events
+        status, events = _build_events(
+            admin, {"spec": 'name = "x"\n[[files]]\ndest = "/etc/a"\nsrc = "../../etc/shadow"\n',
+                    "files": {"../../etc/shadow": "eA=="}})
+        assert status == 400, events
+        # In use by the warm pool's member and by live sandboxes: refused, not yanked away.
+        r = admin.delete("/v1/templates/code-interpreter")
+        assert r.status_code == 409, r.text
+    with ci_server.client(key) as tenant:
+        status, events = _build_events(tenant, {"builtin": "code-interpreter"})
+        assert status == 403, events
+        assert tenant.delete("/v1/templates/code-interpreter").status_code == 403
+        assert tenant.get("/v1/templates/code-interpreter").status_code == 200
+
+
+def test_pool_claim_has_a_warm_kernel_and_the_callers_envs(ci_server, key):
+    deadline = time.monotonic() + 120
+    while True:
+        with ci_server.client() as c:
+            pool = next(p for p in c.get("/v1/pools").json()["pools"]
+                        if p["template"] == "code-interpreter")
+        if pool["ready"] == 1:
+            break
+        assert time.monotonic() < deadline, pool
+        time.sleep(0.2)
+    s = Sandbox.create(template="code-interpreter", envs={"GREETING": "hi"},
+                       api_url=ci_server.url, api_key=key)
+    try:
+        t0 = time.monotonic()
+        ex = s.run_code("import os\nos.environ['GREETING']")
+        assert ex.text == "'hi'"
+        assert time.monotonic() - t0 < 2  # the kernel was already running
+        assert s.commands.run("echo $GREETING").stdout == "hi\n"
+        with ci_server.client() as c:
+            after = next(p for p in c.get("/v1/pools").json()["pools"]
+                         if p["template"] == "code-interpreter")
+        assert after["hits"] >= pool["hits"] + 1
+    finally:
+        s.kill()
+        s.close()

@@ -462,19 +462,14 @@ def template_build(
     """Build a template, streaming its log; unchanged steps come from the cache."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from agentbox.templates import (
-        SpecError,
-        load_spec,
-        render_spec,  # the spec with `src` files inlined
-    )
-
     path = Path(spec)
     text: str | None = None
     if path.suffix == ".toml" or path.exists():
         try:
-            text = render_spec(load_spec(path.read_text(), path.parent))
-        except (OSError, SpecError) as e:
-            err.print(f"[red]error:[/red] {escape(str(e))}", highlight=False)
+            text = path.read_text()
+        except OSError as e:
+            err.print(f"[red]error:[/red] cannot read {escape(spec)}: {e.strerror}",
+                      highlight=False)
             raise typer.Exit(1) from None
     templates = Templates(**_conn(ctx), request_timeout=3600)
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[note]}"),
@@ -497,7 +492,7 @@ def template_build(
 
         try:
             info = templates.build(spec=text, builtin=None if text is not None else spec,
-                                   on_event=on_event)
+                                   on_event=on_event, spec_dir=str(path.parent))
         finally:
             templates.close()
         progress.update(task, description="done", note="")

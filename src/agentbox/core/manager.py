@@ -472,7 +472,18 @@ class SandboxManager:
         sandbox_id = "sbx_" + secrets.token_hex(8)
         req = CreateRequest(template=template, timeout=POOL_LIFETIME_S)
         self._insert(sandbox_id, POOL_TENANT, template, req, Resources())
-        await self._start(sandbox_id, tpl, template, Resources(), {}, POOL_LIFETIME_S)
+        row = await self._start(sandbox_id, tpl, template, Resources(), {}, POOL_LIFETIME_S)
+        # One command before the hand-over: proves the member works end to end, and the first
+        # command a user runs no longer pays for the agent's lazy imports and cold pages.
+        try:
+            _, events = await self._client(row).command_stream(
+                {"op": "exec.run", "cmd": "true", "timeout": 30}
+            )
+            async for _ in events:
+                pass
+        except (AgentOpError, AgentUnavailable) as e:
+            await self._end(row, "failed", "failed")
+            raise SandboxUnavailable(f"the new pool member did not run a command: {e}") from None
         self.audit(None, "pool.refill", sandbox_id, tenant=POOL_TENANT, template=template)
         return sandbox_id
 

@@ -24,6 +24,9 @@ log = logging.getLogger("agentbox.pools")
 POOL_TENANT = "~pool"  # not a valid tenant name (auth._TENANT_RE): no key can own it
 MAX_POOL_SIZE = 64
 RETRY_AFTER_FAILURE_S = 5.0
+# A claim is usually followed at once by the claimer's first commands; a refill started in the
+# same instant competes with them for the server process and the CPU (a create forks the server).
+REFILL_DELAY_S = 0.05
 
 
 @dataclass
@@ -151,6 +154,7 @@ class WarmPools:
             if len(pool.ready) + pool.starting >= pool.size:
                 pool.wake.clear()
                 await pool.wake.wait()
+                await asyncio.sleep(REFILL_DELAY_S)
                 continue
             pool.starting += 1
             t0 = time.monotonic()

@@ -7,6 +7,7 @@ plain functions or coroutine functions.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import inspect
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from typing import IO, Any, Literal, TypeVar, overload
@@ -393,7 +394,7 @@ class AsyncSandbox:
                                   cwd: str | None = None) -> Context:
         return await self._transport.call(p.create_code_context(self.sandbox_id, language, cwd))
 
-    async def list_code_contexts(self) -> list[Context]:
+    async def list_code_contexts(self) -> builtins.list[Context]:
         return await self._transport.call(p.list_code_contexts(self.sandbox_id))
 
     async def restart_code_context(self, context: Context | str) -> Context:

@@ -7,6 +7,7 @@ faces cannot drift apart on paths, bodies, error mapping or NDJSON handling.
 
 from __future__ import annotations
 
+import base64
 import functools
 import json
 import os
@@ -406,7 +407,8 @@ class ExecutionBuilder:
             ex.results.append(result)
             return "on_result", result
         if kind == "error":
-            err = event.get("error") if isinstance(event.get("error"), dict) else {}
+            raw = event.get("error")
+            err: dict[str, Any] = raw if isinstance(raw, dict) else {}
             ex.error = ExecutionError(str(err.get("name", "")), str(err.get("value", "")),
                                       str(err.get("traceback", "")))
             return "on_error", ex.error
@@ -449,9 +451,34 @@ def get_template(name: str) -> Call[TemplateInfo]:
     return Call("GET", f"/v1/templates/{_seg(name)}", _template)
 
 
-def build_template(spec: str | None = None, builtin: str | None = None) -> Call[None]:
-    body = {"spec": spec} if spec is not None else {"builtin": builtin}
+def build_template(spec: str | None = None, builtin: str | None = None,
+                   files: Mapping[str, bytes] | None = None) -> Call[None]:
+    body: dict[str, Any] = {"spec": spec} if spec is not None else {"builtin": builtin}
+    if files:
+        body["files"] = {k: base64.b64encode(v).decode() for k, v in files.items()}
     return Call("POST", "/v1/templates", _none, json=body)
+
+
+def spec_files(spec_text: str, spec_dir: str) -> dict[str, bytes]:
+    """The files a spec names by `src` (relative to its directory), to send with it."""
+    import tomllib
+    from pathlib import Path
+
+    try:
+        entries = tomllib.loads(spec_text).get("files") or []
+    except tomllib.TOMLDecodeError as e:
+        raise InvalidArgumentError(f"the spec is not valid TOML: {e}",
+                                   code="invalid_request") from None
+    out: dict[str, bytes] = {}
+    for entry in entries if isinstance(entries, list) else []:
+        src = entry.get("src") if isinstance(entry, dict) else None
+        if isinstance(src, str):
+            try:
+                out[src] = (Path(spec_dir) / src).read_bytes()
+            except OSError as e:
+                raise InvalidArgumentError(f"files: cannot read {src!r}: {e.strerror}",
+                                           code="invalid_request") from None
+    return out
 
 
 def remove_template(name: str) -> Call[None]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import IO, Any, Literal, TypeVar, overload
@@ -316,7 +317,7 @@ class Templates:
     def list(self) -> list[TemplateInfo]:
         return self._transport.call(p.list_templates())[0]
 
-    def builtin(self) -> list[str]:
+    def builtin(self) -> builtins.list[str]:
         """Names of the specs agentbox ships (built on first use)."""
         return self._transport.call(p.list_templates())[1]
 
@@ -324,11 +325,14 @@ class Templates:
         return self._transport.call(p.get_template(name))
 
     def build(self, spec: str | None = None, builtin: str | None = None,
-              on_event: Callable[[dict[str, Any]], Any] | None = None) -> TemplateInfo:
-        """Build from a spec's TOML text (files inline) or a shipped spec's name; build log
-        events go to `on_event` as they come. Unchanged steps come from the cache."""
+              on_event: Callable[[dict[str, Any]], Any] | None = None,
+              spec_dir: str | None = None) -> TemplateInfo:
+        """Build from a spec's TOML text or a shipped spec's name; build log events go to
+        `on_event` as they come. Files the spec names by `src` are read from `spec_dir` and
+        sent along. Unchanged steps come from the cache."""
         name: str | None = None
-        for event in self._transport.events(p.build_template(spec, builtin), None):
+        files = p.spec_files(spec, spec_dir) if spec is not None and spec_dir else None
+        for event in self._transport.events(p.build_template(spec, builtin, files), None):
             if on_event is not None:
                 on_event(event)
             if event.get("type") == "error":
@@ -343,7 +347,7 @@ class Templates:
     def remove(self, name: str) -> None:
         self._transport.call(p.remove_template(name))
 
-    def pools(self) -> list[PoolStats]:
+    def pools(self) -> builtins.list[PoolStats]:
         return self._transport.call(p.list_pools())
 
     def set_pool_size(self, template: str, size: int) -> PoolStats:
@@ -455,7 +459,7 @@ class Sandbox:
         """A new context with its own state (its own kernel, for python)."""
         return self._transport.call(p.create_code_context(self.sandbox_id, language, cwd))
 
-    def list_code_contexts(self) -> list[Context]:
+    def list_code_contexts(self) -> builtins.list[Context]:
         return self._transport.call(p.list_code_contexts(self.sandbox_id))
 
     def restart_code_context(self, context: Context | str) -> Context:

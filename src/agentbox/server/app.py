@@ -4,16 +4,18 @@ This module only speaks HTTP: it authenticates, validates, maps errors to respon
 place, and streams. Everything else happens in `core/`.
 """
 
+import base64
 import json
 import logging
 import os
 import signal as signals
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Header, Query, Request
@@ -104,6 +106,33 @@ def _parse_time(value: str | None) -> float | None:
     if t.tzinfo is None:
         t = t.replace(tzinfo=UTC)
     return t.timestamp()
+
+
+def _load_spec(text: str, base: Path | None) -> Any:
+    try:
+        return load_spec(text, base)
+    except SpecError as e:
+        raise InvalidRequest(f"invalid template spec: {e}") from None
+
+
+def _spec_with_files(text: str, files: dict[str, str]) -> Any:
+    """Load a spec whose `src` files came with the request: they are laid out in a private
+    temporary directory (relative paths only) that the spec resolves against."""
+    if not files:
+        return _load_spec(text, None)
+    with tempfile.TemporaryDirectory(prefix="agentbox-spec-") as tmp:
+        for rel, b64 in files.items():
+            parts = PurePosixPath(rel).parts
+            if not rel or rel.startswith("/") or ".." in parts or "\0" in rel:
+                raise InvalidRequest(f"files: {rel!r} must be a relative path inside the spec dir")
+            try:
+                data = base64.b64decode(b64, validate=True)
+            except ValueError:
+                raise InvalidRequest(f"files: {rel!r} is not base64") from None
+            dest = Path(tmp, *parts)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_bytes(data)
+        return _load_spec(text, Path(tmp))
 
 
 def create_app(
@@ -622,12 +651,9 @@ def create_app(
                     f"no shipped spec {body.builtin!r}; shipped: {', '.join(builtin_spec_names())}"
                 )
             text, base = path.read_text(), path.parent
+            spec = _load_spec(text, base)
         else:
-            text, base = body.spec or "", None
-        try:
-            spec = load_spec(text, base)
-        except SpecError as e:
-            raise InvalidRequest(f"invalid template spec: {e}") from None
+            spec = _spec_with_files(body.spec or "", body.files)
         return _ndjson(mgr.build_template(who, spec))
 
     @app.delete("/v1/templates/{name}", status_code=204, responses=responses, tags=["templates"])

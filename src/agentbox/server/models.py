@@ -263,6 +263,10 @@ class TemplateBuildBody(Strict):
     builtin: str | None = Field(
         None, max_length=64, description="build a shipped spec by name, e.g. code-interpreter"
     )
+    files: dict[str, str] = Field(
+        default_factory=dict,
+        description="contents (base64) of the files the spec names by `src`, by that path",
+    )
 
 
 class TemplateInfo(BaseModel):
