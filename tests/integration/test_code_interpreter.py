@@ -234,3 +234,25 @@ def test_pool_claim_has_a_warm_kernel_and_the_callers_envs(ci_server, key):
     finally:
         s.kill()
         s.close()
+
+
+def test_templates_in_a_private_dir_still_start(tmp_path, code_template):
+    """The default template dir is inside the data dir, which sandbox uids cannot traverse:
+    the runtime hands bwrap the root filesystem as an fd."""
+    from conftest import start_server
+
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    (private / "store").symlink_to(code_template)
+    server = start_server(tmp_path, ["--template-dir", str(private / "store")])
+    try:
+        s = Sandbox.create(template="code-interpreter", api_url=server.url,
+                           api_key=server.admin_key)
+        try:
+            assert s.run_code("6 * 7").text == "42"
+        finally:
+            s.kill()
+            s.close()
+    finally:
+        server.kill_all_sandboxes()
+        server.stop()

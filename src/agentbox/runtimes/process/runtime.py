@@ -210,7 +210,9 @@ class ProcessRuntime(Runtime):
         argv += ["--hostname", "sandbox", "--new-session"]
         if spec.rootfs:
             # A template: its whole tree read-only, then the sandbox's own mounts on top.
-            argv += ["--ro-bind", spec.rootfs, "/"]
+            # By fd, opened by the server: the template store may sit in the private data
+            # dir, which the sandbox's uid (bwrap runs as it) cannot traverse.
+            argv += ["--ro-bind-fd", str(fds["rootfs"]), "/"]
         else:
             for d in _RO_DIRS:
                 argv += ["--ro-bind", d, d]
@@ -300,7 +302,7 @@ class ProcessRuntime(Runtime):
         sid = spec.sandbox_id
         sdir = self.root / sid
         uid = self._allocate_uid()
-        state: dict[str, Any] = {"uid": uid, "dir": str(sdir)}
+        state: dict[str, Any] = {"uid": uid, "dir": str(sdir), "rootfs": spec.rootfs}
         try:
             sdir.mkdir(mode=0o711)
             os.chmod(sdir, 0o711)
@@ -340,6 +342,8 @@ class ProcessRuntime(Runtime):
         weak = self.weak
         if "leak-fd" in weak:
             fds["leak"] = os.open("/", os.O_PATH | os.O_DIRECTORY)
+        if spec.rootfs:
+            fds["rootfs"] = os.open(spec.rootfs, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW)
         r = spec.resources
         join_files = self.cgroups.join_files(spec.sandbox_id)
         limits = [
