@@ -136,3 +136,20 @@ def test_no_leaked_members_across_restarts(pooled: ServerHandle):
     while inventory.take(pooled.data_dir).sandbox_ids():
         assert time.monotonic() < deadline, inventory.take(pooled.data_dir).items()
         time.sleep(0.1)
+
+
+def test_stop_during_a_refill_leaves_nothing_unowned(pooled: ServerHandle):
+    _wait_ready(pooled, "default", 2)
+    sbx = Sandbox.create(api_url=pooled.url, api_key=pooled.admin_key)
+    time.sleep(0.08)  # the refill has started a new member
+    pooled.stop()
+    # The member started during the stop was let finish: a restart without pools ends it and
+    # the old ones; only the claimed sandbox is left.
+    pooled.extra_args = []
+    pooled.start()
+    deadline = time.monotonic() + 20
+    while (left := inventory.take(pooled.data_dir).sandbox_ids()) != {sbx.sandbox_id}:
+        assert time.monotonic() < deadline, left
+        time.sleep(0.1)
+    sbx.kill()
+    sbx.close()

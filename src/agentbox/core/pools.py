@@ -139,10 +139,15 @@ class WarmPools:
             if pool.task is None:
                 pool.task = asyncio.create_task(self._refill(pool))
 
-    async def stop(self) -> None:
+    async def stop(self, grace: float = 30.0) -> None:
+        """Stop refilling. A member being started is let finish (it is a whole sandbox the
+        next start adopts): cut off half-way, nothing would own it until a restart."""
         self.running = False
         tasks = [p.task for p in self.pools.values() if p.task is not None]
-        for t in tasks:
+        for pool in self.pools.values():
+            pool.wake.set()
+        _, pending = await asyncio.wait(tasks, timeout=grace) if tasks else (set(), set())
+        for t in pending:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         for pool in self.pools.values():
@@ -150,7 +155,7 @@ class WarmPools:
 
     async def _refill(self, pool: Pool) -> None:
         """Keep the pool at its size, one new member at a time (creation is CPU-bound)."""
-        while True:
+        while self.running:
             if len(pool.ready) + pool.starting >= pool.size:
                 pool.wake.clear()
                 await pool.wake.wait()
@@ -166,7 +171,8 @@ class WarmPools:
                 pool.failures += 1
                 pool.last_error = str(e)
                 log.warning("warm pool %s: could not start a member: %s", pool.template, e)
-                await asyncio.sleep(RETRY_AFTER_FAILURE_S)
+                if self.running:
+                    await asyncio.sleep(RETRY_AFTER_FAILURE_S)
                 continue
             finally:
                 pool.starting -= 1
