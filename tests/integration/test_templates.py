@@ -328,7 +328,9 @@ def processes_using(root: Path) -> list[str]:
             text = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if str(root) in text:
+        # Paths inside the store (a build's mounts and steps), not a server merely configured
+        # with the store (`--template-dir ROOT`) when tests share one.
+        if f"{root}/" in text:
             found.append(text[:200])
     return found
 
