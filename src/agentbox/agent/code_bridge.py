@@ -128,15 +128,6 @@ class CodeHost:
         if running:
             self.call("set_env", {"envs": envs})
 
-    def stop(self) -> None:
-        with self.lock:
-            proc, self.proc = self.proc, None
-        if proc is not None:
-            try:
-                os.killpg(proc.pid, 9)
-            except OSError:
-                pass
-
 
 HOST_PROCESS = CodeHost()
 

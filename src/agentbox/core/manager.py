@@ -49,7 +49,9 @@ from agentbox.templates import (
 log = logging.getLogger("agentbox.manager")
 
 DEFAULT_TEMPLATE = "default"  # the host's own userland, read-only
-POOL_LIFETIME_S = 10 * 365 * 86_400  # members never expire; a claim sets the real deadline
+POOL_LIFETIME_S = 10 * 365 * 86_400
+# Key under which the manager notes, in a sandbox's stored state, the template tree it runs from.
+TEMPLATE_ROOTFS = "template_rootfs"  # members never expire; a claim sets the real deadline
 DEFAULT_QUOTA: dict[str, Any] = {
     "max_sandboxes": 20,
     "max_memory_mb": 4096,
@@ -247,6 +249,13 @@ class SandboxManager:
                     raise SandboxUnavailable(f"template {name} could not be built: {e}") from None
         return info
 
+    def rootfs_in_use(self, rootfs: Path) -> bool:
+        """Whether a live sandbox runs from this template tree (a rebuild must keep it)."""
+        return any(
+            (row.runtime_state or {}).get(TEMPLATE_ROOTFS) == str(rootfs)
+            for row in self.store.live_sandboxes()
+        )
+
     def _check_capacity(self, caller: Caller, quota: dict[str, Any], started: float) -> None:
         live = self.store.count_live(caller.tenant)
         if live >= quota["max_sandboxes"]:
@@ -371,6 +380,8 @@ class SandboxManager:
                 raise SandboxUnavailable(f"the sandbox could not be started: {msg}") from None
             # The deadline counts from when the sandbox is usable, not from when it was asked.
             now = time.time()
+            if spec.rootfs:  # the control plane's note, kept with the runtime's (see rootfs_in_use)
+                state = {**state, TEMPLATE_ROOTFS: spec.rootfs}
             self.store.update_sandbox(
                 sandbox_id, state="running", runtime_state=state, end_at=now + timeout
             )

@@ -90,12 +90,6 @@ class WarmPools:
         pool.wake.set()
         return None
 
-    def give_back(self, template: str, sandbox_id: str) -> None:
-        """A member taken but not handed out (its claim failed before the hand-over)."""
-        pool = self.pools.get(template)
-        if pool is not None:
-            pool.ready.appendleft(sandbox_id)
-
     def forget(self, sandbox_id: str) -> None:
         """A member that ended (killed, vanished): never hand it out."""
         for pool in self.pools.values():

@@ -167,14 +167,11 @@ def create_app(
                 flush=True,
             )
         runtime = get_runtime(runtime_name, data_dir=data_dir, **(runtime_config or {}))
-        def rootfs_in_use(rootfs: Path) -> bool:
-            # A rebuilt or removed template keeps the tree its live sandboxes run from.
-            return any(
-                (row.runtime_state or {}).get("rootfs") == str(rootfs)
-                for row in store.live_sandboxes()
-            )
-
-        templates = TemplateStore(template_dir or data_dir / "templates", in_use=rootfs_in_use)
+        # A rebuilt or removed template keeps the tree its live sandboxes run from.
+        templates = TemplateStore(
+            template_dir or data_dir / "templates",
+            in_use=lambda rootfs: manager.rootfs_in_use(rootfs),
+        )
         manager = SandboxManager(store, runtime, templates, warm_pools)
         await manager.start()
         state.update(store=store, auth=auth, manager=manager, runtime=runtime)

@@ -302,7 +302,7 @@ class ProcessRuntime(Runtime):
         sid = spec.sandbox_id
         sdir = self.root / sid
         uid = self._allocate_uid()
-        state: dict[str, Any] = {"uid": uid, "dir": str(sdir), "rootfs": spec.rootfs}
+        state: dict[str, Any] = {"uid": uid, "dir": str(sdir)}
         try:
             sdir.mkdir(mode=0o711)
             os.chmod(sdir, 0o711)
