@@ -34,8 +34,16 @@ from agentbox.core.errors import (
     SandboxUnavailable,
     from_agent,
 )
+from agentbox.core.network import (
+    NetworkService,
+    SandboxEgressSetup,
+    SandboxNetwork,
+    new_access_token,
+)
 from agentbox.core.pools import MAX_POOL_SIZE, POOL_TENANT, WarmPools
-from agentbox.runtimes.base import Resources, Runtime, SandboxSpec
+from agentbox.egress.proxy import HTTP_PORT, SOCKS_PORT
+from agentbox.egress.policy import EgressPolicy
+from agentbox.runtimes.base import Resources, Runtime, RuntimeError_, SandboxSpec
 from agentbox.store.db import SandboxRow, Store
 from agentbox.templates import (
     BuildError,
@@ -87,6 +95,8 @@ class CreateRequest:
     envs: dict[str, str] = field(default_factory=dict)
     resources: dict[str, Any] = field(default_factory=dict)
     keep_workspace: bool = False
+    network: dict[str, Any] | None = None  # None: the tenant's default (else no egress)
+    secrets: list[str] = field(default_factory=list)
 
 
 LANGUAGES = ("python", "bash", "javascript")
@@ -141,17 +151,21 @@ class SandboxManager:
         store: Store,
         runtime: Runtime,
         templates: TemplateStore,
+        network: NetworkService,
         pool_sizes: dict[str, int] | None = None,
     ) -> None:
         self.store = store
         self.runtime = runtime
         self.templates = templates
+        self.network = network
         self._template_locks: dict[str, asyncio.Lock] = {}
         self.pools = WarmPools(pool_sizes or {}, self._make_member, self._end_member)
         self._tenant_locks: dict[str, asyncio.Lock] = {}
         self._sandbox_locks: dict[str, asyncio.Lock] = {}
-        self._baselines: dict[tuple[str, str], tuple[dict[str, int], float]] = {}
-        self._violations: dict[tuple[str, str], dict[str, str] | None] = {}
+        # (sandbox, command) -> limit counters, timeout and monotonic start of the command.
+        self._baselines: dict[tuple[str, str], tuple[dict[str, int], float, float]] = {}
+        # (sandbox, command) -> what explains its end: {"violation", "network_blocked"}.
+        self._violations: dict[tuple[str, str], dict[str, Any]] = {}
         self._watchers: set[asyncio.Task] = set()
         self._tasks: list[asyncio.Task] = []
         self._wake = asyncio.Event()
@@ -283,18 +297,30 @@ class SandboxManager:
                 limit=quota["max_timeout"],
             )
         resources = self._resources(req.resources, quota)
-        if resources == Resources() and not req.keep_workspace:
-            row = await self._claim(caller, template, req, quota, started)
+        net = self.network.sandbox_network(caller.tenant, req.network)
+        # Secrets need their placeholders and the CA in place from the start: no pool.
+        if resources == Resources() and not req.keep_workspace and not req.secrets:
+            row = await self._claim(caller, template, req, quota, started, net)
             if row is not None:
                 return row
         tpl = await self.template(template)
         sandbox_id = "sbx_" + secrets.token_hex(8)
+        egress = self.network.setup(
+            caller.tenant, sandbox_id, req.secrets, str(tpl.rootfs) if tpl else None
+        )
         lock = self._tenant_locks.setdefault(caller.tenant, asyncio.Lock())
-        async with lock:
-            self._check_capacity(caller, quota, started)
-            self._insert(sandbox_id, caller.tenant, template, req, resources)
         try:
-            row = await self._start(sandbox_id, tpl, template, resources, req.envs, req.timeout)
+            async with lock:
+                self._check_capacity(caller, quota, started)
+                self._insert(sandbox_id, caller.tenant, template, req, resources, net, egress)
+        except BaseException:
+            if egress.ca is not None:
+                egress.ca.close()
+            raise
+        try:
+            row = await self._start(
+                sandbox_id, tpl, template, resources, req.envs, req.timeout, egress, net
+            )
         except AgentboxError as e:
             self.audit(
                 caller, "sandbox.create", sandbox_id, status=503, started=started, error=e.message
@@ -310,6 +336,8 @@ class SandboxManager:
             timeout=req.timeout,
             resources=asdict(resources),
             pool="miss" if template in self.pools.pools else None,
+            network=net.to_dict(),
+            secrets=req.secrets or None,
         )
         return row
 
@@ -320,6 +348,8 @@ class SandboxManager:
         template: str,
         req: CreateRequest,
         resources: Resources,
+        net: SandboxNetwork,
+        egress: SandboxEgressSetup,
     ) -> None:
         now = time.time()
         self.store.insert_sandbox(
@@ -334,6 +364,9 @@ class SandboxManager:
             keep_workspace=req.keep_workspace,
             created_at=now,
             end_at=now + req.timeout,
+            network=net.to_dict(),
+            access_token=new_access_token(),
+            secrets=egress.placeholders or None,
         )
 
     async def _start(
@@ -344,17 +377,20 @@ class SandboxManager:
         resources: Resources,
         envs: dict[str, str],
         timeout: float,
+        egress: SandboxEgressSetup,
+        net: SandboxNetwork,
     ) -> SandboxRow:
-        """Bring an inserted `starting` sandbox up: runtime, template start command, warm
-        code contexts; its row says running (or failed) when this returns."""
+        """Bring an inserted `starting` sandbox up: runtime, egress proxy, template start
+        command, warm code contexts; its row says running (or failed) when this returns."""
         spec = SandboxSpec(
             sandbox_id=sandbox_id,
             template=template,
             resources=resources,
-            envs={**(tpl.env if tpl else {}), **envs},
+            envs={**egress.envs, **(tpl.env if tpl else {}), **envs},
             rootfs=str(tpl.rootfs) if tpl else None,
             workdir=tpl.workdir if tpl else "/workspace",
             user=tpl.user if tpl else "user",
+            files=egress.files,
         )
         # The sandbox's lock is held until its record says running (or failed): a kill that
         # arrives while it starts (the API lists `starting` sandboxes) waits for the runtime to
@@ -363,10 +399,15 @@ class SandboxManager:
             state: dict[str, Any] | None = None
             try:
                 state = await self.runtime.create(spec)
+                row = self.store.get_sandbox(sandbox_id)
+                await self._serve_egress(
+                    sandbox_id, state, row.tenant if row else POOL_TENANT, net, egress
+                )
                 if tpl is not None:
                     await self._template_ready(sandbox_id, state, tpl)
             except Exception as e:
                 log.exception("create %s failed", sandbox_id)
+                await self.network.forget(sandbox_id)
                 if state is not None:
                     try:
                         await self.runtime.destroy(sandbox_id, state, keep_workspace=False)
@@ -390,6 +431,29 @@ class SandboxManager:
             self._running[sandbox_id] = row
         self._wake.set()
         return row
+
+    async def _serve_egress(
+        self,
+        sandbox_id: str,
+        state: dict[str, Any],
+        tenant: str,
+        net: SandboxNetwork,
+        egress: SandboxEgressSetup,
+    ) -> None:
+        """Put the egress proxy on the sandbox's loopback. A runtime that cannot leaves the
+        sandbox without egress (closed, never open)."""
+        try:
+            listeners = {
+                port: await self.runtime.listen_inside(sandbox_id, state, port)
+                for port in (HTTP_PORT, SOCKS_PORT)
+            }
+        except RuntimeError_ as e:
+            log.warning("sandbox %s runs without an egress proxy: %s", sandbox_id, e)
+            return
+        placeholders = {p: name for name, p in egress.placeholders.items()}
+        await self.network.proxy.attach(
+            sandbox_id, tenant, net.policy, listeners, placeholders, egress.ca
+        )
 
     async def _template_ready(
         self, sandbox_id: str, state: dict[str, Any], tpl: TemplateInfo
@@ -436,6 +500,7 @@ class SandboxManager:
         req: CreateRequest,
         quota: dict[str, Any],
         started: float,
+        net: SandboxNetwork,
     ) -> SandboxRow | None:
         """Hand a ready pool member to the caller; None when there is none (a cold create)."""
         if template not in self.pools.pools:
@@ -453,10 +518,13 @@ class SandboxManager:
                 metadata=req.metadata,
                 created_at=now,
                 end_at=now + req.timeout,
+                network=net.to_dict(),
+                access_token=new_access_token(),
             )
             row = self.store.get_sandbox(sid)
             assert row is not None
             self._running[sid] = row
+            self.network.proxy.update(sid, net.policy, caller.tenant)
         self._wake.set()
         if req.envs:
             try:
@@ -475,6 +543,7 @@ class SandboxManager:
             timeout=req.timeout,
             resources=row.resources,
             pool="hit",
+            network=net.to_dict(),
         )
         return row
 
@@ -482,8 +551,12 @@ class SandboxManager:
         tpl = await self.template(template)
         sandbox_id = "sbx_" + secrets.token_hex(8)
         req = CreateRequest(template=template, timeout=POOL_LIFETIME_S)
-        self._insert(sandbox_id, POOL_TENANT, template, req, Resources())
-        row = await self._start(sandbox_id, tpl, template, Resources(), {}, POOL_LIFETIME_S)
+        net = SandboxNetwork(EgressPolicy())
+        egress = self.network.setup(POOL_TENANT, sandbox_id, [], None)
+        self._insert(sandbox_id, POOL_TENANT, template, req, Resources(), net, egress)
+        row = await self._start(
+            sandbox_id, tpl, template, Resources(), {}, POOL_LIFETIME_S, egress, net
+        )
         # One command before the hand-over: proves the member works end to end, and the first
         # command a user runs no longer pays for the agent's lazy imports and cold pages.
         try:
@@ -590,6 +663,38 @@ class SandboxManager:
             )
         return row
 
+    def running_row(self, sandbox_id: str) -> SandboxRow | None:
+        """A running sandbox of any tenant (the ports gateway checks access itself); pool
+        members are nobody's yet."""
+        row = self._running.get(sandbox_id)
+        return row if row is not None and row.tenant != POOL_TENANT else None
+
+    async def connect_port(self, sandbox_id: str, port: int) -> Any:
+        """A connection to `port` on a running sandbox's loopback, for the ports gateway."""
+        row = self._running.get(sandbox_id)
+        if row is None or row.runtime_state is None:
+            raise ConnectionRefusedError(f"sandbox {sandbox_id} is not running")
+        try:
+            return await self.runtime.connect_inside(sandbox_id, row.runtime_state, port)
+        except RuntimeError_ as e:
+            raise ConnectionRefusedError(str(e)) from None
+
+    async def set_network(
+        self, caller: Caller, sandbox_id: str, network: dict[str, Any]
+    ) -> SandboxRow:
+        """Replace a running sandbox's network settings; the next egress attempt obeys them."""
+        self.running(caller, sandbox_id)
+        net = self.network.sandbox_network(caller.tenant, network)
+        async with self._lock(sandbox_id):
+            self.running(caller, sandbox_id)
+            self.store.update_sandbox(sandbox_id, network=net.to_dict())
+            fresh = self.store.get_sandbox(sandbox_id)
+            if fresh is not None and fresh.state == "running":
+                self._running[sandbox_id] = fresh
+            self.network.proxy.update(sandbox_id, net.policy)
+        self.audit(caller, "sandbox.network", sandbox_id, network=net.to_dict())
+        return self.get(caller, sandbox_id)
+
     def list(
         self,
         caller: Caller,
@@ -668,6 +773,7 @@ class SandboxManager:
                     self._running[fresh.sandbox_id] = fresh
                 return False  # the deadline moved while we waited for the lock
             self._ending[fresh.sandbox_id] = state
+            await self.network.forget(fresh.sandbox_id)
             try:
                 await self.runtime.destroy(
                     fresh.sandbox_id, fresh.runtime_state, fresh.keep_workspace
@@ -762,6 +868,13 @@ class SandboxManager:
             else:
                 self.runtime.adopt(row.sandbox_id, row.runtime_state)
                 known.add(row.sandbox_id)
+                await self._serve_egress(
+                    row.sandbox_id,
+                    row.runtime_state,
+                    row.tenant,
+                    SandboxNetwork.from_dict(row.network),
+                    self.network.restore(row.sandbox_id, row.secrets or {}),
+                )
                 self._running[row.sandbox_id] = row
                 if row.tenant == POOL_TENANT and not self.pools.adopt(row.template, row.sandbox_id):
                     await self._end(row, "killed", "pool_shrunk")
@@ -882,7 +995,7 @@ class SandboxManager:
             info = (await self._client(row).call(body))["command"]
         except (AgentOpError, AgentUnavailable) as e:
             raise self._failed(caller, row, "command.run", started, e, cmd=req.cmd) from None
-        self._baselines[(sandbox_id, info["cmd_id"])] = (baseline, req.timeout)
+        self._baselines[(sandbox_id, info["cmd_id"])] = (baseline, req.timeout, started)
         self._watch(row, info["cmd_id"], req.cmd, caller, started)
         return info
 
@@ -899,7 +1012,7 @@ class SandboxManager:
         except (AgentOpError, AgentUnavailable) as e:
             raise self._failed(caller, row, "command.run", started, e, cmd=req.cmd) from None
         cmd_id = info["cmd_id"]
-        self._baselines[(sandbox_id, cmd_id)] = (baseline, req.timeout)
+        self._baselines[(sandbox_id, cmd_id)] = (baseline, req.timeout, started)
 
         def ended(end: dict[str, Any] | None) -> None:
             if end is None:  # the client left before the end: audit when it does end
@@ -977,9 +1090,14 @@ class SandboxManager:
         """Turn the agent's end event into the API's, with the violation that explains it."""
         key = (sandbox_id, cmd_id)
         if key not in self._violations:
-            baseline, timeout = self._baselines.pop(key, ({}, 0.0))
+            baseline, timeout, started = self._baselines.pop(key, ({}, 0.0, None))
             after = self.runtime.limit_counters(sandbox_id) if baseline else {}
-            self._violations[key] = violations.explain_command_end(end, baseline, after, timeout)
+            blocked = self.network.proxy.denials_since(sandbox_id, started) if started else []
+            found = violations.explain_command_end(end, baseline, after, timeout)
+            if blocked and (found is None or found["code"] == "network_disabled"):
+                if end.get("exit_code") not in (0, None) or found is not None:
+                    found = violations.network_blocked(blocked)
+            self._violations[key] = {"violation": found, "network_blocked": blocked}
             if len(self._violations) > 10_000:
                 self._violations.pop(next(iter(self._violations)))
         return {
@@ -988,7 +1106,7 @@ class SandboxManager:
             "timed_out": bool(end.get("timed_out")),
             "killed": bool(end.get("killed")),
             "signal": end.get("signal"),
-            "violation": self._violations[key],
+            **self._violations[key],
         }
 
     async def command_events(

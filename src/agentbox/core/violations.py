@@ -26,8 +26,9 @@ _STDERR_HINTS = (
         ),
         "network_disabled",
         "network",
-        "the sandbox has no network access (only loopback); work offline or use files uploaded "
-        "through the files API",
+        "the sandbox has no direct network access (only loopback): programs must go through "
+        "the egress proxy named in HTTP_PROXY/HTTPS_PROXY (set in the environment), and the "
+        "sandbox's network policy must allow the host (network.allow_out)",
     ),
     (
         ("No space left on device", "Disk quota exceeded"),
@@ -53,6 +54,18 @@ _STDERR_HINTS = (
 
 def violation(code: str, setting: str, message: str) -> dict[str, str]:
     return {"code": code, "setting": setting, "message": message}
+
+
+def network_blocked(blocked: list[dict[str, Any]]) -> dict[str, str]:
+    """The violation for a command whose network attempts the egress proxy refused."""
+    first = blocked[0]
+    more = f" (and {len(blocked) - 1} more attempts)" if len(blocked) > 1 else ""
+    return violation(
+        "network_blocked",
+        "network",
+        f"the sandbox's egress proxy refused {first['host']}:{first['port']}{more}: "
+        f"{first['message']}",
+    )
 
 
 def explain_command_end(

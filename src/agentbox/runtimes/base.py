@@ -12,6 +12,7 @@ from that dict and from the host.
 
 from __future__ import annotations
 
+import socket
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +40,8 @@ class SandboxSpec:
     rootfs: str | None = None
     workdir: str = "/workspace"
     user: str = "user"  # "user" (uid 1000) or "root" (uid 0 of the sandbox, no capabilities)
+    # Read-only files placed in the sandbox: absolute sandbox path -> content (CA bundles).
+    files: dict[str, bytes] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,24 @@ class Runtime(ABC):
     @abstractmethod
     def agent_address(self, sandbox_id: str, state: dict[str, Any]) -> AgentAddress:
         """The channel to the sandbox's agent."""
+
+    async def listen_inside(
+        self, sandbox_id: str, state: dict[str, Any], port: int
+    ) -> socket.socket:
+        """A listening TCP socket on the sandbox's own loopback, held by this server process.
+
+        The egress proxy serves the sandbox through it: the sandbox reaches it at
+        127.0.0.1:`port` and has no other way out. It closes with this process (fail closed)."""
+        raise RuntimeError_(f"the {self.name} runtime cannot reach into a sandbox's network")
+
+    async def connect_inside(
+        self, sandbox_id: str, state: dict[str, Any], port: int, timeout: float = 10.0
+    ) -> socket.socket:
+        """A connected, non-blocking TCP socket to `port` on the sandbox's loopback (for
+        exposed ports), without giving the sandbox a network interface.
+
+        Raises ConnectionRefusedError when nothing listens there."""
+        raise RuntimeError_(f"the {self.name} runtime cannot reach into a sandbox's network")
 
     def adopt(self, sandbox_id: str, state: dict[str, Any]) -> None:  # noqa: B027
         """Take over a live sandbox found after a restart (state this process must rebuild)."""

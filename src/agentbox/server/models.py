@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -50,6 +50,24 @@ class ResourcesBody(Strict):
     tmp_mb: int | None = Field(None, gt=0, le=1 << 20)
 
 
+class NetworkBody(Strict):
+    """A sandbox's network settings (E2B's names). Egress is off unless allowed here."""
+
+    allow_out: list[Annotated[str, Field(max_length=300)]] = Field(
+        default_factory=list,
+        max_length=256,
+        description="hosts the sandbox may reach: example.com, *.example.com, host:port, "
+        "IP or CIDR",
+    )
+    deny_out: list[Annotated[str, Field(max_length=300)]] = Field(
+        default_factory=list, max_length=256, description="refused even if allowed (deny wins)"
+    )
+    allow_internet_access: bool = Field(
+        False, description="allow every public destination not denied"
+    )
+    allow_public_traffic: bool = Field(False, description="exposed ports need no access token")
+
+
 class CreateSandboxBody(Strict):
     template: str | None = Field("default", max_length=128)
     timeout: float = Field(300, gt=0, le=10**9, description="seconds until the sandbox is killed")
@@ -57,6 +75,37 @@ class CreateSandboxBody(Strict):
     envs: dict[str, str] = Field(default_factory=dict)
     resources: ResourcesBody = Field(default_factory=ResourcesBody)  # type: ignore[arg-type]
     keep_workspace: bool = False
+    network: NetworkBody | None = Field(
+        None, description="egress policy and port access; default: the tenant's default"
+    )
+    allow_internet_access: bool | None = Field(
+        None, description="shorthand for network.allow_internet_access (E2B)"
+    )
+    secrets: list[Annotated[str, Field(max_length=64)]] = Field(
+        default_factory=list,
+        max_length=64,
+        description="names of the tenant's secrets; the sandbox sees only placeholders",
+    )
+
+
+class SecretBody(Strict):
+    value: str = Field(min_length=1, max_length=65536)
+    hosts: list[Annotated[str, Field(max_length=300)]] = Field(min_length=1, max_length=64)
+    in_url: bool = Field(False, description="also swap the placeholder in request URLs")
+
+
+class TenantNetworkBody(Strict):
+    default: NetworkBody | None = None
+    ceiling: NetworkBody | None = None
+
+
+class PortUrlBody(Strict):
+    port: int = Field(ge=1, le=65535)
+    expires_in: float | None = Field(
+        None, gt=0, le=10**9, description="seconds; none = valid while the sandbox lives"
+    )
+    path: str = Field("/", max_length=4096)
+    routing: Literal["path", "host"] = "path"
 
 
 class TimeoutBody(Strict):
@@ -75,10 +124,18 @@ class SandboxInfo(BaseModel):
     end_reason: str | None
     resources: dict[str, Any]
     keep_workspace: bool
+    network: dict[str, Any] | None = None
+    secrets: list[str] = []
+    access_token: str | None = None
+    domain: str | None = None
 
     @classmethod
-    def of(cls, row: SandboxRow) -> SandboxInfo:
+    def of(cls, row: SandboxRow, domain: str | None = None) -> SandboxInfo:
         return cls(
+            network=row.network,
+            secrets=sorted(row.secrets or {}),
+            access_token=row.access_token if row.live else None,
+            domain=domain,
             sandbox_id=row.sandbox_id,
             tenant=row.tenant,
             template=row.template,

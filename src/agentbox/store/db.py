@@ -39,6 +39,8 @@ tenants = Table(
     Column("name", String(128), primary_key=True),
     Column("quota", JSON, nullable=False, default=dict),
     Column("created_at", Float, nullable=False),
+    # {"default": policy, "ceiling": policy}: see core/network.py.
+    Column("network", JSON, nullable=True),
 )
 
 api_keys = Table(
@@ -69,6 +71,43 @@ sandboxes = Table(
     Column("end_at", Float, nullable=False, index=True),
     Column("ended_at", Float, nullable=True),
     Column("end_reason", String(32), nullable=True),
+    # The network settings it runs with, its ports' access token, {secret name: placeholder}.
+    Column("network", JSON, nullable=True),
+    Column("access_token", String(64), nullable=True),
+    Column("secrets", JSON, nullable=True),
+)
+
+secrets = Table(
+    "secrets",
+    metadata,
+    Column("tenant", String(128), primary_key=True),
+    Column("name", String(64), primary_key=True),
+    Column("value", String, nullable=False),  # encrypted by core/secrets.py
+    Column("hosts", JSON, nullable=False),
+    Column("in_url", Boolean, nullable=False, default=False),
+    Column("created_at", Float, nullable=False),
+    Column("updated_at", Float, nullable=False),
+)
+
+egress_log = Table(
+    "egress_log",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("time", Float, nullable=False, index=True),
+    Column("tenant", String(128), nullable=True, index=True),
+    Column("sandbox_id", String(64), nullable=True, index=True),
+    Column("protocol", String(24), nullable=False),
+    Column("host", String(255), nullable=False),
+    Column("port", Integer, nullable=False),
+    Column("method", String(16), nullable=True),
+    Column("path", String(512), nullable=True),
+    Column("status", Integer, nullable=True),
+    Column("bytes_out", Integer, nullable=False, default=0),
+    Column("bytes_in", Integer, nullable=False, default=0),
+    Column("allowed", Boolean, nullable=False),
+    Column("rule", String(255), nullable=True),
+    Column("reason", String, nullable=True),
+    Column("duration_ms", Float, nullable=True),
 )
 
 audit = Table(
@@ -104,6 +143,9 @@ class SandboxRow:
     end_at: float
     ended_at: float | None
     end_reason: str | None
+    network: dict[str, Any] | None = None
+    access_token: str | None = None
+    secrets: dict[str, str] | None = None
 
     @property
     def live(self) -> bool:
@@ -128,6 +170,21 @@ class Store:
                 cur.close()
 
         metadata.create_all(self.engine)
+        self._add_missing_columns()
+
+    def _add_missing_columns(self) -> None:
+        """Bring a data dir made by an older version up to date: new columns are nullable and
+        added in place (create_all makes missing tables, never missing columns)."""
+        from sqlalchemy import inspect, text
+
+        insp = inspect(self.engine)
+        with self.engine.begin() as c:
+            for table in metadata.sorted_tables:
+                have = {col["name"] for col in insp.get_columns(table.name)}
+                for col in table.columns:
+                    if col.name not in have and col.nullable:
+                        kind = col.type.compile(dialect=self.engine.dialect)
+                        c.execute(text(f'ALTER TABLE {table.name} ADD COLUMN "{col.name}" {kind}'))
 
     @classmethod
     def for_data_dir(cls, data_dir: Path) -> Store:
@@ -260,6 +317,104 @@ class Store:
         q = q.order_by(sandboxes.c.seq.desc()).limit(batch)
         with self.engine.connect() as c:
             return [_row(r) for r in c.execute(q).all()]
+
+    # ------------------------------------------------------------------ tenant network
+
+    def get_tenant_network(self, tenant: str) -> dict[str, Any]:
+        with self.engine.connect() as c:
+            row = c.execute(select(tenants.c.network).where(tenants.c.name == tenant)).first()
+        return dict(row.network) if row and row.network else {}
+
+    def set_tenant_network(self, tenant: str, network: dict[str, Any]) -> None:
+        with self.engine.begin() as c:
+            exists = c.execute(select(tenants.c.name).where(tenants.c.name == tenant)).first()
+            if exists:
+                c.execute(update(tenants).where(tenants.c.name == tenant).values(network=network))
+            else:
+                c.execute(
+                    insert(tenants).values(
+                        name=tenant, quota={}, network=network, created_at=time.time()
+                    )
+                )
+
+    # ------------------------------------------------------------------ secrets
+
+    def put_secret(
+        self, tenant: str, name: str, value: str, hosts: list[str], in_url: bool
+    ) -> None:
+        now = time.time()
+        with self.engine.begin() as c:
+            where = (secrets.c.tenant == tenant) & (secrets.c.name == name)
+            if c.execute(select(secrets.c.name).where(where)).first():
+                c.execute(
+                    update(secrets)
+                    .where(where)
+                    .values(value=value, hosts=hosts, in_url=in_url, updated_at=now)
+                )
+            else:
+                c.execute(
+                    insert(secrets).values(
+                        tenant=tenant,
+                        name=name,
+                        value=value,
+                        hosts=hosts,
+                        in_url=in_url,
+                        created_at=now,
+                        updated_at=now,
+                    )
+                )
+
+    def get_secret(self, tenant: str, name: str) -> dict[str, Any] | None:
+        with self.engine.connect() as c:
+            r = c.execute(
+                select(secrets).where(secrets.c.tenant == tenant, secrets.c.name == name)
+            ).first()
+        return dict(r._mapping) if r else None
+
+    def list_secrets(self, tenant: str) -> list[dict[str, Any]]:
+        with self.engine.connect() as c:
+            rows = c.execute(
+                select(secrets).where(secrets.c.tenant == tenant).order_by(secrets.c.name)
+            ).all()
+        return [dict(r._mapping) for r in rows]
+
+    def delete_secret(self, tenant: str, name: str) -> bool:
+        with self.engine.begin() as c:
+            res = c.execute(
+                secrets.delete().where(secrets.c.tenant == tenant, secrets.c.name == name)
+            )
+        return res.rowcount > 0
+
+    # ------------------------------------------------------------------ egress log
+
+    def add_egress_events(self, events: list[dict[str, Any]]) -> None:
+        if events:
+            with self.engine.begin() as c:
+                c.execute(insert(egress_log), events)
+
+    def list_egress(
+        self,
+        tenant: str | None,
+        sandbox_id: str | None,
+        host: str | None,
+        allowed: bool | None,
+        since: float | None,
+        limit: int,
+    ) -> list[dict[str, Any]]:
+        q = select(egress_log)
+        if tenant is not None:
+            q = q.where(egress_log.c.tenant == tenant)
+        if sandbox_id:
+            q = q.where(egress_log.c.sandbox_id == sandbox_id)
+        if host:
+            q = q.where(egress_log.c.host == host)
+        if allowed is not None:
+            q = q.where(egress_log.c.allowed == allowed)
+        if since is not None:
+            q = q.where(egress_log.c.time >= since)
+        q = q.order_by(egress_log.c.id.desc()).limit(limit)
+        with self.engine.connect() as c:
+            return [dict(r._mapping) for r in c.execute(q).all()]
 
     # ------------------------------------------------------------------ audit
 

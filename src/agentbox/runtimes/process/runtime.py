@@ -33,6 +33,7 @@ from typing import Any, ClassVar
 from agentbox.runtimes.base import AgentAddress, Runtime, RuntimeError_, SandboxSpec
 from agentbox.runtimes.process import workspace
 from agentbox.runtimes.process.cgroups import CgroupLimits, Cgroups
+from agentbox.runtimes.process.netns import NamespaceSockets, NetnsError
 from agentbox.runtimes.process.seccomp import build_filter
 from agentbox.runtimes.process.weaken import Weakening
 
@@ -73,6 +74,14 @@ def _data_fd(data: bytes) -> int:
     os.write(w, data)
     os.close(w)
     return r
+
+
+def _data_file_fd(data: bytes) -> int:
+    """A readable fd holding `data` of any size (an unlinked temporary file, at offset 0)."""
+    fd = os.open("/tmp", os.O_TMPFILE | os.O_RDWR, 0o600)
+    os.write(fd, data)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
 
 
 def _proc_start_time(pid: int) -> int | None:
@@ -141,6 +150,7 @@ class ProcessRuntime(Runtime):
             self.use_loop = False
         self.children: dict[str, subprocess.Popen] = {}
         self.uids_in_use: set[int] = set()
+        self.netns = NamespaceSockets()
 
     # ------------------------------------------------------------------ setup
 
@@ -265,6 +275,8 @@ class ProcessRuntime(Runtime):
         env.update(spec.envs)
         for k, v in env.items():
             argv += ["--setenv", k, v]
+        for path in spec.files:
+            argv += ["--ro-bind-data", str(fds[f"file:{path}"]), path]
         for host_path in weak.bind_host:
             argv += ["--bind", host_path, host_path]
         if "no-seccomp" not in weak:
@@ -344,6 +356,8 @@ class ProcessRuntime(Runtime):
             fds["leak"] = os.open("/", os.O_PATH | os.O_DIRECTORY)
         if spec.rootfs:
             fds["rootfs"] = os.open(spec.rootfs, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW)
+        for path, data in spec.files.items():
+            fds[f"file:{path}"] = _data_file_fd(data)
         r = spec.resources
         join_files = self.cgroups.join_files(spec.sandbox_id)
         limits = [
@@ -405,6 +419,7 @@ class ProcessRuntime(Runtime):
         finally:
             os.close(info_r)
         self._wait_for_agent(sock_path, proc, sdir)
+        self._hold_netns(spec.sandbox_id, init_pid)
         return {
             "bwrap_pid": proc.pid,
             "bwrap_start": _proc_start_time(proc.pid),
@@ -477,6 +492,31 @@ class ProcessRuntime(Runtime):
                 return False
         return True
 
+    def _hold_netns(self, sandbox_id: str, init_pid: int | None) -> None:
+        if "share-net" in self.weak or "unsandboxed" in self.weak or not init_pid:
+            return  # no namespace of its own: nothing may be put on the host's loopback
+        start = _proc_start_time(init_pid)
+        try:
+            self.netns.open(sandbox_id, init_pid, lambda: _proc_start_time(init_pid) == start)
+        except (OSError, NetnsError) as e:
+            logging.getLogger(__name__).warning("sandbox %s: no netns handle: %s", sandbox_id, e)
+
+    async def listen_inside(
+        self, sandbox_id: str, state: dict[str, Any], port: int
+    ) -> socket.socket:
+        try:
+            return await self.netns.listen(sandbox_id, port)
+        except NetnsError as e:
+            raise RuntimeError_(str(e)) from None
+
+    async def connect_inside(
+        self, sandbox_id: str, state: dict[str, Any], port: int, timeout: float = 10.0
+    ) -> socket.socket:
+        try:
+            return await self.netns.connect(sandbox_id, port, timeout)
+        except NetnsError as e:
+            raise RuntimeError_(str(e)) from None
+
     def agent_address(self, sandbox_id: str, state: dict[str, Any]) -> AgentAddress:
         return AgentAddress(socket_path=Path(state["socket"]))
 
@@ -498,10 +538,14 @@ class ProcessRuntime(Runtime):
     def adopt(self, sandbox_id: str, state: dict[str, Any]) -> None:
         if "uid" in state:
             self.uids_in_use.add(state["uid"])
+        pid, start = state.get("init_pid"), state.get("init_start")
+        if isinstance(pid, int) and start is not None and _proc_start_time(pid) == start:
+            self._hold_netns(sandbox_id, pid)
 
     async def close(self) -> None:
         """On server stop, drop this data dir's host scaffolding if no sandbox still uses it
         (live sandboxes keep theirs: a restarted server re-adopts them)."""
+        self.netns.shutdown()
         if self.use_loop:
             workspace.detach_orphan_loops(self.root)
         if await self.list_sandboxes():
@@ -519,6 +563,7 @@ class ProcessRuntime(Runtime):
 
     def _destroy_sync(self, sid: str, state: dict[str, Any] | None, keep_workspace: bool) -> None:
         sdir = self.root / sid
+        self.netns.close(sid)
         if state is None:
             try:
                 state = json.loads((sdir / STATE_FILE).read_text())

@@ -1,0 +1,364 @@
+"""Network settings of sandboxes and tenants, tenants' secrets, and the egress proxy's wiring.
+
+The manager asks this room three things: what policy a new sandbox gets (its request, else the
+tenant's default, always inside the tenant's ceiling), what goes into the sandbox for egress
+(proxy variables, secret placeholders, the CA bundle), and to start or stop serving it. Secret
+values are encrypted at rest with a key in the data dir and never leave this process except
+towards the hosts they are bound to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import secrets as tokens
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cryptography.fernet import Fernet, InvalidToken
+
+from agentbox.core.errors import Forbidden, InvalidRequest, NotFound
+from agentbox.egress.addresses import AddressGuard, parse_resolve_option
+from agentbox.egress.policy import EgressPolicy, Rule, RuleError, check_within, parse_rule
+from agentbox.egress.proxy import (
+    HTTP_PORT,
+    PLACEHOLDER_PREFIX,
+    SOCKS_PORT,
+    BoundSecret,
+    EgressProxy,
+)
+from agentbox.egress.tls import EgressCA, trust_bundle
+from agentbox.store.db import Store
+
+log = logging.getLogger(__name__)
+
+SECRET_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+MAX_SECRET_BYTES = 64 * 1024
+CA_BUNDLE_PATH = "/run/agentbox/ca-bundle.pem"
+SYSTEM_BUNDLE_PATH = "/etc/ssl/certs/ca-certificates.crt"
+_FLUSH_S = 0.5
+
+PROXY_ENV = {
+    "HTTP_PROXY": f"http://127.0.0.1:{HTTP_PORT}",
+    "HTTPS_PROXY": f"http://127.0.0.1:{HTTP_PORT}",
+    "ALL_PROXY": f"socks5h://127.0.0.1:{SOCKS_PORT}",
+    "NO_PROXY": "localhost,127.0.0.1,::1",
+    "npm_config_proxy": f"http://127.0.0.1:{HTTP_PORT}",
+    "npm_config_https_proxy": f"http://127.0.0.1:{HTTP_PORT}",
+    "AGENTBOX_EGRESS_PROXY": f"http://127.0.0.1:{HTTP_PORT}",
+}
+for _k in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY"):
+    PROXY_ENV[_k.lower()] = PROXY_ENV[_k]
+# Every place common clients look for their trust store.
+CA_ENV_NAMES = (
+    "SSL_CERT_FILE",
+    "REQUESTS_CA_BUNDLE",
+    "CURL_CA_BUNDLE",
+    "NODE_EXTRA_CA_CERTS",
+    "PIP_CERT",
+    "GIT_SSL_CAINFO",
+    "npm_config_cafile",
+)
+
+
+@dataclass(frozen=True)
+class NetworkSettings:
+    """The operator's network settings (`agentbox serve --egress-* --ports-*`)."""
+
+    egress_allow_cidrs: tuple[str, ...] = ()
+    egress_resolve: tuple[str, ...] = ()  # HOST=IP
+    egress_deny: tuple[str, ...] = ()
+    egress_upstream_ca: tuple[str, ...] = ()
+    # Exposed ports are host-routed as {port}-{sandbox_id}.{ports_domain}; public_url is the
+    # server's address as clients see it (for signed URLs).
+    ports_domain: str = "localhost"
+    public_url: str = ""  # "" = http://localhost:{port} of `agentbox serve`
+
+    def parsed(self) -> tuple[AddressGuard, list[Rule], dict[str, str]]:
+        """The guard, operator deny rules and static answers; ValueError names a bad one."""
+        try:
+            guard = AddressGuard(self.egress_allow_cidrs)
+            deny = [parse_rule(r) for r in self.egress_deny]
+            static = {h: str(ip) for h, ip in map(parse_resolve_option, self.egress_resolve)}
+        except ValueError as e:
+            raise ValueError(f"egress settings: {e}") from None
+        for ca in self.egress_upstream_ca:
+            if not Path(ca).is_file():
+                raise ValueError(f"egress settings: CA file {ca} does not exist")
+        return guard, deny, static
+
+
+@dataclass(frozen=True)
+class SandboxNetwork:
+    """What a sandbox runs with: its egress policy and whether its ports are public."""
+
+    policy: EgressPolicy
+    public_ports: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.policy.to_dict(), "allow_public_traffic": self.public_ports}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> SandboxNetwork:
+        d = dict(d or {})
+        public = bool(d.pop("allow_public_traffic", False))
+        return cls(EgressPolicy.from_dict(d), public)
+
+
+@dataclass
+class SandboxEgressSetup:
+    """What goes into a new sandbox for egress."""
+
+    envs: dict[str, str]
+    files: dict[str, bytes]
+    placeholders: dict[str, str]  # secret name -> placeholder
+    ca: EgressCA | None
+
+
+def _policy(d: dict[str, Any] | None, what: str) -> EgressPolicy:
+    try:
+        return EgressPolicy.from_dict(d or {})
+    except RuleError as e:
+        raise InvalidRequest(f"{what}: {e}") from None
+
+
+class NetworkService:
+    def __init__(self, store: Store, data_dir: Path, settings: NetworkSettings) -> None:
+        self.store = store
+        self.settings = settings
+        self.workdir = data_dir / "egress"
+        self.workdir.mkdir(mode=0o700, exist_ok=True)
+        guard, deny, static = settings.parsed()
+        self.proxy = EgressProxy(
+            guard=guard,
+            operator_deny=deny,
+            static_hosts=static,
+            upstream_ca_files=[Path(p) for p in settings.egress_upstream_ca],
+            ceiling=self.ceiling,
+            secret=self.bound_secret,
+            record=self._record,
+        )
+        self._fernet = Fernet(self._key(data_dir / "secrets.key"))
+        self._secrets: dict[tuple[str, str], BoundSecret | None] = {}
+        self._ceilings: dict[str, EgressPolicy | None] = {}
+        self._pending: list[dict[str, Any]] = []
+        self._flusher: asyncio.Task[None] | None = None
+
+    @staticmethod
+    def _key(path: Path) -> bytes:
+        try:
+            return path.read_bytes().strip()
+        except FileNotFoundError:
+            key = Fernet.generate_key()
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(key)
+            return key
+
+    async def close(self) -> None:
+        await self.proxy.close()
+        if self._flusher is not None:
+            self._flusher.cancel()
+        self.flush()
+
+    # ------------------------------------------------------------------ tenant settings
+
+    def tenant_network(self, tenant: str) -> dict[str, Any]:
+        stored = self.store.get_tenant_network(tenant)
+        return {"default": stored.get("default"), "ceiling": stored.get("ceiling")}
+
+    def ceiling(self, tenant: str) -> EgressPolicy | None:
+        if tenant not in self._ceilings:
+            raw = self.store.get_tenant_network(tenant).get("ceiling")
+            self._ceilings[tenant] = EgressPolicy.from_dict(raw) if raw is not None else None
+        return self._ceilings[tenant]
+
+    def _check_ceiling(self, tenant: str, policy: EgressPolicy) -> None:
+        ceiling = self.ceiling(tenant)
+        if ceiling is None:
+            return
+        try:
+            check_within(policy, ceiling)
+        except RuleError as e:
+            raise Forbidden(
+                f"the network policy is outside tenant {tenant}'s ceiling: {e}; an admin can "
+                "widen it with PUT /v1/tenants/{tenant}/network"
+            ) from None
+
+    def set_tenant_ceiling(self, tenant: str, ceiling: dict[str, Any] | None) -> dict[str, Any]:
+        parsed = _policy(ceiling, "ceiling") if ceiling is not None else None
+        stored = self.store.get_tenant_network(tenant)
+        stored["ceiling"] = parsed.to_dict() if parsed is not None else None
+        self.store.set_tenant_network(tenant, stored)
+        self._ceilings.pop(tenant, None)
+        return self.tenant_network(tenant)
+
+    def set_tenant_default(self, tenant: str, default: dict[str, Any] | None) -> dict[str, Any]:
+        net = SandboxNetwork.from_dict(default) if default is not None else None
+        if net is not None:
+            self._check_ceiling(tenant, net.policy)
+        stored = self.store.get_tenant_network(tenant)
+        stored["default"] = net.to_dict() if net is not None else None
+        self.store.set_tenant_network(tenant, stored)
+        return self.tenant_network(tenant)
+
+    def sandbox_network(self, tenant: str, requested: dict[str, Any] | None) -> SandboxNetwork:
+        """The network a new sandbox gets: what it asked for, else the tenant's default."""
+        if requested is None:
+            requested = self.store.get_tenant_network(tenant).get("default")
+        try:
+            net = SandboxNetwork.from_dict(requested)
+        except RuleError as e:
+            raise InvalidRequest(f"network: {e}") from None
+        self._check_ceiling(tenant, net.policy)
+        return net
+
+    # ------------------------------------------------------------------ secrets
+
+    def set_secret(
+        self, tenant: str, name: str, value: str, hosts: list[str], in_url: bool
+    ) -> dict[str, Any]:
+        if not SECRET_NAME.match(name):
+            raise InvalidRequest(
+                f"secret name {name!r} must be an environment variable name "
+                "(letters, digits, _; at most 64)"
+            )
+        if not value or len(value.encode()) > MAX_SECRET_BYTES or "\0" in value:
+            raise InvalidRequest(f"secret value must be 1 byte to {MAX_SECRET_BYTES} bytes, no NUL")
+        if any(c in value for c in "\r\n"):
+            raise InvalidRequest("secret value must not contain line breaks (it goes in headers)")
+        if not hosts:
+            raise InvalidRequest("a secret needs at least one host it may be sent to")
+        try:
+            rules = [parse_rule(h) for h in hosts]
+        except RuleError as e:
+            raise InvalidRequest(f"hosts: {e}") from None
+        if any(r.kind == "cidr" for r in rules):
+            raise InvalidRequest("hosts: bind secrets to host names, not addresses")
+        token = self._fernet.encrypt(value.encode()).decode()
+        self.store.put_secret(tenant, name, token, [r.text for r in rules], in_url)
+        self._secrets.pop((tenant, name), None)
+        return self._info(self.store.get_secret(tenant, name) or {})
+
+    @staticmethod
+    def _info(row: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "name": row.get("name"),
+            "hosts": row.get("hosts"),
+            "in_url": row.get("in_url"),
+            "created_at": row.get("created_at"),
+            "updated_at": row.get("updated_at"),
+        }
+
+    def list_secrets(self, tenant: str) -> list[dict[str, Any]]:
+        return [self._info(r) for r in self.store.list_secrets(tenant)]
+
+    def remove_secret(self, tenant: str, name: str) -> None:
+        if not self.store.delete_secret(tenant, name):
+            raise NotFound(f"secret {name} not found")
+        self._secrets.pop((tenant, name), None)
+
+    def bound_secret(self, tenant: str, name: str) -> BoundSecret | None:
+        key = (tenant, name)
+        if key not in self._secrets:
+            row = self.store.get_secret(tenant, name)
+            found = None
+            if row is not None:
+                try:
+                    value = self._fernet.decrypt(row["value"].encode()).decode()
+                    rules = tuple(parse_rule(h) for h in row["hosts"])
+                    found = BoundSecret(name, value, rules, bool(row["in_url"]))
+                except (InvalidToken, RuleError, ValueError):
+                    log.error("secret %s of tenant %s cannot be read", name, tenant)
+            self._secrets[key] = found
+        return self._secrets[key]
+
+    # ------------------------------------------------------------------ sandboxes
+
+    def setup(
+        self, tenant: str, sandbox_id: str, secret_names: list[str], rootfs: str | None
+    ) -> SandboxEgressSetup:
+        """Proxy variables for every sandbox; placeholders and a trusted CA for secrets."""
+        envs = dict(PROXY_ENV)
+        if not secret_names:
+            return SandboxEgressSetup(envs, {}, {}, None)
+        if len(set(secret_names)) != len(secret_names):
+            raise InvalidRequest("secrets: a name is listed twice")
+        placeholders = {}
+        for name in secret_names:
+            if self.store.get_secret(tenant, name) is None:
+                raise NotFound(
+                    f"secret {name} not found; create it with `agentbox secrets set {name} "
+                    "VALUE --hosts HOST`"
+                )
+            placeholders[name] = PLACEHOLDER_PREFIX + tokens.token_hex(16)
+        ca = EgressCA.generate(sandbox_id, self.workdir / sandbox_id)
+        system = Path(rootfs or "/", SYSTEM_BUNDLE_PATH.lstrip("/"))
+        bundle = trust_bundle(ca.cert_pem, system if system.is_file() else None)
+        files = {CA_BUNDLE_PATH: bundle}
+        if system.is_file() and not system.is_symlink():
+            files[SYSTEM_BUNDLE_PATH] = bundle  # the distribution's own trust store too
+        envs.update(placeholders)
+        envs.update({name: CA_BUNDLE_PATH for name in CA_ENV_NAMES})
+        return SandboxEgressSetup(envs, files, placeholders, ca)
+
+    def restore(self, sandbox_id: str, placeholders: dict[str, str]) -> SandboxEgressSetup:
+        """The egress setup of a sandbox found running after a restart (its CA from disk)."""
+        ca = None
+        if placeholders:
+            try:
+                ca = EgressCA.load(self.workdir / sandbox_id)
+            except (OSError, ValueError) as e:
+                log.warning(
+                    "sandbox %s: its egress CA is gone (%s): secrets stay placeholders",
+                    sandbox_id,
+                    e,
+                )
+        return SandboxEgressSetup({}, {}, dict(placeholders), ca)
+
+    async def forget(self, sandbox_id: str) -> None:
+        """Stop serving a sandbox's egress and drop its CA."""
+        await self.proxy.detach(sandbox_id)
+        shutil.rmtree(self.workdir / sandbox_id, ignore_errors=True)
+
+    # ------------------------------------------------------------------ egress log
+
+    def _record(self, event: dict[str, Any]) -> None:
+        self._pending.append(event)
+        if self._flusher is None or self._flusher.done():
+            try:
+                self._flusher = asyncio.get_running_loop().create_task(self._flush_later())
+            except RuntimeError:
+                self.flush()
+
+    async def _flush_later(self) -> None:
+        await asyncio.sleep(_FLUSH_S)
+        self.flush()
+
+    def flush(self) -> None:
+        """Write the recorded egress events (batched: one transaction per half second)."""
+        events, self._pending = self._pending, []
+        try:
+            self.store.add_egress_events(events)
+        except Exception:  # noqa: BLE001 - the log must never break egress
+            log.exception("could not write %d egress events", len(events))
+
+    def egress_events(
+        self,
+        tenant: str | None,
+        sandbox_id: str | None,
+        host: str | None,
+        allowed: bool | None,
+        since: float | None,
+        limit: int,
+    ) -> list[dict[str, Any]]:
+        self.flush()
+        return self.store.list_egress(tenant, sandbox_id, host, allowed, since, limit)
+
+
+def new_access_token() -> str:
+    return tokens.token_urlsafe(24)
