@@ -1,0 +1,599 @@
+"""Egress through the policy proxy, with real sandboxes and real upstream servers on loopback.
+
+The test server lets policies reach 127.0.0.0/8 (`--egress-allow-cidr`) and names a few test
+hosts (`--egress-resolve`); every other internal range stays refused, and is only ever refused
+before any connection is made, so nothing leaves this machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import ServerHandle, create_sandbox, run, start_server
+
+from agentbox.egress.tls import CA_CERT_FILE, EgressCA
+
+pytestmark = pytest.mark.timeout(180)
+
+
+class Upstream:
+    """An HTTP(S) server on 127.0.0.1 that remembers every request it got."""
+
+    def __init__(self, tls: ssl.SSLContext | None = None) -> None:
+        self.requests: list[dict] = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def _answer(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else b""
+                outer.requests.append(
+                    {
+                        "method": self.command,
+                        "path": self.path,
+                        "headers": {k.lower(): v for k, v in self.headers.items()},
+                        "body": body,
+                    }
+                )
+                out = b"hello from upstream " + self.command.encode() + b"\n"
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+            do_GET = do_POST = do_PUT = _answer
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        if tls is not None:
+            self.httpd.socket = tls.wrap_socket(self.httpd.socket, server_side=True)
+        self.port = self.httpd.server_address[1]
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def seen(self, path: str) -> list[dict]:
+        return [r for r in self.requests if r["path"].startswith(path)]
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture(scope="module")
+def upstream_ca_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("upstream-ca") / "ca"
+
+
+@pytest.fixture(scope="module")
+def upstream_ca(upstream_ca_dir: Path) -> Iterator[EgressCA]:
+    """A CA of the tests' own for their HTTPS upstream, which the proxy is told to trust."""
+    ca = EgressCA.generate("test upstream", upstream_ca_dir)
+    yield ca
+    ca.close()
+
+
+@pytest.fixture(scope="module")
+def plain(upstream_ca: EgressCA) -> Iterator[Upstream]:
+    up = Upstream()
+    yield up
+    up.close()
+
+
+@pytest.fixture(scope="module")
+def secure(upstream_ca: EgressCA) -> Iterator[Upstream]:
+    up = Upstream(upstream_ca.server_context("secure.test"))
+    yield up
+    up.close()
+
+
+TEST_HOSTS = (
+    "upstream.test",
+    "other.test",
+    "wild.test",
+    "a.wild.test",
+    "bad.wild.test",
+    "secure.test",
+    "unbound-secure.test",
+)
+
+
+@pytest.fixture(scope="module")
+def egress_server(
+    tmp_path_factory: pytest.TempPathFactory, upstream_ca: EgressCA, upstream_ca_dir: Path
+) -> Iterator[ServerHandle]:
+    ca_file = upstream_ca_dir / CA_CERT_FILE
+    args = ["--egress-allow-cidr", "127.0.0.0/8", "--egress-upstream-ca", str(ca_file)]
+    for host in TEST_HOSTS:
+        args += ["--egress-resolve", f"{host}={'127.0.0.1'}"]
+    # Rebinding-style answers: allowed names that resolve to internal addresses.
+    args += ["--egress-resolve", "private.test=10.0.0.5"]
+    args += ["--egress-resolve", "meta.test=169.254.169.254"]
+    args += ["--egress-deny", "forbidden.test"]
+    handle = start_server(tmp_path_factory.mktemp("egress"), args)
+    yield handle
+    handle.kill_all_sandboxes()
+    handle.stop()
+
+
+@pytest.fixture
+def client(egress_server: ServerHandle) -> Iterator[httpx.Client]:
+    key = egress_server.make_key(f"egress-{time.monotonic_ns() % 10**9}")
+    with egress_server.client(key) as c:
+        yield c
+
+
+def _curl(url: str, *extra: str) -> str:
+    return "curl -sS -m 10 -o /dev/null -w '%{http_code}' " + " ".join(extra) + " " + url
+
+
+def _events(client: httpx.Client, **params: object) -> list[dict]:
+    r = client.get("/v1/audit/egress", params=params)
+    assert r.status_code == 200, r.text
+    return r.json()["events"]
+
+
+# ---------------------------------------------------------------------------- policy
+
+
+def test_default_sandbox_has_no_egress_and_is_told_why(
+    client: httpx.Client, plain: Upstream
+) -> None:
+    sid = create_sandbox(client)["sandbox_id"]
+    res = run(client, sid, f"curl -sS -m 10 -i http://upstream.test:{plain.port}/x")
+    assert "403" in res.stdout and "network policy" in res.stdout
+    assert "allow_out" in res.stdout  # says how to allow it
+    assert not plain.seen("/x")
+    blocked = res.end["network_blocked"]
+    assert blocked and blocked[0]["host"] == "upstream.test"
+    res = run(client, sid, _curl(f"http://upstream.test:{plain.port}/y", "-f"))
+    assert res.exit_code != 0
+    assert res.end["violation"]["code"] == "network_blocked"
+
+
+def test_allow_exact_wildcard_and_deny_wins(client: httpx.Client, plain: Upstream) -> None:
+    net = {
+        "allow_out": ["upstream.test", "*.wild.test"],
+        "deny_out": ["bad.wild.test"],
+    }
+    sid = create_sandbox(client, network=net)["sandbox_id"]
+    p = plain.port
+    codes = {}
+    for host in ("upstream.test", "a.wild.test", "wild.test", "bad.wild.test", "other.test"):
+        codes[host] = run(client, sid, _curl(f"http://{host}:{p}/w-{host}")).stdout
+    assert codes == {
+        "upstream.test": "200",
+        "a.wild.test": "200",
+        "wild.test": "403",  # *.wild.test does not cover the apex
+        "bad.wild.test": "403",  # deny wins
+        "other.test": "403",
+    }
+    assert plain.seen("/w-a.wild.test") and not plain.seen("/w-bad.wild.test")
+    # Python's urllib uses the proxy variables too.
+    py = f"import urllib.request as u; print(u.urlopen('http://upstream.test:{p}/py').status)"
+    assert run(client, sid, f"python3 -c {shlex.quote(py)}").stdout.strip() == "200"
+
+
+def test_port_rules(client: httpx.Client, plain: Upstream) -> None:
+    sid = create_sandbox(client, network={"allow_out": [f"upstream.test:{plain.port}"]})[
+        "sandbox_id"
+    ]
+    assert run(client, sid, _curl(f"http://upstream.test:{plain.port}/p")).stdout == "200"
+    assert run(client, sid, _curl("http://upstream.test:1/p")).stdout == "403"
+
+
+def test_operator_deny_beats_allow_internet(client: httpx.Client) -> None:
+    sid = create_sandbox(client, network={"allow_internet_access": True})["sandbox_id"]
+    res = run(client, sid, "curl -sS -m 10 -i http://forbidden.test/")
+    assert "403" in res.stdout and "operator" in res.stdout
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        "private.test",  # an allowed name answered with a private address
+        "meta.test",  # ... or with the metadata address
+        "169.254.169.254",
+        "0xa9fea9fe",
+        "2852039166",
+        "[::ffff:169.254.169.254]",
+        "[fd00:ec2::254]",
+        "10.0.0.1",
+        "0x0a000001",
+        "100.64.0.1",
+        "192.168.1.1",
+        "[fe80::1]",
+    ],
+)
+def test_internal_destinations_refused_even_when_allowed(client: httpx.Client, target: str) -> None:
+    sid = create_sandbox(
+        client,
+        network={
+            "allow_out": ["private.test", "meta.test", "10.0.0.0/8", "169.254.0.0/16"],
+            "allow_internet_access": True,
+        },
+    )["sandbox_id"]
+    res = run(client, sid, f"curl -sS -m 10 -i http://{target}/latest/meta-data/")
+    assert "403" in res.stdout, res.stdout + res.stderr
+    connect = run(client, sid, f"curl -sS -m 10 -p -i http://{target}:443/")
+    assert connect.exit_code != 0
+    events = _events(client, sandbox_id=sid, allowed="false")
+    assert events and all(
+        e["rule"] in ("address_guard", "sandbox: no allow_out rule matches")
+        or e["rule"].startswith("sandbox")
+        for e in events
+    )
+    assert any(e["rule"] == "address_guard" for e in events)
+
+
+def test_no_way_around_the_proxy(client: httpx.Client, plain: Upstream) -> None:
+    sid = create_sandbox(client, network={"allow_internet_access": True})["sandbox_id"]
+    host_ip = _host_address()
+    script = f"""
+set -u
+curl -sS -m 5 --noproxy '*' http://127.0.0.1:{plain.port}/direct && echo DIRECT-OK
+curl -sS -m 5 --noproxy '*' http://{host_ip}:{plain.port}/direct && echo HOSTIP-OK
+env -u HTTP_PROXY -u http_proxy -u ALL_PROXY -u all_proxy \
+  curl -sS -m 5 http://upstream.test:{plain.port}/direct && echo NOPROXY-OK
+getent hosts example.com && echo DNS-OK
+python3 -c "import socket; socket.create_connection(('{host_ip}', {plain.port}), 3)" \
+  && echo PY-OK
+ip route 2>/dev/null | grep -q . && echo ROUTE-OK
+exit 0
+"""
+    res = run(client, sid, script)
+    for marker in ("DIRECT-OK", "HOSTIP-OK", "NOPROXY-OK", "DNS-OK", "PY-OK", "ROUTE-OK"):
+        assert marker not in res.stdout, res.stdout + res.stderr
+    assert not plain.seen("/direct")
+
+
+def _host_address() -> str:
+    """An address of this host other than loopback (what a sandbox might try to reach)."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        s.connect(("10.255.255.255", 9))  # no packet is sent: only picks the source address
+        return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.2"
+    finally:
+        s.close()
+
+
+def test_policy_update_takes_effect(client: httpx.Client, plain: Upstream) -> None:
+    sid = create_sandbox(client)["sandbox_id"]
+    url = f"http://other.test:{plain.port}/upd"
+    assert run(client, sid, _curl(url)).stdout == "403"
+    r = client.put(f"/v1/sandboxes/{sid}/network", json={"allow_out": ["other.test"]})
+    assert r.status_code == 200, r.text
+    assert r.json()["network"]["allow_out"] == ["other.test"]
+    assert run(client, sid, _curl(url)).stdout == "200"
+    r = client.put(f"/v1/sandboxes/{sid}/network", json={"deny_out": ["other.test"]})
+    assert r.status_code == 200
+    assert run(client, sid, _curl(url)).stdout == "403"
+    bad = client.put(f"/v1/sandboxes/{sid}/network", json={"allow_out": ["*.com"]})
+    assert bad.status_code == 400 and "allow_internet_access" in bad.json()["message"]
+
+
+def test_host_header_and_sni_must_match(
+    client: httpx.Client, plain: Upstream, secure: Upstream
+) -> None:
+    sid = create_sandbox(client, network={"allow_out": ["upstream.test", "secure.test"]})[
+        "sandbox_id"
+    ]
+    res = run(
+        client,
+        sid,
+        f"curl -sS -m 10 -i -H 'Host: evil.test' http://upstream.test:{plain.port}/hm",
+    )
+    assert "403" in res.stdout and "host_mismatch" in res.stdout
+    assert not plain.seen("/hm")
+    # CONNECT to an allowed name, then a TLS hello naming another: refused.
+    script = f"""
+import socket, ssl
+s = socket.create_connection(("127.0.0.1", 3128), 5)
+s.sendall(b"CONNECT secure.test:{secure.port} HTTP/1.1\\r\\nHost: secure.test\\r\\n\\r\\n")
+assert s.recv(4096).startswith(b"HTTP/1.1 200")
+ctx = ssl.create_default_context(); ctx.check_hostname = False; ctx.verify_mode = ssl.CERT_NONE
+try:
+    t = ctx.wrap_socket(s, server_hostname="evil.test")
+    t.sendall(b"GET /sni HTTP/1.1\\r\\nHost: evil.test\\r\\n\\r\\n")
+    print("GOT", t.recv(100))
+except (ssl.SSLError, OSError) as e:
+    print("REFUSED", type(e).__name__)
+"""
+    res = run(client, sid, f"python3 -c {shlex.quote(script)}")
+    assert "REFUSED" in res.stdout, res.stdout + res.stderr
+    assert not secure.seen("/sni")
+    assert any(e["rule"] == "sni_mismatch" for e in _events(client, sandbox_id=sid))
+
+
+def test_socks5(client: httpx.Client, plain: Upstream) -> None:
+    sid = create_sandbox(client, network={"allow_out": ["upstream.test"]})["sandbox_id"]
+    ok = run(
+        client,
+        sid,
+        _curl(f"http://upstream.test:{plain.port}/socks", "-x", "socks5h://127.0.0.1:1080"),
+    )
+    assert ok.stdout == "200", ok.stdout + ok.stderr
+    assert plain.seen("/socks")
+    denied = run(
+        client,
+        sid,
+        _curl(f"http://other.test:{plain.port}/socks2", "-x", "socks5h://127.0.0.1:1080"),
+    )
+    assert denied.exit_code != 0
+    assert not plain.seen("/socks2")
+
+
+def test_audit_records_every_attempt(client: httpx.Client, plain: Upstream) -> None:
+    sid = create_sandbox(client, network={"allow_out": ["upstream.test"]})["sandbox_id"]
+    run(client, sid, f"curl -sS -m 10 -d hello-body http://upstream.test:{plain.port}/audit?q=1")
+    run(client, sid, _curl(f"http://other.test:{plain.port}/nope"))
+    events = _events(client, sandbox_id=sid)
+    allowed = [e for e in events if e["allowed"]]
+    denied = [e for e in events if not e["allowed"]]
+    assert allowed[0]["host"] == "upstream.test" and allowed[0]["port"] == plain.port
+    assert allowed[0]["method"] == "POST" and allowed[0]["path"] == "/audit?q=1"
+    assert allowed[0]["bytes_out"] > len("hello-body") and allowed[0]["bytes_in"] > 0
+    assert (
+        allowed[0]["status"] == 200 and allowed[0]["rule"] == "sandbox: allow_out 'upstream.test'"
+    )
+    assert denied[0]["host"] == "other.test" and denied[0]["method"] == "GET"
+    assert denied[0]["tenant"] == allowed[0]["tenant"]
+    # Another tenant sees none of it.
+    other = httpx.Client(base_url=str(client.base_url), headers={"X-API-Key": "nope"})
+    assert other.get("/v1/audit/egress").status_code == 401
+
+
+# ---------------------------------------------------------------------------- secrets
+
+
+def _put_secret(client: httpx.Client, name: str, value: str, hosts: list[str]) -> None:
+    r = client.put(f"/v1/secrets/{name}", json={"value": value, "hosts": hosts})
+    assert r.status_code == 200, r.text
+    assert value not in r.text
+
+
+def test_secret_swapped_only_for_bound_hosts(
+    client: httpx.Client, plain: Upstream, secure: Upstream
+) -> None:
+    value = "sk-live-" + os.urandom(12).hex()
+    _put_secret(client, "API_TOKEN", value, ["upstream.test", "secure.test"])
+    sid = create_sandbox(
+        client,
+        secrets=["API_TOKEN"],
+        network={
+            "allow_out": ["upstream.test", "other.test", "secure.test", "unbound-secure.test"]
+        },
+    )["sandbox_id"]
+    placeholder = run(client, sid, 'printf %s "$API_TOKEN"').stdout
+    assert placeholder and value not in placeholder
+    hdr = '-H "Authorization: Bearer $API_TOKEN"'
+    for url in (
+        f"http://upstream.test:{plain.port}/s-bound",
+        f"http://other.test:{plain.port}/s-unbound",
+        f"https://secure.test:{secure.port}/s-tls",
+    ):
+        res = run(client, sid, f"curl -sS -m 10 -f {hdr} {url}")
+        assert res.exit_code == 0, res.stdout + res.stderr
+    assert plain.seen("/s-bound")[-1]["headers"]["authorization"] == f"Bearer {value}"
+    assert plain.seen("/s-unbound")[-1]["headers"]["authorization"] == f"Bearer {placeholder}"
+    assert secure.seen("/s-tls")[-1]["headers"]["authorization"] == f"Bearer {value}"
+    # Basic auth carries it base64-encoded: swapped there too.
+    run(
+        client,
+        sid,
+        f'curl -sS -m 10 -u "user:$API_TOKEN" http://upstream.test:{plain.port}/s-basic',
+    )
+    import base64
+
+    basic = plain.seen("/s-basic")[-1]["headers"]["authorization"]
+    assert base64.b64decode(basic.split()[1]).decode() == f"user:{value}"
+    events = _events(client, sandbox_id=sid)
+    assert any(e["protocol"] == "https-inspected" and e["path"] == "/s-tls" for e in events)
+    assert value not in json.dumps(events)
+
+
+def test_ca_trusted_by_python_curl_and_node(client: httpx.Client, secure: Upstream) -> None:
+    _put_secret(client, "TLS_TOKEN", "tls-" + os.urandom(8).hex(), ["secure.test"])
+    sid = create_sandbox(client, secrets=["TLS_TOKEN"], network={"allow_out": ["secure.test"]})[
+        "sandbox_id"
+    ]
+    url = f"https://secure.test:{secure.port}/trust"
+    assert run(client, sid, _curl(url + "-curl")).stdout == "200"
+    py = f"import urllib.request as u; print(u.urlopen('{url}-py').status)"
+    res = run(client, sid, f"python3 -c {shlex.quote(py)}")
+    assert res.stdout.strip() == "200", res.stderr
+    node = f"""
+const http = require('http'), tls = require('tls');
+const req = http.request({{host: '127.0.0.1', port: 3128, method: 'CONNECT',
+                          path: 'secure.test:{secure.port}'}});
+req.on('connect', (res, sock) => {{
+  const t = tls.connect({{socket: sock, servername: 'secure.test'}}, () => {{
+    t.write('GET /trust-node HTTP/1.1\\r\\nHost: secure.test\\r\\nConnection: close\\r\\n\\r\\n');
+  }});
+  let out = ''; t.on('data', d => out += d); t.on('end', () => console.log(out.split('\\r\\n')[0]));
+  t.on('error', e => console.log('ERR', e.message));
+}});
+req.end();
+"""
+    res = run(client, sid, f"node -e {shlex.quote(node)}")
+    if "command not found" in res.stderr or "not found" in res.stderr:
+        pytest.skip("node is not installed on this host")
+    assert "200" in res.stdout, res.stdout + res.stderr
+    assert secure.seen("/trust-node")
+
+
+def test_secret_value_never_inside_the_sandbox(
+    client: httpx.Client, egress_server: ServerHandle, plain: Upstream
+) -> None:
+    value = "VAL" + os.urandom(16).hex()
+    _put_secret(client, "HIDDEN", value, ["upstream.test"])
+    info = create_sandbox(client, secrets=["HIDDEN"], network={"allow_out": ["upstream.test"]})
+    sid = info["sandbox_id"]
+    assert value not in json.dumps(info)
+    # Use it, so the proxy has certainly handled it; keep a process alive meanwhile.
+    run(client, sid, "sleep 300 >/dev/null 2>&1 &", timeout=5)
+    res = run(
+        client, sid, f'curl -sS -m 10 -H "X-Key: $HIDDEN" http://upstream.test:{plain.port}/h'
+    )
+    assert res.exit_code == 0
+    assert plain.seen("/h")[-1]["headers"]["x-key"] == value
+    # The script must not carry the value itself (it would find its own command line).
+    half = len(value) // 2
+    search = f"""
+V="$(printf %s {value[:half]})$(printf %s {value[half:]})"
+grep -rasF "$V" /workspace /tmp /run /etc/ssl /var /home 2>/dev/null && echo FOUND-FILE
+for p in /proc/[0-9]*; do
+  cat $p/environ $p/cmdline 2>/dev/null | grep -aqF "$V" && echo FOUND-PROC-$p
+done
+ps auxww | grep -F "$V" | grep -v grep && echo FOUND-PS
+env | grep -F "$V" && echo FOUND-ENV
+exit 0
+"""
+    res = run(client, sid, search)
+    assert "FOUND" not in res.stdout, res.stdout
+    # Memory of every process of the sandbox, read from the host.
+    state = egress_server.data_dir / "sandboxes" / sid / "runtime.json"
+    init_pid = json.loads(state.read_text())["init_pid"]
+    pids = _descendants(init_pid)
+    assert len(pids) >= 2
+    for pid in pids:
+        assert not _memory_contains(pid, value.encode()), f"value found in memory of {pid}"
+
+
+def _descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo += children.get(pid, [])
+    return out
+
+
+def _memory_contains(pid: int, needle: bytes) -> bool:
+    try:
+        maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
+        mem = open(f"/proc/{pid}/mem", "rb", buffering=0)
+    except OSError:
+        return False
+    with mem:
+        for line in maps:
+            addr, perms = line.split()[:2]
+            if "r" not in perms:
+                continue
+            start, end = (int(x, 16) for x in addr.split("-"))
+            if end - start > 512 << 20:
+                continue
+            try:
+                mem.seek(start)
+                if needle in mem.read(end - start):
+                    return True
+            except (OSError, ValueError, OverflowError):
+                continue
+    return False
+
+
+def test_secret_api_validates_and_never_returns_values(client: httpx.Client) -> None:
+    assert (
+        client.put("/v1/secrets/bad-name", json={"value": "x", "hosts": ["a.test"]}).status_code
+        == 400
+    )
+    assert client.put("/v1/secrets/OK", json={"value": "x", "hosts": ["*"]}).status_code == 400
+    assert client.put("/v1/secrets/OK", json={"value": "x", "hosts": []}).status_code == 422
+    _put_secret(client, "LISTED", "listed-value", ["a.test"])
+    listing = client.get("/v1/secrets").json()["secrets"]
+    assert [s["name"] for s in listing] == ["LISTED"] and "listed-value" not in json.dumps(listing)
+    r = client.post("/v1/sandboxes", json={"secrets": ["MISSING"]})
+    assert r.status_code == 404 and "secrets set MISSING" in r.json()["message"]
+    assert client.delete("/v1/secrets/LISTED").status_code == 204
+    assert client.delete("/v1/secrets/LISTED").status_code == 404
+
+
+# ---------------------------------------------------------------------------- ceilings, defaults
+
+
+def test_tenant_ceiling_and_default(egress_server: ServerHandle, plain: Upstream) -> None:
+    tenant = f"ceil-{time.monotonic_ns() % 10**9}"
+    key = egress_server.make_key(tenant)
+    with egress_server.client() as admin:
+        r = admin.put(
+            f"/v1/tenants/{tenant}/network",
+            json={
+                "ceiling": {"allow_out": ["*.wild.test", "upstream.test"]},
+                "default": {"allow_out": ["upstream.test"]},
+            },
+        )
+        assert r.status_code == 200, r.text
+    with egress_server.client(key) as c:
+        sid = create_sandbox(c)["sandbox_id"]  # gets the tenant default
+        assert run(c, sid, _curl(f"http://upstream.test:{plain.port}/d")).stdout == "200"
+        r = c.post("/v1/sandboxes", json={"network": {"allow_out": ["other.test"]}})
+        assert r.status_code == 403 and "ceiling" in r.json()["message"]
+        r = c.post("/v1/sandboxes", json={"network": {"allow_internet_access": True}})
+        assert r.status_code == 403
+        assert (
+            c.post("/v1/sandboxes", json={"network": {"allow_out": ["a.wild.test"]}}).status_code
+            == 201
+        )
+        # Tenants cannot widen their own ceiling.
+        assert c.put(f"/v1/tenants/{tenant}/network", json={"ceiling": None}).status_code == 403
+
+
+# ---------------------------------------------------------------------------- fail closed
+
+
+def test_proxy_down_means_no_egress(tmp_path: Path, plain: Upstream, upstream_ca: EgressCA) -> None:
+    server = start_server(
+        tmp_path,
+        ["--egress-allow-cidr", "127.0.0.0/8", "--egress-resolve", "upstream.test=127.0.0.1"],
+    )
+    try:
+        with server.client() as c:
+            sid = create_sandbox(c, network={"allow_out": ["upstream.test"]})["sandbox_id"]
+            loop = (
+                f"while true; do {_curl(f'http://upstream.test:{plain.port}/down')} "
+                ">> /workspace/codes; echo >> /workspace/codes; sleep 0.2; done"
+            )
+            run(c, sid, f"nohup sh -c {shlex.quote(loop)} >/dev/null 2>&1 &", timeout=5)
+            time.sleep(1.0)
+            before = len(plain.seen("/down"))
+            assert before > 0
+        server.stop(signal.SIGKILL)  # the proxy dies with the server
+        time.sleep(1.5)
+        during = len(plain.seen("/down"))
+        time.sleep(1.5)
+        assert len(plain.seen("/down")) == during  # nothing got out while it was down
+        server.start()
+        with server.client() as c:
+            deadline = time.monotonic() + 20
+            while len(plain.seen("/down")) == during and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert len(plain.seen("/down")) > during  # re-adopted: egress is back
+            codes = run(c, sid, "cat /workspace/codes").stdout.split()
+            assert "000" in codes  # attempts while the proxy was down failed
+    finally:
+        server.kill_all_sandboxes()
+        server.stop()
