@@ -1,0 +1,950 @@
+"""The port gateway: an ASGI middleware that makes a server inside a sandbox reachable.
+
+A request reaches port P of a sandbox either host-routed (`{P}-{sandbox_id}.{domain}`, the whole
+path goes to the sandbox) or path-routed (`/v1/sandboxes/{id}/ports/{P}/rest`, `/rest` goes to
+the sandbox with `X-Forwarded-Prefix`). Everything else goes to the wrapped API app untouched.
+
+Sandboxes have no network interface: `connect(sandbox_id, port)` hands over a socket already
+connected to the port on the sandbox's loopback. HTTP/1.1 goes through one httpcore connection
+pool per (sandbox, port), over those sockets, so upstream connections are kept alive and reused;
+bodies stream both ways. WebSocket upgrades are relayed message by message.
+
+Ports are private unless the sandbox made them public: a request needs the sandbox's access token
+(`X-Access-Token`), an API key of the sandbox's tenant (`X-API-Key`), or a signed URL (see
+`core/ports.py`), which on a host-routed port also sets a cookie so a browser's follow-up
+requests work. Those credentials are never forwarded into the sandbox.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import re
+import select
+import socket
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import quote, unquote_plus, urlsplit
+
+import httpcore
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from websockets.asyncio.client import ClientConnection
+from websockets.asyncio.client import connect as ws_connect
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
+
+from agentbox.core import ports
+from agentbox.core.errors import AgentboxError, Forbidden, NotFound, Unauthorized
+
+log = logging.getLogger("agentbox.gateway")
+
+CONNECT_TIMEOUT = 10.0
+# Waiting for a free connection when a port already has `max_connections` in use.
+POOL_TIMEOUT = 30.0
+# Idle upstream connections are dropped after this, below the idle timeout of common servers
+# (uvicorn and node: 5 s) so a reused connection is rarely one the server is just closing.
+KEEPALIVE_EXPIRY = 4.0
+# The largest WebSocket message relayed from a sandbox (uvicorn's default for the client side).
+WS_MAX_SIZE = 16 * 2**20
+WS_CLOSE_TIMEOUT = 5.0
+
+_ORIGIN_SUFFIX = ".agentbox-gw"
+_HOP_BY_HOP = frozenset(
+    {"connection", "keep-alive", "te", "trailer", "transfer-encoding", "upgrade"}
+)
+_CREDENTIALS = frozenset({"x-access-token", "x-api-key"})
+# Request headers the gateway sets itself (framing, forwarding) or must not pass on.
+_REPLACED = frozenset(
+    {
+        "host",
+        "content-length",
+        "expect",  # uvicorn already answered 100-continue; httpcore would not wait for it
+        "x-forwarded-for",
+        "x-forwarded-proto",
+        "x-forwarded-host",
+        "x-forwarded-prefix",
+    }
+)
+# What the WebSocket client library writes itself in the upgrade request.
+_WS_HANDSHAKE = frozenset(
+    {
+        "sec-websocket-key",
+        "sec-websocket-version",
+        "sec-websocket-extensions",
+        "sec-websocket-protocol",
+        "sec-websocket-accept",
+    }
+)
+_AUTHORITY = re.compile(r"[A-Za-z0-9._~-]+(:[0-9]{1,5})?|\[[0-9A-Fa-f:.]+\](:[0-9]{1,5})?")
+_RETRYABLE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+# Close codes an endpoint may put in a close frame (RFC 6455 section 7.4).
+_SENDABLE_CLOSE = frozenset({1000, 1001, 1002, 1003, *range(1007, 1015)})
+
+
+@dataclass(frozen=True)
+class PortTarget:
+    sandbox_id: str
+    tenant: str
+    access_token: str
+    public: bool  # ports public: no auth needed
+
+
+@dataclass(frozen=True)
+class _Route:
+    sandbox_id: str
+    port: int
+    target: bytes  # path and query as the sandbox's server sees them
+    prefix: str | None  # path-routed: the X-Forwarded-Prefix
+    exp: str | None  # the signed-URL query params, if any
+    sig: str | None
+
+
+# ---------------------------------------------------------------------------- routing
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope["headers"]:
+        if key.lower() == name:
+            return str(value.decode("latin-1"))
+    return None
+
+
+def _split_query(query: bytes) -> tuple[bytes, str | None, str | None]:
+    """The query without the signed-URL params (others kept byte for byte), and those params."""
+    if not query:
+        return b"", None, None
+    kept: list[bytes] = []
+    exp = sig = None
+    for part in query.split(b"&"):
+        raw_name, _, raw_value = part.partition(b"=")
+        name = unquote_plus(raw_name.decode("latin-1"))
+        if name == ports.EXP_PARAM:
+            exp = unquote_plus(raw_value.decode("latin-1")) if exp is None else exp
+        elif name == ports.SIG_PARAM:
+            sig = unquote_plus(raw_value.decode("latin-1")) if sig is None else sig
+        else:
+            kept.append(part)
+    return b"&".join(kept), exp, sig
+
+
+def _route(scope: Scope, domain: str) -> _Route | None:
+    """Where a request goes, or None for the wrapped app. Runs on every API request."""
+    host = _header(scope, b"host")
+    hit = ports.parse_port_host(host, domain) if host else None
+    path: str = scope["path"]
+    prefix = None
+    if hit is not None:
+        port, sandbox_id = hit
+        raw_path = scope.get("raw_path") or quote(path).encode("ascii")
+        target = raw_path if raw_path.startswith(b"/") else b"/"
+    elif path.startswith("/v1/sandboxes/"):
+        parsed = ports.parse_port_path(path)
+        if parsed is None:
+            return None
+        port, sandbox_id, rest = parsed
+        raw_path = scope.get("raw_path") or quote(path).encode("ascii")
+        prefix = ports.port_path_prefix(sandbox_id, port)
+        raw_prefix = prefix.encode("ascii")
+        # Keep the client's own encoding of the rest when the prefix was spelled plainly.
+        if raw_path.startswith(raw_prefix + b"/"):
+            target = raw_path[len(raw_prefix) :]
+        elif raw_path == raw_prefix:
+            target = b"/"
+        else:
+            target = quote(rest).encode("ascii")
+    else:
+        return None
+    query, exp, sig = _split_query(scope.get("query_string", b""))
+    if query:
+        target += b"?" + query
+    return _Route(sandbox_id, port, target, prefix, exp, sig)
+
+
+# ---------------------------------------------------------------------------- headers
+
+
+def _connection_tokens(headers: Iterable[tuple[str, str]]) -> set[str]:
+    tokens: set[str] = set()
+    for name, value in headers:
+        if name == "connection":
+            tokens.update(t.strip().lower() for t in value.split(","))
+    return tokens
+
+
+def _cookies(headers: Iterable[tuple[str, str]], name: str) -> list[str]:
+    found = []
+    for key, value in headers:
+        if key == "cookie":
+            for part in value.split(";"):
+                k, eq, v = part.strip().partition("=")
+                if eq and k.strip() == name:
+                    found.append(v.strip())
+    return found
+
+
+def _without_cookie(value: str, name: str) -> str:
+    parts = (p.strip() for p in value.split(";"))
+    return "; ".join(p for p in parts if p and p.partition("=")[0].strip() != name)
+
+
+def _decoded(scope: Scope) -> list[tuple[str, str]]:
+    return [(k.decode("latin-1").lower(), v.decode("latin-1")) for k, v in scope["headers"]]
+
+
+def _forwarded_headers(
+    scope: Scope, headers: list[tuple[str, str]], route: _Route, drop: frozenset[str]
+) -> list[tuple[str, str]]:
+    """The client's headers as the sandbox gets them: without our credentials, hop-by-hop
+    headers or `drop`, plus the X-Forwarded-* set. Framing and Host are the caller's."""
+    listed = _connection_tokens(headers)
+    out: list[tuple[str, str]] = []
+    forwarded_for = []
+    for name, value in headers:
+        if name == "x-forwarded-for":
+            forwarded_for.append(value)
+        if (
+            name in _HOP_BY_HOP
+            or name.startswith("proxy-")
+            or name in listed
+            or name in _CREDENTIALS
+            or name in _REPLACED
+            or name in drop
+        ):
+            continue
+        if name == "cookie":
+            value = _without_cookie(value, ports.COOKIE)
+            if not value:
+                continue
+        out.append((name, value))
+    client = scope.get("client")
+    if client:
+        forwarded_for.append(str(client[0]))
+    if forwarded_for:
+        out.append(("x-forwarded-for", ", ".join(forwarded_for)))
+    scheme = str(scope.get("scheme") or "http")
+    scheme = {"ws": "http", "wss": "https"}.get(scheme, scheme)
+    out.append(("x-forwarded-proto", scheme))
+    host = _header(scope, b"host")
+    if host:
+        out.append(("x-forwarded-host", host))
+    if route.prefix:
+        out.append(("x-forwarded-prefix", route.prefix))
+    return out
+
+
+def _response_headers(raw: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    pairs = list(raw)
+    listed = _connection_tokens(
+        (k.decode("latin-1").lower(), v.decode("latin-1")) for k, v in pairs
+    )
+    out = []
+    for key, value in pairs:
+        name = key.decode("latin-1").lower()
+        if name in _HOP_BY_HOP or name.startswith("proxy-") or name in listed:
+            continue
+        out.append((name.encode("latin-1"), value))  # ASGI wants lower-case names
+    return out
+
+
+# ---------------------------------------------------------------------------- upstream sockets
+
+
+async def _dial(
+    connect: Callable[[str, int], Awaitable[socket.socket]],
+    sandbox_id: str,
+    port: int,
+    timeout: float | None,
+) -> socket.socket:
+    async with asyncio.timeout(timeout):
+        sock = await connect(sandbox_id, port)
+    sock.setblocking(False)
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        # Headers and body go out in separate writes: Nagle would hold the second back.
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            pass
+    return sock
+
+
+def _readable(sock: socket.socket) -> bool:
+    """Whether a read would return at once: on an idle pooled connection, that means the server
+    closed it (or sent junk), so it must not be reused."""
+    if sock.fileno() < 0:
+        return True
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLIN)
+    return bool(poller.poll(0))
+
+
+class _SocketStream(httpcore.AsyncNetworkStream):
+    """An httpcore stream over a socket `connect` made, driven by the running asyncio loop."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._loop = asyncio.get_running_loop()
+
+    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        try:
+            async with asyncio.timeout(timeout):
+                return await self._loop.sock_recv(self._sock, max_bytes)
+        except TimeoutError:  # before OSError: TimeoutError is one
+            raise httpcore.ReadTimeout("read timed out") from None
+        except OSError as e:
+            raise httpcore.ReadError(str(e)) from e
+
+    async def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        if not buffer:
+            return
+        try:
+            async with asyncio.timeout(timeout):
+                await self._loop.sock_sendall(self._sock, buffer)
+        except TimeoutError:
+            raise httpcore.WriteTimeout("write timed out") from None
+        except OSError as e:
+            raise httpcore.WriteError(str(e)) from e
+
+    async def aclose(self) -> None:
+        self._sock.close()
+
+    def get_extra_info(self, info: str) -> Any:
+        if info == "is_readable":
+            return _readable(self._sock)
+        if info == "socket":
+            return self._sock
+        try:
+            if info == "client_addr":
+                return self._sock.getsockname()
+            if info == "server_addr":
+                return self._sock.getpeername()
+        except OSError:
+            return None
+        return None
+
+
+def _origin_host(sandbox_id: str, port: int) -> bytes:
+    # httpcore keys connections by URL origin; the backend reads the target back from it.
+    return f"{sandbox_id}.{port}{_ORIGIN_SUFFIX}".encode("ascii")
+
+
+class _SandboxBackend(httpcore.AsyncNetworkBackend):
+    def __init__(self, connect: Callable[[str, int], Awaitable[socket.socket]]) -> None:
+        self._connect = connect
+
+    async def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,
+        local_address: str | None = None,
+        socket_options: Iterable[Any] | None = None,
+    ) -> httpcore.AsyncNetworkStream:
+        sandbox_id, _, sandbox_port = host.removesuffix(_ORIGIN_SUFFIX).rpartition(".")
+        sock = await _dial(self._connect, sandbox_id, int(sandbox_port), timeout)
+        return _SocketStream(sock)
+
+    async def connect_unix_socket(
+        self,
+        path: str,
+        timeout: float | None = None,
+        socket_options: Iterable[Any] | None = None,
+    ) -> httpcore.AsyncNetworkStream:
+        raise httpcore.UnsupportedProtocol("the gateway only dials sandbox ports")
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+
+
+@dataclass
+class _Pool:
+    pool: httpcore.AsyncConnectionPool
+    active: int = 0
+    idle_since: float = field(default_factory=time.monotonic)
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+def _port_not_open(route: _Route) -> AgentboxError:
+    return AgentboxError(
+        f"nothing is listening on port {route.port} in sandbox {route.sandbox_id}; "
+        "start a server there bound to 127.0.0.1 or 0.0.0.0",
+        code="port_not_open",
+        status=502,
+        sandbox_id=route.sandbox_id,
+        port=route.port,
+    )
+
+
+def _upstream_error(route: _Route, e: BaseException) -> AgentboxError | None:
+    """What went wrong talking to the sandbox's server, as the client should hear it; None
+    for anything else (a bug here, which the ASGI server reports as such)."""
+    where = dict(sandbox_id=route.sandbox_id, port=route.port)
+    if isinstance(e, AgentboxError):
+        return e
+    if isinstance(e, ConnectionRefusedError):
+        return _port_not_open(route)
+    if isinstance(e, httpcore.PoolTimeout):
+        return AgentboxError(
+            f"too many open connections to port {route.port} in sandbox {route.sandbox_id}; "
+            "retry later or close idle ones",
+            code="gateway_busy",
+            status=503,
+            **where,
+        )
+    if isinstance(e, TimeoutError | httpcore.TimeoutException):
+        return AgentboxError(
+            f"port {route.port} in sandbox {route.sandbox_id} did not answer within "
+            f"{CONNECT_TIMEOUT:g} s",
+            code="upstream_timeout",
+            status=504,
+            **where,
+        )
+    if not isinstance(
+        e, OSError | httpcore.NetworkError | httpcore.ProtocolError | InvalidHandshake
+    ):
+        return None
+    return AgentboxError(
+        f"the server on port {route.port} in sandbox {route.sandbox_id} did not answer "
+        f"properly: {e or type(e).__name__}",
+        code="upstream_error",
+        status=502,
+        **where,
+    )
+
+
+def _error_body(e: AgentboxError) -> bytes:
+    body = {"code": e.code, "message": e.message, "detail": e.detail}
+    return json.dumps(body, default=str).encode()
+
+
+_JSON = [(b"content-type", b"application/json"), (b"cache-control", b"no-store")]
+
+
+async def _send_http_error(send: Send, e: AgentboxError) -> None:
+    body = _error_body(e)
+    headers = [*_JSON, (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": e.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _deny_websocket(
+    scope: Scope, send: Send, status: int, headers: list[tuple[bytes, bytes]], body: bytes
+) -> None:
+    """Refuse an upgrade with an HTTP response if the server can, else a close frame."""
+    if "websocket.http.response" in (scope.get("extensions") or {}):
+        await send({"type": "websocket.http.response.start", "status": status, "headers": headers})
+        await send({"type": "websocket.http.response.body", "body": body})
+    else:
+        code = 1008 if status in (401, 403, 404) else 1011
+        reason = body.decode("utf-8", "replace").encode()[:123].decode("utf-8", "ignore")
+        await send({"type": "websocket.close", "code": code, "reason": reason})
+
+
+def _ws_authority(host: str) -> str:
+    """The Host header as the authority of the upstream WebSocket URI (which only carries it):
+    one that is no plain host[:port] (user info, a path, junk) becomes `localhost` rather than
+    bend the URI."""
+    if _AUTHORITY.fullmatch(host):
+        try:
+            _ = urlsplit(f"//{host}").port  # raises for a port out of range
+            return host
+        except ValueError:
+            pass
+    return "localhost"
+
+
+def _close_code(code: int | None, lost: int) -> int:
+    """A close code one side reported, as one we may send to the other side."""
+    if code is None or code == 1005:  # closed without a code
+        return 1000
+    if code in _SENDABLE_CLOSE or 3000 <= code <= 4999:
+        return code
+    return lost  # 1006 (connection dropped), 1015 (TLS) and the like
+
+
+# ---------------------------------------------------------------------------- the middleware
+
+
+class PortGateway:
+    """ASGI middleware that proxies sandbox ports and passes everything else to `app`.
+
+    `max_connections` caps upstream connections per (sandbox, port), so one busy port cannot
+    starve the others.
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        domain: str,
+        lookup: Callable[[str], Awaitable[PortTarget | None]],
+        tenant_of_key: Callable[[str], Awaitable[str | None]],
+        connect: Callable[[str, int], Awaitable[socket.socket]],
+        on_access: Callable[[str, int, str, int], None] | None = None,
+        max_connections: int = 100,
+    ) -> None:
+        self.app = app
+        self.domain = domain
+        self._lookup = lookup
+        self._tenant_of_key = tenant_of_key
+        self._connect = connect
+        self._on_access = on_access
+        self._max_connections = max_connections
+        self._backend = _SandboxBackend(connect)
+        self._pools: dict[tuple[str, int], _Pool] = {}
+        self._last_sweep = time.monotonic()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        route = _route(scope, self.domain) if kind in ("http", "websocket") else None
+        if route is None:
+            await self.app(scope, receive, send)
+            return
+        if route.exp is not None or route.sig is not None:
+            # uvicorn's access log reads the query from this scope: keep the signature out of it.
+            scope["query_string"] = route.target.partition(b"?")[2]
+        method = scope.get("method", "GET") if kind == "http" else "WEBSOCKET"
+        status: int | None = 500
+        try:
+            status = await self._serve(scope, receive, send, route)
+        finally:
+            if status is not None:
+                self._audit(route, method, status)
+
+    async def aclose(self) -> None:
+        """Close every pooled upstream connection."""
+        pools, self._pools = list(self._pools.values()), {}
+        await asyncio.gather(*(p.pool.aclose() for p in pools), return_exceptions=True)
+
+    # ------------------------------------------------------------------ per request
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send, route: _Route) -> int | None:
+        """Authorize and relay one request or WebSocket; the HTTP status it got, or None when
+        already audited (a WebSocket is, once accepted: it may stay open for hours)."""
+        headers = _decoded(scope)
+        try:
+            set_cookie = await self._authorize(scope, headers, route)
+        except AgentboxError as e:
+            return await self._refuse(scope, receive, send, e)
+        except Exception:
+            log.exception("port gateway: authorizing a request failed")
+            internal = AgentboxError("internal error while authorizing the request")
+            return await self._refuse(scope, receive, send, internal)
+        if scope["type"] == "websocket":
+            return await self._relay_websocket(scope, receive, send, route, headers, set_cookie)
+        return await self._relay_http(scope, receive, send, route, headers, set_cookie)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send, e: AgentboxError) -> int:
+        if scope["type"] == "websocket":
+            message = await receive()  # websocket.connect
+            if message["type"] == "websocket.connect":
+                await _deny_websocket(scope, send, e.status, _JSON, _error_body(e))
+        else:
+            await _send_http_error(send, e)
+        return e.status
+
+    def _audit(self, route: _Route, method: str, status: int) -> None:
+        if self._on_access is None:
+            return
+        try:
+            self._on_access(route.sandbox_id, route.port, method, status)
+        except Exception:
+            log.exception("port gateway: on_access failed")
+
+    async def _authorize(
+        self, scope: Scope, headers: list[tuple[str, str]], route: _Route
+    ) -> str | None:
+        """Raise unless the request may reach the port; a Set-Cookie value to add, if any."""
+        target = await self._lookup(route.sandbox_id)
+        not_found = NotFound(f"no running sandbox {route.sandbox_id}", sandbox_id=route.sandbox_id)
+        if target is None:
+            raise not_found
+        if target.public:
+            return None
+        given = dict(headers)  # the last of repeated headers wins; none of ours repeat
+        token = given.get("x-access-token")
+        if token is not None and hmac.compare_digest(
+            token.encode("latin-1"), target.access_token.encode()
+        ):
+            return None
+        key = given.get("x-api-key")
+        if key is not None:
+            tenant = await self._tenant_of_key(key)
+            if tenant is not None:
+                if tenant == target.tenant:
+                    return None
+                raise not_found  # another tenant's sandbox: do not reveal that it exists
+        if route.exp is not None or route.sig is not None:
+            reason = ports.check_signature(
+                target.access_token,
+                route.sandbox_id,
+                route.port,
+                route.exp or "",
+                route.sig or "",
+                time.time(),
+            )
+            if reason is not None:
+                raise self._bad_signature(route, reason)
+            if route.prefix is not None:
+                # Path-routed ports share the API's origin: a cookie there would let a page of
+                # one sandbox use another's port. Only host-routed ports (an origin of their
+                # own) get one; path-routed requests carry the signature every time.
+                return None
+            return self._cookie(scope, route, route.exp or "", route.sig or "")
+        reason = None
+        for value in _cookies(headers, ports.COOKIE):
+            exp, _, sig = value.partition(".")
+            reason = ports.check_signature(
+                target.access_token, route.sandbox_id, route.port, exp, sig, time.time()
+            )
+            if reason is None:
+                return None
+        if reason is not None:
+            raise self._bad_signature(route, f"{ports.COOKIE} cookie: {reason}")
+        why = (
+            "the X-Access-Token does not match"
+            if token is not None
+            else "the API key is not valid"
+            if key is not None
+            else "no credentials"
+        )
+        raise Unauthorized(
+            f"port {route.port} of sandbox {route.sandbox_id} is private: send X-Access-Token "
+            f"with the sandbox's access token, or open a signed URL from "
+            f"sandbox.get_url({route.port})",
+            sandbox_id=route.sandbox_id,
+            port=route.port,
+            reason=why,
+        )
+
+    @staticmethod
+    def _bad_signature(route: _Route, reason: str) -> Forbidden:
+        return Forbidden(
+            f"{reason}; get a new signed URL from sandbox.get_url({route.port})",
+            sandbox_id=route.sandbox_id,
+            port=route.port,
+            reason=reason,
+        )
+
+    @staticmethod
+    def _cookie(scope: Scope, route: _Route, exp: str, sig: str) -> str:
+        path = f"{route.prefix}/" if route.prefix else "/"
+        cookie = f"{ports.COOKIE}={exp}.{sig}; HttpOnly; SameSite=Lax; Path={path}"
+        if int(exp):
+            cookie += f"; Max-Age={max(0, int(exp) - int(time.time()))}"
+        if scope.get("scheme") in ("https", "wss"):
+            cookie += "; Secure"
+        return cookie
+
+    # ------------------------------------------------------------------ HTTP
+
+    def _pool(self, sandbox_id: str, port: int) -> _Pool:
+        key = (sandbox_id, port)
+        pool = self._pools.get(key)
+        if pool is None:
+            pool = self._pools[key] = _Pool(
+                httpcore.AsyncConnectionPool(
+                    max_connections=self._max_connections,
+                    max_keepalive_connections=min(self._max_connections, 20),
+                    keepalive_expiry=KEEPALIVE_EXPIRY,
+                    network_backend=self._backend,
+                )
+            )
+        return pool
+
+    async def _sweep(self) -> None:
+        """Drop the pools of ports nobody used for a while (their connections have expired)."""
+        now = time.monotonic()
+        if now - self._last_sweep < KEEPALIVE_EXPIRY:
+            return
+        self._last_sweep = now
+        stale = [
+            key
+            for key, p in self._pools.items()
+            if p.active == 0 and now - p.idle_since > KEEPALIVE_EXPIRY
+        ]
+        pools = [self._pools.pop(key) for key in stale]  # before any await: no one picks them up
+        await asyncio.gather(*(p.pool.aclose() for p in pools), return_exceptions=True)
+
+    async def _relay_http(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        route: _Route,
+        headers: list[tuple[str, str]],
+        set_cookie: str | None,
+    ) -> int:
+        out = _forwarded_headers(scope, headers, route, frozenset())
+        given = dict(headers)
+        out.insert(0, ("host", given.get("host") or "localhost"))
+        first: Message | None = None
+        if "content-length" in given:
+            out.append(("content-length", given["content-length"]))
+            has_body = given["content-length"].strip() != "0"
+        elif "transfer-encoding" in given:
+            has_body = True
+        elif scope.get("http_version") == "2":
+            # HTTP/2 frames a body without either header: look at the first piece.
+            first = await receive()
+            if first["type"] == "http.disconnect":
+                return 499
+            has_body = bool(first.get("body") or first.get("more_body"))
+        else:
+            has_body = False
+        if has_body and "content-length" not in given:
+            out.append(("transfer-encoding", "chunked"))
+        body_queue: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=4)
+
+        async def until_disconnect() -> None:
+            # The only reader of `receive`: feeds the body to the upstream request, then
+            # notices the client leaving (a long poll or an event stream must not outlive it).
+            pending = has_body
+            message = first
+            while True:
+                if message is None:
+                    message = await receive()
+                if message["type"] == "http.disconnect":
+                    return
+                if message["type"] == "http.request" and pending:
+                    if chunk := message.get("body", b""):
+                        await body_queue.put(chunk)
+                    if not message.get("more_body", False):
+                        pending = False
+                        await body_queue.put(None)
+                message = None
+
+        async def body() -> AsyncIterator[bytes]:
+            while (chunk := await body_queue.get()) is not None:
+                yield chunk
+
+        method = scope["method"]
+        request_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in out]
+        url = httpcore.URL(
+            scheme=b"http", host=_origin_host(route.sandbox_id, route.port), target=route.target
+        )
+        # No read or write timeout: a long poll or an event stream may idle for minutes; the
+        # client leaving ends the exchange instead.
+        timeouts = {"connect": CONNECT_TIMEOUT, "read": None, "write": None, "pool": POOL_TIMEOUT}
+        # A request without a body can be sent again if a kept-alive connection turns out to
+        # have been closed by the server just as it was reused.
+        attempts = 1 if has_body or method not in _RETRYABLE_METHODS else 2
+        status = 0
+
+        async def exchange() -> None:
+            nonlocal status
+            pool = self._pool(route.sandbox_id, route.port)
+            pool.active += 1
+            try:
+                attempt = 1
+                while True:
+                    request = httpcore.Request(
+                        method,
+                        url,
+                        headers=request_headers,
+                        content=body() if has_body else None,
+                        extensions={"timeout": timeouts},
+                    )
+                    try:
+                        response = await pool.pool.handle_async_request(request)
+                        break
+                    except (httpcore.RemoteProtocolError, httpcore.NetworkError):
+                        if attempt == attempts:
+                            raise
+                        attempt += 1
+                try:
+                    response_headers = _response_headers(response.headers)
+                    if set_cookie:
+                        response_headers.append((b"set-cookie", set_cookie.encode("latin-1")))
+                    status = response.status
+                    await send(
+                        {
+                            "type": "http.response.start",
+                            "status": response.status,
+                            "headers": response_headers,
+                        }
+                    )
+                    try:
+                        async for chunk in response.stream:  # type: ignore[union-attr]
+                            if chunk:
+                                await send(
+                                    {"type": "http.response.body", "body": chunk, "more_body": True}
+                                )
+                    except (httpcore.ProtocolError, httpcore.NetworkError) as e:
+                        # Too late for an error response: leaving the body unfinished makes the
+                        # server drop the connection, so the client sees a truncated response.
+                        log.info(
+                            "port gateway: %s:%s broke off: %s", route.sandbox_id, route.port, e
+                        )
+                        return
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                finally:
+                    await response.aclose()
+            finally:
+                pool.active -= 1
+                pool.idle_since = time.monotonic()
+
+        await self._sweep()
+        watcher = asyncio.create_task(until_disconnect())
+        worker = asyncio.create_task(exchange())
+        try:
+            done, _ = await asyncio.wait({watcher, worker}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (watcher, worker):
+                task.cancel()
+            await asyncio.gather(watcher, worker, return_exceptions=True)
+        if worker not in done:
+            return status or 499  # the client went away first (499: nginx's code for it)
+        error = worker.exception()
+        if error is None:
+            return status
+        if status:  # the response had started
+            raise error
+        mapped = _upstream_error(route, error)
+        if mapped is None:
+            raise error
+        await _send_http_error(send, mapped)
+        return mapped.status
+
+    # ------------------------------------------------------------------ WebSocket
+
+    async def _relay_websocket(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        route: _Route,
+        headers: list[tuple[str, str]],
+        set_cookie: str | None,
+    ) -> int | None:
+        message = await receive()
+        if message["type"] != "websocket.connect":
+            return 499
+        cookie = [(b"set-cookie", set_cookie.encode("latin-1"))] if set_cookie else []
+        given = dict(headers)
+        host = given.get("host") or "localhost"
+        out = _forwarded_headers(scope, headers, route, _WS_HANDSHAKE | {"user-agent"})
+        if "user-agent" in given:
+            out.append(("user-agent", given["user-agent"]))
+        try:
+            upstream = await self._open_websocket(scope, route, host, out)
+        except InvalidStatus as e:
+            # The sandbox's server refused the upgrade: the client gets its answer.
+            response = e.response
+            passed = [
+                (k.encode("latin-1"), v.encode("latin-1"))
+                for k, v in response.headers.raw_items()
+                if k.lower() in ("content-type", "location", "www-authenticate", "set-cookie")
+            ]
+            await _deny_websocket(
+                scope, send, response.status_code, passed, bytes(response.body or b"")
+            )
+            return response.status_code
+        except Exception as e:
+            mapped = _upstream_error(route, e)
+            if mapped is None:
+                raise
+            await _deny_websocket(scope, send, mapped.status, _JSON, _error_body(mapped))
+            return mapped.status
+        try:
+            handshake = upstream.response
+            accept_headers = [
+                (b"set-cookie", v.encode("latin-1"))
+                for v in (handshake.headers.get_all("Set-Cookie") if handshake else [])
+            ] + cookie
+            try:
+                await send(
+                    {
+                        "type": "websocket.accept",
+                        "subprotocol": upstream.subprotocol,
+                        "headers": accept_headers,
+                    }
+                )
+            except Exception:  # the client left during the upstream handshake
+                return 499
+            self._audit(route, "WEBSOCKET", 101)
+            await self._pump_websocket(receive, send, upstream)
+        finally:
+            await upstream.close()
+        return None
+
+    async def _open_websocket(
+        self, scope: Scope, route: _Route, host: str, headers: list[tuple[str, str]]
+    ) -> ClientConnection:
+        sock = await _dial(self._connect, route.sandbox_id, route.port, CONNECT_TIMEOUT)
+        try:
+            path = route.target.decode("ascii")
+            options: dict[str, Any] = dict(
+                sock=sock,
+                subprotocols=scope.get("subprotocols") or None,
+                additional_headers=headers,
+                user_agent_header=None,
+                compression=None,  # loopback: compressing twice would only cost CPU
+                open_timeout=CONNECT_TIMEOUT,
+                ping_interval=None,  # the client side has its own keepalive
+                close_timeout=WS_CLOSE_TIMEOUT,
+                max_size=WS_MAX_SIZE,
+                proxy=None,
+            )
+            connect = ws_connect(f"ws://{_ws_authority(host)}{path}", **options)
+            try:
+                return await connect
+            except ValueError as e:
+                # websockets cannot follow a redirect over a given socket: pass the 3xx on.
+                if isinstance(e.__cause__, InvalidStatus):
+                    raise e.__cause__ from None
+                raise
+        except BaseException:
+            sock.close()
+            raise
+
+    @staticmethod
+    async def _pump_websocket(receive: Receive, send: Send, upstream: ClientConnection) -> None:
+        """Relay messages both ways until one side closes, then close the other side alike."""
+
+        async def from_client() -> tuple[int, str]:
+            while True:
+                message = await receive()
+                if message["type"] == "websocket.receive":
+                    data = message.get("bytes")
+                    await upstream.send(data if data is not None else message.get("text") or "")
+                elif message["type"] == "websocket.disconnect":
+                    return message.get("code", 1000), message.get("reason") or ""
+
+        async def from_upstream() -> None:
+            try:
+                async for data in upstream:
+                    if isinstance(data, bytes):
+                        await send({"type": "websocket.send", "bytes": data})
+                    else:
+                        await send({"type": "websocket.send", "text": data})
+            except ConnectionClosed:
+                pass
+
+        client_side = asyncio.create_task(from_client())
+        upstream_side = asyncio.create_task(from_upstream())
+        try:
+            done, _ = await asyncio.wait(
+                {client_side, upstream_side}, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            for task in (client_side, upstream_side):
+                task.cancel()
+            await asyncio.gather(client_side, upstream_side, return_exceptions=True)
+        if client_side in done and client_side.exception() is None:
+            code, reason = client_side.result()
+            await upstream.close(_close_code(code, 1001), reason)
+            return
+        # The sandbox's server closed (or the connection to it broke): tell the client.
+        code = _close_code(upstream.close_code, 1011)
+        reason = upstream.close_reason or (
+            "" if upstream.close_code else "upstream connection lost"
+        )
+        try:
+            await send({"type": "websocket.close", "code": code, "reason": reason})
+        except Exception:  # the client may be gone too
+            pass
