@@ -27,12 +27,15 @@ from agentbox import config
 from agentbox.sdk import (
     AgentboxError,
     CommandExitException,
+    EgressEvent,
+    NetworkInfo,
     Resources,
     Sandbox,
     SandboxInfo,
+    Secrets,
     Templates,
 )
-from agentbox.sdk.audit import list_audit_events
+from agentbox.sdk.audit import list_audit_events, list_egress_events
 
 app = typer.Typer(
     name="agentbox", help="Self-hosted sandboxes for AI agents.", no_args_is_help=True,
@@ -44,6 +47,9 @@ template_app = typer.Typer(help="Build, list and remove templates.", no_args_is_
 app.add_typer(template_app, name="template")
 pool_app = typer.Typer(help="Warm pools of started sandboxes.", no_args_is_help=True)
 app.add_typer(pool_app, name="pool")
+secrets_app = typer.Typer(help="Secrets sandboxes use without seeing them.",
+                          no_args_is_help=True)
+app.add_typer(secrets_app, name="secrets")
 
 out = Console()
 err = Console(stderr=True)
@@ -116,16 +122,47 @@ def serve(
     template_dir: Annotated[Path | None, typer.Option(
         help="Where built templates live [default: AGENTBOX_TEMPLATE_DIR, "
              "else DATA_DIR/templates]")] = None,
+    egress_allow_cidr: Annotated[list[str] | None, typer.Option(
+        "--egress-allow-cidr", help="Let egress policies reach this otherwise refused address "
+        "range, e.g. 10.20.0.0/16 (repeatable).")] = None,
+    egress_resolve: Annotated[list[str] | None, typer.Option(
+        "--egress-resolve", help="HOST=IP: a static answer for the egress proxy's resolver "
+        "(repeatable).")] = None,
+    egress_deny: Annotated[list[str] | None, typer.Option(
+        "--egress-deny", help="A host, *.domain or CIDR no sandbox may reach, whatever its "
+        "policy (repeatable).")] = None,
+    egress_upstream_ca: Annotated[list[Path] | None, typer.Option(
+        "--egress-upstream-ca", help="Extra CA file the egress proxy trusts for upstreams it "
+        "inspects (repeatable).")] = None,
+    ports_domain: Annotated[str, typer.Option(
+        help="Exposed ports are reachable at PORT-SANDBOX_ID.DOMAIN.")] = "localhost",
+    public_url: Annotated[str | None, typer.Option(
+        help="This server's URL as clients see it, for signed port URLs "
+             "[default: http://localhost:PORT].")] = None,
 ) -> None:
     """Run the agentbox server in the foreground."""
+    from agentbox.core.network import NetworkSettings
     from agentbox.server.app import serve as run_server  # the server is heavy: load on use
 
     try:
         pools = {**config.default_pool_sizes(), **config.parse_pool_sizes(warm_pool or [])}
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--warm-pool") from None
+    network = NetworkSettings(
+        egress_allow_cidrs=tuple(egress_allow_cidr or ()),
+        egress_resolve=tuple(egress_resolve or ()),
+        egress_deny=tuple(egress_deny or ()),
+        egress_upstream_ca=tuple(str(p) for p in egress_upstream_ca or ()),
+        ports_domain=ports_domain,
+        public_url=public_url or "",
+    )
+    try:
+        network.parsed()
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--egress-*") from None
     run_server(host=host, port=port, data_dir=data_dir or config.default_data_dir(),
-               template_dir=template_dir or config.default_template_dir(), warm_pools=pools)
+               template_dir=template_dir or config.default_template_dir(), warm_pools=pools,
+               network=network)
 
 
 @keys_app.command("create")
@@ -169,12 +206,33 @@ def create(
     cpu: Annotated[float | None, typer.Option(help="CPU count.")] = None,
     keep_workspace: Annotated[bool, typer.Option(
         help="Keep /workspace after the sandbox ends.")] = False,
+    allow: Annotated[list[str] | None, typer.Option(
+        "--allow", help="Host, *.domain, host:port or CIDR the sandbox may reach "
+        "(repeatable).")] = None,
+    deny: Annotated[list[str] | None, typer.Option(
+        "--deny", help="Refused even if allowed (repeatable).")] = None,
+    internet: Annotated[bool, typer.Option(
+        "--internet", help="Allow every public destination not denied.")] = False,
+    public_ports: Annotated[bool, typer.Option(
+        "--public-ports", help="Exposed ports need no access token.")] = False,
+    secret: Annotated[list[str] | None, typer.Option(
+        "--secret", help="NAME of a secret to hand in as a placeholder $NAME "
+        "(repeatable).")] = None,
 ) -> None:
-    """Create a sandbox and print its id."""
+    """Create a sandbox and print its id.
+
+    Without --allow, --deny, --internet or --public-ports the sandbox gets the tenant's default
+    network policy; with any of them, exactly the policy they describe.
+    """
+    network = None
+    if allow or deny or internet or public_ports:
+        network = NetworkInfo(allow_out=list(allow or []), deny_out=list(deny or []),
+                              allow_internet_access=internet,
+                              allow_public_traffic=public_ports)
     sbx = Sandbox.create(
         template=template, timeout=timeout, metadata=_pairs(metadata, "--metadata"),
         envs=_pairs(env, "--env"), resources=Resources(cpu_count=cpu, memory_mb=memory_mb),
-        keep_workspace=keep_workspace, **_conn(ctx))
+        keep_workspace=keep_workspace, network=network, secrets=secret, **_conn(ctx))
     sbx.close()
     print(sbx.sandbox_id)
 
@@ -243,6 +301,141 @@ def kill(
         print(f"killed {sandbox_id}")
     if failed:
         raise typer.Exit(1)
+
+
+# ---------------------------------------------------------------------------- network
+
+
+@app.command()
+def network(
+    ctx: typer.Context,
+    sandbox_id: Annotated[str, typer.Argument(help="Sandbox whose policy to show or set.")],
+    allow: Annotated[list[str] | None, typer.Option(
+        "--allow", help="Host, *.domain, host:port or CIDR the sandbox may reach "
+        "(repeatable).")] = None,
+    deny: Annotated[list[str] | None, typer.Option(
+        "--deny", help="Refused even if allowed (repeatable).")] = None,
+    internet: Annotated[bool | None, typer.Option(
+        "--internet/--no-internet", help="Allow every public destination not denied.",
+        show_default=False)] = None,
+    public_ports: Annotated[bool | None, typer.Option(
+        "--public-ports/--private-ports", help="Whether exposed ports need no access token.",
+        show_default=False)] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Show a sandbox's network policy, or replace it.
+
+    With no option, print the current policy.
+
+    Options replace the WHOLE policy: what they leave out is refused or private.
+
+    e.g. agentbox network ID --allow pypi.org --allow files.pythonhosted.org
+    """
+    sbx = Sandbox.connect(sandbox_id, **_conn(ctx))
+    try:
+        if allow is None and deny is None and internet is None and public_ports is None:
+            info = sbx.get_info()
+        else:
+            info = sbx.update_network(allow_out=allow or [], deny_out=deny or [],
+                                      allow_internet_access=internet,
+                                      allow_public_traffic=public_ports)
+    finally:
+        sbx.close()
+    if as_json:
+        _print_json(dataclasses.asdict(info.network) if info.network else None)
+        return
+    _print_network(info.network)
+
+
+def _print_network(net: NetworkInfo | None) -> None:
+    if net is None:
+        out.print("[dim]no network policy reported by the server[/dim]")
+        return
+    allowed = ", ".join(net.allow_out) or "-"
+    out.print(f"allow out:  {escape(allowed)}", highlight=False)
+    out.print(f"deny out:   {escape(', '.join(net.deny_out) or '-')}", highlight=False)
+    out.print("internet:   " + ("[green]allowed[/green]" if net.allow_internet_access
+                                else "[dim]not allowed[/dim]"), highlight=False)
+    out.print("ports:      " + ("[yellow]public[/yellow]" if net.allow_public_traffic
+                                else "private (access token or API key)"), highlight=False)
+
+
+@app.command("port-url")
+def port_url(
+    ctx: typer.Context,
+    sandbox_id: Annotated[str, typer.Argument(help="Sandbox serving the port.")],
+    port: Annotated[int, typer.Argument(help="Port a server in the sandbox listens on.")],
+    expires_in: Annotated[float | None, typer.Option(
+        help="Seconds the URL stays valid [default: while the sandbox lives].")] = None,
+    path: Annotated[str, typer.Option(help="Path on the sandbox's server.")] = "/",
+    host_routing: Annotated[bool, typer.Option(
+        "--host-routing", help="A PORT-SANDBOX_ID.DOMAIN URL instead of one under the API's "
+        "/v1/sandboxes/ID/ports/PORT.")] = False,
+) -> None:
+    """Print a signed URL to a sandbox's port that works with no headers (curl, a browser)."""
+    sbx = Sandbox.connect(sandbox_id, **_conn(ctx))
+    try:
+        url = sbx.get_url(port, expires_in=expires_in, path=path,
+                          routing="host" if host_routing else "path")
+    finally:
+        sbx.close()
+    print(url)
+
+
+# ---------------------------------------------------------------------------- secrets
+
+
+@secrets_app.command("set")
+def secrets_set(
+    ctx: typer.Context,
+    name: Annotated[str, typer.Argument(help="Environment variable name, e.g. OPENAI_API_KEY.")],
+    value: Annotated[str, typer.Argument(
+        help="The value; - reads it from stdin (keeps it out of shell history).")],
+    hosts: Annotated[list[str], typer.Option(
+        "--hosts", help="Hosts the value may be sent to: H[,H...] (repeatable), "
+        "e.g. api.openai.com or *.example.com.")],
+    in_url: Annotated[bool, typer.Option(
+        "--in-url", help="Also swap the placeholder in request URLs, not only headers.")] = False,
+) -> None:
+    """Create or replace a secret. Sandboxes created with --secret NAME see a placeholder in
+    $NAME; the egress proxy puts the value in its place on requests to HOSTS only."""
+    if value == "-":
+        value = sys.stdin.read().rstrip("\r\n")
+    names = [h.strip() for item in hosts for h in item.split(",") if h.strip()]
+    if not names:
+        raise typer.BadParameter("give at least one host", param_hint="--hosts")
+    with Secrets(**_conn(ctx)) as secrets:
+        info = secrets.set(name, value, names, in_url=in_url)
+    where = ", ".join(info.hosts) + (" (headers and URLs)" if info.in_url else "")
+    print(f"set secret {info.name} for {where}")
+
+
+@secrets_app.command("ls")
+def secrets_ls(
+    ctx: typer.Context,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """List your secrets (names and hosts; values are never shown)."""
+    with Secrets(**_conn(ctx)) as secrets:
+        found = secrets.list()
+    if as_json:
+        _print_json([dataclasses.asdict(s) for s in found])
+        return
+    rows = [[escape(s.name), "yes" if s.in_url else "no", _time(s.updated_at),
+             escape(",".join(s.hosts))] for s in found]
+    _print_table(["NAME", "IN URL", "UPDATED", "HOSTS"], rows)
+
+
+@secrets_app.command("rm")
+def secrets_rm(
+    ctx: typer.Context,
+    names: Annotated[list[str], typer.Argument(help="Secrets to remove.")],
+) -> None:
+    """Remove secrets; sandboxes using them stop getting the value at once."""
+    with Secrets(**_conn(ctx)) as secrets:
+        for name in names:
+            secrets.remove(name)
+            print(f"removed {name}")
 
 
 # ---------------------------------------------------------------------------- commands
@@ -372,8 +565,20 @@ def audit(
     tenant: Annotated[str | None, typer.Option(help="Tenant (admin keys only).")] = None,
     limit: Annotated[int, typer.Option(help="At most this many events.")] = 100,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    egress: Annotated[bool, typer.Option(
+        "--egress", help="Show the egress log: every connection sandboxes tried to make.")] = False,
+    host: Annotated[str | None, typer.Option(help="With --egress: only this host.")] = None,
+    denied: Annotated[bool, typer.Option(
+        "--denied", help="With --egress: only refused attempts.")] = False,
 ) -> None:
-    """Show the audit log, newest first."""
+    """Show the audit log (or with --egress the egress log), newest first."""
+    if egress:
+        if action is not None:
+            raise typer.BadParameter("--action does not apply to --egress", param_hint="--action")
+        _egress_log(ctx, sandbox, host, denied, tenant, limit, as_json)
+        return
+    if host is not None or denied:
+        raise typer.BadParameter("--host and --denied need --egress", param_hint="--egress")
     events = list_audit_events(sandbox_id=sandbox, action=action, tenant=tenant, limit=limit,
                                **_conn(ctx))
     if as_json:
@@ -393,6 +598,43 @@ def audit(
     headers = ["TIME", *(["TENANT"] if show_tenant else []), "ACTION", "SANDBOX", "STATUS",
                "DETAIL"]
     _print_table(headers, rows)
+
+
+def _egress_log(ctx: typer.Context, sandbox: str | None, host: str | None, denied: bool,
+                tenant: str | None, limit: int, as_json: bool) -> None:
+    events = list_egress_events(sandbox_id=sandbox, host=host, allowed=False if denied else None,
+                                tenant=tenant, limit=limit, **_conn(ctx))
+    if as_json:
+        _print_json([dataclasses.asdict(e) for e in events])
+        return
+    show_tenant = len({e.tenant for e in events}) > 1
+    rows = [_egress_row(e, show_tenant) for e in events]
+    headers = ["TIME", *(["TENANT"] if show_tenant else []), "SANDBOX", "PROTOCOL", "HOST:PORT",
+               "REQUEST", "STATUS", "OUT/IN", "VERDICT", "RULE"]
+    _print_table(headers, rows)
+
+
+def _egress_row(e: EgressEvent, show_tenant: bool) -> list[str]:
+    request = " ".join(x for x in (e.method, e.path) if x) or "-"
+    status = "-" if e.status is None else str(e.status)
+    if e.status is not None and e.status >= 400:
+        status = f"[red]{status}[/red]"
+    verdict = "[green]allowed[/green]" if e.allowed else "[red]denied[/red]"
+    target = e.host if e.port is None else f"{e.host}:{e.port}"
+    return [_time(e.time), *([escape(e.tenant or "-")] if show_tenant else []),
+            escape(e.sandbox_id or "-"), escape(e.protocol), escape(target), escape(request),
+            status, f"{_bytes(e.bytes_out)}/{_bytes(e.bytes_in)}", verdict,
+            escape(e.rule or e.reason or "")]
+
+
+def _bytes(n: int) -> str:
+    """A byte count in a few characters (512, 1.5K, 23K, 4.7M): tables must fit 80 columns."""
+    size = float(n)
+    for unit in ("", "K", "M"):
+        if size < 1024:
+            return f"{size:.1f}{unit}" if unit and size < 10 else f"{size:.0f}{unit}"
+        size /= 1024
+    return f"{size:.1f}G"
 
 
 # ---------------------------------------------------------------------------- entry point

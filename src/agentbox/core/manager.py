@@ -41,8 +41,8 @@ from agentbox.core.network import (
     new_access_token,
 )
 from agentbox.core.pools import MAX_POOL_SIZE, POOL_TENANT, WarmPools
-from agentbox.egress.proxy import HTTP_PORT, SOCKS_PORT
 from agentbox.egress.policy import EgressPolicy
+from agentbox.egress.proxy import HTTP_PORT, SOCKS_PORT
 from agentbox.runtimes.base import Resources, Runtime, RuntimeError_, SandboxSpec
 from agentbox.store.db import SandboxRow, Store
 from agentbox.templates import (

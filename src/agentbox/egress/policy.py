@@ -338,7 +338,7 @@ def decide(
     else:
         how = (
             "update the sandbox's network policy (PUT /v1/sandboxes/{id}/network or "
-            f"`agentbox sandbox network ID --allow {host}`) with allow_out ['{host}']"
+            f"`agentbox network ID --allow {host}`) with allow_out ['{host}']"
         )
         if policy.is_empty:
             message = (

@@ -12,22 +12,26 @@ from agentbox.sdk.exceptions import *  # noqa: F403
 from agentbox.sdk.exceptions import __all__ as _exception_names
 from agentbox.sdk.models import (
     AuditEvent,
+    BlockedAttempt,
     CommandInfo,
     CommandResult,
     Context,
+    EgressEvent,
     EntryInfo,
     Execution,
     ExecutionError,
     Logs,
+    NetworkInfo,
     OutputMessage,
     PoolStats,
     Resources,
     Result,
     SandboxInfo,
+    SecretInfo,
     TemplateInfo,
     Violation,
 )
-from agentbox.sdk.sandbox import CommandHandle, Sandbox, Templates
+from agentbox.sdk.sandbox import CommandHandle, Sandbox, Secrets, Templates
 
 __all__ = [
     "Sandbox",
@@ -42,6 +46,11 @@ __all__ = [
     "Violation",
     "AuditEvent",
     "Templates",
+    "Secrets",
+    "SecretInfo",
+    "NetworkInfo",
+    "BlockedAttempt",
+    "EgressEvent",
     "Execution",
     "Result",
     "Logs",

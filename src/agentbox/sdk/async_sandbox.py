@@ -9,7 +9,15 @@ from __future__ import annotations
 import asyncio
 import builtins
 import inspect
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from collections.abc import (
+    AsyncIterable,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Mapping,
+    Sequence,
+)
 from typing import IO, Any, Literal, TypeVar, overload
 
 import httpx
@@ -310,9 +318,11 @@ class AsyncFiles:
 class AsyncSandbox:
     """`sbx = await AsyncSandbox.create()`; `async with sbx:` kills it when the block ends."""
 
-    def __init__(self, sandbox_id: str, transport: AsyncTransport) -> None:
+    def __init__(self, sandbox_id: str, transport: AsyncTransport,
+                 info: SandboxInfo | None = None) -> None:
         self.sandbox_id = sandbox_id
         self._transport = transport
+        self._info = info
         self.commands = AsyncCommands(sandbox_id, transport)
         self.files = AsyncFiles(sandbox_id, transport)
 
@@ -324,16 +334,20 @@ class AsyncSandbox:
                      metadata: Mapping[str, str] | None = None,
                      envs: Mapping[str, str] | None = None,
                      resources: Resources | Mapping[str, Any] | None = None,
-                     keep_workspace: bool = False, api_key: str | None = None,
+                     keep_workspace: bool = False, network: p.NetworkSpec | None = None,
+                     secrets: Sequence[str] | None = None,
+                     allow_internet_access: bool | None = None, api_key: str | None = None,
                      api_url: str | None = None, request_timeout: float = 60) -> AsyncSandbox:
+        """See `Sandbox.create`."""
         transport = AsyncTransport(p.resolve_config(api_key, api_url, request_timeout))
         try:
             info = await transport.call(p.create_sandbox(template, timeout, metadata, envs,
-                                                         resources, keep_workspace))
+                                                         resources, keep_workspace, network,
+                                                         secrets, allow_internet_access))
         except BaseException:
             await transport.close()
             raise
-        return cls(info.sandbox_id, transport)
+        return cls(info.sandbox_id, transport, info)
 
     @classmethod
     async def connect(cls, sandbox_id: str, api_key: str | None = None,
@@ -344,7 +358,7 @@ class AsyncSandbox:
         except BaseException:
             await transport.close()
             raise
-        return cls(info.sandbox_id, transport)
+        return cls(info.sandbox_id, transport, info)
 
     @classmethod
     async def list(cls, state: str | list[str] | None = None,
@@ -367,7 +381,40 @@ class AsyncSandbox:
         return found if limit is None else found[:limit]
 
     async def get_info(self) -> SandboxInfo:
-        return await self._transport.call(p.get_sandbox(self.sandbox_id))
+        return self._keep(await self._transport.call(p.get_sandbox(self.sandbox_id)))
+
+    def _keep(self, info: SandboxInfo) -> SandboxInfo:
+        self._info = info
+        return info
+
+    # -------------------------------------------------------------------- network
+
+    @property
+    def access_token(self) -> str | None:
+        """See `Sandbox.access_token`."""
+        return self._info.access_token if self._info is not None else None
+
+    def get_host(self, port: int) -> str:
+        """{port}-{sandbox_id}.{domain}; see `Sandbox.get_host` (no request: not awaited)."""
+        return p.sandbox_host(self._info, port)
+
+    async def get_url(self, port: int, expires_in: float | None = None, path: str = "/",
+                      routing: p.Routing = "path") -> str:
+        """A signed URL to `port` that needs no headers; see `Sandbox.get_url`."""
+        return await self._transport.call(p.port_url(self.sandbox_id, port, expires_in, path,
+                                                     routing))
+
+    async def update_network(self, network: p.NetworkSpec | None = None, *,
+                             allow_out: str | Sequence[str] | None = None,
+                             deny_out: str | Sequence[str] | None = None,
+                             allow_internet_access: bool | None = None,
+                             allow_public_traffic: bool | None = None) -> SandboxInfo:
+        """Replace the sandbox's whole network policy; see `Sandbox.update_network` (fields
+        not given take their defaults, they are not kept)."""
+        body = p.network_body(network, allow_out=allow_out, deny_out=deny_out,
+                              allow_internet_access=allow_internet_access,
+                              allow_public_traffic=allow_public_traffic)
+        return self._keep(await self._transport.call(p.set_network(self.sandbox_id, body)))
 
     # -------------------------------------------------------------------- code interpreter
 
@@ -410,7 +457,7 @@ class AsyncSandbox:
             return False
 
     async def set_timeout(self, timeout: float) -> SandboxInfo:
-        return await self._transport.call(p.set_timeout(self.sandbox_id, timeout))
+        return self._keep(await self._transport.call(p.set_timeout(self.sandbox_id, timeout)))
 
     async def kill(self) -> None:
         await self._transport.call(p.kill_sandbox(self.sandbox_id))

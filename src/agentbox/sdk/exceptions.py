@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from agentbox.sdk.models import Violation
+from agentbox.sdk.models import BlockedAttempt, Violation
 
 __all__ = [
     "AgentboxError",
@@ -80,8 +80,11 @@ class CommandExitException(AgentboxError):
     def __init__(self, message: str, *, stdout: str, stderr: str, exit_code: int | None,
                  error: str | None = None, timed_out: bool = False,
                  violation: Violation | None = None, cmd_id: str | None = None,
-                 code: str = "command_exit") -> None:
+                 code: str = "command_exit",
+                 network_blocked: list[BlockedAttempt] | None = None) -> None:
         super().__init__(message, code=code)
+        # Egress attempts the sandbox's proxy refused while the command ran.
+        self.network_blocked = list(network_blocked or [])
         self.stdout = stdout
         self.stderr = stderr
         self.exit_code = exit_code

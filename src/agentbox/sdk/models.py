@@ -54,8 +54,43 @@ class Resources:
         return {k: v for k, v in asdict(self).items() if v is not None}
 
 
+def _strings(value: Any) -> list[str]:
+    return [str(v) for v in value] if isinstance(value, list) else []
+
+
+@dataclass(frozen=True)
+class NetworkInfo:
+    """A sandbox's network policy (E2B's names). Egress is refused unless allowed here.
+
+    `allow_out` and `deny_out` hold hosts (example.com, *.example.com, host:port), IPs or CIDRs;
+    deny wins. `allow_public_traffic` makes exposed ports reachable without the access token."""
+
+    allow_out: list[str] = field(default_factory=list)
+    deny_out: list[str] = field(default_factory=list)
+    allow_internet_access: bool = False
+    allow_public_traffic: bool = False
+
+    @classmethod
+    def from_json(cls, data: Any) -> NetworkInfo | None:
+        if not isinstance(data, dict):
+            return None
+        return cls(allow_out=_strings(data.get("allow_out")),
+                   deny_out=_strings(data.get("deny_out")),
+                   allow_internet_access=bool(data.get("allow_internet_access")),
+                   allow_public_traffic=bool(data.get("allow_public_traffic")))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"allow_out": list(self.allow_out), "deny_out": list(self.deny_out),
+                "allow_internet_access": self.allow_internet_access,
+                "allow_public_traffic": self.allow_public_traffic}
+
+
 @dataclass(frozen=True)
 class SandboxInfo:
+    """A sandbox as the server sees it. `network` is None when the server did not say;
+    `access_token` (None once the sandbox ended) opens its private exposed ports, and `domain`
+    is where they are host-routed: {port}-{sandbox_id}.{domain}."""
+
     sandbox_id: str
     tenant: str
     template: str
@@ -67,6 +102,11 @@ class SandboxInfo:
     end_reason: str | None
     resources: Resources
     keep_workspace: bool
+    network: NetworkInfo | None = None
+    secrets: list[str] = field(default_factory=list)
+    # Out of repr: an info printed to a log must not hand out access to the sandbox's ports.
+    access_token: str | None = field(default=None, repr=False)
+    domain: str | None = None
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> SandboxInfo:
@@ -77,7 +117,28 @@ class SandboxInfo:
             end_at=_time(data.get("end_at")), ended_at=_time(data.get("ended_at")),
             end_reason=data.get("end_reason"), resources=Resources.from_json(data.get("resources")),
             keep_workspace=bool(data.get("keep_workspace")),
+            network=NetworkInfo.from_json(data.get("network")),
+            secrets=_strings(data.get("secrets")), access_token=data.get("access_token") or None,
+            domain=data.get("domain") or None,
         )
+
+
+@dataclass(frozen=True)
+class BlockedAttempt:
+    """A connection the egress proxy refused while a command ran, and the rule that did."""
+
+    host: str
+    port: int | None
+    protocol: str
+    rule: str | None
+    message: str
+
+    @classmethod
+    def list_from_json(cls, data: Any) -> list[BlockedAttempt]:
+        return [cls(host=str(d.get("host", "")), port=d.get("port"),
+                    protocol=str(d.get("protocol", "")), rule=d.get("rule"),
+                    message=str(d.get("message", "")))
+                for d in (data if isinstance(data, list) else []) if isinstance(d, dict)]
 
 
 @dataclass(frozen=True)
@@ -91,6 +152,8 @@ class CommandResult:
     timed_out: bool = False
     violation: Violation | None = None
     cmd_id: str | None = None
+    # Egress attempts the proxy refused while the command ran (whatever its exit code).
+    network_blocked: list[BlockedAttempt] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -161,6 +224,63 @@ class AuditEvent:
             status=data.get("status"), duration_ms=data.get("duration_ms"),
             detail=dict(data.get("detail") or {}),
         )
+
+
+@dataclass(frozen=True)
+class EgressEvent:
+    """One egress attempt through the proxy: where to, what was sent, and the verdict.
+
+    `protocol` is http, connect, connect-inspected, https-inspected or socks5; `method`, `path`
+    and `status` are known only for requests the proxy could read."""
+
+    id: int | str
+    time: datetime | None
+    tenant: str | None
+    sandbox_id: str | None
+    protocol: str
+    host: str
+    port: int | None
+    method: str | None
+    path: str | None
+    status: int | None
+    bytes_out: int
+    bytes_in: int
+    allowed: bool
+    rule: str | None
+    reason: str | None
+    duration_ms: float | None
+
+    @classmethod
+    def from_json(cls, data: Any) -> EgressEvent:
+        data = data if isinstance(data, dict) else {}
+        return cls(
+            id=data.get("id", ""), time=_time(data.get("time")), tenant=data.get("tenant"),
+            sandbox_id=data.get("sandbox_id"), protocol=str(data.get("protocol", "")),
+            host=str(data.get("host", "")), port=data.get("port"), method=data.get("method"),
+            path=data.get("path"), status=data.get("status"),
+            bytes_out=int(data.get("bytes_out") or 0), bytes_in=int(data.get("bytes_in") or 0),
+            allowed=bool(data.get("allowed")), rule=data.get("rule"), reason=data.get("reason"),
+            duration_ms=data.get("duration_ms"),
+        )
+
+
+@dataclass(frozen=True)
+class SecretInfo:
+    """A tenant secret as the server shows it: never its value. The proxy puts the value in
+    place of the sandbox's placeholder only on requests to `hosts` (in URLs too if `in_url`)."""
+
+    name: str
+    hosts: list[str]
+    in_url: bool
+    created_at: datetime | None
+    updated_at: datetime | None
+
+    @classmethod
+    def from_json(cls, data: Any) -> SecretInfo:
+        data = data if isinstance(data, dict) else {}
+        return cls(name=str(data.get("name", "")), hosts=_strings(data.get("hosts")),
+                   in_url=bool(data.get("in_url")), created_at=_time(data.get("created_at")),
+                   updated_at=_time(data.get("updated_at")))
 
 
 # ---------------------------------------------------------------------------- code interpreter

@@ -12,10 +12,10 @@ import functools
 import json
 import os
 import ssl
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 from urllib.parse import quote
 
 import httpx
@@ -36,23 +36,28 @@ from agentbox.sdk.exceptions import (
 )
 from agentbox.sdk.models import (
     AuditEvent,
+    BlockedAttempt,
     CommandInfo,
     CommandResult,
     Context,
+    EgressEvent,
     EntryInfo,
     Execution,
     ExecutionError,
+    NetworkInfo,
     OutputMessage,
     PoolStats,
     Resources,
     Result,
     SandboxInfo,
+    SecretInfo,
     TemplateInfo,
     Violation,
 )
 
 T = TypeVar("T")
 Params = list[tuple[str, str | int | float | bool | None]]
+NetworkSpec = NetworkInfo | Mapping[str, Any]
 
 API_KEY_HEADER = "X-API-Key"
 # Reads of file streams and uploads go in chunks of this size, never whole files.
@@ -163,7 +168,11 @@ def _command(r: httpx.Response) -> CommandInfo:
 def create_sandbox(template: str | None, timeout: float, metadata: Mapping[str, str] | None,
                    envs: Mapping[str, str] | None,
                    resources: Resources | Mapping[str, Any] | None,
-                   keep_workspace: bool) -> Call[SandboxInfo]:
+                   keep_workspace: bool, network: NetworkSpec | None = None,
+                   secrets: Sequence[str] | None = None,
+                   allow_internet_access: bool | None = None) -> Call[SandboxInfo]:
+    """`network` None takes the tenant's default policy; `allow_internet_access` is E2B's
+    shorthand, applied over `network` by the server; `secrets` are names of tenant secrets."""
     if isinstance(resources, Resources):
         res = resources.to_json()
     else:
@@ -174,6 +183,12 @@ def create_sandbox(template: str | None, timeout: float, metadata: Mapping[str, 
     }
     if template is not None:
         body["template"] = template
+    if network is not None:
+        body["network"] = network_body(network)
+    if allow_internet_access is not None:
+        body["allow_internet_access"] = allow_internet_access
+    if secrets:
+        body["secrets"] = _names(secrets, "secrets")
     return Call("POST", "/v1/sandboxes", _sandbox, json=body)
 
 
@@ -215,6 +230,96 @@ def kill_sandbox(sandbox_id: str) -> Call[None]:
 
 def set_timeout(sandbox_id: str, timeout: float) -> Call[SandboxInfo]:
     return Call("POST", f"{_sbx(sandbox_id)}/timeout", _sandbox, json={"timeout": timeout})
+
+
+# Network and exposed ports
+
+
+def _names(values: str | Sequence[str], what: str) -> list[str]:
+    # A lone string is one name, not a sequence of one-letter names.
+    if isinstance(values, str):
+        return [values]
+    if not all(isinstance(v, str) for v in values):
+        raise InvalidArgumentError(f"{what} must be strings", code="invalid_request")
+    return list(values)
+
+
+def network_body(network: NetworkSpec | None = None, *,
+                 allow_out: str | Sequence[str] | None = None,
+                 deny_out: str | Sequence[str] | None = None,
+                 allow_internet_access: bool | None = None,
+                 allow_public_traffic: bool | None = None) -> dict[str, Any]:
+    """The JSON of a whole network policy: `network`'s fields, overridden by the keywords given.
+
+    Fields neither names are left out, so the server gives them their defaults (nothing
+    allowed, ports private): the policy sent replaces the sandbox's, it is not merged into it."""
+    body = network.to_json() if isinstance(network, NetworkInfo) else dict(network or {})
+    if allow_out is not None:
+        body["allow_out"] = _names(allow_out, "allow_out")
+    if deny_out is not None:
+        body["deny_out"] = _names(deny_out, "deny_out")
+    if allow_internet_access is not None:
+        body["allow_internet_access"] = allow_internet_access
+    if allow_public_traffic is not None:
+        body["allow_public_traffic"] = allow_public_traffic
+    return body
+
+
+def set_network(sandbox_id: str, network: dict[str, Any]) -> Call[SandboxInfo]:
+    return Call("PUT", f"{_sbx(sandbox_id)}/network", _sandbox, json=network)
+
+
+Routing = Literal["path", "host"]
+
+
+def port_url(sandbox_id: str, port: int, expires_in: float | None = None, path: str = "/",
+             routing: Routing = "path") -> Call[str]:
+    """A signed URL to the sandbox's `port` that works with no headers: path-routed
+    ({api}/v1/sandboxes/{id}/ports/{port}{path}) or host-routed ({port}-{id}.{domain})."""
+    if routing not in ("path", "host"):
+        raise InvalidArgumentError(f"routing must be 'path' or 'host', not {routing!r}",
+                                   code="invalid_request")
+    return Call("POST", f"{_sbx(sandbox_id)}/port-url", lambda r: str(r.json()["url"]),
+                json={"port": port, "expires_in": expires_in, "path": path,
+                      "routing": routing})
+
+
+def sandbox_host(info: SandboxInfo | None, port: int) -> str:
+    """Where the sandbox's `port` is host-routed, E2B's shape: {port}-{sandbox_id}.{domain}.
+
+    Requests there need the sandbox's access token (X-Access-Token) or a tenant API key
+    unless the sandbox allows public traffic."""
+    if info is None or not info.domain:
+        raise AgentboxError("the server did not say which domain exposed ports use (a server "
+                            "older than exposed ports?); use get_url instead",
+                            code="unsupported")
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise InvalidArgumentError(f"port must be 1-65535, not {port!r}", code="invalid_request")
+    return f"{port}-{info.sandbox_id}.{info.domain}"
+
+
+# Secrets
+
+
+def _secret(r: httpx.Response) -> SecretInfo:
+    return SecretInfo.from_json(r.json())
+
+
+def set_secret(name: str, value: str, hosts: str | Sequence[str],
+               in_url: bool = False) -> Call[SecretInfo]:
+    return Call("PUT", f"/v1/secrets/{_seg(name)}", _secret,
+                json={"value": value, "hosts": _names(hosts, "hosts"), "in_url": in_url})
+
+
+def list_secrets() -> Call[list[SecretInfo]]:
+    def parse(r: httpx.Response) -> list[SecretInfo]:
+        return [SecretInfo.from_json(s) for s in r.json().get("secrets", [])]
+
+    return Call("GET", "/v1/secrets", parse)
+
+
+def remove_secret(name: str) -> Call[None]:
+    return Call("DELETE", f"/v1/secrets/{_seg(name)}", _none)
 
 
 # Commands
@@ -313,19 +418,36 @@ def is_missing_path(error: AgentboxError) -> bool:
 # Audit
 
 
-def list_audit(sandbox_id: str | None, action: str | None, tenant: str | None,
-               since: datetime | float | None, limit: int) -> Call[list[AuditEvent]]:
+def _audit_params(limit: int, since: datetime | float | None,
+                  **filters: str | bool | None) -> Params:
+    """Query of the audit routes: filters left None (or "") are not sent."""
     params: Params = [("limit", limit)]
-    for name, value in (("sandbox_id", sandbox_id), ("action", action), ("tenant", tenant)):
-        if value:
-            params.append((name, value))
+    params += [(name, value) for name, value in filters.items()
+               if value is not None and value != ""]
     if since is not None:
         params.append(("since", since.timestamp() if isinstance(since, datetime) else since))
+    return params
 
+
+def list_audit(sandbox_id: str | None, action: str | None, tenant: str | None,
+               since: datetime | float | None, limit: int) -> Call[list[AuditEvent]]:
     def parse(r: httpx.Response) -> list[AuditEvent]:
         return [AuditEvent.from_json(e) for e in r.json().get("events", [])]
 
-    return Call("GET", "/v1/audit", parse, params=params)
+    return Call("GET", "/v1/audit", parse,
+                params=_audit_params(limit, since, sandbox_id=sandbox_id, action=action,
+                                     tenant=tenant))
+
+
+def list_egress(sandbox_id: str | None, host: str | None, allowed: bool | None,
+                tenant: str | None, since: datetime | float | None,
+                limit: int) -> Call[list[EgressEvent]]:
+    def parse(r: httpx.Response) -> list[EgressEvent]:
+        return [EgressEvent.from_json(e) for e in r.json().get("events", [])]
+
+    return Call("GET", "/v1/audit/egress", parse,
+                params=_audit_params(limit, since, sandbox_id=sandbox_id, host=host,
+                                     allowed=allowed, tenant=tenant))
 
 
 # Code interpreter
@@ -644,7 +766,9 @@ class CommandProgress:
             error = _failure_text(exit_code, timed_out, violation)
         return CommandResult(stdout="".join(self.stdout), stderr="".join(self.stderr),
                              exit_code=exit_code, error=error, timed_out=timed_out,
-                             violation=violation, cmd_id=self.cmd_id)
+                             violation=violation, cmd_id=self.cmd_id,
+                             network_blocked=BlockedAttempt.list_from_json(
+                                 end.get("network_blocked")))
 
     def outcome(self) -> CommandResult:
         """The result, or CommandExitException when the command did not exit 0."""
@@ -658,7 +782,8 @@ class CommandProgress:
         raise cls(message, stdout=result.stdout, stderr=result.stderr,
                   exit_code=result.exit_code, error=result.error, timed_out=result.timed_out,
                   violation=result.violation, cmd_id=result.cmd_id,
-                  code="command_timeout" if result.timed_out else "command_exit")
+                  code="command_timeout" if result.timed_out else "command_exit",
+                  network_blocked=result.network_blocked)
 
 
 def _failure_text(exit_code: int | None, timed_out: bool, violation: Violation | None) -> str:

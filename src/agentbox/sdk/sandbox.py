@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import builtins
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import IO, Any, Literal, TypeVar, overload
 
 import httpx
@@ -23,6 +23,7 @@ from agentbox.sdk.models import (
     Resources,
     Result,
     SandboxInfo,
+    SecretInfo,
     TemplateInfo,
 )
 
@@ -363,15 +364,51 @@ class Templates:
         self.close()
 
 
+class Secrets:
+    """The tenant's secrets: `Secrets()` with a key. Values go in and never come back out.
+
+    A sandbox created with `secrets=["NAME"]` sees only a placeholder in $NAME; the egress
+    proxy swaps in the value on requests to the secret's `hosts` (headers, and the URL too
+    when `in_url`), so the sandbox can use a credential it cannot read."""
+
+    def __init__(self, api_key: str | None = None, api_url: str | None = None,
+                 request_timeout: float = 60) -> None:
+        self._transport = Transport(p.resolve_config(api_key, api_url, request_timeout))
+
+    def set(self, name: str, value: str, hosts: str | Sequence[str],
+            in_url: bool = False) -> SecretInfo:
+        """Create or replace a secret; `hosts` (example.com, *.example.com) are the only
+        destinations its value is ever sent to. `name` is an environment variable name."""
+        return self._transport.call(p.set_secret(name, value, hosts, in_url))
+
+    def list(self) -> builtins.list[SecretInfo]:
+        return self._transport.call(p.list_secrets())
+
+    def remove(self, name: str) -> None:
+        """NotFoundError if there is no such secret. Running sandboxes lose it at once."""
+        self._transport.call(p.remove_secret(name))
+
+    def close(self) -> None:
+        self._transport.close()
+
+    def __enter__(self) -> Secrets:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 class Sandbox:
     """An agentbox sandbox. Make one with `Sandbox.create()` or `Sandbox.connect(id)`.
 
     `with Sandbox.create() as sbx:` kills the sandbox when the block ends.
     """
 
-    def __init__(self, sandbox_id: str, transport: Transport) -> None:
+    def __init__(self, sandbox_id: str, transport: Transport,
+                 info: SandboxInfo | None = None) -> None:
         self.sandbox_id = sandbox_id
         self._transport = transport
+        self._info = info
         self.commands = Commands(sandbox_id, transport)
         self.files = Files(sandbox_id, transport)
 
@@ -382,17 +419,25 @@ class Sandbox:
     def create(cls, template: str | None = None, timeout: float = 300,
                metadata: Mapping[str, str] | None = None, envs: Mapping[str, str] | None = None,
                resources: Resources | Mapping[str, Any] | None = None,
-               keep_workspace: bool = False, api_key: str | None = None,
-               api_url: str | None = None, request_timeout: float = 60) -> Sandbox:
-        """Start a sandbox that lives `timeout` seconds unless extended with set_timeout."""
+               keep_workspace: bool = False, network: p.NetworkSpec | None = None,
+               secrets: Sequence[str] | None = None, allow_internet_access: bool | None = None,
+               api_key: str | None = None, api_url: str | None = None,
+               request_timeout: float = 60) -> Sandbox:
+        """Start a sandbox that lives `timeout` seconds unless extended with set_timeout.
+
+        `network` is its policy ({"allow_out": [...], "deny_out": [...],
+        "allow_internet_access": bool, "allow_public_traffic": bool}; None = the tenant's
+        default); `allow_internet_access` overrides that one field. `secrets` names tenant
+        secrets (see `Secrets`) the sandbox gets as placeholder environment variables."""
         transport = Transport(p.resolve_config(api_key, api_url, request_timeout))
         try:
             info = transport.call(p.create_sandbox(template, timeout, metadata, envs, resources,
-                                                   keep_workspace))
+                                                   keep_workspace, network, secrets,
+                                                   allow_internet_access))
         except BaseException:
             transport.close()
             raise
-        return cls(info.sandbox_id, transport)
+        return cls(info.sandbox_id, transport, info)
 
     @classmethod
     def connect(cls, sandbox_id: str, api_key: str | None = None, api_url: str | None = None,
@@ -404,7 +449,7 @@ class Sandbox:
         except BaseException:
             transport.close()
             raise
-        return cls(info.sandbox_id, transport)
+        return cls(info.sandbox_id, transport, info)
 
     @classmethod
     def list(cls, state: str | list[str] | None = None,
@@ -428,7 +473,49 @@ class Sandbox:
         return found if limit is None else found[:limit]
 
     def get_info(self) -> SandboxInfo:
-        return self._transport.call(p.get_sandbox(self.sandbox_id))
+        return self._keep(self._transport.call(p.get_sandbox(self.sandbox_id)))
+
+    def _keep(self, info: SandboxInfo) -> SandboxInfo:
+        self._info = info
+        return info
+
+    # -------------------------------------------------------------------- network
+
+    @property
+    def access_token(self) -> str | None:
+        """Opens the sandbox's private exposed ports (header X-Access-Token); None once it
+        ended. As of the last answer about this sandbox."""
+        return self._info.access_token if self._info is not None else None
+
+    def get_host(self, port: int) -> str:
+        """Host name of `port` inside the sandbox: {port}-{sandbox_id}.{domain} (E2B's shape).
+
+        Unless the sandbox allows public traffic, send X-Access-Token: `access_token`, or use
+        `get_url` for a signed URL that needs no headers."""
+        return p.sandbox_host(self._info, port)
+
+    def get_url(self, port: int, expires_in: float | None = None, path: str = "/",
+                routing: p.Routing = "path") -> str:
+        """A signed URL to `port` that any HTTP client can open with no headers, valid
+        `expires_in` seconds (None = while the sandbox lives). `routing="host"` gives a URL on
+        get_host's name instead of under the API's /v1/sandboxes/{id}/ports/{port}."""
+        return self._transport.call(p.port_url(self.sandbox_id, port, expires_in, path, routing))
+
+    def update_network(self, network: p.NetworkSpec | None = None, *,
+                       allow_out: str | Sequence[str] | None = None,
+                       deny_out: str | Sequence[str] | None = None,
+                       allow_internet_access: bool | None = None,
+                       allow_public_traffic: bool | None = None) -> SandboxInfo:
+        """Replace the sandbox's whole network policy, effective for new connections at once.
+
+        The policy sent is `network` (a dict or a NetworkInfo) with the keywords given put over
+        it; anything neither names takes its default (nothing allowed, ports private), so
+        `update_network(allow_out=["pypi.org"])` also turns internet access and public ports
+        off. To change one field, start from `get_info().network`."""
+        body = p.network_body(network, allow_out=allow_out, deny_out=deny_out,
+                              allow_internet_access=allow_internet_access,
+                              allow_public_traffic=allow_public_traffic)
+        return self._keep(self._transport.call(p.set_network(self.sandbox_id, body)))
 
     # -------------------------------------------------------------------- code interpreter
 
@@ -477,7 +564,7 @@ class Sandbox:
 
     def set_timeout(self, timeout: float) -> SandboxInfo:
         """The sandbox now ends `timeout` seconds from now."""
-        return self._transport.call(p.set_timeout(self.sandbox_id, timeout))
+        return self._keep(self._transport.call(p.set_timeout(self.sandbox_id, timeout)))
 
     def kill(self) -> None:
         """Kill the sandbox (killing a dead one is fine)."""

@@ -5,8 +5,10 @@ place, and streams. Everything else happens in `core/`.
 """
 
 import base64
+import dataclasses
 import json
 import logging
+import math
 import os
 import signal as signals
 import sys
@@ -17,6 +19,7 @@ from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
 from typing import Annotated, Any
+from urllib.parse import urlencode, urlsplit
 
 from fastapi import Depends, FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -24,6 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agentbox import __version__
+from agentbox.core import ports
 from agentbox.core.auth import Authenticator, Caller, check_tenant_name, create_key
 from agentbox.core.errors import (
     AgentboxError,
@@ -39,7 +43,9 @@ from agentbox.core.manager import (
     SandboxManager,
     builtin_spec_names,
 )
+from agentbox.core.network import NetworkService, NetworkSettings
 from agentbox.server import models as m
+from agentbox.server.gateway import PortGateway, PortTarget
 from agentbox.store.db import Store
 from agentbox.templates import SpecError, TemplateStore, builtin_spec_path, load_spec
 
@@ -108,6 +114,14 @@ def _parse_time(value: str | None) -> float | None:
     return t.timestamp()
 
 
+def _times(secret: dict[str, Any]) -> dict[str, Any]:
+    return {
+        **secret,
+        "created_at": m.rfc3339(secret.get("created_at")),
+        "updated_at": m.rfc3339(secret.get("updated_at")),
+    }
+
+
 def _load_spec(text: str, base: Path | None) -> Any:
     try:
         return load_spec(text, base)
@@ -142,14 +156,25 @@ def create_app(
     runtime_config: dict[str, Any] | None = None,
     template_dir: Path | None = None,
     warm_pools: dict[str, int] | None = None,
+    network: NetworkSettings | None = None,
 ) -> FastAPI:
     """The HTTP API over one data dir and one runtime (`runtime_config` goes to its constructor).
 
     Templates live in `template_dir` (default `<data_dir>/templates`; servers may share one);
-    `warm_pools` maps template names to pool sizes.
+    `warm_pools` maps template names to pool sizes; `network` holds the operator's egress and
+    exposed-ports settings.
     """
     data_dir = data_dir.resolve()
     state: dict[str, Any] = {}
+    net_settings = network or NetworkSettings()
+    public = urlsplit(net_settings.public_url or "http://localhost")
+    # What clients put after "{port}-{sandbox_id}." to reach an exposed port.
+    domain = net_settings.ports_domain
+    if public.port and public.port not in (80, 443):
+        domain = f"{domain}:{public.port}"
+
+    def info(row: Any) -> m.SandboxInfo:
+        return m.SandboxInfo.of(row, domain)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -172,14 +197,17 @@ def create_app(
             template_dir or data_dir / "templates",
             in_use=lambda rootfs: manager.rootfs_in_use(rootfs),
         )
-        manager = SandboxManager(store, runtime, templates, warm_pools)
+        netsvc = NetworkService(store, data_dir, net_settings)
+        manager = SandboxManager(store, runtime, templates, netsvc, warm_pools)
         await manager.start()
-        state.update(store=store, auth=auth, manager=manager, runtime=runtime)
+        state.update(store=store, auth=auth, manager=manager, runtime=runtime, network=netsvc)
         try:
             yield
         finally:
             # Sandboxes are not stopped: they outlive the server and are re-adopted.
             await manager.stop()
+            await gateway.aclose()
+            await netsvc.close()
             await runtime.close()
 
     app = FastAPI(
@@ -188,6 +216,51 @@ def create_app(
         lifespan=lifespan,
         description="Self-hosted sandboxes for AI agents. See docs/API.md.",
     )
+
+    # ------------------------------------------------------------------ exposed ports
+
+    async def port_target(sandbox_id: str) -> PortTarget | None:
+        row = state["manager"].running_row(sandbox_id)
+        if row is None or row.access_token is None:
+            return None
+        return PortTarget(
+            sandbox_id=sandbox_id,
+            tenant=row.tenant,
+            access_token=row.access_token,
+            public=bool((row.network or {}).get("allow_public_traffic")),
+        )
+
+    async def tenant_of_key(key: str) -> str | None:
+        try:
+            return state["auth"].authenticate(key).tenant
+        except AgentboxError:
+            return None
+
+    async def connect_port(sandbox_id: str, port: int) -> Any:
+        return await state["manager"].connect_port(sandbox_id, port)
+
+    gateway_holder: list[PortGateway] = []
+
+    def make_gateway(inner: Any) -> PortGateway:
+        gw = PortGateway(
+            inner,
+            domain=net_settings.ports_domain,
+            lookup=port_target,
+            tenant_of_key=tenant_of_key,
+            connect=connect_port,
+        )
+        gateway_holder.append(gw)
+        return gw
+
+    class _Gateway:
+        """Holds the gateway the middleware stack builds, for closing at shutdown."""
+
+        async def aclose(self) -> None:
+            for gw in gateway_holder:
+                await gw.aclose()
+
+    gateway = _Gateway()
+    app.add_middleware(make_gateway)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ errors, in one place
 
@@ -277,6 +350,9 @@ def create_app(
         tags=["sandboxes"],
     )
     async def create_sandbox(body: m.CreateSandboxBody, mgr: Mgr, who: Who) -> m.SandboxInfo:
+        network = body.network.model_dump() if body.network is not None else None
+        if body.allow_internet_access is not None:
+            network = {**(network or {}), "allow_internet_access": body.allow_internet_access}
         row = await mgr.create(
             who,
             CreateRequest(
@@ -286,9 +362,11 @@ def create_app(
                 envs=body.envs,
                 resources=body.resources.model_dump(exclude_none=True),
                 keep_workspace=body.keep_workspace,
+                network=network,
+                secrets=body.secrets,
             ),
         )
-        return m.SandboxInfo.of(row)
+        return info(row)
 
     @app.get("/v1/sandboxes", response_model=m.SandboxList, responses=responses, tags=["sandboxes"])
     async def list_sandboxes(
@@ -307,7 +385,7 @@ def create_app(
                 raise InvalidRequest(f"metadata filter {item!r} must look like key=value")
             meta[k] = v
         rows, token = mgr.list(who, states or None, meta, limit, next_token)
-        return m.SandboxList(sandboxes=[m.SandboxInfo.of(r) for r in rows], next_token=token)
+        return m.SandboxList(sandboxes=[info(r) for r in rows], next_token=token)
 
     @app.get(
         "/v1/sandboxes/{sandbox_id}",
@@ -316,7 +394,7 @@ def create_app(
         tags=["sandboxes"],
     )
     async def get_sandbox(sandbox_id: str, mgr: Mgr, who: Who) -> m.SandboxInfo:
-        return m.SandboxInfo.of(mgr.get(who, sandbox_id))
+        return info(mgr.get(who, sandbox_id))
 
     @app.delete(
         "/v1/sandboxes/{sandbox_id}", status_code=204, responses=responses, tags=["sandboxes"]
@@ -334,7 +412,92 @@ def create_app(
     async def set_timeout(
         sandbox_id: str, body: m.TimeoutBody, mgr: Mgr, who: Who
     ) -> m.SandboxInfo:
-        return m.SandboxInfo.of(await mgr.set_timeout(who, sandbox_id, body.timeout))
+        return info(await mgr.set_timeout(who, sandbox_id, body.timeout))
+
+    @app.put(
+        "/v1/sandboxes/{sandbox_id}/network",
+        response_model=m.SandboxInfo,
+        responses=responses,
+        tags=["network"],
+    )
+    async def set_network(
+        sandbox_id: str, body: m.NetworkBody, mgr: Mgr, who: Who
+    ) -> m.SandboxInfo:
+        return info(await mgr.set_network(who, sandbox_id, body.model_dump()))
+
+    @app.post("/v1/sandboxes/{sandbox_id}/port-url", responses=responses, tags=["network"])
+    async def port_url(sandbox_id: str, body: m.PortUrlBody, mgr: Mgr, who: Who) -> dict[str, Any]:
+        row = mgr.running(who, sandbox_id)
+        assert row.access_token is not None
+        expires = math.ceil(time.time() + body.expires_in) if body.expires_in else 0
+        sig = ports.sign(row.access_token, sandbox_id, body.port, expires)
+        path = body.path if body.path.startswith("/") else "/" + body.path
+        sep = "&" if "?" in path else "?"
+        query = urlencode({ports.EXP_PARAM: expires, ports.SIG_PARAM: sig})
+        if body.routing == "host":
+            base = f"{public.scheme}://{body.port}-{sandbox_id}.{domain}"
+        else:
+            base = (
+                f"{public.scheme}://{public.netloc}{public.path.rstrip('/')}"
+                f"/v1/sandboxes/{sandbox_id}/ports/{body.port}"
+            )
+        mgr.audit(who, "port.url", sandbox_id, port=body.port, expires_in=body.expires_in)
+        return {
+            "url": f"{base}{path}{sep}{query}",
+            "port": body.port,
+            "expires_at": m.rfc3339(expires) if expires else None,
+        }
+
+    # ------------------------------------------------------------------ secrets
+
+    @app.put("/v1/secrets/{name}", responses=responses, tags=["network"])
+    async def put_secret(name: str, body: m.SecretBody, mgr: Mgr, who: Who) -> dict[str, Any]:
+        result = state["network"].set_secret(who.tenant, name, body.value, body.hosts, body.in_url)
+        mgr.audit(who, "secret.set", name=name, hosts=body.hosts, in_url=body.in_url)
+        return _times(result)
+
+    @app.get("/v1/secrets", responses=responses, tags=["network"])
+    async def list_secrets(who: Who) -> dict[str, Any]:
+        return {"secrets": [_times(s) for s in state["network"].list_secrets(who.tenant)]}
+
+    @app.delete("/v1/secrets/{name}", status_code=204, responses=responses, tags=["network"])
+    async def delete_secret(name: str, mgr: Mgr, who: Who) -> Response:
+        state["network"].remove_secret(who.tenant, name)
+        mgr.audit(who, "secret.remove", name=name)
+        return Response(status_code=204)
+
+    # ------------------------------------------------------------------ tenant network
+
+    @app.get("/v1/tenants/{tenant}/network", responses=responses, tags=["network"])
+    async def get_tenant_network(tenant: str, who: Who) -> dict[str, Any]:
+        if not who.admin and who.tenant != tenant:
+            raise NotFound(f"tenant {tenant} not found")
+        return state["network"].tenant_network(tenant)
+
+    @app.put("/v1/tenants/{tenant}/network", responses=responses, tags=["admin"])
+    async def put_tenant_network(
+        tenant: str, body: m.TenantNetworkBody, mgr: Mgr, who: Admin
+    ) -> dict[str, Any]:
+        """Set a tenant's ceiling (what its sandboxes may ever allow) and default policy."""
+        check_tenant_name(tenant)
+        net = state["network"]
+        fields = body.model_fields_set
+        if "ceiling" in fields:
+            ceiling = body.ceiling.model_dump() if body.ceiling else None
+            if ceiling is not None:
+                ceiling.pop("allow_public_traffic", None)
+            net.set_tenant_ceiling(tenant, ceiling)
+        if "default" in fields:
+            net.set_tenant_default(tenant, body.default.model_dump() if body.default else None)
+        mgr.audit(who, "tenant.network", tenant=tenant, network=body.model_dump())
+        return net.tenant_network(tenant)
+
+    @app.put("/v1/network/default", responses=responses, tags=["network"])
+    async def put_network_default(body: m.NetworkBody, mgr: Mgr, who: Who) -> dict[str, Any]:
+        """The caller's tenant's default network for sandboxes created without one."""
+        result = state["network"].set_tenant_default(who.tenant, body.model_dump())
+        mgr.audit(who, "tenant.network", tenant=who.tenant, default=body.model_dump())
+        return result
 
     # ------------------------------------------------------------------ commands
 
@@ -709,6 +872,27 @@ def create_app(
             raise NotFound(f"tenant {tenant} not found")
         return mgr.quota(tenant)
 
+    @app.get("/v1/audit/egress", responses=responses, tags=["audit"])
+    async def audit_egress(
+        who: Who,
+        sandbox_id: Annotated[str | None, Query(max_length=64)] = None,
+        host: Annotated[str | None, Query(max_length=255)] = None,
+        allowed: bool | None = None,
+        tenant: Annotated[str | None, Query(max_length=64)] = None,
+        since: Annotated[
+            str | None, Query(max_length=40, description="RFC 3339 time or unix seconds")
+        ] = None,
+        limit: Annotated[int, Query(ge=1, le=10_000)] = 100,
+    ) -> dict[str, Any]:
+        """Every egress attempt: destination, method and path, bytes, allowed or denied, rule."""
+        scope = tenant if who.admin else who.tenant
+        events = state["network"].egress_events(
+            scope, sandbox_id, host, allowed, _parse_time(since), limit
+        )
+        for e in events:
+            e["time"] = m.rfc3339(e["time"])
+        return {"events": events}
+
     @app.get("/v1/audit", responses=responses, tags=["audit"])
     async def audit(
         mgr: Mgr,
@@ -738,6 +922,7 @@ def serve(
     runtime_config: dict[str, Any] | None = None,
     template_dir: Path | None = None,
     warm_pools: dict[str, int] | None = None,
+    network: NetworkSettings | None = None,
 ) -> None:
     """Run the server in the foreground until SIGINT/SIGTERM (sandboxes keep running)."""
     import uvicorn
@@ -752,6 +937,11 @@ def serve(
         level=os.environ.get("AGENTBOX_LOG_LEVEL", "INFO"),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if network is None or not network.public_url:
+        shown = "localhost" if host in ("0.0.0.0", "::", "127.0.0.1") else host
+        network = dataclasses.replace(
+            network or NetworkSettings(), public_url=f"http://{shown}:{port}"
+        )
     app = create_app(
         data_dir,
         os.environ.get("AGENTBOX_ADMIN_KEY"),
@@ -759,6 +949,7 @@ def serve(
         runtime_config,
         template_dir,
         warm_pools,
+        network,
     )
     started = time.monotonic()
     log.info(
@@ -771,5 +962,8 @@ def serve(
         log_level="warning",
         access_log=False,
         timeout_graceful_shutdown=5,
+        # Exposed ports relay the sandbox server's own Date and Server headers.
+        server_header=False,
+        date_header=False,
     )
     log.info("agentbox stopped after %.0f s", time.monotonic() - started)
