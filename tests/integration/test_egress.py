@@ -301,6 +301,30 @@ def test_host_header_and_sni_must_match(
     )
     assert "403" in res.stdout and "host_mismatch" in res.stdout
     assert not plain.seen("/hm")
+    # Plain HTTP inside a CONNECT tunnel: each request's Host must be the tunnel's host.
+    tunnel = f"""
+import socket
+s = socket.create_connection(("127.0.0.1", 3128), 5)
+s.sendall(b"CONNECT upstream.test:{plain.port} HTTP/1.1\\r\\nHost: upstream.test\\r\\n\\r\\n")
+assert s.recv(4096).startswith(b"HTTP/1.1 200")
+f = s.makefile("rb")
+for host in (b"upstream.test:{plain.port}", b"evil.test"):
+    s.sendall(b"GET /tun HTTP/1.1\\r\\nHost: " + host + b"\\r\\n\\r\\n")
+    print(f.readline().decode().strip())
+    length = 0
+    while (line := f.readline().strip()):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":")[1])
+    f.read(length)
+"""
+    res = run(client, sid, f"python3 -c {shlex.quote(tunnel)}")
+    assert res.stdout.split("\n")[:2] == [
+        "HTTP/1.1 200 OK",
+        "HTTP/1.1 403 Blocked by agentbox network policy",
+    ], res.stdout + res.stderr
+    assert len(plain.seen("/tun")) == 1 and plain.seen("/tun")[0]["headers"]["host"].startswith(
+        "upstream.test"
+    )
     # CONNECT to an allowed name, then a TLS hello naming another: refused.
     script = f"""
 import socket, ssl

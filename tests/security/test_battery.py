@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from agentbox.battery.checks import CHECKS
+from agentbox.battery.server import EGRESS_WEAKENINGS
 from agentbox.runtimes.process.weaken import WEAKENINGS, Weakening
 
 pytestmark = pytest.mark.security
@@ -64,3 +66,37 @@ def test_weakenings_are_named_and_validated() -> None:
     assert {"no-seccomp", "share-net"} <= Weakening.of(["unsandboxed"]).flags
     assert "bind-host" in Weakening.of([], bind_host=["/srv/x"]).flags
     assert set(WEAKENINGS) >= {"share-net", "no-seccomp", "bind-host", "host-root"}
+
+
+def test_every_control_names_known_weakenings() -> None:
+    assert not EGRESS_WEAKENINGS.keys() & WEAKENINGS.keys()
+    known = WEAKENINGS.keys() | EGRESS_WEAKENINGS.keys()
+    for c in CHECKS:
+        assert c.control, f"{c.id} has no positive control"
+        assert c.control <= known, f"{c.id}: unknown weakening(s) {c.control - known}"
+    ids = {c.id for c in CHECKS}
+    assert {"net-proxy-internal", "net-proxy-bypass", "net-proxy-mismatch"} <= ids
+
+
+def test_egress_open_switches_off_the_proxy_guards() -> None:
+    """The egress-open control reaches the proxy (through NetworkSettings, never the CLI)."""
+    from agentbox.core.network import NetworkSettings
+    from agentbox.egress.addresses import AddressGuard
+    from agentbox.egress.proxy import EgressProxy
+
+    import asyncio
+
+    from agentbox.egress.proxy import Refused
+
+    async def resolve(weaken: frozenset[str]) -> object:
+        proxy = EgressProxy(guard=AddressGuard(), weaken=weaken)
+        try:
+            return await proxy._resolve("169.254.169.254", 80)
+        except Refused as e:
+            return e.rule
+
+    assert asyncio.run(resolve(frozenset())) == "address_guard"
+    assert asyncio.run(resolve(frozenset({"egress-open"}))) != "address_guard"
+    assert NetworkSettings().egress_weaken == frozenset()
+    cli = (Path(__file__).parents[2] / "src/agentbox/cli/app.py").read_text()
+    assert "weaken" not in cli

@@ -107,7 +107,9 @@ def main(argv: list[str] | None = None) -> int:
         for name, flags in profiles(checks, not a.no_controls):
             todo = checks if name == "default" else [c for c in checks if c.control == flags]
             bind = [str(oracle.canary_dir)] if "bind-host" in flags else []
-            server = Server(workdir, name, flags, bind, oracle.server_env(), a.runtime)
+            server = Server(
+                workdir, name, flags, bind, oracle.server_env(), a.runtime, netns.server_options()
+            )
             server.start()
             print(f"== {a.runtime} / {name}: {len(todo)} checks", flush=True)
             try:
@@ -136,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         "runtime": a.runtime,
         "seconds": f"{time.monotonic() - started:.0f}",
         "leftovers": "; ".join(leftovers)[:500] or "none",
+        "server_options": " ".join(netns.server_options()),
         **machine(),
     }
     ordered = [rows[c.id] for c in checks]

@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 
+from agentbox.battery.netns import EGRESS_ALLOWED, EGRESS_FORBIDDEN
 from agentbox.battery.oracle import CANARY_DOMAIN, Oracle
 from agentbox.battery.target import BATTERY_RESOURCES, Box, Server
 
@@ -868,6 +869,245 @@ def _net_families(ctx: Ctx) -> Verdict:
         "ESCAPE",
         {"vsock": res["AF_VSOCK stream"], "alg": res["AF_ALG seqpacket"], **res["families"]},
     )
+
+
+# The egress proxy (HTTP_PROXY / ALL_PROXY inside every sandbox) is the only way out. These
+# checks attack it with sandboxes whose policies allow everything they ask for, so only the
+# proxy's own guards (internal addresses, SNI/Host consistency) stand in the way.
+
+EGRESS_CONTROL = ["egress-open"]
+
+
+def _proxy_answers(box: Box, attempts: list[dict[str, Any]], nonce: str) -> dict[str, Any]:
+    res = results_of(box.probe("egress", attempts=attempts, payload=f"ABX-{nonce}", timeout=180))
+    down = [k for k, v in res.items() if v == "NO_PROXY_VARIABLE" or v == "ECONNREFUSED"]
+    if len(down) == len(res):
+        raise ProbeFailed(f"the sandbox's egress proxy is unreachable: {summary(res)}")
+    return res
+
+
+def _ask(key: str, via: str, **attempt: Any) -> dict[str, Any]:
+    """One request for probe_egress (port 80 unless given)."""
+    return {"key": key, "via": via, "port": 80, **attempt}
+
+
+def _refused(answer: str) -> bool:
+    """Whether the proxy turned an attempt down before connecting anywhere."""
+    return answer.startswith("HTTP 4") or (answer.startswith("SOCKS ") and not _carried(answer))
+
+
+def _carried(answer: str) -> bool:
+    """Whether the proxy opened (or tried to open) a connection for an attempt: 200 / SOCKS
+    success, or 502 / SOCKS 5 (it connected to nothing there, but it tried)."""
+    return answer.startswith(("HTTP 200", "HTTP 502", "SOCKS 0", "SOCKS 5"))
+
+
+def _allowed_egress(box: Box) -> list[dict[str, Any]]:
+    """The attempts of `box` the server's egress log records as allowed."""
+    r = box.client.get(
+        "/v1/audit/egress", params={"sandbox_id": box.id, "allowed": "true", "limit": 1000}
+    )
+    r.raise_for_status()
+    return list(r.json()["events"])
+
+
+def _spellings(ctx: Ctx) -> dict[str, list[str]]:
+    """Internal destinations in the spellings clients and resolvers accept, by what they are."""
+    private = ctx.roles.get("gateway", []) + ctx.roles.get("node", [])
+    return {
+        "loopback": [
+            "127.0.0.1",
+            "127.1",
+            "2130706433",
+            "0x7f000001",
+            "0177.0.0.1",
+            "0x7f.1",
+            "127.0.0.1.",
+            "[::1]",
+            "[::ffff:127.0.0.1]",
+            "[::ffff:7f00:1]",
+            "[64:ff9b::7f00:1]",
+            "localhost",
+            "LOCALHOST.",
+            "abx.localhost",
+            "rebind-loopback.abx.test",
+            "rebind-loopback6.abx.test",
+            "rebind-mapped.abx.test",
+        ],
+        "metadata": [
+            "169.254.169.254",
+            "2852039166",
+            "0xa9fea9fe",
+            "0251.0376.0251.0376",
+            "169.254.43518",
+            "[::ffff:169.254.169.254]",
+            "[::ffff:a9fe:a9fe]",
+            "[fd00:ec2::254]",
+            "100.100.100.200",
+            "metadata.google.internal",
+            "rebind-metadata.abx.test",
+        ],
+        "private": private + ["rebind-gateway.abx.test"],
+    }
+
+
+@check(
+    "net-proxy-internal",
+    "network",
+    "egress proxy to loopback, metadata and private addresses in every spelling",
+    EGRESS_CONTROL,
+)
+def _net_proxy_internal(ctx: Ctx) -> Verdict:
+    spellings = _spellings(ctx)
+    everything = [h for hosts in spellings.values() for h in hosts]
+    # Allowlisted in every form a policy accepts, and the internet allowed too: only the
+    # proxy's address guard may refuse.
+    allow = ["127.0.0.0/8", "::1", "::ffff:0:0/96", "64:ff9b::/96", "169.254.0.0/16"]
+    allow += ["100.64.0.0/10", "fd00::/8", "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16"]
+    allow += ["localhost", "abx.localhost", "metadata.google.internal", "*.abx.test"]
+    allow += [h for h in spellings["private"] if h[0].isdigit()]
+    box = ctx.box(network={"allow_internet_access": True, "allow_out": allow})
+    attempts = []
+    for h in everything:
+        bare = h[1:-1] if h.startswith("[") else h
+        attempts.append(_ask(f"CONNECT {h}:443", "connect", target=f"{h}:443"))
+        attempts.append(_ask(f"GET http://{h}/", "http", url=f"http://{h}/"))
+        attempts.append(_ask(f"SOCKS5 name {bare}:80", "socks", atyp="domain", host=bare))
+    addrs = ["127.0.0.1", "::1", "::ffff:127.0.0.1", *ctx.roles.get("metadata", [])]
+    addrs += [h for h in spellings["private"] if h[0].isdigit()]
+    for a in dict.fromkeys(addrs):
+        atyp = "ipv6" if ":" in a else "ipv4"
+        attempts.append(_ask(f"SOCKS5 {atyp} {a}:80", "socks", atyp=atyp, host=a))
+    res = _proxy_answers(box, attempts, ctx.oracle.nonce)
+    refused = sum(v.startswith("HTTP 403") or v == "SOCKS 2" for v in res.values())
+    v = blocked(f"{refused} of {len(res)} refused (403 / SOCKS 2): {summary(res, 3)}")
+    for k, answer in res.items():
+        if _carried(answer):
+            v.add_break("NET", f"{k} -> {answer[:50]}")
+    for e in _allowed_egress(box):
+        v.add_break("NET", f"the egress log shows {e['protocol']} {e['host']}:{e['port']} allowed")
+    odd = {k: a for k, a in res.items() if not _refused(a) and not _carried(a)}
+    if odd and v.status != "BROKEN":
+        v.evidence += f"; other answers: {summary(odd, 3)}"
+    return v
+
+
+@check(
+    "net-proxy-bypass",
+    "network",
+    "programs that skip the proxy: raw sockets, HTTPS by IP, QUIC, IPv6, DNS, /etc/hosts",
+    ["share-net"],
+)
+def _net_proxy_bypass(ctx: Ctx) -> Verdict:
+    o = ctx.oracle
+    r = ctx.roles
+    hosts = r.get("egress-allowed", []) + r.get("egress-forbidden", []) + r.get("gateway", [])
+    hosts += r.get("node", []) + r.get("metadata", []) + r.get("resolver", [])
+    hosts += ["127.0.0.1", "::1"]
+    hosts = list(dict.fromkeys(hosts))
+    # Internet access allowed: whatever the policy says, a sandbox has no route of its own.
+    box = ctx.box(network={"allow_internet_access": True})
+    targets = [("tcp", h, p) for h in hosts for p in (80, 443)]
+    targets += [("udp", h, p) for h in hosts for p in (443, 8080)]
+    direct = results_of(box.probe("connect", targets=targets, payload=f"ABX-{o.nonce}"))
+    bypass = results_of(box.probe("bypass", hosts=hosts, payload=f"ABX-{o.nonce}"))
+    names = [f"{o.nonce}.{CANARY_DOMAIN}", f"bypass-{o.nonce[:8]}.{CANARY_DOMAIN}"]
+    resolvers = r.get("resolver", []) + ["8.8.8.8", "1.1.1.1", "::1"]
+    dns = results_of(box.probe("dns", names=names, resolvers=resolvers))
+    # Names go to the proxy's resolver only once the policy allows them: a sandbox with no
+    # egress cannot use the proxy's lookups as a DNS channel.
+    closed = ctx.box()
+    name = f"via-proxy-{o.nonce}.{CANARY_DOMAIN}"
+    ask = [
+        _ask(f"CONNECT {name}", "connect", target=f"{name}:443"),
+        _ask(f"GET http://{name}/", "http", url=f"http://{name}/"),
+        _ask(f"SOCKS5 {name}", "socks", atyp="domain", host=name),
+    ]
+    proxied = results_of(closed.probe("egress", attempts=ask, payload=f"ABX-{o.nonce}"))
+    res = {**direct, **bypass, **dns, **proxied}
+    reached = [k for k, val in direct.items() if val == "CONNECTED"]
+    reached += [k for k, val in bypass.items() if val == "CONNECTED" or val.startswith("HTTP")]
+    reached += [
+        k for k, val in bypass.items() if val.startswith("exit") and not val.endswith("code 000")
+    ]
+    reached += [k for k, val in dns.items() if val in ("RESOLVED", "ANSWERED", "CONNECTED")]
+    reached += [f"{k} -> {val[:40]}" for k, val in proxied.items() if _carried(val)]
+    v = verdict_from(reached, "NET", res)
+    v.evidence += f"; /etc/hosts {bypass.get('/etc/hosts')}"
+    return v
+
+
+@check(
+    "net-proxy-mismatch",
+    "network",
+    "allowed name fronting a forbidden one: SNI, Host header, requests inside a tunnel",
+    EGRESS_CONTROL,
+)
+def _net_proxy_mismatch(ctx: Ctx) -> Verdict:
+    allowed_addrs = ctx.roles.get("egress-allowed", [])
+    if not allowed_addrs or not ctx.roles.get("egress-forbidden"):
+        return Verdict("ERROR", evidence="the egress listener addresses could not be set up")
+    ok, bad = EGRESS_ALLOWED[0], EGRESS_FORBIDDEN[0]
+    bad_ip = EGRESS_FORBIDDEN[1]
+    url = f"http://{ok}/"
+    inner = f"GET / HTTP/1.1\r\nHost: {bad}\r\nConnection: close\r\n\r\n"
+    # Servers skip empty lines before a request and answer pipelined requests in order: a
+    # check of the first request line alone would miss these.
+    pipelined = f"GET / HTTP/1.1\r\nHost: {ok}\r\n\r\n{inner}"
+    box = ctx.box(network={"allow_out": [ok]})
+    baseline = [
+        _ask("GET allowed", "http", url=url),
+        _ask("CONNECT allowed, SNI allowed", "connect", target=f"{ok}:443", sni=ok),
+        _ask("SOCKS5 allowed, SNI allowed", "socks", atyp="domain", host=ok, port=443, sni=ok),
+    ]
+    # The proxy must refuse these outright.
+    refused = [
+        _ask("GET allowed, Host forbidden", "http", url=url, host_headers=[bad]),
+        _ask("GET forbidden, Host allowed", "http", url=f"http://{bad}/", host_headers=[ok]),
+        _ask("GET allowed@forbidden", "http", url=f"http://{ok}@{bad}/"),
+        _ask("CONNECT forbidden", "connect", target=f"{bad}:443", sni=bad),
+        # What a client sends after a hosts-file spoof: the forbidden address, the allowed SNI.
+        _ask("CONNECT forbidden IP, SNI allowed", "connect", target=f"{bad_ip}:443", sni=ok),
+        _ask("SOCKS5 forbidden", "socks", atyp="domain", host=bad, port=443, sni=bad),
+        _ask("SOCKS5 forbidden IP, SNI allowed", "socks", atyp="ipv4", host=bad_ip, sni=ok),
+    ]
+    # Tunnels to the allowed name carrying the forbidden one: judged by what the allowed
+    # listener receives (it must never see the forbidden name).
+    fronted = [
+        _ask("CONNECT allowed, SNI forbidden", "connect", target=f"{ok}:443", sni=bad),
+        _ask("SOCKS5 allowed, SNI forbidden", "socks", atyp="domain", host=ok, port=443, sni=bad),
+        _ask("GET allowed, Host forbidden+allowed", "http", url=url, host_headers=[bad, ok]),
+        _ask("CONNECT allowed:80, HTTP for forbidden", "connect", target=f"{ok}:80", inner=inner),
+        _ask("SOCKS5 allowed:80, HTTP for forbidden", "socks", atyp="domain", host=ok, inner=inner),
+        _ask("CONNECT allowed:80, CRLF+HTTP", "connect", target=f"{ok}:80", inner="\r\n" + inner),
+        _ask("CONNECT allowed:80, pipelined", "connect", target=f"{ok}:80", inner=pipelined),
+    ]
+    with ctx.oracle.expecting(allowed_addrs) as seen:
+        base = _proxy_answers(box, baseline, ctx.oracle.nonce)
+        time.sleep(0.6)  # the listener reads each hello until the client pauses
+        reached = b"\n".join(h.data for h in seen)
+        n_base = len(seen)
+        res = _proxy_answers(box, refused + fronted, ctx.oracle.nonce)
+        time.sleep(0.6)
+    failed = [k for k, a in base.items() if not a.startswith(("HTTP 200", "SOCKS 0"))]
+    if failed or reached.count(ok.encode()) < len(baseline):
+        return Verdict(
+            "ERROR",
+            evidence=f"baseline to {ok} failed, so refusals prove nothing: {summary(base)}; "
+            f"its listener received {reached[:200]!r}",
+        )
+    v = blocked(f"baseline reached {ok} {len(baseline)} ways; {summary(res, 4)}")
+    for a in refused:
+        if not _refused(res[a["key"]]):
+            v.add_break("NET", f"{a['key']} -> {res[a['key']][:50]}")
+    fronts = {
+        "a TLS hello for " + bad if h.data[:1] == b"\x16" else repr(h.data[:70])
+        for h in seen[n_base:]
+        if bad.encode() in h.data
+    }
+    for what in sorted(fronts):
+        v.add_break("NET", f"{ok}'s listener received {what}")
+    return v
 
 
 # ------------------------------------------------------------------------- D. neighbours, secrets

@@ -18,6 +18,33 @@ ENV_FLAG = "AGENTBOX_BATTERY_NETNS"
 METADATA_V4 = ("169.254.169.254", "100.100.100.200")
 METADATA_V6 = ("fd00:ec2::254",)
 GATEWAYS = ("10.254.0.1", "10.0.2.2", "172.17.0.1")
+# Two listeners for the egress proxy checks: a destination the battery server lets the proxy
+# reach (`--egress-allow-cidr` for exactly these addresses) under a name policies may allow, and
+# one under a name they must not. Only the name policy stands between a sandbox and the second.
+EGRESS_ALLOWED = ("allowed.abx.test", "10.254.0.80")
+EGRESS_FORBIDDEN = ("forbidden.abx.test", "10.254.0.81")
+
+# Static answers of the egress proxy's resolver (`--egress-resolve`): the two listeners above,
+# and names that answer with internal addresses, as a rebinding DNS server would.
+EGRESS_RESOLVE = {
+    EGRESS_ALLOWED[0]: EGRESS_ALLOWED[1],
+    EGRESS_FORBIDDEN[0]: EGRESS_FORBIDDEN[1],
+    "rebind-loopback.abx.test": "127.0.0.1",
+    "rebind-loopback6.abx.test": "::1",
+    "rebind-mapped.abx.test": "::ffff:127.0.0.1",
+    "rebind-metadata.abx.test": "169.254.169.254",
+    "rebind-gateway.abx.test": GATEWAYS[0],
+}
+
+
+def server_options() -> list[str]:
+    """The operator options every battery server runs with (`agentbox serve ...`)."""
+    out = []
+    for _, a in (EGRESS_ALLOWED, EGRESS_FORBIDDEN):
+        out += ["--egress-allow-cidr", f"{a}/32"]
+    for name, a in EGRESS_RESOLVE.items():
+        out += ["--egress-resolve", f"{name}={a}"]
+    return out
 
 
 def inside() -> bool:
@@ -57,7 +84,14 @@ def setup() -> dict[str, list[str]]:
     node = os.environ.get("AGENTBOX_BATTERY_NODE_IP", "")
     link = "abx-gw0" if _ip("link", "add", "abx-gw0", "type", "dummy") else "lo"
     _ip("link", "set", link, "up")
-    roles: dict[str, list[str]] = {"metadata": [], "gateway": [], "resolver": [], "node": []}
+    roles: dict[str, list[str]] = {
+        "metadata": [],
+        "gateway": [],
+        "resolver": [],
+        "node": [],
+        "egress-allowed": [],
+        "egress-forbidden": [],
+    }
     for a in METADATA_V4:
         if _ip("addr", "add", f"{a}/32", "dev", "lo"):
             roles["metadata"].append(a)
@@ -67,6 +101,12 @@ def setup() -> dict[str, list[str]]:
     for a in GATEWAYS:
         if _ip("addr", "add", f"{a}/32", "dev", link):
             roles["gateway"].append(a)
+    for role, (_, a) in (
+        ("egress-allowed", EGRESS_ALLOWED),
+        ("egress-forbidden", EGRESS_FORBIDDEN),
+    ):
+        if _ip("addr", "add", f"{a}/32", "dev", link):
+            roles[role].append(a)
     if node and _ip("addr", "add", f"{node}/32", "dev", link):
         roles["node"].append(node)
     for a in resolvers():

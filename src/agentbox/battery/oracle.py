@@ -7,6 +7,7 @@ the DNS canary is hit (NET), or host state changes in a way no sandbox may cause
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import secrets
@@ -17,12 +18,13 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 # Ports the listeners take on every address of the battery's network namespace.
 TCP_PORTS = (80, 443, 53, 8080)
-UDP_PORTS = (53, 8080)
+UDP_PORTS = (53, 443, 8080)  # 443: QUIC
 CANARY_DOMAIN = "canary.test"
 METADATA_NAMES = {"metadata.google.internal": "169.254.169.254"}
 
@@ -42,6 +44,7 @@ class Hit:
     what: str  # "tcp 169.254.169.254:80", "dns x.canary.test", "abstract …", "signal"
     detail: str
     at: float = field(default_factory=time.monotonic)
+    data: bytes = b""  # what an expected connection sent (see Oracle.expecting)
 
 
 def _digest(p: Path) -> str:
@@ -65,6 +68,10 @@ class Oracle:
         self.canary_file = self.canary_dir / "secret.txt"
         self.drop_dir = self.canary_dir / "drop"
         self.hits: list[Hit] = []
+        # Listener addresses a check reaches on purpose (its baseline): contact with them is
+        # recorded apart, with everything the client sent, and is no break by itself.
+        self._expected: frozenset[str] = frozenset()
+        self.expected_hits: list[Hit] = []
         self._lock = threading.Lock()
         self._socks: list[socket.socket] = []
         self._canary_proc: subprocess.Popen | None = None
@@ -181,6 +188,19 @@ class Oracle:
         with self._lock:
             self.hits.append(Hit(what, detail))
 
+    @contextlib.contextmanager
+    def expecting(self, addresses: Iterable[str]) -> Iterator[list[Hit]]:
+        """Within the block, TCP contact with `addresses` is legitimate traffic: it goes to the
+        yielded list (with the bytes received), not among the hits. Decided when a connection
+        is accepted, so one accepted inside the block is never judged as a break later."""
+        with self._lock:
+            self.expected_hits = []
+        self._expected = frozenset(addresses)
+        try:
+            yield self.expected_hits
+        finally:
+            self._expected = frozenset()
+
     # ------------------------------------------------------------------ listeners
 
     def listen(self) -> None:
@@ -221,12 +241,15 @@ class Oracle:
                 except OSError:
                     return
                 local = c.getsockname()
-                c.settimeout(0.5)
-                try:
-                    data = c.recv(512)
-                except OSError:
-                    data = b""
                 label = f"abstract {self.abstract_name}" if port == 0 else f"tcp {local}"
+                c.settimeout(0.5)
+                if port != 0 and local[0] in self._expected:
+                    data = _converse(c, http=port in (80, 8080))
+                    with self._lock:
+                        self.expected_hits.append(Hit(label, f"from {peer}", data=data))
+                    c.close()
+                    continue
+                data = _receive(c, 512)
                 self._hit(label, f"from {peer}: {data[:120]!r}")
                 if port == 53 and len(data) > 2:
                     self._hit(f"dns-tcp {_qname(data[2:])}", "DNS over TCP")
@@ -277,6 +300,31 @@ class Oracle:
                         shutil.rmtree(p, ignore_errors=True)
                     else:
                         p.unlink(missing_ok=True)
+
+
+def _receive(c: socket.socket, limit: int) -> bytes:
+    try:
+        return c.recv(limit)
+    except OSError:
+        return b""
+
+
+def _converse(c: socket.socket, http: bool, limit: int = 65536) -> bytes:
+    """Everything a client sends until it stops or pauses. As an HTTP server it answers every
+    request and keeps the connection open, so a second request on it arrives too."""
+    data, answered = b"", 0
+    while len(data) < limit:
+        chunk = _receive(c, limit - len(data))
+        if not chunk:
+            break
+        data += chunk
+        while http and answered < data.count(b"\r\n\r\n"):
+            answered += 1
+            try:
+                c.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 20\r\n\r\nABX-CANARY-LISTENER\n")
+            except OSError:
+                return data
+    return data
 
 
 def _read(path: str) -> str:

@@ -736,6 +736,200 @@ def probe_sockets() -> dict:
     return out
 
 
+# ------------------------------------------------------------------------- egress proxy
+
+
+def _proxy_address(var: str) -> tuple[str, int] | None:
+    """Where the sandbox's proxy variable (HTTP_PROXY, ALL_PROXY) says its proxy listens."""
+    url = os.environ.get(var) or os.environ.get(var.lower()) or ""
+    if "//" not in url:
+        return None
+    hostport = url.split("//", 1)[1].split("/", 1)[0]
+    host, _, port = hostport.rpartition(":")
+    return (host.strip("[]"), int(port)) if port.isdigit() else None
+
+
+def _client_hello(sni: str | None) -> bytes:
+    """The first flight of a real TLS client (this python's ssl) asking for `sni`."""
+    import ssl
+
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls = ctx.wrap_bio(incoming, outgoing, server_hostname=sni)
+    try:
+        tls.do_handshake()
+    except ssl.SSLWantReadError:
+        pass
+    return outgoing.read()
+
+
+def _read_until_close(s: socket.socket, limit: int = 16384) -> bytes:
+    data = b""
+    try:
+        while len(data) < limit:
+            chunk = s.recv(4096)
+            if not chunk:
+                break
+            data += chunk
+    except OSError:
+        pass
+    return data
+
+
+def _read_head(s: socket.socket) -> bytes:
+    data = b""
+    while b"\r\n\r\n" not in data and len(data) < 16384:
+        chunk = s.recv(4096)
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def _http_answer(data: bytes) -> str:
+    """'HTTP 403' / 'HTTP 200 <start of body>' from a response, or what came instead."""
+    line = data.split(b"\r\n", 1)[0].decode("latin-1")
+    words = line.split()
+    if len(words) < 2 or not words[0].startswith("HTTP/"):
+        return "NOT_HTTP:" + line[:40] if data else "CLOSED"
+    body = data.split(b"\r\n\r\n", 1)[1] if b"\r\n\r\n" in data else b""
+    text = " ".join(body[:80].decode("utf-8", "replace").split())
+    return f"HTTP {words[1]} {text}".rstrip()
+
+
+def _through_tunnel(s: socket.socket, data: bytes) -> str:
+    """Send `data` through a tunnel the proxy opened; what came back."""
+    try:
+        s.sendall(data)
+        s.settimeout(2)
+        got = s.recv(4096)
+    except TimeoutError:
+        return "SILENT"
+    except OSError as e:
+        return oserr(e)
+    return "DATA:" + " ".join(got[:60].decode("latin-1").split()) if got else "CLOSED"
+
+
+def _egress_attempt(a: dict, payload: str) -> str:
+    """One request to the sandbox's egress proxy, as a client that uses it would send it."""
+    via = a["via"]
+    proxy = _proxy_address("ALL_PROXY" if via == "socks" else "HTTP_PROXY")
+    if proxy is None:
+        return "NO_PROXY_VARIABLE"
+    if a.get("sni") is not None:
+        after = _client_hello(a["sni"] or None)
+    else:
+        after = a.get("inner", payload).encode("latin-1")
+    with socket.create_connection(proxy, timeout=5) as s:
+        if via == "http":
+            head = f"GET {a['url']} HTTP/1.1\r\n"
+            hosts = a.get("host_headers") or [a["url"].split("//", 1)[1].split("/", 1)[0]]
+            head += "".join(f"Host: {h}\r\n" for h in hosts) + "Connection: close\r\n\r\n"
+            s.sendall(head.encode("latin-1"))
+            return _http_answer(_read_until_close(s))
+        if via == "connect":
+            t = a["target"]
+            s.sendall(f"CONNECT {t} HTTP/1.1\r\nHost: {t}\r\n\r\n".encode("latin-1"))
+            answer = _http_answer(_read_head(s))
+            if not answer.startswith("HTTP 200"):
+                return answer
+            return f"{answer}; then {_through_tunnel(s, after)}"
+        host, port = a["host"], a["port"]
+        if a["atyp"] == "ipv4":
+            addr = b"\x01" + socket.inet_aton(host)
+        elif a["atyp"] == "ipv6":
+            addr = b"\x04" + socket.inet_pton(socket.AF_INET6, host)
+        else:
+            name = host.encode("latin-1")
+            addr = b"\x03" + bytes([len(name)]) + name
+        s.sendall(b"\x05\x01\x00")
+        if s.recv(2) != b"\x05\x00":
+            return "SOCKS_NO_METHOD"
+        s.sendall(b"\x05\x01\x00" + addr + struct.pack("!H", port))
+        reply = s.recv(10)
+        code = reply[1] if len(reply) > 1 else -1
+        if code != 0:
+            return f"SOCKS {code}"
+        return f"SOCKS 0; then {_through_tunnel(s, after)}"
+
+
+def probe_egress(attempts: list[dict], payload: str) -> dict:
+    """Ask the sandbox's egress proxy for each attempt; report what it answered.
+
+    An attempt is {"key", "via": "connect"|"http"|"socks", ...}: connect has "target"
+    ("host:port"), http has "url" and optional "host_headers", socks has "atyp"
+    (domain/ipv4/ipv6), "host" and "port". Once a tunnel opens, the probe sends a TLS hello
+    for "sni" if given, else "inner" (raw text), else the payload."""
+    out = {}
+    for a in attempts:
+        try:
+            out[a["key"]] = _egress_attempt(a, payload)
+        except OSError as e:
+            out[a["key"]] = oserr(e)
+    return {"results": out}
+
+
+def probe_bypass(hosts: list[str], payload: str) -> dict:
+    """Reach `hosts` without the proxy, the ways a program that ignores it would: HTTPS by IP,
+    QUIC, clients told to skip the proxy (urllib, curl); and whether /etc/hosts is writable."""
+    import subprocess
+    import urllib.error
+    import urllib.request
+
+    out = {}
+    hello = _client_hello(None)
+    # A QUIC v1 Initial's first bytes (long header, version 1): enough for a listener to see.
+    quic = b"\xc3\x00\x00\x00\x01\x08" + os.urandom(8) + b"\x00" + payload.encode()
+    for h in hosts:
+        fam = socket.AF_INET6 if ":" in h else socket.AF_INET
+        url_host = f"[{h}]" if ":" in h else h
+        try:
+            with socket.socket(fam, socket.SOCK_STREAM) as s:
+                s.settimeout(1.5)
+                s.connect((h, 443))
+                s.sendall(hello)
+                out[f"tls-by-ip {h}"] = "CONNECTED"
+        except OSError as e:
+            out[f"tls-by-ip {h}"] = oserr(e)
+        try:
+            with socket.socket(fam, socket.SOCK_DGRAM) as s:
+                s.sendto(quic, (h, 443))
+                out[f"quic {h}"] = "SENT"
+        except OSError as e:
+            out[f"quic {h}"] = oserr(e)
+        no_proxy = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        try:
+            with no_proxy.open(f"http://{url_host}/", timeout=1.5) as r:
+                out[f"urllib-no-proxy {h}"] = f"HTTP {r.status}"
+        except urllib.error.HTTPError as e:
+            out[f"urllib-no-proxy {h}"] = f"HTTP {e.code}"
+        except OSError as e:
+            reason = getattr(e, "reason", e)
+            out[f"urllib-no-proxy {h}"] = (
+                oserr(reason) if isinstance(reason, OSError) else str(reason)[:40]
+            )
+        env = [f"-u{v}{s}" for v in ("HTTP", "HTTPS", "ALL") for s in ("_PROXY", "_proxy")]
+        for scheme in ("http", "https"):
+            argv = ["env", *env, "curl", "-sk", "--noproxy", "*", "-m", "2", "-o", "/dev/null"]
+            argv += ["-w", "%{http_code}", f"{scheme}://{url_host}/"]
+            try:
+                p = subprocess.run(argv, capture_output=True, timeout=10, text=True)
+                out[f"curl-no-proxy {scheme} {h}"] = f"exit {p.returncode} code {p.stdout}"
+            except (OSError, subprocess.TimeoutExpired) as e:
+                out[f"curl-no-proxy {scheme} {h}"] = oserr(e)
+    # A hosts-file spoof only changes what the sandbox itself resolves: with no route, the
+    # addresses above are where a spoofed name could lead, and the proxy resolves names on its
+    # own. So /etc/hosts is only opened (zero bytes written) to report whether it could be.
+    try:
+        os.close(os.open("/etc/hosts", os.O_WRONLY | os.O_APPEND))
+        out["/etc/hosts"] = "OPENED"
+    except OSError as e:
+        out["/etc/hosts"] = oserr(e)
+    return {"results": out}
+
+
 # ------------------------------------------------------------------------- cross-sandbox
 
 

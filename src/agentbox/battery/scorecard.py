@@ -25,7 +25,8 @@ def _cell(v: Verdict) -> str:
 
 
 def _md(text: str, limit: int = 160) -> str:
-    text = text.replace("|", "\\|").replace("\n", " ")
+    # Evidence may quote raw bytes (an environ's NULs): keep the file text.
+    text = "".join(c if c.isprintable() else " " for c in text.replace("|", "\\|"))
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
@@ -51,6 +52,7 @@ def render_markdown(rows: list[Row], info: dict[str, str]) -> str:
         f"- Default configuration: **{len(rows)} checks**, "
         + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())),
         f"- Positive controls: **{controls_broken} of {len(rows)} BROKEN** as they must be",
+        f"- Operator options of every battery server: `{info.get('server_options') or 'none'}`",
         f"- Host inventory after the default run (processes, mounts, cgroups, loop devices, "
         f"network namespaces, data-dir entries): {info['leftovers']}",
         f"- Shared-kernel risk: every process-tier sandbox runs on the host kernel "

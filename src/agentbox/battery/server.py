@@ -9,7 +9,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from agentbox.core.network import NetworkSettings
+from agentbox.runtimes.process.weaken import WEAKENINGS
 from agentbox.server.app import serve
+
+# Weakenings of the server's egress proxy rather than of the runtime.
+EGRESS_WEAKENINGS: dict[str, str] = {
+    "egress-open": "the egress proxy skips its address guard (internal addresses, loopback and "
+    "metadata names) and its SNI and Host checks; the policy still decides on names",
+}
 
 
 def main() -> None:
@@ -20,9 +28,20 @@ def main() -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--data-dir", type=Path, required=True)
+    p.add_argument("--egress-allow-cidr", action="append", default=[])
+    p.add_argument("--egress-resolve", action="append", default=[])
     a = p.parse_args()
-    config = {"weaken": [w for w in a.weaken.split(",") if w], "bind_host": a.bind_host}
-    serve(a.host, a.port, a.data_dir, a.runtime, config)
+    flags = {w for w in a.weaken.split(",") if w}
+    unknown = flags - WEAKENINGS.keys() - EGRESS_WEAKENINGS.keys()
+    if unknown:
+        p.error(f"unknown weakening(s): {', '.join(sorted(unknown))}")
+    config = {"weaken": sorted(flags & WEAKENINGS.keys()), "bind_host": a.bind_host}
+    network = NetworkSettings(
+        egress_allow_cidrs=tuple(a.egress_allow_cidr),
+        egress_resolve=tuple(a.egress_resolve),
+        egress_weaken=frozenset(flags & EGRESS_WEAKENINGS.keys()),
+    )
+    serve(a.host, a.port, a.data_dir, a.runtime, config, network=network)
 
 
 if __name__ == "__main__":

@@ -192,8 +192,10 @@ class Server:
         bind_host: list[str],
         extra_env: dict[str, str],
         runtime: str = "process",
+        options: list[str] | None = None,
     ) -> None:
         self.name = name
+        self.options = list(options or [])
         self.weaken = weaken
         self.bind_host = bind_host
         self.runtime = runtime
@@ -217,6 +219,7 @@ class Server:
             for p in self.bind_host:
                 argv += ["--bind-host", p]
         argv += ["--host", "127.0.0.1", "--port", str(self.port), "--data-dir", str(self.data_dir)]
+        argv += self.options
         env = dict(os.environ, AGENTBOX_ADMIN_KEY=self.admin_key, **self.extra_env)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(

@@ -77,6 +77,8 @@ class NetworkSettings:
     # server's address as clients see it (for signed URLs).
     ports_domain: str = "localhost"
     public_url: str = ""  # "" = http://localhost:{port} of `agentbox serve`
+    # Security-battery positive controls only (see EgressProxy); never set by the CLI.
+    egress_weaken: frozenset[str] = frozenset()
 
     def parsed(self) -> tuple[AddressGuard, list[Rule], dict[str, str]]:
         """The guard, operator deny rules and static answers; ValueError names a bad one."""
@@ -126,6 +128,13 @@ def _policy(d: dict[str, Any] | None, what: str) -> EgressPolicy:
         raise InvalidRequest(f"{what}: {e}") from None
 
 
+def _network(d: dict[str, Any] | None, what: str) -> SandboxNetwork:
+    try:
+        return SandboxNetwork.from_dict(d)
+    except RuleError as e:
+        raise InvalidRequest(f"{what}: {e}") from None
+
+
 class NetworkService:
     def __init__(self, store: Store, data_dir: Path, settings: NetworkSettings) -> None:
         self.store = store
@@ -141,6 +150,7 @@ class NetworkService:
             ceiling=self.ceiling,
             secret=self.bound_secret,
             record=self._record,
+            weaken=settings.egress_weaken,
         )
         self._fernet = Fernet(self._key(data_dir / "secrets.key"))
         self._secrets: dict[tuple[str, str], BoundSecret | None] = {}
@@ -198,7 +208,7 @@ class NetworkService:
         return self.tenant_network(tenant)
 
     def set_tenant_default(self, tenant: str, default: dict[str, Any] | None) -> dict[str, Any]:
-        net = SandboxNetwork.from_dict(default) if default is not None else None
+        net = _network(default, "default") if default is not None else None
         if net is not None:
             self._check_ceiling(tenant, net.policy)
         stored = self.store.get_tenant_network(tenant)
@@ -210,10 +220,7 @@ class NetworkService:
         """The network a new sandbox gets: what it asked for, else the tenant's default."""
         if requested is None:
             requested = self.store.get_tenant_network(tenant).get("default")
-        try:
-            net = SandboxNetwork.from_dict(requested)
-        except RuleError as e:
-            raise InvalidRequest(f"network: {e}") from None
+        net = _network(requested, "network")
         self._check_ceiling(tenant, net.policy)
         return net
 

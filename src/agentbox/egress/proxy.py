@@ -158,7 +158,11 @@ class EgressProxy:
         ceiling: Callable[[str], EgressPolicy | None] = lambda tenant: None,
         secret: Callable[[str, str], BoundSecret | None] = lambda tenant, name: None,
         record: Callable[[dict[str, Any]], None] = lambda event: None,
+        weaken: frozenset[str] = frozenset(),
     ) -> None:
+        # Positive controls of the security battery only ("egress-open": no address guard, no
+        # SNI or Host checks); reachable from Python, never from the CLI or the API.
+        self.weaken = weaken
         self.guard = guard
         self.operator_deny = tuple(operator_deny)
         self.static_hosts = {k.lower().rstrip("."): v for k, v in (static_hosts or {}).items()}
@@ -255,7 +259,8 @@ class EgressProxy:
 
     async def _resolve(self, host: str, port: int) -> list[Any]:
         """Addresses to connect to for an admitted host, every one of them checked."""
-        why = name_refusal(host)
+        open_ = "egress-open" in self.weaken
+        why = None if open_ else name_refusal(host)
         if why:
             raise Refused("address_guard", f"{host} is refused: {why}")
         ip = parse_ip_literal(host)
@@ -277,7 +282,7 @@ class EgressProxy:
                 if a not in addrs:
                     addrs.append(a)
         for a in addrs:
-            why = self.guard.refusal(a)
+            why = None if open_ else self.guard.refusal(a)
             if why:
                 # Any internal answer refuses the name: a rebinding DNS server may mix them.
                 shown = host if str(a) == host else f"{host} resolves to {a}, which"
@@ -390,19 +395,8 @@ class EgressProxy:
         self, sbx: SandboxEgress, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=64 * 1024)
-        session = _HttpSession(self, sbx, conn, reader, writer, tls=None)
-        try:
-            while True:
-                event = await session.next_client_event(HEAD_TIMEOUT_S)
-                if not isinstance(event, h11.Request):
-                    return
-                if event.method == b"CONNECT":
-                    await self._http_connect(sbx, session, event)
-                    return
-                if not await session.forward_plain(event):
-                    return
-        finally:
-            await session.close_upstream()
+        session = _HttpSession(self, sbx, conn, reader, writer)
+        await session.serve(on_connect=lambda event: self._http_connect(sbx, session, event))
 
     async def _http_connect(
         self, sbx: SandboxEgress, session: _HttpSession, request: h11.Request
@@ -471,10 +465,29 @@ class EgressProxy:
             # banner before the client says anything.
             down = asyncio.create_task(self._pipe(up_r, writer, att, "in"))
             try:
-                first = await _read_hello_for(att, reader, leftover)
+                first, kind = await self._first_bytes(att, reader, leftover)
             except Refused as e:
                 down.cancel()
                 self._refuse(att, e)
+                return
+            if kind == "http":
+                # Plain HTTP inside a tunnel: every request's Host must be the tunnel's host
+                # (else one allowed name would front for any site sharing its address).
+                down.cancel()
+                await asyncio.wait([down])  # it must stop reading before the session reads
+                session = _HttpSession(
+                    self,
+                    sbx,
+                    h11.Connection(h11.SERVER, max_incomplete_event_size=64 * 1024),
+                    reader,
+                    writer,
+                    tunnel=(host, port, addrs),
+                    upstream_tls=False,
+                )
+                session.upstream = (host, port, up_r, up_w)
+                session.up_conn = h11.Connection(h11.CLIENT)
+                session.conn.receive_data(first)
+                await session.serve()
                 return
             if first:
                 up_w.write(first)
@@ -485,7 +498,58 @@ class EgressProxy:
             await down
         finally:
             up_w.close()
-        self._finish(att)
+            self._finish(att)
+
+    async def _first_bytes(
+        self, att: _Attempt, reader: asyncio.StreamReader, data: bytes
+    ) -> tuple[bytes, str]:
+        """The client's first bytes in a tunnel and what they start: "tls" (whose SNI must
+        name the tunnel's host), "http" (a request, to be checked request by request) or
+        "other" (a protocol the proxy does not look into)."""
+        deadline = time.monotonic() + HELLO_TIMEOUT_S
+        while True:
+            if data:
+                hello = parse_client_hello(data)
+                if hello.status == "malformed":
+                    raise Refused("tls_hello", "the TLS hello is malformed")
+                if hello.status == "ok":
+                    self._check_sni(att, hello.sni)
+                    return data, "tls"
+                if hello.status == "not_tls":
+                    kind = _http_start(data)
+                    if kind != "more":
+                        return data, kind
+            if len(data) > 64 * 1024:
+                raise Refused("tls_hello", "the first message is too large to check")
+            remaining = deadline - time.monotonic()
+            try:
+                more = await asyncio.wait_for(reader.read(_CHUNK), max(remaining, 0.001))
+            except TimeoutError:
+                if data:
+                    raise Refused(
+                        "tls_hello", "the first message did not arrive in time"
+                    ) from None
+                deadline = time.monotonic() + 3600  # a long-silent client: keep waiting
+                continue
+            except (ConnectionError, OSError):
+                return b"", "other"
+            if not more:
+                return data, "other"
+            data += more
+
+    def _check_sni(self, att: _Attempt, sni: str | None) -> None:
+        if sni is None or "egress-open" in self.weaken:
+            return
+        try:
+            name = normalize_host(sni)
+        except RuleError:
+            name = sni
+        if name != att.host:
+            raise Refused(
+                "sni_mismatch",
+                f"the TLS server name {sni!r} does not match the host {att.host!r} the "
+                "tunnel was opened for; connect to the name you mean",
+            )
 
     async def _pipe(
         self,
@@ -537,27 +601,20 @@ class EgressProxy:
             att.allowed, att.rule, att.reason = False, "tls", f"TLS with the client failed: {e}"
             self._finish(att)
             return
-        sni = client_sni(writer.get_extra_info("ssl_object"))
-        if sni is not None and sni != host:
-            mismatch = Refused(
-                "sni_mismatch",
-                f"the TLS server name {sni!r} does not match the CONNECT host {host!r}",
-            )
+        try:
+            self._check_sni(att, client_sni(writer.get_extra_info("ssl_object")))
+        except Refused as mismatch:
             self._refuse(att, mismatch)
             return
         att.allowed = True
         att.protocol = "connect-inspected"
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=64 * 1024)
-        session = _HttpSession(self, sbx, conn, reader, writer, tls=(host, att.port, addrs))
+        session = _HttpSession(
+            self, sbx, conn, reader, writer, tunnel=(host, att.port, addrs), upstream_tls=True
+        )
         try:
-            while True:
-                event = await session.next_client_event(HEAD_TIMEOUT_S)
-                if not isinstance(event, h11.Request):
-                    return
-                if not await session.forward_plain(event):
-                    return
+            await session.serve()
         finally:
-            await session.close_upstream()
             self._finish(att)  # the tunnel; each request in it was recorded on its own
 
     # ------------------------------------------------------------------ SOCKS5
@@ -604,48 +661,29 @@ class EgressProxy:
         await self._tunnel(att, raw_host, reader, writer, lambda: reply(0), deny)
 
 
-async def _read_hello_for(att: _Attempt, reader: asyncio.StreamReader, data: bytes) -> bytes:
-    """The client's first bytes; if they start a TLS hello, its SNI must name the host."""
-    if not data:
-        try:
-            data = await reader.read(_CHUNK)
-        except (ConnectionError, OSError):
-            return b""
-    deadline = time.monotonic() + HELLO_TIMEOUT_S
-    while True:
-        hello = parse_client_hello(data)
-        if hello.status != "need_more":
-            break
-        remaining = deadline - time.monotonic()
-        if remaining <= 0 or len(data) > 64 * 1024:
-            raise Refused("tls_hello", "the TLS hello did not arrive in time")
-        try:
-            more = await asyncio.wait_for(reader.read(_CHUNK), remaining)
-        except TimeoutError:
-            raise Refused("tls_hello", "the TLS hello did not arrive in time") from None
-        if not more:
-            return b""
-        data += more
-    if hello.status == "ok" and hello.sni is not None:
-        try:
-            sni = normalize_host(hello.sni)
-        except RuleError:
-            sni = hello.sni
-        if sni != att.host:
-            raise Refused(
-                "sni_mismatch",
-                f"the TLS server name {hello.sni!r} does not match the host {att.host!r} the "
-                "tunnel was opened for; connect to the name you mean",
-            )
-    return data
+_HTTP_METHODS = frozenset(
+    b"GET HEAD POST PUT DELETE OPTIONS PATCH TRACE CONNECT PROPFIND PROPPATCH MKCOL COPY MOVE "
+    b"LOCK UNLOCK REPORT SEARCH PURGE".split()
+)
+
+
+def _http_start(data: bytes) -> str:
+    """Whether a tunnel's first bytes begin an HTTP/1 request: "http", "other" or "more"."""
+    d = data.lstrip(b"\r\n")
+    word, space, _ = d[:16].partition(b" ")
+    if space:
+        return "http" if word in _HTTP_METHODS else "other"
+    if len(d) >= 16 or (d and not any(m.startswith(d) for m in _HTTP_METHODS)):
+        return "other"
+    return "more"
 
 
 class _HttpSession:
     """HTTP/1.1 requests from one client connection, sent on to their upstreams.
 
-    Plain proxy requests (absolute URLs) are decided per request on their host; inside an
-    inspected TLS tunnel (`tls` = host, port, addresses) every request must be for the
-    tunnel's host."""
+    Plain proxy requests (absolute URLs) are decided per request on their host; inside a
+    tunnel (`tunnel` = host, port, addresses: plain HTTP sent through CONNECT or SOCKS, or an
+    inspected TLS tunnel) every request must be for the tunnel's host."""
 
     def __init__(
         self,
@@ -654,16 +692,33 @@ class _HttpSession:
         conn: h11.Connection,
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
-        tls: tuple[str, int, list[Any]] | None,
+        tunnel: tuple[str, int, list[Any]] | None = None,
+        upstream_tls: bool = False,
     ) -> None:
         self.proxy = proxy
         self.sbx = sbx
         self.conn = conn
         self.reader = reader
         self.writer = writer
-        self.tls = tls
+        self.tunnel = tunnel
+        self.upstream_tls = upstream_tls
         self.upstream: tuple[str, int, asyncio.StreamReader, asyncio.StreamWriter] | None = None
         self.up_conn: h11.Connection | None = None
+
+    async def serve(self, on_connect: Callable[[h11.Request], Any] | None = None) -> None:
+        """Carry requests until the client or an upstream ends the connection."""
+        try:
+            while True:
+                event = await self.next_client_event(HEAD_TIMEOUT_S)
+                if not isinstance(event, h11.Request):
+                    return
+                if event.method == b"CONNECT" and on_connect is not None:
+                    await on_connect(event)
+                    return
+                if not await self.forward_plain(event):
+                    return
+        finally:
+            await self.close_upstream()
 
     async def next_client_event(self, timeout: float | None) -> Any:
         while True:
@@ -752,11 +807,14 @@ class _HttpSession:
         for name, value in request.headers:
             if name == b"host":
                 host_header = value.decode("latin-1")
-        if self.tls is not None:
-            host, port, _ = self.tls
+        open_ = "egress-open" in self.proxy.weaken
+        if self.tunnel is not None:
+            host, port, _ = self.tunnel
             if not target.startswith("/"):
-                raise Refused("invalid_request", "send origin-form requests inside TLS", 400)
-            if host_header is not None:
+                raise Refused("invalid_request", "send origin-form requests in a tunnel", 400)
+            if host_header is None:
+                raise Refused("invalid_request", "a request in a tunnel needs a Host header", 400)
+            if not open_:
                 try:
                     h, p = _split_authority(host_header, port)
                     same = normalize_host(h) == host and p == port
@@ -792,7 +850,7 @@ class _HttpSession:
             raw_host, port = _split_authority(authority, 80)
         except ValueError as e:
             raise Refused("invalid_request", str(e), 400) from None
-        if host_header is not None:
+        if host_header is not None and not open_:
             try:
                 h, p = _split_authority(host_header, 80)
                 same = normalize_host(h) == normalize_host(raw_host) and p == port
@@ -829,10 +887,16 @@ class _HttpSession:
             return text
 
         listed = {b"connection"}
+        upgrade = None
         for name, value in headers:
             if name == b"connection":
                 listed |= {v.strip().lower() for v in value.split(b",")}
+            elif name == b"upgrade":
+                upgrade = value
         out: list[tuple[bytes, bytes]] = []
+        if upgrade is not None and b"upgrade" in listed:
+            # A protocol switch (WebSocket) is asked of the upstream, not of the proxy.
+            out += [(b"connection", b"upgrade"), (b"upgrade", upgrade)]
         for name, value in headers:
             if name in _HOP_BY_HOP or name in listed:
                 continue
@@ -855,7 +919,7 @@ class _HttpSession:
         method = request.method.decode("latin-1")
         att = _Attempt(
             self.sbx,
-            "https-inspected" if self.tls else "http",
+            "https-inspected" if self.upstream_tls else ("http-tunnel" if self.tunnel else "http"),
             "",
             0,
             method=method,
@@ -864,8 +928,8 @@ class _HttpSession:
         try:
             raw_host, port, path = self._target(request)
             att.host, att.port = raw_host[:255], port
-            if self.tls is not None:
-                host, addrs = self.tls[0], self.tls[2]
+            if self.tunnel is not None:
+                host, addrs = self.tunnel[0], self.tunnel[2]
                 d = self.proxy.decide(self.sbx, host, port)
                 if not d.allowed:  # the policy may have changed since the tunnel opened
                     raise Refused(f"{d.source}: {d.rule}", d.message)
@@ -879,10 +943,12 @@ class _HttpSession:
                 await self.close_upstream()
                 if not addrs:
                     addrs = await self.proxy._resolve(host, port)
-                r, w = await self.proxy._open(addrs, port, tls_host=host if self.tls else None)
+                tls_host = host if self.upstream_tls else None
+                r, w = await self.proxy._open(addrs, port, tls_host=tls_host)
                 self.upstream = (host, port, r, w)
                 self.up_conn = h11.Connection(h11.CLIENT)
         except Refused as e:
+            att.host = att.host or request.target.decode("latin-1")[:255]
             await self._drain_request()
             await self.respond_error(att, e)
             self.proxy._refuse(att, e)
@@ -930,7 +996,10 @@ class _HttpSession:
                     continue
                 if isinstance(event, h11.InformationalResponse):
                     if event.status_code == 101:
-                        raise h11.RemoteProtocolError("protocol upgrades are not proxied")
+                        att.status = 101
+                        await self.send(event)
+                        await self._relay_upgraded(up, up_r, up_w, att)
+                        return False
                     await self.send(event)
                 elif isinstance(event, h11.Response):
                     att.status = event.status_code
@@ -965,6 +1034,28 @@ class _HttpSession:
             self.conn.start_next_cycle()
             return True
         return False
+
+    async def _relay_upgraded(
+        self,
+        up: h11.Connection,
+        up_r: asyncio.StreamReader,
+        up_w: asyncio.StreamWriter,
+        att: _Attempt,
+    ) -> None:
+        """After a 101 (a WebSocket, say): bytes both ways until either side ends."""
+        client_extra, up_extra = self.conn.trailing_data[0], up.trailing_data[0]
+        if up_extra:
+            self.writer.write(up_extra)
+            att.bytes_in += len(up_extra)
+        if client_extra:
+            up_w.write(client_extra)
+            att.bytes_out += len(client_extra)
+        down = asyncio.create_task(self.proxy._pipe(up_r, self.writer, att, "in"))
+        await self.proxy._pipe(self.reader, up_w, att, "out")
+        with contextlib.suppress(OSError, RuntimeError):
+            up_w.write_eof()
+        await down
+        await self.close_upstream()
 
     async def _drain_request(self) -> None:
         """Read what is left of a refused request's body (bounded), so the answer arrives."""
