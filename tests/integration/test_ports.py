@@ -1,3 +1,4 @@
+# ruff: noqa: E501 - the sandbox server below is a script in a string, kept compact
 """Exposed ports: a server inside a real sandbox reached through the gateway (no interface)."""
 
 from __future__ import annotations

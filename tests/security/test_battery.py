@@ -80,13 +80,11 @@ def test_every_control_names_known_weakenings() -> None:
 
 def test_egress_open_switches_off_the_proxy_guards() -> None:
     """The egress-open control reaches the proxy (through NetworkSettings, never the CLI)."""
-    from agentbox.core.network import NetworkSettings
-    from agentbox.egress.addresses import AddressGuard
-    from agentbox.egress.proxy import EgressProxy
-
     import asyncio
 
-    from agentbox.egress.proxy import Refused
+    from agentbox.core.network import NetworkSettings
+    from agentbox.egress.addresses import AddressGuard
+    from agentbox.egress.proxy import EgressProxy, Refused
 
     async def resolve(weaken: frozenset[str]) -> object:
         proxy = EgressProxy(guard=AddressGuard(), weaken=weaken)
