@@ -621,3 +621,38 @@ def test_proxy_down_means_no_egress(tmp_path: Path, plain: Upstream, upstream_ca
     finally:
         server.kill_all_sandboxes()
         server.stop()
+
+
+def test_claimed_pool_member_gets_its_policy(tmp_path: Path, plain: Upstream) -> None:
+    """A warm-pool member is started with no egress; the claim gives it the caller's policy."""
+    server = start_server(
+        tmp_path,
+        [
+            "--warm-pool",
+            "default=1",
+            "--egress-allow-cidr",
+            "127.0.0.0/8",
+            "--egress-resolve",
+            "upstream.test=127.0.0.1",
+        ],
+    )
+    try:
+        with server.client() as c:
+            deadline = time.monotonic() + 30
+            while c.get("/v1/pools").json()["pools"][0]["ready"] < 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            sid = create_sandbox(c, network={"allow_out": ["upstream.test"]})["sandbox_id"]
+            hits = [
+                e
+                for e in c.get("/v1/audit", params={"sandbox_id": sid}).json()["events"]
+                if e["action"] == "sandbox.create"
+            ]
+            assert hits and hits[0]["detail"].get("pool") == "hit"
+            assert run(c, sid, _curl(f"http://upstream.test:{plain.port}/pool")).stdout == "200"
+            assert run(c, sid, _curl(f"http://other.test:{plain.port}/pool")).stdout == "403"
+            events = _events(c, sandbox_id=sid)
+            assert {e["tenant"] for e in events} == {c.get(f"/v1/sandboxes/{sid}").json()["tenant"]}
+    finally:
+        server.kill_all_sandboxes()
+        server.stop()
