@@ -182,6 +182,7 @@ class BenchServer:
     name: str
     warm_pools: dict[str, int] | None = None
     template_dir: Path | None = None
+    network: dict[str, Any] | None = None  # NetworkSettings fields (`serve --egress-*`)
     root: Path = field(init=False)
     data_dir: Path = field(init=False)
     port: int = field(init=False)
@@ -220,9 +221,11 @@ class BenchServer:
                    AGENTBOX_LOG_LEVEL=os.environ.get("AGENTBOX_LOG_LEVEL", "WARNING"))
         tdir = None if self.template_dir is None else str(self.template_dir)
         code = ("from agentbox.server.app import serve; from pathlib import Path; "
+                "from agentbox.core.network import NetworkSettings; "
                 f"serve('127.0.0.1', {self.port}, Path({str(self.data_dir)!r}), "
                 f"template_dir=None if {tdir!r} is None else Path({tdir!r}), "
-                f"warm_pools={self.warm_pools!r})")
+                f"warm_pools={self.warm_pools!r}, "
+                f"network=NetworkSettings(**{self.network!r}) if {self.network!r} else None)")
         self.log_path = Path(tempfile.gettempdir()) / f"{self.root.name}.server.log"
         log = open(self.log_path, "ab")
         # Own session: a Ctrl-C in the terminal reaches the benchmark, which then cleans up

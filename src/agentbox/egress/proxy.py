@@ -338,6 +338,10 @@ class EgressProxy:
             writer.close()
             return
         sbx.conns.add(task)
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             await handler(sbx, reader, writer)
         except (asyncio.CancelledError, ConnectionError, asyncio.IncompleteReadError):

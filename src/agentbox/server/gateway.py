@@ -649,7 +649,8 @@ class PortGateway:
             pool = self._pools[key] = _Pool(
                 httpcore.AsyncConnectionPool(
                     max_connections=self._max_connections,
-                    max_keepalive_connections=min(self._max_connections, 20),
+                    # httpcore counts every connection, busy or idle, against this cap.
+                    max_keepalive_connections=self._max_connections,
                     keepalive_expiry=KEEPALIVE_EXPIRY,
                     network_backend=self._backend,
                 )
@@ -734,9 +735,10 @@ class PortGateway:
         # have been closed by the server just as it was reused.
         attempts = 1 if has_body or method not in _RETRYABLE_METHODS else 2
         status = 0
+        answered = False
 
         async def exchange() -> None:
-            nonlocal status
+            nonlocal status, answered
             pool = self._pool(route.sandbox_id, route.port)
             pool.active += 1
             try:
@@ -782,8 +784,11 @@ class PortGateway:
                         )
                         return
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
+                    answered = True
                 finally:
-                    await response.aclose()
+                    # Shielded: a cancel in the middle of it would leave the connection
+                    # counted as in use by the pool forever.
+                    await asyncio.shield(response.aclose())
             finally:
                 pool.active -= 1
                 pool.idle_since = time.monotonic()
@@ -793,6 +798,10 @@ class PortGateway:
         worker = asyncio.create_task(exchange())
         try:
             done, _ = await asyncio.wait({watcher, worker}, return_when=asyncio.FIRST_COMPLETED)
+            if answered and worker not in done:
+                # The client left after the whole answer (uvicorn says so at once): the worker
+                # is only handing its connection back to the pool; let it.
+                done, _ = await asyncio.wait({worker})
         finally:
             for task in (watcher, worker):
                 task.cancel()

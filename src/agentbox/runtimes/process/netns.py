@@ -74,7 +74,9 @@ class NamespaceSockets:
     def _make(self, ns_fd: int, family: int, listen_port: int | None) -> socket.socket:
         _setns(ns_fd)
         try:
-            sock = socket.socket(family, socket.SOCK_STREAM)
+            # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that say so, and
+            # with Nagle on, a response written in two parts waits 40 ms for a delayed ACK.
+            sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
             try:
                 if listen_port is not None:
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
