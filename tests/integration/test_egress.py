@@ -656,3 +656,90 @@ def test_claimed_pool_member_gets_its_policy(tmp_path: Path, plain: Upstream) ->
     finally:
         server.kill_all_sandboxes()
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def ws_upstream() -> Iterator[int]:
+    """A WebSocket echo server on 127.0.0.1 (the websockets library, in a thread)."""
+    import websockets.sync.server as ws_server
+
+    def echo(conn) -> None:  # type: ignore[no-untyped-def]
+        for message in conn:
+            conn.send(f"echo:{message}")
+
+    server = ws_server.serve(echo, "127.0.0.1", 0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server.socket.getsockname()[1]
+    server.shutdown()
+
+
+WS_CLIENT = """
+import base64, os, socket, sys
+mode, port = sys.argv[1], int(sys.argv[2])
+s = socket.create_connection(("127.0.0.1", 3128), 5)
+key = base64.b64encode(os.urandom(16)).decode()
+head = (f"Host: upstream.test:{port}\\r\\nUpgrade: websocket\\r\\nConnection: Upgrade\\r\\n"
+        f"Sec-WebSocket-Key: {key}\\r\\nSec-WebSocket-Version: 13\\r\\n\\r\\n")
+if mode == "connect":
+    s.sendall(f"CONNECT upstream.test:{port} HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n".encode())
+    assert s.recv(4096).startswith(b"HTTP/1.1 200")
+    s.sendall(("GET / HTTP/1.1\\r\\n" + head).encode())
+else:
+    s.sendall((f"GET http://upstream.test:{port}/ HTTP/1.1\\r\\n" + head).encode())
+f = s.makefile("rb")
+print(f.readline().decode().strip())
+while f.readline().strip():
+    pass
+mask = os.urandom(4)
+data = b"hi-" + mode.encode()
+masked = bytes(c ^ mask[i % 4] for i, c in enumerate(data))
+s.sendall(bytes([0x81, 0x80 | len(data)]) + mask + masked)
+b1, b2 = f.read(2)
+print(f.read(b2 & 0x7F).decode())
+"""
+
+
+@pytest.mark.parametrize("mode", ["plain", "connect"])
+def test_websocket_through_the_proxy(client: httpx.Client, ws_upstream: int, mode: str) -> None:
+    sid = create_sandbox(client, network={"allow_out": ["upstream.test"]})["sandbox_id"]
+    script = f"python3 -c {shlex.quote(WS_CLIENT)} {mode} {ws_upstream}"
+    res = run(client, sid, script)
+    assert res.stdout.split("\n")[:2] == ["HTTP/1.1 101 Switching Protocols", f"echo:hi-{mode}"], (
+        res.stdout + res.stderr
+    )
+
+
+def test_secrets_survive_a_server_restart(
+    tmp_path: Path, secure: Upstream, upstream_ca_dir: Path
+) -> None:
+    """The sandbox trusts the CA it was created with: a restarted server serves it with the
+    same CA (kept in the data dir) and still swaps the placeholder."""
+    server = start_server(
+        tmp_path,
+        [
+            "--egress-allow-cidr",
+            "127.0.0.0/8",
+            "--egress-resolve",
+            "secure.test=127.0.0.1",
+            "--egress-upstream-ca",
+            str(upstream_ca_dir / CA_CERT_FILE),
+        ],
+    )
+    try:
+        value = "restart-" + os.urandom(8).hex()
+        with server.client() as c:
+            _put_secret(c, "RS_TOKEN", value, ["secure.test"])
+            sid = create_sandbox(c, secrets=["RS_TOKEN"], network={"allow_out": ["secure.test"]})[
+                "sandbox_id"
+            ]
+            cmd = f'curl -sS -m 10 -f -H "X-T: $RS_TOKEN" https://secure.test:{secure.port}/rs'
+            assert run(c, sid, cmd).exit_code == 0
+        server.stop()
+        server.start()
+        with server.client() as c:
+            res = run(c, sid, cmd)
+            assert res.exit_code == 0, res.stderr
+        assert [r["headers"]["x-t"] for r in secure.seen("/rs")] == [value, value]
+    finally:
+        server.kill_all_sandboxes()
+        server.stop()
