@@ -319,7 +319,15 @@ class SandboxManager:
             raise
         try:
             row = await self._start(
-                sandbox_id, tpl, template, resources, req.envs, req.timeout, egress, net
+                sandbox_id,
+                tpl,
+                template,
+                resources,
+                req.envs,
+                req.timeout,
+                egress,
+                net,
+                caller.tenant,
             )
         except AgentboxError as e:
             self.audit(
@@ -379,6 +387,7 @@ class SandboxManager:
         timeout: float,
         egress: SandboxEgressSetup,
         net: SandboxNetwork,
+        tenant: str,
     ) -> SandboxRow:
         """Bring an inserted `starting` sandbox up: runtime, egress proxy, template start
         command, warm code contexts; its row says running (or failed) when this returns."""
@@ -399,10 +408,7 @@ class SandboxManager:
             state: dict[str, Any] | None = None
             try:
                 state = await self.runtime.create(spec)
-                row = self.store.get_sandbox(sandbox_id)
-                await self._serve_egress(
-                    sandbox_id, state, row.tenant if row else POOL_TENANT, net, egress
-                )
+                await self._serve_egress(sandbox_id, state, tenant, net, egress)
                 if tpl is not None:
                     await self._template_ready(sandbox_id, state, tpl)
             except Exception as e:
@@ -555,7 +561,7 @@ class SandboxManager:
         egress = self.network.setup(POOL_TENANT, sandbox_id, [], None)
         self._insert(sandbox_id, POOL_TENANT, template, req, Resources(), net, egress)
         row = await self._start(
-            sandbox_id, tpl, template, Resources(), {}, POOL_LIFETIME_S, egress, net
+            sandbox_id, tpl, template, Resources(), {}, POOL_LIFETIME_S, egress, net, POOL_TENANT
         )
         # One command before the hand-over: proves the member works end to end, and the first
         # command a user runs no longer pays for the agent's lazy imports and cold pages.
