@@ -156,7 +156,8 @@ def test_default_sandbox_has_no_egress_and_is_told_why(
     sid = create_sandbox(client)["sandbox_id"]
     res = run(client, sid, f"curl -sS -m 10 -i http://upstream.test:{plain.port}/x")
     assert "403" in res.stdout and "network policy" in res.stdout
-    assert "allow_out" in res.stdout  # says how to allow it
+    assert "allow_out" in res.stdout  # says how to allow it, for this very sandbox
+    assert f"PUT /v1/sandboxes/{sid}/network" in res.stdout
     assert not plain.seen("/x")
     blocked = res.end["network_blocked"]
     assert blocked and blocked[0]["host"] == "upstream.test"

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import functools
 import ipaddress
 import logging
@@ -236,13 +237,19 @@ class EgressProxy:
     # ------------------------------------------------------------------ decisions
 
     def decide(self, sbx: SandboxEgress, host: str, port: int) -> Decision:
-        return decide(
+        d = decide(
             host,
             port,
             sbx.policy,
             operator_deny=self.operator_deny,
             ceiling=self._ceiling(sbx.tenant),
         )
+        if d.allowed:
+            return d
+        # The agent reads this: name its own sandbox in the how-to-allow hint.
+        sid = sbx.sandbox_id
+        message = d.message.replace("{id}", sid).replace("network ID ", f"network {sid} ")
+        return dataclasses.replace(d, message=message)
 
     def _admit(self, sbx: SandboxEgress, raw_host: str, port: int) -> tuple[str, Decision]:
         """The normalised host and the decision that allows it; raises Refused otherwise."""
