@@ -888,9 +888,17 @@ class SandboxManager:
                     continue
                 counts["adopted"] += 1
                 try:
-                    for info in (await self._client(row).call({"op": "exec.list"}))["commands"]:
-                        if info.get("running"):
-                            self._watch(row, info["cmd_id"], info.get("cmd", ""), None, 0)
+                    commands = (await self._client(row).call({"op": "exec.list"}))["commands"]
+                    audited: set[str] | None = None
+                    for info in commands:
+                        if not info.get("running"):
+                            # Ended while no server ran (or before a crash let it be
+                            # audited): audit it now, once.
+                            if audited is None:
+                                audited = self._audited_commands(row.sandbox_id)
+                            if info["cmd_id"] in audited:
+                                continue
+                        self._watch(row, info["cmd_id"], info.get("cmd", ""), None, 0)
                 except (AgentUnavailable, AgentOpError, KeyError, TypeError):
                     pass
         for stray in await self.runtime.list_sandboxes() - known:
@@ -899,6 +907,10 @@ class SandboxManager:
             counts["strays"] += 1
         log.info("reconciled: %s", counts)
         return counts
+
+    def _audited_commands(self, sandbox_id: str) -> set[str]:
+        events = self.store.list_audit(None, sandbox_id, "command.run", None, 100_000)
+        return {str((e["detail"] or {}).get("cmd_id")) for e in events}
 
     # ------------------------------------------------------------------ agent access
 
