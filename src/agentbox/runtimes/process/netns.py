@@ -63,9 +63,6 @@ class NamespaceSockets:
             os.close(old)
         self._fds[sandbox_id] = fd
 
-    def has(self, sandbox_id: str) -> bool:
-        return sandbox_id in self._fds
-
     def close(self, sandbox_id: str) -> None:
         fd = self._fds.pop(sandbox_id, None)
         if fd is not None:
