@@ -401,18 +401,21 @@ class Store:
         since: float | None,
         limit: int,
     ) -> list[dict[str, Any]]:
-        q = select(egress_log)
-        if tenant is not None:
-            q = q.where(egress_log.c.tenant == tenant)
-        if sandbox_id:
-            q = q.where(egress_log.c.sandbox_id == sandbox_id)
-        if host:
-            q = q.where(egress_log.c.host == host)
-        if allowed is not None:
-            q = q.where(egress_log.c.allowed == allowed)
+        filters = {"tenant": tenant, "sandbox_id": sandbox_id, "host": host, "allowed": allowed}
+        return self._newest(egress_log, filters, since, limit)
+
+    def _newest(
+        self, table: Table, equal: dict[str, Any], since: float | None, limit: int
+    ) -> list[dict[str, Any]]:
+        """A log table's rows, newest first: columns equal to the given values (None or ""
+        = any), at or after `since`."""
+        q = select(table)
+        for name, value in equal.items():
+            if value is not None and value != "":
+                q = q.where(table.c[name] == value)
         if since is not None:
-            q = q.where(egress_log.c.time >= since)
-        q = q.order_by(egress_log.c.id.desc()).limit(limit)
+            q = q.where(table.c.time >= since)
+        q = q.order_by(table.c.id.desc()).limit(limit)
         with self.engine.connect() as c:
             return [dict(r._mapping) for r in c.execute(q).all()]
 
@@ -430,29 +433,5 @@ class Store:
         since: float | None,
         limit: int,
     ) -> list[dict[str, Any]]:
-        q = select(audit)
-        if tenant is not None:
-            q = q.where(audit.c.tenant == tenant)
-        if sandbox_id:
-            q = q.where(audit.c.sandbox_id == sandbox_id)
-        if action:
-            q = q.where(audit.c.action == action)
-        if since is not None:
-            q = q.where(audit.c.time >= since)
-        q = q.order_by(audit.c.id.desc()).limit(limit)
-        with self.engine.connect() as c:
-            rows = c.execute(q).all()
-        return [
-            {
-                "id": r.id,
-                "time": r.time,
-                "tenant": r.tenant,
-                "key_id": r.key_id,
-                "action": r.action,
-                "sandbox_id": r.sandbox_id,
-                "status": r.status,
-                "duration_ms": r.duration_ms,
-                "detail": r.detail,
-            }
-            for r in rows
-        ]
+        filters = {"tenant": tenant, "sandbox_id": sandbox_id, "action": action}
+        return self._newest(audit, filters, since, limit)
