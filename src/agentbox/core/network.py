@@ -154,6 +154,9 @@ class NetworkService:
         )
         self._fernet = Fernet(self._key(data_dir / "secrets.key"))
         self._secrets: dict[tuple[str, str], BoundSecret | None] = {}
+        # Tenant settings are read on every create and egress decision; this process is their
+        # only writer (embedded mode), so the caches are dropped on every change.
+        self._tenant_settings: dict[str, dict[str, Any]] = {}
         self._ceilings: dict[str, EgressPolicy | None] = {}
         self._pending: list[dict[str, Any]] = []
         self._flusher: asyncio.Task[None] | None = None
@@ -177,13 +180,24 @@ class NetworkService:
 
     # ------------------------------------------------------------------ tenant settings
 
+    def _stored(self, tenant: str) -> dict[str, Any]:
+        if tenant not in self._tenant_settings:
+            self._tenant_settings[tenant] = self.store.get_tenant_network(tenant)
+        return self._tenant_settings[tenant]
+
+    def _save(self, tenant: str, key: str, value: dict[str, Any] | None) -> dict[str, Any]:
+        self.store.set_tenant_network(tenant, {**self._stored(tenant), key: value})
+        self._tenant_settings.pop(tenant, None)
+        self._ceilings.pop(tenant, None)
+        return self.tenant_network(tenant)
+
     def tenant_network(self, tenant: str) -> dict[str, Any]:
-        stored = self.store.get_tenant_network(tenant)
+        stored = self._stored(tenant)
         return {"default": stored.get("default"), "ceiling": stored.get("ceiling")}
 
     def ceiling(self, tenant: str) -> EgressPolicy | None:
         if tenant not in self._ceilings:
-            raw = self.store.get_tenant_network(tenant).get("ceiling")
+            raw = self._stored(tenant).get("ceiling")
             self._ceilings[tenant] = EgressPolicy.from_dict(raw) if raw is not None else None
         return self._ceilings[tenant]
 
@@ -196,30 +210,23 @@ class NetworkService:
         except RuleError as e:
             raise Forbidden(
                 f"the network policy is outside tenant {tenant}'s ceiling: {e}; an admin can "
-                "widen it with PUT /v1/tenants/{tenant}/network"
+                f"widen it with PUT /v1/tenants/{tenant}/network"
             ) from None
 
     def set_tenant_ceiling(self, tenant: str, ceiling: dict[str, Any] | None) -> dict[str, Any]:
         parsed = _policy(ceiling, "ceiling") if ceiling is not None else None
-        stored = self.store.get_tenant_network(tenant)
-        stored["ceiling"] = parsed.to_dict() if parsed is not None else None
-        self.store.set_tenant_network(tenant, stored)
-        self._ceilings.pop(tenant, None)
-        return self.tenant_network(tenant)
+        return self._save(tenant, "ceiling", parsed.to_dict() if parsed is not None else None)
 
     def set_tenant_default(self, tenant: str, default: dict[str, Any] | None) -> dict[str, Any]:
         net = _network(default, "default") if default is not None else None
         if net is not None:
             self._check_ceiling(tenant, net.policy)
-        stored = self.store.get_tenant_network(tenant)
-        stored["default"] = net.to_dict() if net is not None else None
-        self.store.set_tenant_network(tenant, stored)
-        return self.tenant_network(tenant)
+        return self._save(tenant, "default", net.to_dict() if net is not None else None)
 
     def sandbox_network(self, tenant: str, requested: dict[str, Any] | None) -> SandboxNetwork:
         """The network a new sandbox gets: what it asked for, else the tenant's default."""
         if requested is None:
-            requested = self.store.get_tenant_network(tenant).get("default")
+            requested = self._stored(tenant).get("default")
         net = _network(requested, "network")
         self._check_ceiling(tenant, net.policy)
         return net
