@@ -10,13 +10,12 @@ import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from fastapi import FastAPI
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -31,6 +30,11 @@ from agentbox.core import ports
 from agentbox.server import gateway as gateway_module
 from agentbox.server.gateway import PortGateway, PortTarget, _ws_authority
 
+try:
+    from ._asgi_server import serve
+except ImportError:
+    from _asgi_server import serve  # type: ignore[no-redef]
+
 SANDBOX = "sbx_0123456789abcdef"
 PUBLIC = "sbx_fedcba9876543210"
 TOKEN = "tok-0123456789-secret"
@@ -39,30 +43,6 @@ CLOSED_PORT = 3001  # mapped to a loopback port nothing listens on
 HANGING_PORT = 3002  # connecting never completes
 
 # ---------------------------------------------------------------------------- servers
-
-
-@contextmanager
-def serve(app: Any, **options: Any) -> Iterator[int]:
-    """Run `app` under uvicorn in a thread on a free loopback port."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    config = uvicorn.Config(
-        app, log_level="warning", lifespan="on", ws_ping_interval=None, **options
-    )
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.01)
-    try:
-        yield port
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        sock.close()
 
 
 @dataclass

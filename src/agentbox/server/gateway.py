@@ -18,12 +18,16 @@ requests work. Those credentials are never forwarded into the sandbox.
 from __future__ import annotations
 
 import asyncio
+import fcntl
+import functools
 import hmac
 import json
 import logging
 import re
 import select
 import socket
+import struct
+import termios
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
@@ -34,10 +38,23 @@ import httpcore
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
-from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
+from websockets.exceptions import (
+    ConnectionClosed,
+    InvalidHandshake,
+    InvalidStatus,
+    ProtocolError,
+)
+from websockets.frames import Frame, Opcode
+from websockets.protocol import Protocol
 
 from agentbox.core import ports
-from agentbox.core.errors import AgentboxError, Forbidden, NotFound, Unauthorized
+from agentbox.core.errors import (
+    AgentboxError,
+    Forbidden,
+    InvalidRequest,
+    NotFound,
+    Unauthorized,
+)
 
 log = logging.getLogger("agentbox.gateway")
 
@@ -47,9 +64,30 @@ POOL_TIMEOUT = 30.0
 # Idle upstream connections are dropped after this, below the idle timeout of common servers
 # (uvicorn and node: 5 s) so a reused connection is rarely one the server is just closing.
 KEEPALIVE_EXPIRY = 4.0
-# The largest WebSocket message relayed from a sandbox (uvicorn's default for the client side).
-WS_MAX_SIZE = 16 * 2**20
 WS_CLOSE_TIMEOUT = 5.0
+
+
+@dataclass(frozen=True)
+class RelayLimits:
+    """What relays through the gateway may hold, and for how long. A server in a sandbox is
+    untrusted code: it may stream forever, stop reading, or flood control frames."""
+
+    # No byte either way for this long ends a relay (a long poll or an event stream that sends
+    # nothing for five minutes is gone; event streams send keep-alive comments well inside it).
+    idle_timeout: float = 300.0
+    # A side that does not take what is written to it for this long ends the relay.
+    write_timeout: float = 30.0
+    # Concurrent relays (HTTP exchanges and open WebSockets) per sandbox and per tenant.
+    per_sandbox: int = 64
+    per_tenant: int = 256
+    # The largest WebSocket message relayed either way (one buffered message per side).
+    ws_max_message: int = 4 * 2**20
+    # Pings a sandbox's WebSocket server may send (answered by the gateway, never relayed):
+    # a burst, refilled at a rate per second; beyond it the connection is closed (1008).
+    ws_ping_burst: int = 20
+    ws_pings_per_second: float = 5.0
+    # Bytes queued towards a sandbox that stopped reading (pong replies included).
+    ws_write_buffer: int = 2**20
 
 _ORIGIN_SUFFIX = ".agentbox-gw"
 _HOP_BY_HOP = frozenset(
@@ -280,6 +318,33 @@ def _readable(sock: socket.socket) -> bool:
     return bool(poller.poll(0))
 
 
+def _reset_if_unread(sock: Any) -> None:
+    """Make closing `sock` a reset if data the sandbox never read is still queued on it: the
+    kernel would otherwise keep the connection (and that data) waiting for the sandbox."""
+    try:
+        fd = sock.fileno()
+        if fd >= 0 and fcntl.ioctl(fd, termios.TIOCOUTQ, b"\0\0\0\0") != b"\0" * 4:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    except OSError:
+        pass
+
+
+def _close(sock: socket.socket) -> None:
+    _reset_if_unread(sock)
+    sock.close()
+
+
+def _abort(transport: asyncio.BaseTransport) -> None:
+    """Drop a WebSocket's connection to a sandbox at once, queued data and all."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        _reset_if_unread(sock)
+    if isinstance(transport, asyncio.Transport):
+        transport.abort()
+    else:
+        transport.close()
+
+
 class _SocketStream(httpcore.AsyncNetworkStream):
     """An httpcore stream over a socket `connect` made, driven by the running asyncio loop."""
 
@@ -308,7 +373,7 @@ class _SocketStream(httpcore.AsyncNetworkStream):
             raise httpcore.WriteError(str(e)) from e
 
     async def aclose(self) -> None:
-        self._sock.close()
+        _close(self._sock)
 
     def get_extra_info(self, info: str) -> Any:
         if info == "is_readable":
@@ -358,6 +423,83 @@ class _SandboxBackend(httpcore.AsyncNetworkBackend):
         await asyncio.sleep(seconds)
 
 
+class _GuardedConnection(ClientConnection):
+    """A WebSocket connection to a sandbox's server that rations what that server can make the
+    gateway do: its pings are answered up to a rate (never relayed), and once it stops reading,
+    what is queued for it (pongs included) cannot grow past a bound."""
+
+    def __init__(self, protocol: Protocol, *, limits: RelayLimits, **options: Any) -> None:
+        super().__init__(protocol, **options)  # type: ignore[arg-type]
+        self._limits = limits
+        self._pings = float(limits.ws_ping_burst)
+        self._refilled = time.monotonic()
+        self.abuse: str | None = None  # why the gateway cut the connection, if it did
+        handle = protocol.recv_frame
+
+        def recv_frame(frame: Frame) -> None:
+            if frame.opcode is Opcode.PING and not self._take_ping():
+                self.abuse = (
+                    f"the sandbox's server sent pings faster than {limits.ws_pings_per_second:g}"
+                    "/s"
+                )
+                # Stops the parser at once (the rest of a flood is not even parsed).
+                raise ProtocolError("ping flood")
+            handle(frame)
+
+        protocol.recv_frame = recv_frame  # type: ignore[method-assign]
+
+    def _take_ping(self) -> bool:
+        now = time.monotonic()
+        rate, burst = self._limits.ws_pings_per_second, self._limits.ws_ping_burst
+        self._pings = min(burst, self._pings + (now - self._refilled) * rate)
+        self._refilled = now
+        if self._pings < 1:
+            return False
+        self._pings -= 1
+        return True
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        transport = self.transport
+        if self.abuse is None and transport.get_write_buffer_size() > self._limits.ws_write_buffer:
+            self.abuse = "the sandbox's server stopped reading"
+        if self.abuse is not None:
+            _abort(transport)
+
+
+class _Stalled(Exception):
+    """One side of a relay did not take what was written to it (or sent nothing) in time."""
+
+    def __init__(self, why: str, status: int = 504, code: str = "upstream_timeout") -> None:
+        super().__init__(why)
+        self.status, self.code = status, code
+
+
+async def _within(
+    what: Awaitable[Any],
+    timeout: float,
+    why: str,
+    status: int = 504,
+    code: str = "upstream_timeout",
+) -> Any:
+    try:
+        async with asyncio.timeout(timeout):
+            return await what
+    except TimeoutError:
+        raise _Stalled(why, status, code) from None
+
+
+def _bounded(send: Send, timeout: float) -> Send:
+    """`send` to the client, failing with _Stalled when the client does not read for
+    `timeout` (uvicorn's send waits for its write buffer to drain, without a limit)."""
+
+    async def bounded(message: Message) -> None:
+        why = f"the client did not read for {timeout:g} s"
+        await _within(send(message), timeout, why, 499, "client_stalled")
+
+    return bounded
+
+
 @dataclass
 class _Pool:
     pool: httpcore.AsyncConnectionPool
@@ -379,7 +521,7 @@ def _port_not_open(route: _Route) -> AgentboxError:
     )
 
 
-def _upstream_error(route: _Route, e: BaseException) -> AgentboxError | None:
+def _upstream_error(route: _Route, e: BaseException, limits: RelayLimits) -> AgentboxError | None:
     """What went wrong talking to the sandbox's server, as the client should hear it; None
     for anything else (a bug here, which the ASGI server reports as such)."""
     where = dict(sandbox_id=route.sandbox_id, port=route.port)
@@ -393,6 +535,24 @@ def _upstream_error(route: _Route, e: BaseException) -> AgentboxError | None:
             "retry later or close idle ones",
             code="gateway_busy",
             status=503,
+            **where,
+        )
+    if isinstance(e, _Stalled):
+        return AgentboxError(str(e), code=e.code, status=e.status, **where)
+    if isinstance(e, httpcore.ReadTimeout):
+        return AgentboxError(
+            f"the server on port {route.port} in sandbox {route.sandbox_id} sent no answer "
+            f"for {limits.idle_timeout:g} s",
+            code="upstream_timeout",
+            status=504,
+            **where,
+        )
+    if isinstance(e, httpcore.WriteTimeout):
+        return AgentboxError(
+            f"the server on port {route.port} in sandbox {route.sandbox_id} did not read the "
+            f"request for {limits.write_timeout:g} s",
+            code="upstream_timeout",
+            status=504,
             **where,
         )
     if isinstance(e, TimeoutError | httpcore.TimeoutException):
@@ -473,7 +633,7 @@ class PortGateway:
     """ASGI middleware that proxies sandbox ports and passes everything else to `app`.
 
     `max_connections` caps upstream connections per (sandbox, port), so one busy port cannot
-    starve the others.
+    starve the others; `limits` bounds every relay's lifetime, buffers and count.
     """
 
     def __init__(
@@ -486,6 +646,7 @@ class PortGateway:
         connect: Callable[[str, int], Awaitable[socket.socket]],
         on_access: Callable[[str, int, str, int], None] | None = None,
         max_connections: int = 100,
+        limits: RelayLimits | None = None,
     ) -> None:
         self.app = app
         self.domain = domain
@@ -497,6 +658,9 @@ class PortGateway:
         self._backend = _SandboxBackend(connect)
         self._pools: dict[tuple[str, int], _Pool] = {}
         self._last_sweep = time.monotonic()
+        self.limits = limits or RelayLimits()
+        # Relays open now, per sandbox and per tenant.
+        self._relays: dict[str, int] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -527,16 +691,49 @@ class PortGateway:
         already audited (a WebSocket is, once accepted: it may stay open for hours)."""
         headers = _decoded(scope)
         try:
-            set_cookie = await self._authorize(scope, headers, route)
+            target, set_cookie = await self._authorize(scope, headers, route)
+            slot = self._take_slot(route, target)
         except AgentboxError as e:
             return await self._refuse(scope, receive, send, e)
         except Exception:
             log.exception("port gateway: authorizing a request failed")
             internal = AgentboxError("internal error while authorizing the request")
             return await self._refuse(scope, receive, send, internal)
-        if scope["type"] == "websocket":
-            return await self._relay_websocket(scope, receive, send, route, headers, set_cookie)
-        return await self._relay_http(scope, receive, send, route, headers, set_cookie)
+        try:
+            if scope["type"] == "websocket":
+                return await self._relay_websocket(
+                    scope, receive, send, route, headers, set_cookie
+                )
+            return await self._relay_http(scope, receive, send, route, headers, set_cookie)
+        finally:
+            self._give_slot(slot)
+
+    def _take_slot(self, route: _Route, target: PortTarget) -> tuple[str, str]:
+        """Count one more relay for the sandbox and its tenant, or refuse past either cap."""
+        keys = (f"s:{route.sandbox_id}", f"t:{target.tenant}")
+        caps = (self.limits.per_sandbox, self.limits.per_tenant)
+        for key, cap, whose in zip(keys, caps, ("sandbox", "tenant"), strict=True):
+            if self._relays.get(key, 0) >= cap:
+                raise AgentboxError(
+                    f"{cap} connections are already open through the gateway to this {whose}'s "
+                    "ports (the per-" + whose + " limit); close some or retry later",
+                    code="gateway_busy",
+                    status=503,
+                    sandbox_id=route.sandbox_id,
+                    port=route.port,
+                    limit=cap,
+                )
+        for key in keys:
+            self._relays[key] = self._relays.get(key, 0) + 1
+        return keys
+
+    def _give_slot(self, keys: tuple[str, str]) -> None:
+        for key in keys:
+            left = self._relays.get(key, 0) - 1
+            if left > 0:
+                self._relays[key] = left
+            else:
+                self._relays.pop(key, None)
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send, e: AgentboxError) -> int:
         if scope["type"] == "websocket":
@@ -557,12 +754,23 @@ class PortGateway:
 
     async def _authorize(
         self, scope: Scope, headers: list[tuple[str, str]], route: _Route
-    ) -> str | None:
-        """Raise unless the request may reach the port; a Set-Cookie value to add, if any."""
+    ) -> tuple[PortTarget, str | None]:
+        """Raise unless the request may reach the port; the sandbox, and a Set-Cookie value to
+        add if any."""
         target = await self._lookup(route.sandbox_id)
         not_found = NotFound(f"no running sandbox {route.sandbox_id}", sandbox_id=route.sandbox_id)
         if target is None:
             raise not_found
+        return target, await self._check_credentials(scope, headers, route, target, not_found)
+
+    async def _check_credentials(
+        self,
+        scope: Scope,
+        headers: list[tuple[str, str]],
+        route: _Route,
+        target: PortTarget,
+        not_found: NotFound,
+    ) -> str | None:
         if target.public:
             return None
         given = dict(headers)  # the last of repeated headers wins; none of ours repeat
@@ -680,10 +888,23 @@ class PortGateway:
         headers: list[tuple[str, str]],
         set_cookie: str | None,
     ) -> int:
+        limits = self.limits
         out = _forwarded_headers(scope, headers, route, frozenset())
         given = dict(headers)
         out.insert(0, ("host", given.get("host") or "localhost"))
         first: Message | None = None
+        if "content-length" in given and "transfer-encoding" in given:
+            # Two framings for one body (RFC 9112 section 6.3): the classic request-smuggling
+            # shape; refuse rather than guess which one the sandbox's server would believe.
+            await _send_http_error(
+                send,
+                InvalidRequest(
+                    "the request has both Content-Length and Transfer-Encoding; send one",
+                    sandbox_id=route.sandbox_id,
+                    port=route.port,
+                ),
+            )
+            return 400
         if "content-length" in given:
             out.append(("content-length", given["content-length"]))
             has_body = given["content-length"].strip() != "0"
@@ -700,6 +921,7 @@ class PortGateway:
         if has_body and "content-length" not in given:
             out.append(("transfer-encoding", "chunked"))
         body_queue: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=4)
+        send = _bounded(send, limits.write_timeout)
 
         async def until_disconnect() -> None:
             # The only reader of `receive`: feeds the body to the upstream request, then
@@ -720,7 +942,13 @@ class PortGateway:
                 message = None
 
         async def body() -> AsyncIterator[bytes]:
-            while (chunk := await body_queue.get()) is not None:
+            stalled = f"the client sent no more of the request body for {limits.idle_timeout:g} s"
+            while True:
+                chunk = await _within(
+                    body_queue.get(), limits.idle_timeout, stalled, 408, "request_timeout"
+                )
+                if chunk is None:
+                    return
                 yield chunk
 
         method = scope["method"]
@@ -728,9 +956,13 @@ class PortGateway:
         url = httpcore.URL(
             scheme=b"http", host=_origin_host(route.sandbox_id, route.port), target=route.target
         )
-        # No read or write timeout: a long poll or an event stream may idle for minutes; the
-        # client leaving ends the exchange instead.
-        timeouts = {"connect": CONNECT_TIMEOUT, "read": None, "write": None, "pool": POOL_TIMEOUT}
+        # A long poll or an event stream may be quiet for a while, not past the idle timeout.
+        timeouts = {
+            "connect": CONNECT_TIMEOUT,
+            "read": limits.idle_timeout,
+            "write": limits.write_timeout,
+            "pool": POOL_TIMEOUT,
+        }
         # A request without a body can be sent again if a kept-alive connection turns out to
         # have been closed by the server just as it was reused.
         attempts = 1 if has_body or method not in _RETRYABLE_METHODS else 2
@@ -762,7 +994,6 @@ class PortGateway:
                     response_headers = _response_headers(response.headers)
                     if set_cookie:
                         response_headers.append((b"set-cookie", set_cookie.encode("latin-1")))
-                    status = response.status
                     await send(
                         {
                             "type": "http.response.start",
@@ -770,17 +1001,30 @@ class PortGateway:
                             "headers": response_headers,
                         }
                     )
+                    status = response.status
                     try:
                         async for chunk in response.stream:  # type: ignore[union-attr]
                             if chunk:
                                 await send(
                                     {"type": "http.response.body", "body": chunk, "more_body": True}
                                 )
-                    except (httpcore.ProtocolError, httpcore.NetworkError) as e:
+                            # A socket with data waiting never suspends sock_recv, and a client
+                            # that reads fast never suspends send: without this, one sandbox
+                            # streaming small chunks would hold the event loop for everyone.
+                            await asyncio.sleep(0)
+                    except (
+                        httpcore.ProtocolError,
+                        httpcore.NetworkError,
+                        httpcore.TimeoutException,
+                        _Stalled,
+                    ) as e:
                         # Too late for an error response: leaving the body unfinished makes the
                         # server drop the connection, so the client sees a truncated response.
                         log.info(
-                            "port gateway: %s:%s broke off: %s", route.sandbox_id, route.port, e
+                            "port gateway: relay from %s:%s ended: %s",
+                            route.sandbox_id,
+                            route.port,
+                            e or type(e).__name__,
                         )
                         return
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -811,12 +1055,18 @@ class PortGateway:
         error = worker.exception()
         if error is None:
             return status
-        if status:  # the response had started
-            raise error
-        mapped = _upstream_error(route, error)
+        if status or isinstance(error, _Stalled) and error.status == 499:
+            # The response had started (or the client stopped reading before it could): log
+            # what broke, the client sees the connection end.
+            log.info("port gateway: relay to %s:%s ended: %s", route.sandbox_id, route.port, error)
+            return status or 499
+        mapped = _upstream_error(route, error, limits)
         if mapped is None:
             raise error
-        await _send_http_error(send, mapped)
+        try:
+            await _send_http_error(send, mapped)
+        except _Stalled:
+            return 499
         return mapped.status
 
     # ------------------------------------------------------------------ WebSocket
@@ -854,7 +1104,7 @@ class PortGateway:
             )
             return response.status_code
         except Exception as e:
-            mapped = _upstream_error(route, e)
+            mapped = _upstream_error(route, e, self.limits)
             if mapped is None:
                 raise
             await _deny_websocket(scope, send, mapped.status, _JSON, _error_body(mapped))
@@ -876,9 +1126,15 @@ class PortGateway:
             except Exception:  # the client left during the upstream handshake
                 return 499
             self._audit(route, "WEBSOCKET", 101)
-            await self._pump_websocket(receive, send, upstream)
+            await self._pump_websocket(receive, send, upstream, route)
         finally:
-            await upstream.close()
+            # A sandbox's server that does not read could hold the closing handshake.
+            try:
+                async with asyncio.timeout(WS_CLOSE_TIMEOUT):
+                    await upstream.close()
+            except TimeoutError:
+                pass
+            _abort(upstream.transport)
         return None
 
     async def _open_websocket(
@@ -896,8 +1152,11 @@ class PortGateway:
                 open_timeout=CONNECT_TIMEOUT,
                 ping_interval=None,  # the client side has its own keepalive
                 close_timeout=WS_CLOSE_TIMEOUT,
-                max_size=WS_MAX_SIZE,
+                max_size=self.limits.ws_max_message,
+                # Frames read ahead of the client: with the message cap, a memory bound.
+                max_queue=4,
                 proxy=None,
+                create_connection=functools.partial(_GuardedConnection, limits=self.limits),
             )
             connect = ws_connect(f"ws://{_ws_authority(host)}{path}", **options)
             try:
@@ -911,49 +1170,81 @@ class PortGateway:
             sock.close()
             raise
 
-    @staticmethod
-    async def _pump_websocket(receive: Receive, send: Send, upstream: ClientConnection) -> None:
-        """Relay messages both ways until one side closes, then close the other side alike."""
+    async def _pump_websocket(
+        self, receive: Receive, send: Send, upstream: ClientConnection, route: _Route
+    ) -> None:
+        """Relay messages both ways until one side closes, stalls or both go quiet past the
+        idle timeout, then close the other side alike."""
+        limits = self.limits
+        send = _bounded(send, limits.write_timeout)
+        last = time.monotonic()
+        stalled = f"the sandbox's server did not read for {limits.write_timeout:g} s"
 
         async def from_client() -> tuple[int, str]:
+            nonlocal last
             while True:
                 message = await receive()
+                last = time.monotonic()
                 if message["type"] == "websocket.receive":
                     data = message.get("bytes")
-                    await upstream.send(data if data is not None else message.get("text") or "")
+                    data = data if data is not None else message.get("text") or ""
+                    if len(data) > limits.ws_max_message:
+                        return 1009, f"message over {limits.ws_max_message} bytes"
+                    await _within(upstream.send(data), limits.write_timeout, stalled)
                 elif message["type"] == "websocket.disconnect":
                     return message.get("code", 1000), message.get("reason") or ""
 
         async def from_upstream() -> None:
+            nonlocal last
             try:
                 async for data in upstream:
+                    last = time.monotonic()
                     if isinstance(data, bytes):
                         await send({"type": "websocket.send", "bytes": data})
                     else:
                         await send({"type": "websocket.send", "text": data})
+                    await asyncio.sleep(0)  # a fast sandbox must not hold the event loop
             except ConnectionClosed:
                 pass
 
+        async def until_idle() -> None:
+            while (quiet := time.monotonic() - last) < limits.idle_timeout:
+                await asyncio.sleep(limits.idle_timeout - quiet)
+
         client_side = asyncio.create_task(from_client())
         upstream_side = asyncio.create_task(from_upstream())
+        idle = asyncio.create_task(until_idle())
+        tasks = (client_side, upstream_side, idle)
         try:
-            done, _ = await asyncio.wait(
-                {client_side, upstream_side}, return_when=asyncio.FIRST_COMPLETED
-            )
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for task in (client_side, upstream_side):
+            for task in tasks:
                 task.cancel()
-            await asyncio.gather(client_side, upstream_side, return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
         if client_side in done and client_side.exception() is None:
             code, reason = client_side.result()
             await upstream.close(_close_code(code, 1001), reason)
             return
-        # The sandbox's server closed (or the connection to it broke): tell the client.
-        code = _close_code(upstream.close_code, 1011)
-        reason = upstream.close_reason or (
-            "" if upstream.close_code else "upstream connection lost"
-        )
+        # The sandbox's server closed, broke off, stalled or went quiet: tell the client.
+        if idle in done:
+            code, reason = 1001, f"no message either way for {limits.idle_timeout:g} s"
+        elif client_side in done and isinstance(client_side.exception(), _Stalled):
+            code, reason = 1011, str(client_side.exception())
+            _abort(upstream.transport)  # no closing handshake with a server that does not read
+        elif upstream_side in done and isinstance(upstream_side.exception(), _Stalled):
+            code, reason = 1011, str(upstream_side.exception())  # the client stopped reading
+        elif isinstance(upstream, _GuardedConnection) and upstream.abuse:
+            code, reason = 1011, upstream.abuse
+        else:
+            code = _close_code(upstream.close_code, 1011)
+            reason = upstream.close_reason or (
+                "" if upstream.close_code else "upstream connection lost"
+            )
+        if code == 1011 or idle in done:
+            log.info(
+                "port gateway: websocket to %s:%s ended: %s", route.sandbox_id, route.port, reason
+            )
         try:
-            await send({"type": "websocket.close", "code": code, "reason": reason})
-        except Exception:  # the client may be gone too
+            await send({"type": "websocket.close", "code": code, "reason": reason[:120]})
+        except Exception:  # the client may be gone (or not reading) too
             pass
