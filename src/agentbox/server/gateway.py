@@ -88,6 +88,10 @@ class RelayLimits:
     ws_pings_per_second: float = 5.0
     # Bytes queued towards a sandbox that stopped reading (pong replies included).
     ws_write_buffer: int = 2**20
+    # Yield to the event loop after each relayed chunk. Off only in the security battery's
+    # positive control (`gateway-unbounded`), to show its checks can see a starved loop.
+    fair: bool = True
+
 
 _ORIGIN_SUFFIX = ".agentbox-gw"
 _HOP_BY_HOP = frozenset(
@@ -439,8 +443,7 @@ class _GuardedConnection(ClientConnection):
         def recv_frame(frame: Frame) -> None:
             if frame.opcode is Opcode.PING and not self._take_ping():
                 self.abuse = (
-                    f"the sandbox's server sent pings faster than {limits.ws_pings_per_second:g}"
-                    "/s"
+                    f"the sandbox's server sent pings faster than {limits.ws_pings_per_second:g}/s"
                 )
                 # Stops the parser at once (the rest of a flood is not even parsed).
                 raise ProtocolError("ping flood")
@@ -701,9 +704,7 @@ class PortGateway:
             return await self._refuse(scope, receive, send, internal)
         try:
             if scope["type"] == "websocket":
-                return await self._relay_websocket(
-                    scope, receive, send, route, headers, set_cookie
-                )
+                return await self._relay_websocket(scope, receive, send, route, headers, set_cookie)
             return await self._relay_http(scope, receive, send, route, headers, set_cookie)
         finally:
             self._give_slot(slot)
@@ -1011,7 +1012,8 @@ class PortGateway:
                             # A socket with data waiting never suspends sock_recv, and a client
                             # that reads fast never suspends send: without this, one sandbox
                             # streaming small chunks would hold the event loop for everyone.
-                            await asyncio.sleep(0)
+                            if limits.fair:
+                                await asyncio.sleep(0)
                     except (
                         httpcore.ProtocolError,
                         httpcore.NetworkError,
@@ -1203,7 +1205,8 @@ class PortGateway:
                         await send({"type": "websocket.send", "bytes": data})
                     else:
                         await send({"type": "websocket.send", "text": data})
-                    await asyncio.sleep(0)  # a fast sandbox must not hold the event loop
+                    if limits.fair:
+                        await asyncio.sleep(0)  # a fast sandbox must not hold the event loop
             except ConnectionClosed:
                 pass
 

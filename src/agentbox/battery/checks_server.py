@@ -1,0 +1,271 @@
+"""Checks that attack the control plane itself rather than the sandbox wall: an anonymous client
+that floods bodies or holds slow connections, and a tenant's own sandbox server that tries to
+starve or flood the exposed-ports gateway.
+
+Their positive controls weaken the server's budgets (`server-unguarded`, `gateway-unbounded` in
+battery/server.py), never the runtime.
+"""
+
+from __future__ import annotations
+
+import socket
+import statistics
+import threading
+import time
+
+import httpx
+
+from agentbox.battery.checks import Ctx, Verdict, blocked, check
+from agentbox.battery.target import Box
+
+# Servers run inside a sandbox (stdlib only). Each takes its port as argv[1].
+_TRICKLE = r"""
+import socket, sys, threading
+def serve(c):
+    try:
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += c.recv(65536)
+        c.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        burst = b"1\r\nx\r\n" * 4000
+        while True:
+            c.sendall(burst)
+    except OSError:
+        pass
+    finally:
+        c.close()
+s = socket.create_server(("127.0.0.1", int(sys.argv[1])))
+print("listening", flush=True)
+while True:
+    threading.Thread(target=serve, args=(s.accept()[0],), daemon=True).start()
+"""
+
+_PING_FLOOD = r"""
+import base64, hashlib, socket, sys, threading
+def serve(c):
+    try:
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += c.recv(65536)
+        key = [l.split(b":", 1)[1].strip() for l in data.split(b"\r\n")
+               if l.lower().startswith(b"sec-websocket-key:")][0]
+        acc = base64.b64encode(hashlib.sha1(key + b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11")
+                               .digest())
+        c.sendall(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n"
+                  b"Connection: Upgrade\r\nSec-WebSocket-Accept: " + acc + b"\r\n\r\n")
+        flood = b"\x89\x00" * 32768
+        while True:
+            c.sendall(flood)
+    except OSError:
+        pass
+    finally:
+        c.close()
+s = socket.create_server(("127.0.0.1", int(sys.argv[1])))
+print("listening", flush=True)
+while True:
+    threading.Thread(target=serve, args=(s.accept()[0],), daemon=True).start()
+"""
+
+
+def _health_p50(url: str, n: int = 15) -> tuple[float, float]:
+    times = []
+    with httpx.Client(base_url=url, timeout=5) as c:
+        for _ in range(n):
+            t0 = time.perf_counter()
+            try:
+                c.get("/v1/health")
+                times.append(time.perf_counter() - t0)
+            except httpx.HTTPError:
+                times.append(5.0)
+    return statistics.median(times), max(times)
+
+
+def _start_server(box: Box, name: str, source: str, port: int) -> None:
+    path = f"/tmp/.abx-{name}.py"
+    r = box.put(path, source.encode())
+    r.raise_for_status()
+    cmd_id = box.start(f"python3 {path} {port}")
+    box.wait_output(cmd_id, "listening", timeout=15)
+
+
+def _log_lines(ctx: Ctx) -> int:
+    try:
+        with open(ctx.server.log_path, "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return 0
+
+
+# ---------------------------------------------------------------------------- anonymous clients
+
+
+@check(
+    "srv-anonymous-body",
+    "control-plane",
+    "an anonymous client's request body is not read (401 before the body)",
+    {"server-unguarded"},
+)
+def _srv_anonymous_body(ctx: Ctx) -> Verdict:
+    promised = 256 * 2**20
+    sent = 0
+    with socket.create_connection(("127.0.0.1", ctx.server.port), timeout=5) as s:
+        s.sendall(
+            b"POST /v1/sandboxes HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {promised}\r\n\r\n".encode()
+        )
+        s.setblocking(False)
+        block = b"{" * 65536
+        answer = b""
+        deadline = time.monotonic() + 6
+        while time.monotonic() < deadline and sent < promised:
+            try:
+                answer += s.recv(65536)
+                if answer.startswith(b"HTTP/1.1 401"):
+                    break
+            except BlockingIOError:
+                pass
+            except OSError:
+                break
+            try:
+                sent += s.send(block)
+            except BlockingIOError:
+                time.sleep(0.01)
+            except OSError:
+                break
+    mib = sent / 2**20
+    if mib > 32:
+        return Verdict("BROKEN", ["DOS"], f"the server took {mib:.0f} MiB of an anonymous body")
+    return blocked(f"answered {answer[:12]!r} after {mib:.1f} MiB were sent")
+
+
+@check(
+    "srv-slowloris",
+    "control-plane",
+    "slow request headers are cut off; anonymous connections cannot hold the server",
+    {"server-unguarded"},
+)
+def _srv_slowloris(ctx: Ctx) -> Verdict:
+    conns = []
+    for _ in range(40):
+        s = socket.create_connection(("127.0.0.1", ctx.server.port), timeout=5)
+        s.sendall(b"GET /v1/health HTTP/1.1\r\nHost: x\r\n")
+        conns.append(s)
+    try:
+        deadline = time.monotonic() + 14  # the shipped header timeout is 10 s
+        while time.monotonic() < deadline:
+            for s in conns:
+                try:
+                    s.send(b"X-a: b\r\n")  # a header line now and then, never the blank line
+                except OSError:
+                    pass
+            time.sleep(2)
+        open_ = 0
+        for s in conns:
+            s.settimeout(0.05)
+            try:
+                open_ += s.recv(1) != b""
+            except TimeoutError:
+                open_ += 1
+            except OSError:
+                pass
+    finally:
+        for s in conns:
+            s.close()
+    if open_:
+        return Verdict("BROKEN", ["DOS"], f"{open_}/40 slow connections still held after 14 s")
+    return blocked("every slow connection was closed within 14 s")
+
+
+# ---------------------------------------------------------------------------- the port gateway
+
+
+@check(
+    "gw-trickle-starvation",
+    "control-plane",
+    "a sandbox server streaming 1-byte chunks through the gateway does not stall the API; "
+    "its relay ends with the client and floods no log",
+    {"gateway-unbounded"},
+)
+def _gw_trickle(ctx: Ctx) -> Verdict:
+    box = ctx.box()
+    port = 8701
+    _start_server(box, "trickle", _TRICKLE, port)
+    before, _ = _health_p50(ctx.server.url)
+    got = {"bytes": 0}
+    stop = threading.Event()
+    token = box.info.get("access_token") or ""
+
+    def read() -> None:
+        try:
+            with httpx.Client(base_url=ctx.server.url, timeout=20) as c:
+                url = f"/v1/sandboxes/{box.id}/ports/{port}/"
+                with c.stream("GET", url, headers={"X-Access-Token": token}) as r:
+                    for chunk in r.iter_raw():
+                        got["bytes"] += len(chunk)
+                        if stop.is_set():
+                            return
+        except httpx.HTTPError:
+            pass
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 10
+    while got["bytes"] < 50_000 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    lines = _log_lines(ctx)
+    during, worst = _health_p50(ctx.server.url)
+    stop.set()
+    reader.join(25)
+    time.sleep(2)
+    flood = _log_lines(ctx) - lines
+    box.kill()
+    if got["bytes"] < 50_000:
+        return Verdict("ERROR", evidence=f"the trickle never reached the client: {got}")
+    v = blocked(
+        f"health p50 {before * 1000:.1f} ms before, {during * 1000:.1f} ms during "
+        f"(max {worst * 1000:.0f} ms); {flood} log lines"
+    )
+    if during > 5 * before + 0.05 or worst > 2:
+        v.add_break(
+            "DOS",
+            f"API health p50 {during * 1000:.0f} ms (max {worst * 1000:.0f}) during the "
+            f"relay vs {before * 1000:.1f} ms before",
+        )
+    if flood > 200:
+        v.add_break("LOG", f"{flood} server log lines in 2 s after the client left")
+    return v
+
+
+@check(
+    "gw-ping-flood",
+    "control-plane",
+    "a sandbox WebSocket server flooding pings is cut off",
+    {"gateway-unbounded"},
+)
+def _gw_ping_flood(ctx: Ctx) -> Verdict:
+    from websockets.exceptions import ConnectionClosed
+    from websockets.sync.client import connect
+
+    box = ctx.box()
+    port = 8702
+    _start_server(box, "pingflood", _PING_FLOOD, port)
+    token = box.info.get("access_token") or ""
+    url = ctx.server.url.replace("http://", "ws://") + f"/v1/sandboxes/{box.id}/ports/{port}/"
+    t0 = time.monotonic()
+    cut = None
+    try:
+        with connect(url, additional_headers={"X-Access-Token": token}, open_timeout=10) as ws:
+            try:
+                ws.recv(timeout=6)
+            except ConnectionClosed:
+                cut = time.monotonic() - t0
+            except TimeoutError:
+                pass
+    except Exception as e:  # noqa: BLE001 - any failure to relay is reported
+        box.kill()
+        return Verdict("ERROR", evidence=f"{type(e).__name__}: {e}"[:300])
+    during, _ = _health_p50(ctx.server.url, 5)
+    box.kill()
+    if cut is None:
+        return Verdict("BROKEN", ["DOS"], "the ping flood was relayed for 6 s without a cut")
+    return blocked(f"cut after {cut:.1f} s; health p50 {during * 1000:.1f} ms afterwards")

@@ -1,0 +1,377 @@
+"""What an HTTP client may make the server spend, and the pieces that enforce it.
+
+Anyone who can reach the port is a client, so nothing here trusts one until it shows a valid
+API key, and even then only within limits:
+
+- `RequestGuard` (ASGI middleware around the API) answers a request without a valid key with 401
+  before reading a byte of its body, caps every body (413 with the limit), and ends bodies that
+  stall;
+- `GuardedH11Protocol` (uvicorn's HTTP/1.1 protocol) times out requests whose headers do not
+  arrive in time (slowloris) and keeps connections within a budget in which connections that
+  never showed a valid key can take only a share: when they are over it, the one that has waited
+  longest for its headers is dropped, so a newcomer is always served;
+- `raise_nofile` lifts the process's descriptor limit to what the host allows.
+
+A proxy in front (see docs/DEPLOYMENT.md) adds per-address rate limits and TLS; none of the
+above depends on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import resource
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from agentbox.core.errors import AgentboxError, Unauthorized
+from agentbox.server.gateway import RelayLimits
+
+log = logging.getLogger("agentbox.server")
+
+MiB = 2**20
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """The server's budgets for clients. Defaults suit one small host; see docs/API.md."""
+
+    # Largest request body of a JSON route, and of the routes with bigger documents.
+    json_body: int = 8 * MiB
+    # Template builds carry the spec's files inline (base64).
+    template_body: int = 64 * MiB
+    # Request headers must be complete this long after a connection opens or goes idle.
+    header_timeout: float = 10.0
+    # A request body that sends nothing for this long is answered 408.
+    body_idle_timeout: float = 30.0
+    # Open HTTP connections (None: a quarter of the descriptor limit, at least 256), and the
+    # share of them that connections without a valid API key may hold.
+    max_connections: int | None = None
+    anonymous_share: float = 0.5
+    # A message logged more often than this per minute is counted instead (0: no limit).
+    log_repeats: int = 5
+    # Check the API key before reading the body. Off only in the security battery's positive
+    # control (`server-unguarded`), to show its checks can see a server that reads first.
+    key_first: bool = True
+    relay: RelayLimits = field(default_factory=RelayLimits)
+
+    def connection_cap(self) -> int:
+        if self.max_connections is not None:
+            return self.max_connections
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        return max(256, soft // 4)
+
+    def body_cap(self, method: str, path: str) -> int | None:
+        """The body limit of a route; None for the file upload, which streams to the sandbox
+        (its size is the sandbox's disk quota's business)."""
+        if method == "PUT" and path.startswith("/v1/sandboxes/") and path.endswith("/files"):
+            return None
+        if method == "POST" and path == "/v1/templates":
+            return self.template_body
+        return self.json_body
+
+
+def raise_nofile() -> int:
+    """Lift the soft descriptor limit to the hard one; the new soft limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            log.warning("could not raise the descriptor limit from %d to %d", soft, hard)
+    return soft
+
+
+# ---------------------------------------------------------------------------- connections
+
+
+class ConnectionBudget:
+    """Open connections, and which of them have not shown a valid key yet (anonymous)."""
+
+    def __init__(self, cap: int, anonymous_share: float) -> None:
+        self.cap = cap
+        self.anonymous_cap = max(1, int(cap * anonymous_share))
+        self.count = 0
+        self.anonymous: dict[GuardedH11Protocol, None] = {}  # insertion order: oldest first
+        self.refused = 0
+        self.evicted = 0
+
+    def admit(self, conn: GuardedH11Protocol) -> bool:
+        if self.count >= self.cap or len(self.anonymous) >= self.anonymous_cap:
+            if not self._evict_one():
+                self.refused += 1
+                return False
+        self.count += 1
+        self.anonymous[conn] = None
+        return True
+
+    def authenticated(self, conn: GuardedH11Protocol) -> None:
+        self.anonymous.pop(conn, None)
+
+    def _evict_one(self) -> bool:
+        """Drop the anonymous connection that has waited longest for request headers."""
+        for c in self.anonymous:
+            if c.waiting_for_headers:
+                self.evicted += 1
+                c.drop()
+                return True
+        return False
+
+    def leave(self, conn: GuardedH11Protocol) -> None:
+        if conn.admitted:
+            conn.admitted = False
+            self.count -= 1
+            self.anonymous.pop(conn, None)
+
+
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol with a header timeout and a connection budget.
+
+    `budget` and `header_timeout` are set on a subclass made by `protocol_class`.
+    """
+
+    budget: ConnectionBudget
+    header_timeout: float
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.waiting_for_headers = True
+        self.admitted = False
+        self._header_timer: asyncio.TimerHandle | None = None
+        inner = self.app
+
+        async def app(scope: Scope, receive: Receive, send: Send) -> None:
+            scope["agentbox.connection"] = self
+            await inner(scope, receive, send)
+
+        self.app = app
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if not self.budget.admit(self):
+            transport.abort()
+            return
+        self.admitted = True
+        self._wait_for_headers()
+
+    def mark_authenticated(self) -> None:
+        """A request on this connection showed a valid key: it is no longer anonymous."""
+        self.budget.authenticated(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_header_timer()
+        self.budget.leave(self)
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        cycle = self.cycle
+        super().data_received(data)
+        if self.cycle is not cycle:  # a request's headers are in
+            self.waiting_for_headers = False
+            self._stop_header_timer()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
+            self._wait_for_headers()
+
+    def handle_websocket_upgrade(self, event: Any) -> None:
+        # The WebSocket goes to the port gateway, which has its own caps and timeouts.
+        self._stop_header_timer()
+        self.budget.leave(self)
+        super().handle_websocket_upgrade(event)
+
+    def drop(self) -> None:
+        self.budget.leave(self)
+        self._stop_header_timer()
+        self.transport.abort()
+
+    def _wait_for_headers(self) -> None:
+        self.waiting_for_headers = True
+        self._stop_header_timer()
+        self._header_timer = self.loop.call_later(self.header_timeout, self._headers_late)
+
+    def _stop_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _headers_late(self) -> None:
+        self._header_timer = None
+        if self.waiting_for_headers and not self.transport.is_closing():
+            self.drop()
+
+
+def protocol_class(limits: ServerLimits) -> type[GuardedH11Protocol]:
+    """A GuardedH11Protocol bound to one budget, for `uvicorn.run(http=...)`."""
+    budget = ConnectionBudget(limits.connection_cap(), limits.anonymous_share)
+    return type(
+        "AgentboxH11Protocol",
+        (GuardedH11Protocol,),
+        {"budget": budget, "header_timeout": limits.header_timeout},
+    )
+
+
+# ---------------------------------------------------------------------------- requests
+
+
+def _deny(status: int, code: str, message: str, detail: dict[str, Any]) -> tuple[bytes, list]:
+    body = json.dumps({"code": code, "message": message, "detail": detail}).encode()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"cache-control", b"no-store"),
+        # The body is left unread: the connection cannot carry another request.
+        (b"connection", b"close"),
+    ]
+    return body, headers
+
+
+class RequestGuard:
+    """ASGI middleware: a valid API key before the body, a cap on every body, no stalled body.
+
+    `authenticate(key)` returns the caller a key belongs to (kept in the scope as
+    `agentbox.caller` for the routes), or None. Routes in `open_routes` (paths) are served
+    without one. A capped body is read here in full before the route runs (routes parse it
+    whole anyway), so a route never sees half of one; streamed bodies (file uploads) go through
+    with only the stall timeout.
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        authenticate: Callable[[str], Any],
+        limits: ServerLimits,
+        open_routes: frozenset[str] = frozenset(),
+    ) -> None:
+        self.app = app
+        self._authenticate = authenticate
+        self.limits = limits
+        self._open_routes = open_routes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        method, path = scope["method"], scope["path"]
+        if path not in self._open_routes and self.limits.key_first:
+            key = _header(scope, b"x-api-key")
+            if key is None:
+                await _refuse(
+                    send, Unauthorized("missing API key: send it in the X-API-Key header")
+                )
+                return
+            caller = self._authenticate(key)
+            if caller is None:
+                await _refuse(send, Unauthorized("invalid or revoked API key"))
+                return
+            scope["agentbox.caller"] = caller
+            conn = scope.get("agentbox.connection")
+            if conn is not None:
+                conn.mark_authenticated()
+        cap = self.limits.body_cap(method, path)
+        declared = _header(scope, b"content-length")
+        if cap is not None and declared is not None and declared.isdigit() and int(declared) > cap:
+            await _refuse(send, BodyTooLarge(cap))
+            return
+        receive = self._stall_bounded(receive)
+        if cap is None:
+            await self.app(scope, receive, send)
+            return
+        try:
+            body = await _read_body(receive, cap)
+        except AgentboxError as e:
+            await _refuse(send, e)
+            return
+        except _ClientLeft:
+            return
+        await self.app(scope, _replay(body, receive), send)
+
+    def _stall_bounded(self, receive: Receive) -> Receive:
+        idle = self.limits.body_idle_timeout
+
+        async def bounded() -> Message:
+            try:
+                async with asyncio.timeout(idle):
+                    return await receive()
+            except TimeoutError:
+                raise AgentboxError(
+                    f"the request body stalled: nothing arrived for {idle:g} s",
+                    code="request_timeout",
+                    status=408,
+                ) from None
+
+        return bounded
+
+
+class BodyTooLarge(AgentboxError):
+    status, code = 413, "body_too_large"
+
+    def __init__(self, cap: int) -> None:
+        super().__init__(
+            f"the request body is over this route's limit of {cap} bytes; send files with "
+            "PUT /v1/sandboxes/{id}/files (streamed, no such limit)",
+            limit=cap,
+        )
+
+
+class _ClientLeft(Exception):
+    pass
+
+
+async def _read_body(receive: Receive, cap: int) -> bytes:
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise _ClientLeft
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > cap:
+            raise BodyTooLarge(cap)
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """The body read, then whatever comes next (a disconnect, for streaming responses)."""
+    given = False
+
+    async def replay() -> Message:
+        nonlocal given
+        if not given:
+            given = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+async def _refuse(send: Send, e: AgentboxError) -> None:
+    body = json.dumps({"code": e.code, "message": e.message, "detail": e.detail}).encode()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"cache-control", b"no-store"),
+        # The body is left unread: the connection cannot carry another request.
+        (b"connection", b"close"),
+    ]
+    if e.status in (408, 429, 503):
+        headers.append((b"retry-after", b"1"))
+    await send({"type": "http.response.start", "status": e.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return str(value.decode("latin-1"))
+    return None
