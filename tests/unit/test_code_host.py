@@ -442,3 +442,47 @@ def test_interrupts_work_when_started_with_sigint_ignored(tmp_path: Path) -> Non
         assert int(stdout(ignored).split()[1], 16) & (1 << 1) == 0  # bit 1: SIGINT (2)
     finally:
         h.close()
+
+
+def test_malformed_displays_keep_the_cell_and_its_output(host: Host) -> None:
+    # The cell's code holds the kernel's key: it can put any message on iopub, before the
+    # kernel has flushed the cell's earlier prints.
+    host.run(
+        "k = get_ipython().kernel\n"
+        "def raw(kind, content):\n"
+        "    k.session.send(k.iopub_socket, kind, content, parent=k.get_parent())\n"
+    )
+    png = base64.b64encode(b"\x89PNG\r\n\x1a\nfake").decode()
+    events = host.run(
+        "print('before')\n"
+        "raw('display_data', {'data': 5, 'metadata': {}})\n"
+        "raw('display_data', {'metadata': []})\n"
+        # bytes go out as they are: Python's json accepts NaN and Infinity, JSON does not
+        'raw(\'execute_result\', b\'{"data": {"text/plain": NaN, "application/json": '
+        '[Infinity]}, "execution_count": "x"}\')\n'
+        "raw('stream', {'name': 'stdout', 'text': ['in ', 'parts\\n']})\n"
+        "raw('error', {'ename': 5})\n"
+        "from IPython.display import display\n"
+        "display({'text/plain': 7, 'text/html': ['<b>', 'x</b>'], 'image/png': 12345,\n"
+        "         'image/jpeg': 'not base64!', 'application/json': {'a': [1, 2]},\n"
+        "         'application/x-custom': {'k': 'v'}}, raw=True)\n"
+        f"display({{'image/png': '{png[:8]}\\n{png[8:]}', 'text/plain': None}}, raw=True)\n"
+        "print('after')"
+    )
+    assert done(events)["execution_count"] is not None
+    assert stdout(events) == "in parts\nbefore\nafter\n"
+    assert [e["name"] for e in errors(events)] == ["5"]
+    assert results(events) == [
+        {"json": [None], "is_main_result": True},
+        {
+            "text": "7",
+            "html": "<b>x</b>",
+            "json": {"a": [1, 2]},
+            "extra": {"application/x-custom": {"k": "v"}},
+            "is_main_result": False,
+        },
+        {"png": png, "is_main_result": False},
+    ]
+    # Every event is strict JSON (no NaN or Infinity).
+    for e in events:
+        json.loads(json.dumps(e, allow_nan=False))

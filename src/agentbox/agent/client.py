@@ -37,9 +37,17 @@ class OutputChunk:
 
 
 class _Conn:
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        inflight: set[_Conn] | None = None,
+    ) -> None:
         self.reader = reader
         self.writer = writer
+        self.inflight = inflight
+        if inflight is not None:
+            inflight.add(self)
 
     async def send(self, frame: bytes) -> None:
         self.writer.write(frame)
@@ -83,15 +91,30 @@ class _Conn:
         return msg
 
     def close(self) -> None:
+        if self.inflight is not None:
+            self.inflight.discard(self)
         self.writer.close()
+
+    def abort(self) -> None:
+        """Break the connection now: whoever waits on it gets AgentUnavailable."""
+        self.writer.transport.abort()
 
 
 class AgentClient:
-    """Talks to one sandbox's agent over its Unix socket."""
+    """Talks to one sandbox's agent over its Unix socket.
 
-    def __init__(self, socket_path: Path, connect_timeout: float = 5.0) -> None:
+    `inflight`, when given, holds the client's open connections until they close, so that
+    the caller can abort them all (a sandbox whose agent stopped answering)."""
+
+    def __init__(
+        self,
+        socket_path: Path,
+        connect_timeout: float = 5.0,
+        inflight: set[_Conn] | None = None,
+    ) -> None:
         self.socket_path = socket_path
         self.connect_timeout = connect_timeout
+        self.inflight = inflight
 
     async def _open(self, request: dict[str, Any]) -> _Conn:
         try:
@@ -101,7 +124,7 @@ class AgentClient:
             )
         except (TimeoutError, OSError) as e:
             raise AgentUnavailable(f"cannot reach the sandbox agent: {e}") from None
-        conn = _Conn(reader, writer)
+        conn = _Conn(reader, writer, self.inflight)
         try:
             await conn.send(P.encode_json(request))
         except OSError as e:

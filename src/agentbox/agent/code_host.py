@@ -60,6 +60,7 @@ import hashlib
 import hmac
 import importlib.util
 import json
+import math
 import os
 import re
 import secrets
@@ -358,19 +359,85 @@ def _load_zmq() -> tuple[Any, Any]:
         return _zmq["module"], _zmq["context"]
 
 
-def _rich_result(data: dict[str, Any], main: bool) -> dict[str, Any]:
+# Result fields that are text, and those that are base64 (docs/API.md, "Code interpreter").
+_TEXT_FIELDS = frozenset({"text", "html", "markdown", "svg", "latex", "javascript"})
+_BASE64_FIELDS = frozenset({"png", "jpeg", "pdf"})
+_B64_CHARS = re.compile(rb"[A-Za-z0-9+/]*={0,2}")
+
+
+def _as_text(value: object) -> str | None:
+    """A kernel-sent value as the string the API promises: nbformat's list-of-lines joined,
+    other JSON values as JSON text, null as nothing."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return "".join(value)
+    value = _finite(value)
+    return None if value is None else json.dumps(value)
+
+
+def _finite(value: object) -> object:
+    """A JSON value with NaN and the infinities as null (as JSON.stringify does): Python's
+    json reads and writes them, but they are not JSON and break every strict reader."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _as_base64(value: object) -> str | None:
+    text = _as_text(value) if isinstance(value, str | list) else None
+    if text is None:
+        return None
+    compact = "".join(text.split()).encode("ascii", "replace")
+    return compact.decode() if len(compact) % 4 == 0 and _B64_CHARS.fullmatch(compact) else None
+
+
+def _rich_result(data: object, main: bool) -> dict[str, Any]:
+    """A display's mime bundle as a result event. A kernel (or code talking to the kernel's
+    sockets) may send anything: values are coerced to the documented types or dropped, so one
+    bad display never costs the cell its other output."""
     result: dict[str, Any] = {}
     extra: dict[str, Any] = {}
-    for mime, value in data.items():
+    for mime, value in (data if isinstance(data, dict) else {}).items():
         field = _MIME_FIELDS.get(mime)
-        if field:
-            result[field] = value
+        if field in _TEXT_FIELDS:
+            coerced: object = _as_text(value)
+        elif field in _BASE64_FIELDS:
+            coerced = _as_base64(value)
         else:
-            extra[mime] = value
+            coerced = _finite(value)
+        if coerced is None:
+            continue
+        if field:
+            result[field] = coerced
+        else:
+            extra[str(mime)] = coerced
     if extra:
         result["extra"] = extra
     result["is_main_result"] = main
     return result
+
+
+def _count(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _traceback(value: object) -> str:
+    if isinstance(value, list):
+        return "\n".join(v if isinstance(v, str) else str(v) for v in value)
+    return _as_text(value) or ""
+
+
+def _error_fields(c: dict[str, Any]) -> tuple[str, str, str]:
+    return (
+        _as_text(c.get("ename")) or "Error",
+        _as_text(c.get("evalue")) or "",
+        _traceback(c.get("traceback")),
+    )
 
 
 class _Cell:
@@ -388,15 +455,19 @@ class _Cell:
             return  # late output of an earlier cell, or bookkeeping
         kind, c, run = msg["msg_type"], msg["content"], self.run
         if kind == "stream":
-            run.stream("stderr" if c.get("name") == "stderr" else "stdout", c["text"])
+            text = _as_text(c.get("text"))
+            if text:
+                run.stream("stderr" if c.get("name") == "stderr" else "stdout", text)
         elif kind in ("execute_result", "display_data", "update_display_data"):
-            run.emit("result", result=_rich_result(c["data"], kind == "execute_result"))
+            result = _rich_result(c.get("data"), kind == "execute_result")
+            if len(result) > 1:  # something besides is_main_result survived
+                run.emit("result", result=result)
         elif kind == "error":
             self.errored = True
-            run.error(c["ename"], c["evalue"], "\n".join(c["traceback"]))
+            run.error(*_error_fields(c))
         elif kind == "execute_input":
-            self.count = c["execution_count"]
-        elif kind == "status" and c["execution_state"] == "idle":
+            self.count = _count(c.get("execution_count")) or self.count
+        elif kind == "status" and c.get("execution_state") == "idle":
             self.idle = True
 
     def on_reply(self, msg: dict[str, Any]) -> None:
@@ -404,11 +475,11 @@ class _Cell:
             return
         self.replied = True
         c = msg["content"]
-        self.count = c.get("execution_count", self.count)
+        self.count = _count(c.get("execution_count")) or self.count
         # Reported at the end, and only if iopub (a different socket, so in no fixed order
         # with this one) did not carry the error already.
         if c.get("status") == "error":
-            self.reply_error = (c["ename"], c["evalue"], "\n".join(c["traceback"]))
+            self.reply_error = _error_fields(c)
         elif c.get("status") == "aborted":
             self.reply_error = ("Aborted", "the kernel aborted this execution", "")
 
@@ -567,13 +638,19 @@ class PythonKernel(Backend):
             if not hmac.compare_digest(mac.hexdigest().encode(), sig):
                 _log(f"{self.name}: dropped a kernel message with a bad signature")
                 continue
-            msgs.append(
-                {
+            # Signed is not well-formed: the cell's code holds the key and may send anything.
+            try:
+                msg = {
                     "msg_type": json.loads(header)["msg_type"],
                     "parent_header": json.loads(parent),
                     "content": json.loads(content),
                 }
-            )
+            except (ValueError, KeyError, TypeError):
+                msg = {}
+            if not all(isinstance(msg.get(k), dict) for k in ("parent_header", "content")):
+                _log(f"{self.name}: dropped a malformed kernel message")
+                continue
+            msgs.append(msg)
 
     def _request(self, code: str, silent: bool) -> str:
         content = {
@@ -1383,7 +1460,10 @@ class CodeHost:
             ctx._thread.join(timeout=5)
             if ctx.backend is not None:  # in case the worker is wedged
                 ctx.backend.reap()
-        shutil.rmtree(self.runtime_dir, ignore_errors=True)
+        try:
+            shutil.rmtree(self.runtime_dir, ignore_errors=True)
+        except RecursionError:  # a tree made thousands deep in it: /tmp goes with the sandbox
+            _log(f"left {self.runtime_dir}: too deep to remove")
 
 
 def main() -> int:

@@ -17,6 +17,7 @@ import ctypes
 import errno
 import json
 import os
+import re
 import stat
 import sys
 import threading
@@ -458,35 +459,44 @@ def op_list(conn: Conn, req: dict) -> None:
         raise OpError("invalid_request", "depth must be an integer >= 1")
     out: list[dict] = []
     # The reply is one frame (at most P.MAX_JSON bytes): stop well before, and say so.
-    budget = [P.MAX_JSON // 2]
-
-    def walk(dparts: list[str], level: int) -> None:
-        fd = open_dir(dparts, os.O_RDONLY)
-        try:
+    budget = P.MAX_JSON // 2
+    # Depth first, with a stack rather than recursion: a hostile tree may be thousands deep.
+    stack = [_listing(parts, 1)]
+    try:
+        while stack and len(out) < LIST_LIMIT and budget > 0:
+            dparts, level, fd, names = stack[-1]
+            if not names:
+                os.close(fd)
+                stack.pop()
+                continue
+            name = names.pop()
             try:
-                with os.scandir(fd) as it:
-                    names = sorted(e.name for e in it)
-            except OSError as e:
-                raise os_error(e, join(dparts)) from None
-            for name in names:
-                if len(out) >= LIST_LIMIT or budget[0] <= 0:
-                    return
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            except OSError:
+                continue
+            out.append(entry(name, join(dparts + [name]), st, fd))
+            budget -= len(json.dumps(out[-1])) + 2
+            if stat.S_ISDIR(st.st_mode) and level < depth:
                 try:
-                    st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-                except OSError:
-                    continue
-                out.append(entry(name, join(dparts + [name]), st, fd))
-                budget[0] -= len(json.dumps(out[-1])) + 2
-                if stat.S_ISDIR(st.st_mode) and level < depth:
-                    try:
-                        walk(dparts + [name], level + 1)
-                    except OpError:
-                        pass  # unreadable subdirectory: list what we can
-        finally:
-            os.close(fd)
+                    stack.append(_listing(dparts + [name], level + 1))
+                except OpError:
+                    pass  # unreadable subdirectory: list what we can
+    finally:
+        for frame in stack:
+            os.close(frame[2])
+    conn.reply({"ok": True, "entries": out, "truncated": len(out) >= LIST_LIMIT or budget <= 0})
 
-    walk(parts, 1)
-    conn.reply({"ok": True, "entries": out, "truncated": len(out) >= LIST_LIMIT or budget[0] <= 0})
+
+def _listing(dparts: list[str], level: int) -> tuple[list[str], int, int, list[str]]:
+    """An open directory and its names, last first (they are popped)."""
+    fd = open_dir(dparts, os.O_RDONLY)
+    try:
+        with os.scandir(fd) as it:
+            names = sorted((e.name for e in it), reverse=True)
+    except OSError as e:
+        os.close(fd)
+        raise os_error(e, join(dparts)) from None
+    return dparts, level, fd, names
 
 
 def op_mkdir(conn: Conn, req: dict) -> None:
@@ -512,14 +522,13 @@ def op_mkdir(conn: Conn, req: dict) -> None:
 def op_remove(conn: Conn, req: dict) -> None:
     parts = parse_path(req.get("path"))
     path = join(parts)
+    _check_removable(path)
     pfd = parent_of(parts)
     try:
         try:
             st = os.stat(parts[-1], dir_fd=pfd, follow_symlinks=False)
             if stat.S_ISDIR(st.st_mode):
-                import shutil  # only removals need it
-
-                shutil.rmtree(parts[-1], dir_fd=pfd)  # fd-based: never follows symlinks
+                remove_tree(pfd, parts[-1], path)
             else:
                 os.unlink(parts[-1], dir_fd=pfd)
         except OSError as e:
@@ -527,6 +536,96 @@ def op_remove(conn: Conn, req: dict) -> None:
     finally:
         os.close(pfd)
     conn.reply({"ok": True})
+
+
+def _mount_points() -> set[str]:
+    """Where something is mounted, as this process sees it (mountinfo's 5th field)."""
+    with open("/proc/self/mountinfo", "rb") as f:
+        lines = f.read().splitlines()
+    points = set()
+    for line in lines:
+        fields = line.split(b" ")
+        if len(fields) > 4:  # octal escapes (\040 for a space) as the kernel writes them
+            raw = re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m.group(1), 8)]), fields[4])
+            points.add(os.fsdecode(raw))
+    return points
+
+
+def _check_removable(path: str) -> None:
+    """Refuse, before anything is removed, a path that is or holds a mount point (the
+    workspace, /tmp): the removal would empty it and then fail on the mount itself."""
+    roots = _mount_points() | {WORKSPACE, "/tmp", "/dev/shm"}
+    inside = sorted(m for m in roots if m == path or m.startswith(path + "/"))
+    if inside:
+        what = "is a mount point" if inside[0] == path else f"holds the mount point {inside[0]}"
+        raise OpError(
+            "permission_denied",
+            f"{path} {what}, which cannot be removed; nothing was removed (remove the entries "
+            "inside it instead)",
+            path=path,
+            mount_point=inside[0],
+        )
+
+
+def _open_subdir(dir_fd: int, name: str) -> int:
+    return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+
+
+def _identity(fd: int) -> tuple[int, int]:
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
+
+
+def _empty_but_dirs(fd: int) -> list[str]:
+    """Unlink every non-directory in the directory `fd`; its subdirectories' names."""
+    with os.scandir(fd) as it:
+        found = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
+    for name, is_dir in found:
+        if not is_dir:
+            os.unlink(name, dir_fd=fd)
+    return [name for name, is_dir in found if is_dir]
+
+
+def remove_tree(pfd: int, name: str, path: str) -> None:
+    """rm -r of directory `name` in `pfd`: iterative, so any depth works (no recursion, at
+    most two fds open, no path longer than a name), and never through a symlink. The walk
+    climbs back with "..", checked against the directory it came down from: a tree moved
+    away meanwhile stops the removal instead of removing elsewhere."""
+    fd = _open_subdir(pfd, name)
+    # One frame per directory on the way down: its name, identity, subdirectories left.
+    frames = [(name, _identity(fd), _empty_but_dirs(fd))]
+    try:
+        while True:
+            pending = frames[-1][2]
+            if pending:
+                sub = pending.pop()
+                try:
+                    child = _open_subdir(fd, sub)
+                except FileNotFoundError:
+                    continue
+                except OSError as e:
+                    if e.errno not in (errno.ENOTDIR, errno.ELOOP):
+                        raise
+                    os.unlink(sub, dir_fd=fd)  # swapped for a file or a symlink meanwhile
+                    continue
+                os.close(fd)
+                fd = child
+                frames.append((sub, _identity(fd), _empty_but_dirs(fd)))
+                continue
+            done = frames.pop()[0]
+            if not frames:
+                break
+            up = os.open("..", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=fd)
+            os.close(fd)
+            fd = up
+            if _identity(fd) != frames[-1][1]:
+                raise OpError(
+                    "conflict", f"{path} was moved while it was being removed; retry", path=path
+                )
+            os.rmdir(done, dir_fd=fd)
+    finally:
+        os.close(fd)
+    os.rmdir(name, dir_fd=pfd)
 
 
 def op_rename(conn: Conn, req: dict) -> None:
@@ -577,6 +676,9 @@ class Command:
         self.stderr_tail = b""
         self.cond = threading.Condition()
         self.readers: list[threading.Thread] = []
+        # The control plane's own commands (readiness checks, a pool member's warm-up): not
+        # listed, so whoever gets the sandbox sees only the commands it ran.
+        self.hidden = False
 
     @property
     def running(self) -> bool:
@@ -669,6 +771,7 @@ class Commands:
             self.seq += 1
             cmd_id = req.get("cmd_id") or f"c{self.seq}"
         c = Command(cmd_id, cmd, cwd, float(timeout))
+        c.hidden = req.get("hidden") is True
         env = dict(os.environ)
         env.update(envs)
         env["AGENTBOX_CMD_ID"] = cmd_id  # lets kill() find daemons that left the process tree
@@ -830,7 +933,7 @@ def op_exec_info(conn: Conn, req: dict) -> None:
 
 def op_exec_list(conn: Conn, req: dict) -> None:
     with COMMANDS.lock:
-        cmds = list(COMMANDS.by_id.values())
+        cmds = [c for c in COMMANDS.by_id.values() if not c.hidden]
     conn.reply({"ok": True, "commands": [c.info() for c in cmds]})
 
 

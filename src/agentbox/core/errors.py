@@ -60,6 +60,12 @@ class SandboxUnavailable(AgentboxError):
     status, code = 503, "sandbox_unavailable"
 
 
+class SandboxUnhealthy(AgentboxError):
+    """The sandbox lives but its agent stopped answering health checks."""
+
+    status, code = 503, "sandbox_unhealthy"
+
+
 # Reason codes the in-sandbox agent returns, and the HTTP status each maps to.
 AGENT_CODE_STATUS = {
     "invalid_path": 400,

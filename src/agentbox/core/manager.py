@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import dataclasses
 import logging
 import os
 import re
@@ -32,6 +33,7 @@ from agentbox.core.errors import (
     QuotaExceeded,
     SandboxNotRunning,
     SandboxUnavailable,
+    SandboxUnhealthy,
     from_agent,
 )
 from agentbox.core.network import (
@@ -84,7 +86,14 @@ _RESOURCE_MIN = {
     "tmp_mb": 1,
 }
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-HEALTH_CHECK_S = 2.0
+HEALTH_CHECK_S = 2.0  # how often every running sandbox's agent is pinged
+AGENT_PING_TIMEOUT_S = 5.0  # no answer in this long: the sandbox is `unhealthy`
+HEALTH_CONCURRENCY = 32  # pings in flight at once (a wedged agent holds one for the timeout)
+UNHEALTHY = "unhealthy"  # shown instead of `running`; never stored: it is an observation
+
+
+class _KilledWhileStarting(Exception):
+    """A kill arrived while the sandbox was starting: the start stops and tears it down."""
 
 
 @dataclass
@@ -121,6 +130,21 @@ class CommandRequest:
     stdin: bool = False
 
 
+# A code result's fields (docs/API.md, "Code interpreter"): strings, or any JSON value.
+_RESULT_STRINGS = ("text", "html", "markdown", "svg", "png", "jpeg", "pdf", "latex", "javascript")
+_RESULT_VALUES = ("json", "data", "chart")
+
+
+def _code_result(raw: dict[str, Any]) -> dict[str, Any]:
+    """A result event from the agent (untrusted) with only the documented fields and types."""
+    out: dict[str, Any] = {k: raw[k] for k in _RESULT_STRINGS if isinstance(raw.get(k), str)}
+    out.update((k, raw[k]) for k in _RESULT_VALUES if raw.get(k) is not None)
+    if isinstance(raw.get("extra"), dict) and raw["extra"]:
+        out["extra"] = raw["extra"]
+    out["is_main_result"] = raw.get("is_main_result") is True
+    return out
+
+
 def builtin_spec_names() -> list[str]:
     """Templates agentbox ships a spec for (built on first use)."""
     import agentbox.templates
@@ -153,6 +177,8 @@ class SandboxManager:
         templates: TemplateStore,
         network: NetworkService,
         pool_sizes: dict[str, int] | None = None,
+        health_interval: float = HEALTH_CHECK_S,
+        ping_timeout: float = AGENT_PING_TIMEOUT_S,
     ) -> None:
         self.store = store
         self.runtime = runtime
@@ -175,6 +201,14 @@ class SandboxManager:
         # Sandboxes being torn down -> the state they are ending in: their agent connections
         # break before the record changes, and callers must hear "ended", not "unavailable".
         self._ending: dict[str, str] = {}
+        # Starting sandboxes a kill is waiting for: the start gives up instead of finishing.
+        self._kill_pending: set[str] = set()
+        # Health: running sandboxes whose agent did not answer its last ping -> why, and the
+        # open agent connections of requests per sandbox (aborted when it turns unhealthy).
+        self.health_interval = health_interval
+        self.ping_timeout = ping_timeout
+        self._unhealthy: dict[str, str] = {}
+        self._inflight: dict[str, set[Any]] = {}
 
     # ------------------------------------------------------------------ audit
 
@@ -331,7 +365,12 @@ class SandboxManager:
             )
         except AgentboxError as e:
             self.audit(
-                caller, "sandbox.create", sandbox_id, status=503, started=started, error=e.message
+                caller,
+                "sandbox.create",
+                sandbox_id,
+                status=e.status,
+                started=started,
+                error=e.message,
             )
             raise
         self.audit(
@@ -401,30 +440,37 @@ class SandboxManager:
             user=tpl.user if tpl else "user",
             files=egress.files,
         )
-        # The sandbox's lock is held until its record says running (or failed): a kill that
-        # arrives while it starts (the API lists `starting` sandboxes) waits for the runtime to
-        # finish, then tears down a whole sandbox, instead of racing the create half-way.
+        # The sandbox's lock is held until its record says running (or failed, or killed): a
+        # kill that arrives while it starts (the API lists `starting` sandboxes) asks the start
+        # to give up at its next step, then waits here for a whole sandbox to tear down.
         async with self._lock(sandbox_id):
             state: dict[str, Any] | None = None
             try:
                 state = await self.runtime.create(spec)
+                self._check_kill(sandbox_id)
                 await self._serve_egress(sandbox_id, state, tenant, net, egress)
                 if tpl is not None:
                     await self._template_ready(sandbox_id, state, tpl)
+                # No await from this check to the record saying running: a kill that saw
+                # `starting` is always noticed.
+                self._check_kill(sandbox_id)
             except Exception as e:
-                log.exception("create %s failed", sandbox_id)
-                await self.network.forget(sandbox_id)
-                if state is not None:
-                    try:
-                        await self.runtime.destroy(sandbox_id, state, keep_workspace=False)
-                    except Exception:  # noqa: BLE001 - reconcile removes what is left
-                        log.exception("could not remove the failed sandbox %s", sandbox_id)
-                self.store.update_sandbox(
-                    sandbox_id, state="failed", end_reason="failed", ended_at=time.time()
-                )
-                self._sandbox_locks.pop(sandbox_id, None)  # nothing left to serialize
+                # After a kill, whatever broke the start (its agent calls are aborted) is the kill.
+                killed = sandbox_id in self._kill_pending
+                if not killed:
+                    log.exception("create %s failed", sandbox_id)
+                await self._abandon_start(sandbox_id, state, killed)
+                if killed:
+                    raise SandboxNotRunning(
+                        f"sandbox {sandbox_id} was killed while it was starting; create a new "
+                        "sandbox",
+                        state="killed",
+                        end_reason="killed",
+                    ) from None
                 msg = e.message if isinstance(e, AgentboxError) else str(e)
                 raise SandboxUnavailable(f"the sandbox could not be started: {msg}") from None
+            finally:
+                self._kill_pending.discard(sandbox_id)
             # The deadline counts from when the sandbox is usable, not from when it was asked.
             now = time.time()
             if spec.rootfs:  # the control plane's note, kept with the runtime's (see rootfs_in_use)
@@ -437,6 +483,24 @@ class SandboxManager:
             self._running[sandbox_id] = row
         self._wake.set()
         return row
+
+    def _check_kill(self, sandbox_id: str) -> None:
+        if sandbox_id in self._kill_pending:
+            raise _KilledWhileStarting
+
+    async def _abandon_start(
+        self, sandbox_id: str, state: dict[str, Any] | None, killed: bool
+    ) -> None:
+        """Remove what a start that failed (or was killed) made; record how it ended."""
+        await self.network.forget(sandbox_id)
+        if state is not None:
+            try:
+                await self.runtime.destroy(sandbox_id, state, keep_workspace=False)
+            except Exception:  # noqa: BLE001 - reconcile removes what is left
+                log.exception("could not remove the unstarted sandbox %s", sandbox_id)
+        end = "killed" if killed else "failed"
+        self.store.update_sandbox(sandbox_id, state=end, end_reason=end, ended_at=time.time())
+        self._sandbox_locks.pop(sandbox_id, None)  # nothing left to serialize
 
     async def _serve_egress(
         self,
@@ -466,14 +530,19 @@ class SandboxManager:
     ) -> None:
         """Run the template's start command until its readiness check passes; warm the code
         contexts it names."""
-        client = AgentClient(self.runtime.agent_address(sandbox_id, state).socket_path)
+        # Tracked: a kill while the sandbox starts aborts a long readiness check or warm-up.
+        client = AgentClient(
+            self.runtime.agent_address(sandbox_id, state).socket_path,
+            inflight=self._inflight.setdefault(sandbox_id, set()),
+        )
         if tpl.start_cmd:
             await client.call({"op": "exec.start", "cmd": tpl.start_cmd, "cmd_id": "start"})
             if tpl.ready_cmd:
                 deadline = time.monotonic() + tpl.ready_timeout
                 while True:
+                    self._check_kill(sandbox_id)
                     info, events = await client.command_stream(
-                        {"op": "exec.run", "cmd": tpl.ready_cmd, "timeout": 10}
+                        {"op": "exec.run", "cmd": tpl.ready_cmd, "timeout": 10, "hidden": True}
                     )
                     end: dict[str, Any] = {}
                     async for ev in events:
@@ -514,7 +583,7 @@ class SandboxManager:
         lock = self._tenant_locks.setdefault(caller.tenant, asyncio.Lock())
         async with lock:
             self._check_capacity(caller, quota, started)
-            sid = self.pools.take(template, lambda s: s in self._running)
+            sid = self.pools.take(template, self._usable_member, caller.tenant)
             if sid is None:
                 return None
             now = time.time()
@@ -567,7 +636,7 @@ class SandboxManager:
         # command a user runs no longer pays for the agent's lazy imports and cold pages.
         try:
             _, events = await self._client(row).command_stream(
-                {"op": "exec.run", "cmd": "true", "timeout": 30}
+                {"op": "exec.run", "cmd": "true", "timeout": 30, "hidden": True}
             )
             async for _ in events:
                 pass
@@ -637,8 +706,12 @@ class SandboxManager:
             raise NotFound(f"template {name!r} is not built", template=name)
         self.audit(caller, "template.remove", template=name)
 
-    def pool_stats(self) -> list[dict[str, Any]]:
-        return self.pools.stats()
+    def _usable_member(self, sandbox_id: str) -> bool:
+        return sandbox_id in self._running and sandbox_id not in self._unhealthy
+
+    def pool_stats(self, caller: Caller) -> list[dict[str, Any]]:
+        """Every pool; an admin sees all of its numbers, a tenant its own hits and misses."""
+        return self.pools.stats(None if caller.admin else caller.tenant)
 
     async def set_pool_size(self, caller: Caller, template: str, size: int) -> dict[str, Any]:
         if not 0 <= size <= MAX_POOL_SIZE:
@@ -652,14 +725,23 @@ class SandboxManager:
         return pool.stats()
 
     def get(self, caller: Caller, sandbox_id: str) -> SandboxRow:
+        """The caller's sandbox as the API shows it (`unhealthy` while its agent is silent)."""
+        return self._shown(self._owned(caller, sandbox_id))
+
+    def _owned(self, caller: Caller, sandbox_id: str) -> SandboxRow:
         row = self._running.get(sandbox_id) or self.store.get_sandbox(sandbox_id)
         # Another tenant's sandbox is indistinguishable from one that never existed.
         if row is None or row.tenant != caller.tenant:
             raise NotFound(f"sandbox {sandbox_id} not found")
         return row
 
+    def _shown(self, row: SandboxRow) -> SandboxRow:
+        if row.state == "running" and row.sandbox_id in self._unhealthy:
+            return dataclasses.replace(row, state=UNHEALTHY)
+        return row
+
     def running(self, caller: Caller, sandbox_id: str) -> SandboxRow:
-        row = self.get(caller, sandbox_id)
+        row = self._owned(caller, sandbox_id)
         if row.state != "running":
             reason = f" ({row.end_reason})" if row.end_reason else ""
             raise SandboxNotRunning(
@@ -668,6 +750,21 @@ class SandboxManager:
                 end_reason=row.end_reason,
             )
         return row
+
+    def _reachable(self, caller: Caller, sandbox_id: str) -> SandboxRow:
+        """A running sandbox whose agent answers (requests to a silent one fail at once)."""
+        row = self.running(caller, sandbox_id)
+        if sandbox_id in self._unhealthy:
+            raise self._unhealthy_error(sandbox_id)
+        return row
+
+    def _unhealthy_error(self, sandbox_id: str) -> SandboxUnhealthy:
+        return SandboxUnhealthy(
+            f"the agent of sandbox {sandbox_id} stopped answering "
+            f"({self._unhealthy.get(sandbox_id, 'no reply')}); kill the sandbox, or wait: it "
+            "is running again as soon as its agent answers",
+            sandbox_id=sandbox_id,
+        )
 
     def running_row(self, sandbox_id: str) -> SandboxRow | None:
         """A running sandbox of any tenant (the ports gateway checks access itself); pool
@@ -717,6 +814,10 @@ class SandboxManager:
                 raise InvalidRequest("invalid next_token") from None
             if not 0 <= before < 1 << 63:  # beyond SQLite's integers: never one we handed out
                 raise InvalidRequest("invalid next_token")
+        # `unhealthy` is never stored: such rows are `running` in the store.
+        wanted = set(states) if states else None
+        if wanted is not None and UNHEALTHY in wanted:
+            states = sorted(wanted | {"running"})
         out: list[SandboxRow] = []
         while len(out) < limit:
             batch = self.store.list_sandboxes(caller.tenant, states, before, max(limit, 100))
@@ -725,6 +826,9 @@ class SandboxManager:
                 break
             for row in batch:
                 before = row.seq
+                row = self._shown(row)
+                if wanted is not None and row.state not in wanted:
+                    continue
                 if all(row.metadata.get(k) == v for k, v in metadata.items()):
                     out.append(row)
                     if len(out) == limit:
@@ -738,7 +842,11 @@ class SandboxManager:
 
     async def kill(self, caller: Caller, sandbox_id: str) -> None:
         started = time.monotonic()
-        row = self.get(caller, sandbox_id)
+        row = self._owned(caller, sandbox_id)
+        if row.state == "starting":
+            # The start gives up at its next step, or now if it waits on the agent.
+            self._kill_pending.add(sandbox_id)
+            self._abort_requests(sandbox_id)
         await self._end(row, state="killed", reason="killed")
         self.audit(caller, "sandbox.kill", sandbox_id, status=204, started=started)
 
@@ -796,6 +904,8 @@ class SandboxManager:
                 fresh.sandbox_id, state=state, end_reason=reason, ended_at=time.time()
             )
         self._sandbox_locks.pop(row.sandbox_id, None)
+        self._unhealthy.pop(row.sandbox_id, None)
+        self._inflight.pop(row.sandbox_id, None)
         for key in [k for k in self._baselines if k[0] == row.sandbox_id]:
             self._baselines.pop(key, None)
         for key in [k for k in self._violations if k[0] == row.sandbox_id]:
@@ -834,19 +944,58 @@ class SandboxManager:
                 pass
 
     async def _health(self) -> None:
-        """Notice sandboxes whose processes died underneath us and clean up after them."""
+        """Notice sandboxes whose processes died underneath us (and clean up after them), and
+        agents that stopped answering (the sandbox is `unhealthy` until they answer again)."""
+        limit = asyncio.Semaphore(HEALTH_CONCURRENCY)
         while True:
-            await asyncio.sleep(HEALTH_CHECK_S)
-            for row in self.store.live_sandboxes():
-                if (
-                    row.state == "running"
-                    and row.runtime_state is not None
-                    and not (await self.runtime.is_alive(row.sandbox_id, row.runtime_state))
-                ):
-                    try:
-                        await self._end(row, "killed", "vanished")
-                    except AgentboxError:
-                        pass
+            await asyncio.sleep(self.health_interval)
+            rows = [r for r in self._running.values() if r.runtime_state is not None]
+            await asyncio.gather(*(self._check_health(row, limit) for row in rows))
+
+    async def _check_health(self, row: SandboxRow, limit: asyncio.Semaphore) -> None:
+        sid = row.sandbox_id
+        assert row.runtime_state is not None
+        async with limit:
+            if sid in self._ending:
+                return
+            if not await self.runtime.is_alive(sid, row.runtime_state):
+                try:
+                    await self._end(row, "killed", "vanished")
+                except AgentboxError:
+                    pass
+                return
+            # Its own connection, like every request: an agent blocked sending a stream to a
+            # slow reader still answers this.
+            path = self.runtime.agent_address(sid, row.runtime_state).socket_path
+            client = AgentClient(path, connect_timeout=self.ping_timeout)
+            try:
+                await client.ping(self.ping_timeout)
+            except AgentOpError:
+                pass  # it answered
+            except AgentUnavailable as e:
+                if sid in self._running and sid not in self._ending:
+                    self._mark_unhealthy(
+                        sid, f"no answer to a health check within {self.ping_timeout:g} s: {e}"
+                    )
+                    if row.tenant == POOL_TENANT:  # nobody's yet: replace it
+                        try:
+                            await self._end(row, "failed", "failed")
+                        except AgentboxError:
+                            pass
+                return
+            if self._unhealthy.pop(sid, None) is not None:
+                log.warning("sandbox %s: its agent answers again", sid)
+
+    def _mark_unhealthy(self, sandbox_id: str, reason: str) -> None:
+        if sandbox_id not in self._unhealthy:
+            log.warning("sandbox %s is unhealthy: %s", sandbox_id, reason)
+        self._unhealthy[sandbox_id] = reason
+        # Requests waiting on the silent agent end now, with the reason, not at the TTL.
+        self._abort_requests(sandbox_id)
+
+    def _abort_requests(self, sandbox_id: str) -> None:
+        for conn in list(self._inflight.get(sandbox_id, ())):
+            conn.abort()
 
     async def reconcile(self) -> dict[str, int]:
         """After a (re)start: re-adopt live sandboxes, reap expired ones, remove strays."""
@@ -914,10 +1063,14 @@ class SandboxManager:
 
     # ------------------------------------------------------------------ agent access
 
-    def _client(self, row: SandboxRow) -> AgentClient:
+    def _client(self, row: SandboxRow, tracked: bool = True) -> AgentClient:
+        """A client for the sandbox's agent; `tracked` connections (a caller's requests) are
+        aborted if the sandbox turns unhealthy."""
         assert row.runtime_state is not None
+        inflight = self._inflight.setdefault(row.sandbox_id, set()) if tracked else None
         return AgentClient(
-            self.runtime.agent_address(row.sandbox_id, row.runtime_state).socket_path
+            self.runtime.agent_address(row.sandbox_id, row.runtime_state).socket_path,
+            inflight=inflight,
         )
 
     def _agent_error(self, row: SandboxRow, e: Exception) -> AgentboxError:
@@ -930,6 +1083,8 @@ class SandboxManager:
             return SandboxNotRunning(
                 f"sandbox {row.sandbox_id} is {state}; create a new sandbox", state=state
             )
+        if row.sandbox_id in self._unhealthy:
+            return self._unhealthy_error(row.sandbox_id)
         return SandboxUnavailable(f"the sandbox agent is not answering: {e}")
 
     async def agent_call(
@@ -942,7 +1097,7 @@ class SandboxManager:
         **audit_detail: Any,
     ) -> dict[str, Any]:
         started = time.monotonic()
-        row = self.running(caller, sandbox_id)
+        row = self._reachable(caller, sandbox_id)
         try:
             reply = await self._client(row).call(request, timeout)
         except (AgentOpError, AgentUnavailable) as e:
@@ -956,7 +1111,7 @@ class SandboxManager:
         self, caller: Caller, sandbox_id: str, path: str
     ) -> tuple[int, AsyncIterator[bytes]]:
         started = time.monotonic()
-        row = self.running(caller, sandbox_id)
+        row = self._reachable(caller, sandbox_id)
         try:
             size, chunks = await self._client(row).read_file(path)
         except (AgentOpError, AgentUnavailable) as e:
@@ -968,7 +1123,7 @@ class SandboxManager:
         self, caller: Caller, sandbox_id: str, path: str, chunks: AsyncIterator[bytes]
     ) -> dict[str, Any]:
         started = time.monotonic()
-        row = self.running(caller, sandbox_id)
+        row = self._reachable(caller, sandbox_id)
         try:
             reply = await self._client(row).write_file(path, chunks)
         except (AgentOpError, AgentUnavailable) as e:
@@ -1007,7 +1162,7 @@ class SandboxManager:
         """Start a background command; an audit watcher records how it ends."""
         body = self._exec_request(req, "exec.start")
         started = time.monotonic()
-        row = self.running(caller, sandbox_id)
+        row = self._reachable(caller, sandbox_id)
         baseline = self.runtime.limit_counters(sandbox_id)
         try:
             info = (await self._client(row).call(body))["command"]
@@ -1023,7 +1178,7 @@ class SandboxManager:
         """Start a foreground command; its events stream on the same agent connection."""
         body = self._exec_request(req, "exec.run")
         started = time.monotonic()
-        row = self.running(caller, sandbox_id)
+        row = self._reachable(caller, sandbox_id)
         baseline = self.runtime.limit_counters(sandbox_id)
         try:
             info, stream = await self._client(row).command_stream(body)
@@ -1092,7 +1247,7 @@ class SandboxManager:
         async def watch() -> None:
             t0 = started or time.monotonic()
             try:
-                conn_end = await self._client(row).call(
+                conn_end = await self._client(row, tracked=False).call(
                     {"op": "exec.wait", "cmd_id": cmd_id}, timeout=None
                 )
             except (AgentOpError, AgentUnavailable):
@@ -1131,7 +1286,7 @@ class SandboxManager:
         self, caller: Caller, sandbox_id: str, cmd_id: str, offset: int = 0
     ) -> AsyncIterator[dict[str, Any]]:
         """API events for a command from `offset`: output as text, then `end`."""
-        row = self.running(caller, sandbox_id)
+        row = self._reachable(caller, sandbox_id)
         request = {"op": "exec.events", "cmd_id": cmd_id, "offset": offset}
         try:
             _, stream = await self._client(row).command_stream(request)
@@ -1237,7 +1392,7 @@ class SandboxManager:
         if req.timeout:
             body["timeout"] = req.timeout
         started = time.monotonic()
-        row = self.running(caller, sandbox_id)
+        row = self._reachable(caller, sandbox_id)
         detail = {"language": req.language, "context_id": req.context_id, "size": len(req.code)}
         try:
             events = await self._client(row).event_stream(body)
@@ -1265,7 +1420,7 @@ class SandboxManager:
                         "timestamp": ev.get("timestamp"),
                     }
                 elif kind == "result" and isinstance(ev.get("result"), dict):
-                    yield {"type": "result", "result": ev["result"]}
+                    yield {"type": "result", "result": _code_result(ev["result"])}
                 elif kind == "error" and isinstance(ev.get("error"), dict):
                     err = ev["error"]
                     error_name = str(err.get("name", ""))

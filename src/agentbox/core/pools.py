@@ -42,18 +42,32 @@ class Pool:
     refill_s: deque[float] = field(default_factory=lambda: deque(maxlen=200))
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task | None = None
+    # tenant -> [hits, misses]: how a tenant's creates fared is that tenant's business only.
+    by_tenant: dict[str, list[int]] = field(default_factory=dict)
 
-    def stats(self) -> dict[str, Any]:
+    def count(self, tenant: str, hit: bool) -> None:
+        if hit:
+            self.hits += 1
+        else:
+            self.misses += 1
+        self.by_tenant.setdefault(tenant, [0, 0])[0 if hit else 1] += 1
+
+    def stats(self, tenant: str | None = None) -> dict[str, Any]:
+        """The pool's numbers: all of them (the operator's view), or with `tenant` that
+        tenant's own hits and misses and no error text (it may name other sandboxes)."""
         times = sorted(self.refill_s)
+        hits, misses = (
+            (self.hits, self.misses) if tenant is None else self.by_tenant.get(tenant, [0, 0])
+        )
         return {
             "template": self.template,
             "size": self.size,
             "ready": len(self.ready),
             "starting": self.starting,
-            "hits": self.hits,
-            "misses": self.misses,
+            "hits": hits,
+            "misses": misses,
             "failures": self.failures,
-            "last_error": self.last_error,
+            "last_error": self.last_error if tenant is None else None,
             "refills": len(times),
             "refill_ms_p50": round(statistics.median(times) * 1000, 1) if times else None,
             "refill_ms_max": round(times[-1] * 1000, 1) if times else None,
@@ -75,18 +89,18 @@ class WarmPools:
 
     # ------------------------------------------------------------------ claims
 
-    def take(self, template: str, is_usable: Callable[[str], bool]) -> str | None:
-        """A ready member's id, or None (a miss) when the pool is empty or absent."""
+    def take(self, template: str, is_usable: Callable[[str], bool], tenant: str) -> str | None:
+        """A ready member's id for `tenant`, or None (a miss) when the pool is empty or absent."""
         pool = self.pools.get(template)
         if pool is None:
             return None
         while pool.ready:
             sid = pool.ready.popleft()
             if is_usable(sid):
-                pool.hits += 1
+                pool.count(tenant, hit=True)
                 pool.wake.set()
                 return sid
-        pool.misses += 1
+        pool.count(tenant, hit=False)
         pool.wake.set()
         return None
 
@@ -122,8 +136,8 @@ class WarmPools:
         pool.wake.set()
         return pool
 
-    def stats(self) -> list[dict[str, Any]]:
-        return [p.stats() for p in self.pools.values()]
+    def stats(self, tenant: str | None = None) -> list[dict[str, Any]]:
+        return [p.stats(tenant) for p in self.pools.values()]
 
     # ------------------------------------------------------------------ refill
 

@@ -178,9 +178,27 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        import fcntl
+
         from agentbox.runtimes import get_runtime
 
         data_dir.mkdir(parents=True, exist_ok=True)
+        # One server per data dir, decided before anything is read or touched: a second one
+        # would reconcile (and end) the first one's sandboxes and pool members.
+        lock_fd = os.open(data_dir / "server.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(lock_fd, 32, 0).decode("ascii", "replace").strip()
+            os.close(lock_fd)
+            msg = (
+                f"the data dir {data_dir} is in use by another agentbox server "
+                f"(pid {holder or 'unknown'}); stop it, or give this one another --data-dir"
+            )
+            print(f"agentbox: {msg}", file=sys.stderr, flush=True)
+            raise RuntimeError(msg) from None
+        os.ftruncate(lock_fd, 0)
+        os.pwrite(lock_fd, f"{os.getpid()}\n".encode(), 0)
         store = Store.for_data_dir(data_dir)
         auth = Authenticator(store, admin_key)
         made = auth.bootstrap(data_dir)
@@ -198,7 +216,15 @@ def create_app(
             in_use=lambda rootfs: manager.rootfs_in_use(rootfs),
         )
         netsvc = NetworkService(store, data_dir, net_settings)
-        manager = SandboxManager(store, runtime, templates, netsvc, warm_pools)
+        health = {
+            arg: float(os.environ[var])
+            for arg, var in (
+                ("health_interval", "AGENTBOX_HEALTH_INTERVAL"),
+                ("ping_timeout", "AGENTBOX_AGENT_PING_TIMEOUT"),
+            )
+            if os.environ.get(var)
+        }
+        manager = SandboxManager(store, runtime, templates, netsvc, warm_pools, **health)
         await manager.start()
         state.update(store=store, auth=auth, manager=manager, runtime=runtime, network=netsvc)
         try:
@@ -209,6 +235,7 @@ def create_app(
             await gateway.aclose()
             await netsvc.close()
             await runtime.close()
+            os.close(lock_fd)  # the lock goes with it
 
     app = FastAPI(
         title="agentbox",
@@ -452,14 +479,8 @@ def create_app(
 
     @app.put("/v1/secrets/{name}", responses=responses, tags=["network"])
     async def put_secret(name: str, body: m.SecretBody, mgr: Mgr, who: Who) -> dict[str, Any]:
-        binding = {
-            "hosts": body.hosts,
-            "in_url": body.in_url,
-            "headers": body.headers,
-            "allow_plaintext": body.allow_plaintext,
-        }
-        result = state["network"].set_secret(who.tenant, name, body.value, **binding)
-        mgr.audit(who, "secret.set", name=name, **binding)
+        result = state["network"].set_secret(who.tenant, name, body.value, body.hosts, body.in_url)
+        mgr.audit(who, "secret.set", name=name, hosts=body.hosts, in_url=body.in_url)
         return _times(result)
 
     @app.get("/v1/secrets", responses=responses, tags=["network"])
@@ -836,7 +857,8 @@ def create_app(
 
     @app.get("/v1/pools", response_model=m.PoolList, responses=responses, tags=["pools"])
     async def list_pools(mgr: Mgr, who: Who) -> m.PoolList:
-        return m.PoolList(pools=[m.PoolStats(**p) for p in mgr.pool_stats()])
+        # Sizes are the operator's settings, visible to all; hits and misses are per tenant.
+        return m.PoolList(pools=[m.PoolStats(**p) for p in mgr.pool_stats(who)])
 
     @app.put(
         "/v1/pools/{template}", response_model=m.PoolStats, responses=responses, tags=["pools"]
