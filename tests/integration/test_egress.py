@@ -7,6 +7,8 @@ before any connection is made, so nothing leaves this machine.
 
 from __future__ import annotations
 
+import base64
+import gzip
 import json
 import os
 import shlex
@@ -15,6 +17,7 @@ import socket
 import ssl
 import threading
 import time
+import urllib.parse
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -29,7 +32,8 @@ pytestmark = pytest.mark.timeout(180)
 
 
 class Upstream:
-    """An HTTP(S) server on 127.0.0.1 that remembers every request it got."""
+    """An HTTP(S) server on 127.0.0.1 that remembers every request it got. Under /echo/MODE/
+    it sends back the Authorization header it got, the way MODE says (see `_echo`)."""
 
     def __init__(self, tls: ssl.SSLContext | None = None) -> None:
         self.requests: list[dict] = []
@@ -49,13 +53,16 @@ class Upstream:
                         "body": body,
                     }
                 )
+                if self.path.startswith("/echo/"):
+                    _echo(self, self.path.split("/")[2])
+                    return
                 out = b"hello from upstream " + self.command.encode() + b"\n"
                 self.send_response(200)
                 self.send_header("Content-Length", str(len(out)))
                 self.end_headers()
                 self.wfile.write(out)
 
-            do_GET = do_POST = do_PUT = _answer
+            do_GET = do_POST = do_PUT = do_TRACE = _answer
 
             def log_message(self, *args: object) -> None:
                 pass
@@ -72,6 +79,49 @@ class Upstream:
     def close(self) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+def _echo(h: BaseHTTPRequestHandler, mode: str) -> None:
+    """Send the request's Authorization header back: raw (and in an X-Echo header), gzip'd,
+    chunked with the value split across chunks and reads, base64'd, URL-encoded, as a body
+    "encoded" with a coding the proxy does not know (br), on a protocol switch (upgrade), or,
+    for git, only once credentials come (401 first)."""
+    auth = h.headers.get("Authorization", "").encode("latin-1")
+    if mode == "git" and not auth:
+        h.send_response(401)
+        h.send_header("WWW-Authenticate", 'Basic realm="echo"')
+        h.send_header("Content-Length", "0")
+        h.end_headers()
+        return
+    if mode == "upgrade":
+        h.send_response(101)
+        h.send_header("Connection", "Upgrade")
+        h.send_header("Upgrade", "websocket")
+        h.end_headers()
+        h.wfile.write(auth)
+        return
+    h.send_response(200)
+    h.send_header("X-Echo", auth.decode("latin-1"))
+    if mode == "chunked":
+        h.send_header("Transfer-Encoding", "chunked")
+        h.end_headers()
+        for i in range(0, len(auth), 5):
+            h.wfile.write(b"%x\r\n%s\r\n" % (len(auth[i : i + 5]), auth[i : i + 5]))
+            h.wfile.flush()
+            time.sleep(0.005)
+        h.wfile.write(b"0\r\n\r\n")
+        return
+    body = {
+        "gzip": gzip.compress(auth),
+        "b64": base64.b64encode(auth) + b" " + base64.urlsafe_b64encode(auth.split(b" ")[-1]),
+        "url": urllib.parse.quote(auth.decode("latin-1"), safe="").encode(),
+    }.get(mode, auth)
+    coding = {"gzip": "gzip", "br": "br"}.get(mode)
+    if coding:
+        h.send_header("Content-Encoding", coding)
+    h.send_header("Content-Length", str(len(body)))
+    h.end_headers()
+    h.wfile.write(body)
 
 
 @pytest.fixture(scope="module")
@@ -387,17 +437,31 @@ def test_audit_records_every_attempt(client: httpx.Client, plain: Upstream) -> N
 # ---------------------------------------------------------------------------- secrets
 
 
-def _put_secret(client: httpx.Client, name: str, value: str, hosts: list[str]) -> None:
-    r = client.put(f"/v1/secrets/{name}", json={"value": value, "hosts": hosts})
+def _put_secret(
+    client: httpx.Client, name: str, value: str, hosts: list[str], **binding: object
+) -> dict:
+    r = client.put(f"/v1/secrets/{name}", json={"value": value, "hosts": hosts, **binding})
     assert r.status_code == 200, r.text
     assert value not in r.text
+    return r.json()
 
 
-def test_secret_swapped_only_for_bound_hosts(
+def _leaks(value: str, text: str) -> list[str]:
+    """The forms of `value` found in `text`: raw, base64 (also of "Bearer VALUE", which puts
+    it at another alignment), URL-encoded."""
+    forms = {"raw": value, "quoted": urllib.parse.quote(value, safe="")}
+    for what, data in (("b64", value), ("b64 bearer", f"Bearer {value}")):
+        forms[what] = base64.b64encode(data.encode()).decode().rstrip("=")[:-2]
+        forms[what + " urlsafe"] = base64.urlsafe_b64encode(data.encode()).decode()[:-4]
+    return [what for what, form in forms.items() if form in text]
+
+
+def test_secret_goes_only_where_its_binding_says(
     client: httpx.Client, plain: Upstream, secure: Upstream
 ) -> None:
+    """Authorization (the default header), bound hosts only, verified TLS only."""
     value = "sk-live-" + os.urandom(12).hex()
-    _put_secret(client, "API_TOKEN", value, ["upstream.test", "secure.test"])
+    info = _put_secret(client, "API_TOKEN", value, ["upstream.test", "secure.test"])
     sid = create_sandbox(
         client,
         secrets=["API_TOKEN"],
@@ -406,31 +470,166 @@ def test_secret_swapped_only_for_bound_hosts(
         },
     )["sandbox_id"]
     placeholder = run(client, sid, 'printf %s "$API_TOKEN"').stdout
-    assert placeholder and value not in placeholder
-    hdr = '-H "Authorization: Bearer $API_TOKEN"'
+    assert placeholder.startswith("agentbox_secret_") and value not in placeholder
+    hdr = '-H "Authorization: Bearer $API_TOKEN" -H "X-Other: $API_TOKEN"'
     for url in (
-        f"http://upstream.test:{plain.port}/s-bound",
-        f"http://other.test:{plain.port}/s-unbound",
-        f"https://secure.test:{secure.port}/s-tls",
+        f"https://secure.test:{secure.port}/b-tls",
+        f"http://upstream.test:{plain.port}/b-plain",  # bound, but no TLS
+        f"http://other.test:{plain.port}/b-unbound",
+        f"https://unbound-secure.test:{secure.port}/b-unbound-tls -k",  # tunnelled untouched
     ):
         res = run(client, sid, f"curl -sS -m 10 -f {hdr} {url}")
         assert res.exit_code == 0, res.stdout + res.stderr
-    assert plain.seen("/s-bound")[-1]["headers"]["authorization"] == f"Bearer {value}"
-    assert plain.seen("/s-unbound")[-1]["headers"]["authorization"] == f"Bearer {placeholder}"
-    assert secure.seen("/s-tls")[-1]["headers"]["authorization"] == f"Bearer {value}"
-    # Basic auth carries it base64-encoded: swapped there too.
+    got = {
+        path: (h["authorization"], h["x-other"])
+        for path in ("/b-tls", "/b-plain", "/b-unbound", "/b-unbound-tls")
+        for h in [(plain.seen(path) or secure.seen(path))[-1]["headers"]]
+    }
+    assert got == {
+        "/b-tls": (f"Bearer {value}", placeholder),
+        "/b-plain": (f"Bearer {placeholder}", placeholder),
+        "/b-unbound": (f"Bearer {placeholder}", placeholder),
+        "/b-unbound-tls": (f"Bearer {placeholder}", placeholder),
+    }
+    # A tunnel to a bound host is for TLS, which the proxy terminates: plain HTTP in it fails.
+    run(client, sid, f"curl -sS -m 10 -p {hdr} http://upstream.test:{plain.port}/b-tunnel")
+    assert not plain.seen("/b-tunnel")
+    events = _events(client, sandbox_id=sid)
+    assert any(e["protocol"] == "https-inspected" and e["path"] == "/b-tls" for e in events)
+    assert value not in json.dumps(events)
+    assert info["headers"] == ["Authorization"] and info["allow_plaintext"] is False
+
+
+def test_basic_credentials_as_git_sends_them(client: httpx.Client, secure: Upstream) -> None:
+    """The placeholder as a password (curl -u, user:password@ in a URL, a git credential
+    helper) travels base64'd in Authorization: Basic; the proxy swaps it inside."""
+    value = "ghp_" + os.urandom(12).hex()
+    _put_secret(client, "GIT_TOKEN", value, ["secure.test"])
+    sid = create_sandbox(client, secrets=["GIT_TOKEN"], network={"allow_out": ["secure.test"]})[
+        "sandbox_id"
+    ]
+    base = f"secure.test:{secure.port}"
+    run(client, sid, f'curl -sS -m 10 -u "user:$GIT_TOKEN" https://{base}/basic-u')
+    run(client, sid, f'curl -sS -m 10 "https://user:$GIT_TOKEN@{base}/basic-url"')
+    git = "git -c http.sslCAInfo=$GIT_SSL_CAINFO"
+    run(client, sid, f'{git} ls-remote "https://git:$GIT_TOKEN@{base}/echo/git/url.git"')
+    helper = "!f() { echo username=x-access-token; echo password=$GIT_TOKEN; }; f"
     run(
         client,
         sid,
-        f'curl -sS -m 10 -u "user:$API_TOKEN" http://upstream.test:{plain.port}/s-basic',
+        f"{git} -c credential.helper='{helper}' ls-remote https://{base}/echo/git/h.git",
     )
-    import base64
+    sent = {}
+    for path in ("/basic-u", "/basic-url", "/echo/git/url.git", "/echo/git/h.git"):
+        with_auth = [r for r in secure.seen(path) if "authorization" in r["headers"]]
+        assert with_auth, f"{path}: no credentials arrived"
+        scheme, _, b64 = with_auth[-1]["headers"]["authorization"].partition(" ")
+        sent[path] = (scheme, base64.b64decode(b64).decode())
+    assert sent == {
+        "/basic-u": ("Basic", f"user:{value}"),
+        "/basic-url": ("Basic", f"user:{value}"),
+        "/echo/git/url.git": ("Basic", f"git:{value}"),
+        "/echo/git/h.git": ("Basic", f"x-access-token:{value}"),
+    }
 
-    basic = plain.seen("/s-basic")[-1]["headers"]["authorization"]
-    assert base64.b64decode(basic.split()[1]).decode() == f"user:{value}"
-    events = _events(client, sandbox_id=sid)
-    assert any(e["protocol"] == "https-inspected" and e["path"] == "/s-tls" for e in events)
-    assert value not in json.dumps(events)
+
+def test_plaintext_needs_an_explicit_opt_in(client: httpx.Client, plain: Upstream) -> None:
+    url = f"http://upstream.test:{plain.port}"
+
+    def sent(name: str, value: str, **binding: object) -> tuple[str, bytes]:
+        """What upstream.test got over plain HTTP as Bearer and as Basic credentials."""
+        _put_secret(client, name, value, ["upstream.test"], **binding)
+        sid = create_sandbox(client, secrets=[name], network={"allow_out": ["upstream.test"]})[
+            "sandbox_id"
+        ]
+        run(client, sid, f'curl -sS -m 10 -H "Authorization: Bearer ${name}" {url}/pt-{name}')
+        run(client, sid, f'curl -sS -m 10 -u "u:${name}" {url}/pt-basic-{name}')
+        basic = plain.seen(f"/pt-basic-{name}")[-1]["headers"]["authorization"]
+        bearer = plain.seen(f"/pt-{name}")[-1]["headers"]["authorization"]
+        return bearer, base64.b64decode(basic.removeprefix("Basic "))
+
+    strict = "strict-" + os.urandom(8).hex()
+    bearer, basic = sent("STRICT_TOKEN", strict)
+    assert bearer.startswith("Bearer agentbox_secret_") and basic.startswith(b"u:agentbox_secret_")
+    opted = "plain-" + os.urandom(8).hex()
+    assert sent("PLAIN_TOKEN", opted, allow_plaintext=True) == (
+        f"Bearer {opted}",
+        f"u:{opted}".encode(),
+    )
+
+
+def test_in_url_secrets_follow_the_same_rules(
+    client: httpx.Client, plain: Upstream, secure: Upstream
+) -> None:
+    value = "key-" + os.urandom(12).hex()
+    _put_secret(client, "URL_KEY", value, ["secure.test", "upstream.test"], in_url=True)
+    sid = create_sandbox(
+        client, secrets=["URL_KEY"], network={"allow_out": ["secure.test", "upstream.test"]}
+    )["sandbox_id"]
+    run(client, sid, f'curl -sS -m 10 "https://secure.test:{secure.port}/iu?key=$URL_KEY"')
+    run(client, sid, f'curl -sS -m 10 "http://upstream.test:{plain.port}/iu?key=$URL_KEY"')
+    assert secure.seen("/iu")[-1]["path"] == f"/iu?key={value}"
+    assert plain.seen("/iu")[-1]["path"].startswith("/iu?key=agentbox_secret_")
+    assert value not in json.dumps(_events(client, sandbox_id=sid))
+
+
+def test_echoes_from_bound_hosts_come_back_scrubbed(client: httpx.Client, secure: Upstream) -> None:
+    value = "sk-live-" + os.urandom(16).hex()
+    _put_secret(client, "ECHO_TOKEN", value, ["secure.test"])
+    sid = create_sandbox(client, secrets=["ECHO_TOKEN"], network={"allow_out": ["secure.test"]})[
+        "sandbox_id"
+    ]
+    outputs = {}
+    for mode in ("raw", "gzip", "chunked", "b64", "url"):
+        res = run(
+            client,
+            sid,
+            "curl -sS -m 10 -i --suppress-connect-headers --compressed "
+            '-H "Authorization: Bearer $ECHO_TOKEN" '
+            f"https://secure.test:{secure.port}/echo/{mode}/",
+        )
+        assert res.exit_code == 0, res.stderr
+        assert secure.seen(f"/echo/{mode}/")[-1]["headers"]["authorization"] == f"Bearer {value}"
+        outputs[mode] = res.stdout
+    leaks = {mode: _leaks(value, out) for mode, out in outputs.items()}
+    assert not any(leaks.values()), leaks
+    placeholder = run(client, sid, 'printf %s "$ECHO_TOKEN"').stdout
+    for mode in ("raw", "gzip", "chunked"):
+        assert outputs[mode].endswith(f"\r\n\r\nBearer {placeholder}"), outputs[mode]
+        assert f"x-echo: Bearer {placeholder}\r\n" in outputs[mode]
+    assert value not in json.dumps(_events(client, sandbox_id=sid))
+
+
+def test_uninspectable_responses_and_echo_methods_are_refused(
+    client: httpx.Client, secure: Upstream
+) -> None:
+    value = "sk-live-" + os.urandom(16).hex()
+    _put_secret(client, "REFUSE_TOKEN", value, ["secure.test"])
+    sid = create_sandbox(client, secrets=["REFUSE_TOKEN"], network={"allow_out": ["secure.test"]})[
+        "sandbox_id"
+    ]
+    base = f"https://secure.test:{secure.port}/echo"
+    auth = '-H "Authorization: Bearer $REFUSE_TOKEN"'
+    ws = "-H 'Connection: Upgrade' -H 'Upgrade: websocket' -H 'Sec-WebSocket-Version: 13' "
+    ws += "-H 'Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ=='"
+    answers = {
+        what: run(client, sid, f"curl -sS -m 10 -i --suppress-connect-headers {auth} {how}").stdout
+        for what, how in {
+            "trace": f"-X TRACE {base}/trace/",
+            "br": f"{base}/br/",
+            "websocket": f"{ws} {base}/upgrade/",
+        }.items()
+    }
+    assert answers["trace"].startswith("HTTP/1.1 405"), answers["trace"]
+    assert answers["br"].startswith("HTTP/1.1 502") and "br-encoded" in answers["br"]
+    assert answers["websocket"].startswith("HTTP/1.1 502"), answers["websocket"]
+    assert "switched protocols" in answers["websocket"]
+    assert not any(_leaks(value, a) for a in answers.values()), answers
+    assert not secure.seen("/echo/trace/")  # refused before anything went out
+    refused = {e["rule"]: e for e in _events(client, sandbox_id=sid, allowed="false")}
+    assert refused["secret_echo_method"]["method"] == "TRACE"
+    assert refused["secret_uninspectable"]["status"] == 502
+    assert refused["secret_uninspectable"]["reason"]
 
 
 def test_ca_trusted_by_python_curl_and_node(client: httpx.Client, secure: Upstream) -> None:
@@ -467,7 +666,7 @@ def test_secret_value_never_inside_the_sandbox(
     client: httpx.Client, egress_server: ServerHandle, plain: Upstream
 ) -> None:
     value = "VAL" + os.urandom(16).hex()
-    _put_secret(client, "HIDDEN", value, ["upstream.test"])
+    _put_secret(client, "HIDDEN", value, ["upstream.test"], headers=["X-Key"], allow_plaintext=True)
     info = create_sandbox(client, secrets=["HIDDEN"], network={"allow_out": ["upstream.test"]})
     sid = info["sandbox_id"]
     assert value not in json.dumps(info)
@@ -551,6 +750,14 @@ def test_secret_api_validates_and_never_returns_values(client: httpx.Client) -> 
     _put_secret(client, "LISTED", "listed-value", ["a.test"])
     listing = client.get("/v1/secrets").json()["secrets"]
     assert [s["name"] for s in listing] == ["LISTED"] and "listed-value" not in json.dumps(listing)
+    for bad, why in (
+        ({"headers": ["Host"]}, "frames or routes"),
+        ({"headers": ["Bad Header"]}, "not an HTTP header name"),
+        ({"value": "short"}, "8 bytes"),
+    ):
+        body = {"value": "long-enough-value", "hosts": ["a.test"], **bad}
+        r = client.put("/v1/secrets/BAD", json=body)
+        assert r.status_code == 400 and why in r.json()["message"], r.text
     r = client.post("/v1/sandboxes", json={"secrets": ["MISSING"]})
     assert r.status_code == 404 and "secrets set MISSING" in r.json()["message"]
     assert client.delete("/v1/secrets/LISTED").status_code == 204
@@ -729,7 +936,7 @@ def test_secrets_survive_a_server_restart(
     try:
         value = "restart-" + os.urandom(8).hex()
         with server.client() as c:
-            _put_secret(c, "RS_TOKEN", value, ["secure.test"])
+            _put_secret(c, "RS_TOKEN", value, ["secure.test"], headers=["X-T"])
             sid = create_sandbox(c, secrets=["RS_TOKEN"], network={"allow_out": ["secure.test"]})[
                 "sandbox_id"
             ]

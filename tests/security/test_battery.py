@@ -76,6 +76,7 @@ def test_every_control_names_known_weakenings() -> None:
         assert c.control <= known, f"{c.id}: unknown weakening(s) {c.control - known}"
     ids = {c.id for c in CHECKS}
     assert {"net-proxy-internal", "net-proxy-bypass", "net-proxy-mismatch"} <= ids
+    assert {"secrets-plaintext", "secrets-reflection"} <= ids
 
 
 def test_egress_open_switches_off_the_proxy_guards() -> None:

@@ -1615,3 +1615,6 @@ def _api_special(ctx: Ctx) -> Verdict:
         v.add_break("DOS", "server or sandbox unusable afterwards")
     v.evidence = v.evidence or "; ".join(notes)
     return v
+
+
+from agentbox.battery import checks_secrets  # noqa: E402,F401

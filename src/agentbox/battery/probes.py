@@ -1166,6 +1166,39 @@ def probe_cpu(workers: int, seconds: float) -> dict:
     return {"cpu_s": t.children_user + t.children_system, "wall_s": wall}
 
 
+# ------------------------------------------------------------------------- secrets on the wire
+# (battery/checks_secrets.py)
+
+
+def probe_secret_wire(requests: list[dict]) -> dict:
+    """Send each request through the sandbox's HTTP proxy, its $NAME references filled from the
+    environment (where secrets are placeholders), and report the raw answer, base64'd: the host
+    decodes it itself. A request is {"key", "method", "url", "headers": {name: value}} plus
+    "basic": "user:$NAME" for Basic credentials (built here, as git would)."""
+    import base64
+
+    proxy = _proxy_address("HTTP_PROXY")
+    if proxy is None:
+        return {"error": "no HTTP_PROXY in the environment"}
+    out = {}
+    for r in requests:
+        host = r["url"].split("//", 1)[1].split("/", 1)[0]
+        head = f"{r['method']} {r['url']} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n"
+        for name, value in r.get("headers", {}).items():
+            head += f"{name}: {os.path.expandvars(value)}\r\n"
+        if "basic" in r:
+            creds = base64.b64encode(os.path.expandvars(r["basic"]).encode()).decode()
+            head += f"Authorization: Basic {creds}\r\n"
+        try:
+            with socket.create_connection(proxy, timeout=5) as s:
+                s.sendall((head + "\r\n").encode("latin-1"))
+                s.settimeout(3)
+                out[r["key"]] = base64.b64encode(_read_until_close(s, 1 << 20)).decode()
+        except OSError as e:
+            out[r["key"]] = "ERR " + oserr(e)
+    return {"results": out}
+
+
 def main() -> None:
     name, args = sys.argv[1], json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
     result = globals()[f"probe_{name}"](**args)

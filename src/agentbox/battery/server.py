@@ -17,6 +17,8 @@ from agentbox.server.app import serve
 EGRESS_WEAKENINGS: dict[str, str] = {
     "egress-open": "the egress proxy skips its address guard (internal addresses, loopback and "
     "metadata names) and its SNI and Host checks; the policy still decides on names",
+    "secrets-loose": "the egress proxy puts a secret's value into any header of a request to a "
+    "bound host, over plain HTTP too, and neither scrubs nor refuses what comes back",
 }
 
 

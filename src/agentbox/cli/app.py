@@ -396,17 +396,27 @@ def secrets_set(
         "e.g. api.openai.com or *.example.com.")],
     in_url: Annotated[bool, typer.Option(
         "--in-url", help="Also swap the placeholder in request URLs, not only headers.")] = False,
+    header: Annotated[list[str] | None, typer.Option(
+        "--header", help="A request header the value may go in (repeatable) "
+        "[default: Authorization].")] = None,
+    allow_plaintext: Annotated[bool, typer.Option(
+        "--allow-plaintext", help="Also send the value over plain http:// "
+        "(default: only over TLS the proxy verified).")] = False,
 ) -> None:
     """Create or replace a secret. Sandboxes created with --secret NAME see a placeholder in
-    $NAME; the egress proxy puts the value in its place on requests to HOSTS only."""
+    $NAME; the egress proxy puts the value in its place on requests to HOSTS only, in the
+    bound headers only, and scrubs it out of their responses."""
     if value == "-":
         value = sys.stdin.read().rstrip("\r\n")
     names = [h.strip() for item in hosts for h in item.split(",") if h.strip()]
     if not names:
         raise typer.BadParameter("give at least one host", param_hint="--hosts")
     with Secrets(**_conn(ctx)) as secrets:
-        info = secrets.set(name, value, names, in_url=in_url)
-    where = ", ".join(info.hosts) + (" (headers and URLs)" if info.in_url else "")
+        info = secrets.set(name, value, names, in_url=in_url, headers=header or None,
+                           allow_plaintext=allow_plaintext)
+    where = ", ".join(info.hosts) + f" in {', '.join(info.headers)}"
+    where += (" and URLs" if info.in_url else "") + (", plain HTTP too" if info.allow_plaintext
+                                                     else "")
     print(f"set secret {info.name} for {where}")
 
 
@@ -421,9 +431,10 @@ def secrets_ls(
     if as_json:
         _print_json([dataclasses.asdict(s) for s in found])
         return
-    rows = [[escape(s.name), "yes" if s.in_url else "no", _time(s.updated_at),
+    rows = [[escape(s.name), escape(",".join(s.headers)), "yes" if s.in_url else "no",
+             "yes" if s.allow_plaintext else "no", _time(s.updated_at),
              escape(",".join(s.hosts))] for s in found]
-    _print_table(["NAME", "IN URL", "UPDATED", "HOSTS"], rows)
+    _print_table(["NAME", "HEADERS", "IN URL", "PLAINTEXT", "UPDATED", "HOSTS"], rows)
 
 
 @secrets_app.command("rm")

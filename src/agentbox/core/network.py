@@ -24,12 +24,13 @@ from cryptography.fernet import Fernet, InvalidToken
 from agentbox.core.errors import Forbidden, InvalidRequest, NotFound
 from agentbox.egress.addresses import AddressGuard, parse_resolve_option
 from agentbox.egress.policy import EgressPolicy, Rule, RuleError, check_within, parse_rule
-from agentbox.egress.proxy import (
-    HTTP_PORT,
+from agentbox.egress.proxy import HTTP_PORT, SOCKS_PORT, EgressProxy
+from agentbox.egress.secrets import (
+    DEFAULT_HEADERS,
+    MIN_VALUE_BYTES,
     PLACEHOLDER_PREFIX,
-    SOCKS_PORT,
     BoundSecret,
-    EgressProxy,
+    parse_header_names,
 )
 from agentbox.egress.tls import EgressCA, trust_bundle
 from agentbox.store.db import Store
@@ -234,15 +235,29 @@ class NetworkService:
     # ------------------------------------------------------------------ secrets
 
     def set_secret(
-        self, tenant: str, name: str, value: str, hosts: list[str], in_url: bool
+        self,
+        tenant: str,
+        name: str,
+        value: str,
+        hosts: list[str],
+        in_url: bool = False,
+        headers: list[str] | None = None,
+        allow_plaintext: bool = False,
     ) -> dict[str, Any]:
+        """Create or replace a secret. Its value goes only to `hosts`, only in `headers`
+        (default Authorization) and the URL if `in_url`, and only over TLS the proxy verified
+        unless `allow_plaintext`."""
         if not SECRET_NAME.match(name):
             raise InvalidRequest(
                 f"secret name {name!r} must be an environment variable name "
                 "(letters, digits, _; at most 64)"
             )
-        if not value or len(value.encode()) > MAX_SECRET_BYTES or "\0" in value:
-            raise InvalidRequest(f"secret value must be 1 byte to {MAX_SECRET_BYTES} bytes, no NUL")
+        size = len(value.encode())
+        if not MIN_VALUE_BYTES <= size <= MAX_SECRET_BYTES or "\0" in value:
+            raise InvalidRequest(
+                f"secret value must be {MIN_VALUE_BYTES} bytes to {MAX_SECRET_BYTES} bytes, no "
+                "NUL (shorter values cannot be kept out of responses without mangling them)"
+            )
         if any(c in value for c in "\r\n"):
             raise InvalidRequest("secret value must not contain line breaks (it goes in headers)")
         if not hosts:
@@ -253,8 +268,14 @@ class NetworkService:
             raise InvalidRequest(f"hosts: {e}") from None
         if any(r.kind == "cidr" for r in rules):
             raise InvalidRequest("hosts: bind secrets to host names, not addresses")
+        try:
+            names = list(parse_header_names(headers))
+        except ValueError as e:
+            raise InvalidRequest(f"headers: {e}") from None
         token = self._fernet.encrypt(value.encode()).decode()
-        self.store.put_secret(tenant, name, token, [r.text for r in rules], in_url)
+        self.store.put_secret(
+            tenant, name, token, [r.text for r in rules], in_url, names, allow_plaintext
+        )
         self._secrets.pop((tenant, name), None)
         return self._info(self.store.get_secret(tenant, name) or {})
 
@@ -263,7 +284,9 @@ class NetworkService:
         return {
             "name": row.get("name"),
             "hosts": row.get("hosts"),
+            "headers": row.get("headers") or list(DEFAULT_HEADERS),
             "in_url": row.get("in_url"),
+            "allow_plaintext": bool(row.get("allow_plaintext")),
             "created_at": row.get("created_at"),
             "updated_at": row.get("updated_at"),
         }
@@ -285,7 +308,15 @@ class NetworkService:
                 try:
                     value = self._fernet.decrypt(row["value"].encode()).decode()
                     rules = tuple(parse_rule(h) for h in row["hosts"])
-                    found = BoundSecret(name, value, rules, bool(row["in_url"]))
+                    found = BoundSecret(
+                        name,
+                        value,
+                        rules,
+                        in_url=bool(row["in_url"]),
+                        # Rows written before bindings had headers: the default binding.
+                        headers=parse_header_names(row.get("headers")),
+                        allow_plaintext=bool(row.get("allow_plaintext")),
+                    )
                 except (InvalidToken, RuleError, ValueError):
                     log.error("secret %s of tenant %s cannot be read", name, tenant)
             self._secrets[key] = found

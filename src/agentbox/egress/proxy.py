@@ -8,14 +8,14 @@ to the address it checked (no second lookup a rebinding DNS server could answer 
 
 HTTPS is tunnelled untouched, with one check: the SNI in the client's TLS hello must name the
 host it asked CONNECT for. Only for hosts a secret of the sandbox is bound to does the proxy
-terminate TLS (with the sandbox's own CA, which the sandbox trusts), swap the secret's
-placeholder for its value in the request, and speak TLS to the real upstream, verifying it.
+terminate TLS (with the sandbox's own CA, which the sandbox trusts), speak TLS to the real
+upstream, verifying it, and put the secret's value where its binding allows (`secrets`); the
+responses of those hosts are scrubbed of the value on their way back.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import dataclasses
 import functools
@@ -25,6 +25,7 @@ import socket
 import ssl
 import struct
 import time
+import zlib
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -35,13 +36,22 @@ import h11
 
 from agentbox.egress.addresses import AddressGuard, name_refusal, parse_ip_literal
 from agentbox.egress.policy import Decision, EgressPolicy, Rule, RuleError, decide, normalize_host
+from agentbox.egress.secrets import (
+    ACCEPT_ENCODING,
+    ECHO_METHODS,
+    BoundSecret,
+    Injection,
+    ResponseBody,
+    Scrubber,
+    Uninspectable,
+    inject,
+)
 from agentbox.egress.tls import EgressCA, client_sni, parse_client_hello, upstream_context
 
 log = logging.getLogger(__name__)
 
 HTTP_PORT = 3128
 SOCKS_PORT = 1080
-PLACEHOLDER_PREFIX = "agentbox_secret_"
 MAX_CONNS_PER_SANDBOX = 256
 HEAD_TIMEOUT_S = 30.0
 CONNECT_TIMEOUT_S = 10.0
@@ -60,19 +70,6 @@ _HOP_BY_HOP = {
 }
 
 
-@dataclass(frozen=True)
-class BoundSecret:
-    """A tenant's secret as the proxy sees it: the value and where it may be sent."""
-
-    name: str
-    value: str
-    hosts: tuple[Rule, ...]
-    in_url: bool = False
-
-    def bound_to(self, host: str, port: int) -> bool:
-        return any(r.matches(host, port) for r in self.hosts)
-
-
 @dataclass
 class SandboxEgress:
     sandbox_id: str
@@ -86,14 +83,25 @@ class SandboxEgress:
 
 
 class Refused(Exception):
-    """An attempt the proxy will not carry out; `rule` names what decided."""
+    """An attempt the proxy will not carry out; `rule` names what decided.
 
-    def __init__(self, rule: str, message: str, status: int = 403, socks_code: int = 2) -> None:
+    A 403 is the network policy's; `secret` marks what the secrets' rules refuse (an echoing
+    method, a response that cannot be scrubbed); anything else is a failure."""
+
+    def __init__(
+        self,
+        rule: str,
+        message: str,
+        status: int = 403,
+        socks_code: int = 2,
+        secret: bool = False,
+    ) -> None:
         super().__init__(message)
         self.rule = rule
         self.message = message
         self.status = status
         self.socks_code = socks_code
+        self.secret = secret
 
 
 @dataclass
@@ -162,7 +170,9 @@ class EgressProxy:
         weaken: frozenset[str] = frozenset(),
     ) -> None:
         # Positive controls of the security battery only ("egress-open": no address guard, no
-        # SNI or Host checks); reachable from Python, never from the CLI or the API.
+        # SNI or Host checks; "secrets-loose": values go into any header of a request to a bound
+        # host, over plain HTTP too, and responses are neither scrubbed nor refused); reachable
+        # from Python, never from the CLI or the API.
         self.weaken = weaken
         self.guard = guard
         self.operator_deny = tuple(operator_deny)
@@ -537,9 +547,7 @@ class EgressProxy:
                 more = await asyncio.wait_for(reader.read(_CHUNK), max(remaining, 0.001))
             except TimeoutError:
                 if data:
-                    raise Refused(
-                        "tls_hello", "the first message did not arrive in time"
-                    ) from None
+                    raise Refused("tls_hello", "the first message did not arrive in time") from None
                 deadline = time.monotonic() + 3600  # a long-silent client: keep waiting
                 continue
             except (ConnectionError, OSError):
@@ -586,12 +594,15 @@ class EgressProxy:
             with contextlib.suppress(OSError, RuntimeError):
                 dst.write_eof()
 
-    def _bound_secrets(self, sbx: SandboxEgress, host: str, port: int) -> list[BoundSecret]:
+    def _bound_secrets(
+        self, sbx: SandboxEgress, host: str, port: int
+    ) -> list[tuple[bytes, BoundSecret]]:
+        """(placeholder, secret) for the sandbox's secrets bound to `host`:`port`."""
         found = []
-        for name in set(sbx.placeholders.values()):
+        for placeholder, name in sbx.placeholders.items():
             s = self._secret(sbx.tenant, name)
             if s is not None and s.bound_to(host, port):
-                found.append(s)
+                found.append((placeholder.encode(), s))
         return found
 
     async def _inspect_tls(
@@ -676,6 +687,19 @@ _HTTP_METHODS = frozenset(
     b"GET HEAD POST PUT DELETE OPTIONS PATCH TRACE CONNECT PROPFIND PROPPATCH MKCOL COPY MOVE "
     b"LOCK UNLOCK REPORT SEARCH PURGE".split()
 )
+
+
+def _scrub_header(scrubber: Scrubber, name: bytes, value: bytes) -> bytes:
+    return value if name in (b"content-length", b"transfer-encoding") else scrubber.line(value)
+
+
+def _has_body(request: h11.Request, response: h11.Response) -> bool:
+    return request.method != b"HEAD" and response.status_code not in (204, 304)
+
+
+def _upgrade_of(event: h11.InformationalResponse) -> str:
+    found = [v for n, v in event.headers if n == b"upgrade"]
+    return found[0].decode("latin-1")[:40] if found else "another protocol"
 
 
 def _http_start(data: bytes) -> str:
@@ -774,23 +798,30 @@ class _HttpSession:
 
     async def respond_error(self, att: _Attempt, e: Refused) -> None:
         """Tell the client, in words an agent can act on, why its request was not carried."""
-        denied = e.status == 403
+        if e.secret:
+            outcome, kind, error = "refused to protect a secret", b"refused", b"http_request_denied"
+            status_text = "Refused by agentbox egress proxy"
+        elif e.status == 403:
+            outcome = "blocked by the sandbox network policy"
+            kind, error = b"denied", b"destination_denied"
+            status_text = "Blocked by agentbox network policy"
+        else:
+            outcome, kind, error = "failed", b"failed", b"proxy_internal_error"
+            status_text = "Egress failed"
         body = (
-            f"agentbox: {att.method or 'request'} {att.host}:{att.port} "
-            f"{'blocked by the sandbox network policy' if denied else 'failed'} "
+            f"agentbox: {att.method or 'request'} {att.host}:{att.port} {outcome} "
             f"(rule: {e.rule}). {e.message}\n"
         ).encode()
-        status_text = "Blocked by agentbox network policy" if denied else "Egress failed"
         headers: list[tuple[bytes, bytes]] = [
             (b"Content-Type", b"text/plain; charset=utf-8"),
             (b"Content-Length", str(len(body)).encode()),
             (b"Connection", b"close"),
-            (b"X-Agentbox-Egress", b"denied" if denied else b"failed"),
+            (b"X-Agentbox-Egress", kind),
             (b"X-Agentbox-Rule", _latin1(e.rule)),
             (
                 b"Proxy-Status",
                 b"agentbox; error="
-                + (b"destination_denied" if denied else b"proxy_internal_error")
+                + error
                 + b'; details="'
                 + _latin1(e.message).replace(b'"', b"'")
                 + b'"',
@@ -875,28 +906,16 @@ class _HttpSession:
         return raw_host, port, path
 
     def _swap(
-        self, host: str, port: int, headers: Iterable[tuple[bytes, bytes]], target: str
-    ) -> tuple[list[tuple[bytes, bytes]], str]:
-        """Headers (hop-by-hop ones dropped) and target with bound secrets swapped in."""
-        marker = PLACEHOLDER_PREFIX.encode()
-        secrets: list[tuple[str, BoundSecret]] | None = None
-
-        def bound() -> list[tuple[str, BoundSecret]]:
-            nonlocal secrets
-            if secrets is None:
-                secrets = []
-                for placeholder, name in self.sbx.placeholders.items():
-                    s = self.proxy._secret(self.sbx.tenant, name)
-                    if s is not None and s.bound_to(host, port):
-                        secrets.append((placeholder, s))
-            return secrets
-
-        def fill(text: str, in_url: bool = False) -> str:
-            for placeholder, s in bound():
-                if placeholder in text and (s.in_url or not in_url):
-                    text = text.replace(placeholder, s.value)
-            return text
-
+        self,
+        bound: list[tuple[bytes, BoundSecret]],
+        headers: Iterable[tuple[bytes, bytes]],
+        target: str,
+    ) -> Injection:
+        """Headers (hop-by-hop ones dropped) and target with the values of `bound` secrets put
+        where their binding allows: their own headers, over TLS the proxy verified (plain HTTP
+        only for a secret that opts in)."""
+        loose = "secrets-loose" in self.proxy.weaken
+        allowed = [(p, s) for p, s in bound if loose or s.may_send(self.upstream_tls)]
         listed = {b"connection"}
         upgrade = None
         for name, value in headers:
@@ -911,23 +930,19 @@ class _HttpSession:
         for name, value in headers:
             if name in _HOP_BY_HOP or name in listed:
                 continue
-            if marker in value:
-                value = fill(value.decode("latin-1")).encode("latin-1", "replace")
-            elif name == b"authorization" and value[:6].lower() == b"basic ":
-                try:
-                    decoded = base64.b64decode(value[6:], validate=True).decode("latin-1")
-                except ValueError:
-                    decoded = ""
-                if PLACEHOLDER_PREFIX in decoded:
-                    value = b"Basic " + base64.b64encode(fill(decoded).encode("latin-1"))
+            if name == b"accept-encoding" and bound and not loose:
+                value = ACCEPT_ENCODING  # what the scrubber can decode, not br or zstd
             out.append((name, value))
-        if PLACEHOLDER_PREFIX in target:
-            target = fill(target, in_url=True)
-        return out, target
+        plan = inject(out, target.encode("latin-1"), allowed, any_header=loose)
+        if plan.carried and not loose:
+            # Asked for in slices, an echo of the value would pass the scrubber piece by piece.
+            plan.headers = [(n, v) for n, v in plan.headers if n not in (b"range", b"if-range")]
+        return plan
 
     async def forward_plain(self, request: h11.Request) -> bool:
         """Carry one request and its response; False when the connection must end."""
         method = request.method.decode("latin-1")
+        loose = "secrets-loose" in self.proxy.weaken
         att = _Attempt(
             self.sbx,
             "https-inspected" if self.upstream_tls else ("http-tunnel" if self.tunnel else "http"),
@@ -949,7 +964,16 @@ class _HttpSession:
                 addrs = []
             att.host = host
             att.rule = f"{d.source}: {d.rule}"
-            att.path = path[:512]
+            att.path = path[:512]  # with placeholders: values never reach the log
+            bound = self.proxy._bound_secrets(self.sbx, host, port)
+            if bound and not loose and request.method.upper() in ECHO_METHODS:
+                raise Refused(
+                    "secret_echo_method",
+                    f"{method} answers with the request itself, secret values included; it is "
+                    f"refused to {host}, where a secret of this sandbox is bound",
+                    405,
+                    secret=True,
+                )
             if self.upstream is None or self.upstream[:2] != (host, port):
                 await self.close_upstream()
                 if not addrs:
@@ -965,7 +989,9 @@ class _HttpSession:
             self.proxy._refuse(att, e)
             return False
         att.allowed = True
-        headers, path = self._swap(host, port, request.headers, path)
+        plan = self._swap(bound, request.headers, path)
+        scrubber = Scrubber.for_secrets(bound, plan.built) if bound and not loose else None
+        body: ResponseBody | None = None
         assert self.upstream is not None and self.up_conn is not None
         up_r, up_w = self.upstream[2], self.upstream[3]
         up = self.up_conn
@@ -974,8 +1000,8 @@ class _HttpSession:
             data = up.send(
                 h11.Request(
                     method=request.method,
-                    target=path.encode("latin-1"),
-                    headers=headers,
+                    target=plan.target,
+                    headers=plan.headers,
                     http_version=b"1.1",
                 )
             )
@@ -1006,6 +1032,19 @@ class _HttpSession:
                     up.receive_data(chunk)
                     continue
                 if isinstance(event, h11.InformationalResponse):
+                    if scrubber is not None:
+                        if event.status_code == 101 and plan.carried:
+                            return await self._refuse_response(
+                                att,
+                                f"{host} switched protocols (to {_upgrade_of(event)}) on a "
+                                "request that carried a secret; the proxy cannot keep the "
+                                "value out of what comes back on it. Open the WebSocket with "
+                                "a placeholder only, or authenticate it another way",
+                            )
+                        headers = [(n, _scrub_header(scrubber, n, v)) for n, v in event.headers]
+                        event = h11.InformationalResponse(
+                            status_code=event.status_code, headers=headers, reason=event.reason
+                        )
                     if event.status_code == 101:
                         att.status = 101
                         await self.send(event)
@@ -1015,14 +1054,30 @@ class _HttpSession:
                 elif isinstance(event, h11.Response):
                     att.status = event.status_code
                     kept = [(n, v) for n, v in event.headers if n not in _HOP_BY_HOP]
+                    if scrubber is not None:
+                        try:
+                            body = ResponseBody.open(scrubber, kept, _has_body(request, event))
+                            kept = body.headers
+                        except Uninspectable as why:
+                            if plan.carried:
+                                return await self._refuse_response(att, str(why))
+                            # Nothing of a value went out on this request: what comes back
+                            # is relayed as it is, its headers scrubbed.
+                            kept = [(n, _scrub_header(scrubber, n, v)) for n, v in kept]
                     await self.send(
                         h11.Response(
                             status_code=event.status_code, headers=kept, reason=event.reason
                         )
                     )
                 elif isinstance(event, h11.Data):
-                    await self.send(event)
+                    if body is None:
+                        await self.send(event)
+                        continue
+                    for piece in body.feed(event.data):
+                        await self.send(h11.Data(data=piece))
                 elif isinstance(event, h11.EndOfMessage):
+                    for piece in body.finish() if body is not None else ():
+                        await self.send(h11.Data(data=piece))
                     await self.send(h11.EndOfMessage())
                     break
                 else:  # ConnectionClosed before the end
@@ -1032,6 +1087,10 @@ class _HttpSession:
             att.reason = f"upstream failed: {e}"
             if att.status is None:
                 await self.respond_error(att, Refused("upstream", str(e), 502))
+            return False
+        except zlib.error as e:
+            # The head went out already: all the sandbox can be told is a cut-off body.
+            att.reason = f"the response's content coding is broken ({e}); cut off"
             return False
         finally:
             if not ok:
@@ -1044,6 +1103,14 @@ class _HttpSession:
         if self.conn.our_state is h11.DONE and self.conn.their_state is h11.DONE:
             self.conn.start_next_cycle()
             return True
+        return False
+
+    async def _refuse_response(self, att: _Attempt, why: str) -> bool:
+        """Answer 502 instead of a response the proxy cannot scrub; the attempt is recorded
+        as refused, with why. False: the connection ends."""
+        e = Refused("secret_uninspectable", why, 502, secret=True)
+        att.allowed, att.rule, att.reason, att.status = False, e.rule, e.message, e.status
+        await self.respond_error(att, e)
         return False
 
     async def _relay_upgraded(

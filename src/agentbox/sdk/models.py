@@ -267,20 +267,25 @@ class EgressEvent:
 @dataclass(frozen=True)
 class SecretInfo:
     """A tenant secret as the server shows it: never its value. The proxy puts the value in
-    place of the sandbox's placeholder only on requests to `hosts` (in URLs too if `in_url`)."""
+    place of the sandbox's placeholder only on requests to `hosts`, only in `headers` (in URLs
+    too if `in_url`), and only over verified TLS unless `allow_plaintext`."""
 
     name: str
     hosts: list[str]
     in_url: bool
     created_at: datetime | None
     updated_at: datetime | None
+    headers: list[str] = field(default_factory=lambda: ["Authorization"])
+    allow_plaintext: bool = False
 
     @classmethod
     def from_json(cls, data: Any) -> SecretInfo:
         data = data if isinstance(data, dict) else {}
         return cls(name=str(data.get("name", "")), hosts=_strings(data.get("hosts")),
                    in_url=bool(data.get("in_url")), created_at=_time(data.get("created_at")),
-                   updated_at=_time(data.get("updated_at")))
+                   updated_at=_time(data.get("updated_at")),
+                   headers=_strings(data.get("headers")) or ["Authorization"],
+                   allow_plaintext=bool(data.get("allow_plaintext")))
 
 
 # ---------------------------------------------------------------------------- code interpreter

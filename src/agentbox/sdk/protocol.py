@@ -305,10 +305,17 @@ def _secret(r: httpx.Response) -> SecretInfo:
     return SecretInfo.from_json(r.json())
 
 
-def set_secret(name: str, value: str, hosts: str | Sequence[str],
-               in_url: bool = False) -> Call[SecretInfo]:
-    return Call("PUT", f"/v1/secrets/{_seg(name)}", _secret,
-                json={"value": value, "hosts": _names(hosts, "hosts"), "in_url": in_url})
+def set_secret(name: str, value: str, hosts: str | Sequence[str], in_url: bool = False,
+               headers: str | Sequence[str] | None = None,
+               allow_plaintext: bool = False) -> Call[SecretInfo]:
+    """`headers` None and `allow_plaintext` False are the server's defaults (Authorization,
+    verified TLS only) and are left out of the body."""
+    body: dict[str, Any] = {"value": value, "hosts": _names(hosts, "hosts"), "in_url": in_url}
+    if headers is not None:
+        body["headers"] = _names(headers, "headers")
+    if allow_plaintext:
+        body["allow_plaintext"] = True
+    return Call("PUT", f"/v1/secrets/{_seg(name)}", _secret, json=body)
 
 
 def list_secrets() -> Call[list[SecretInfo]]:

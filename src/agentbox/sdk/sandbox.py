@@ -368,18 +368,23 @@ class Secrets:
     """The tenant's secrets: `Secrets()` with a key. Values go in and never come back out.
 
     A sandbox created with `secrets=["NAME"]` sees only a placeholder in $NAME; the egress
-    proxy swaps in the value on requests to the secret's `hosts` (headers, and the URL too
-    when `in_url`), so the sandbox can use a credential it cannot read."""
+    proxy swaps in the value on requests to the secret's `hosts`, in its `headers` only
+    (default Authorization, Basic credentials included; the URL too when `in_url`), over TLS
+    it verified (plain HTTP only with `allow_plaintext`), and scrubs the value out of those
+    hosts' responses, so the sandbox can use a credential it cannot read."""
 
     def __init__(self, api_key: str | None = None, api_url: str | None = None,
                  request_timeout: float = 60) -> None:
         self._transport = Transport(p.resolve_config(api_key, api_url, request_timeout))
 
-    def set(self, name: str, value: str, hosts: str | Sequence[str],
-            in_url: bool = False) -> SecretInfo:
+    def set(self, name: str, value: str, hosts: str | Sequence[str], in_url: bool = False,
+            headers: str | Sequence[str] | None = None,
+            allow_plaintext: bool = False) -> SecretInfo:
         """Create or replace a secret; `hosts` (example.com, *.example.com) are the only
-        destinations its value is ever sent to. `name` is an environment variable name."""
-        return self._transport.call(p.set_secret(name, value, hosts, in_url))
+        destinations its value is ever sent to, `headers` (default Authorization) the only
+        headers it goes in. `name` is an environment variable name."""
+        return self._transport.call(
+            p.set_secret(name, value, hosts, in_url, headers, allow_plaintext))
 
     def list(self) -> builtins.list[SecretInfo]:
         return self._transport.call(p.list_secrets())

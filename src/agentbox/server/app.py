@@ -479,8 +479,14 @@ def create_app(
 
     @app.put("/v1/secrets/{name}", responses=responses, tags=["network"])
     async def put_secret(name: str, body: m.SecretBody, mgr: Mgr, who: Who) -> dict[str, Any]:
-        result = state["network"].set_secret(who.tenant, name, body.value, body.hosts, body.in_url)
-        mgr.audit(who, "secret.set", name=name, hosts=body.hosts, in_url=body.in_url)
+        binding = {
+            "hosts": body.hosts,
+            "in_url": body.in_url,
+            "headers": body.headers,
+            "allow_plaintext": body.allow_plaintext,
+        }
+        result = state["network"].set_secret(who.tenant, name, body.value, **binding)
+        mgr.audit(who, "secret.set", name=name, **binding)
         return _times(result)
 
     @app.get("/v1/secrets", responses=responses, tags=["network"])

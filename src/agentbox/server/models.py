@@ -92,6 +92,15 @@ class SecretBody(Strict):
     value: str = Field(min_length=1, max_length=65536)
     hosts: list[Annotated[str, Field(max_length=300)]] = Field(min_length=1, max_length=64)
     in_url: bool = Field(False, description="also swap the placeholder in request URLs")
+    headers: list[Annotated[str, Field(max_length=64)]] = Field(
+        default_factory=lambda: ["Authorization"],
+        min_length=1,
+        max_length=16,
+        description="the only request headers the value goes in (Basic credentials included)",
+    )
+    allow_plaintext: bool = Field(
+        False, description="also send the value over plain http:// (default: verified TLS only)"
+    )
 
 
 class TenantNetworkBody(Strict):

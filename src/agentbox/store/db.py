@@ -87,6 +87,9 @@ secrets = Table(
     Column("in_url", Boolean, nullable=False, default=False),
     Column("created_at", Float, nullable=False),
     Column("updated_at", Float, nullable=False),
+    # The binding's headers (null: the default, Authorization) and the plain-HTTP opt-in.
+    Column("headers", JSON, nullable=True),
+    Column("allow_plaintext", Boolean, nullable=True),
 )
 
 egress_log = Table(
@@ -340,27 +343,31 @@ class Store:
     # ------------------------------------------------------------------ secrets
 
     def put_secret(
-        self, tenant: str, name: str, value: str, hosts: list[str], in_url: bool
+        self,
+        tenant: str,
+        name: str,
+        value: str,
+        hosts: list[str],
+        in_url: bool,
+        headers: list[str] | None = None,
+        allow_plaintext: bool = False,
     ) -> None:
         now = time.time()
+        binding = {
+            "value": value,
+            "hosts": hosts,
+            "in_url": in_url,
+            "headers": headers,
+            "allow_plaintext": allow_plaintext,
+        }
         with self.engine.begin() as c:
             where = (secrets.c.tenant == tenant) & (secrets.c.name == name)
             if c.execute(select(secrets.c.name).where(where)).first():
-                c.execute(
-                    update(secrets)
-                    .where(where)
-                    .values(value=value, hosts=hosts, in_url=in_url, updated_at=now)
-                )
+                c.execute(update(secrets).where(where).values(**binding, updated_at=now))
             else:
                 c.execute(
                     insert(secrets).values(
-                        tenant=tenant,
-                        name=name,
-                        value=value,
-                        hosts=hosts,
-                        in_url=in_url,
-                        created_at=now,
-                        updated_at=now,
+                        tenant=tenant, name=name, **binding, created_at=now, updated_at=now
                     )
                 )
 
