@@ -52,6 +52,7 @@ def test_escape_battery(tmp_path: Path) -> None:
         "persistence",
         "exhaustion",
         "files-api",
+        "host-info",
     } <= groups
     assert f"**{len(checks)} checks**" in md.read_text()
 
@@ -76,6 +77,10 @@ def test_every_control_names_known_weakenings() -> None:
         assert c.control <= known, f"{c.id}: unknown weakening(s) {c.control - known}"
     ids = {c.id for c in CHECKS}
     assert {"net-proxy-internal", "net-proxy-bypass", "net-proxy-mismatch"} <= ids
+    host_info = {"info-etc-allowlist", "info-usr-local", "info-proc-machine-wide"}
+    host_info |= {"info-proc-own-figures", "info-boot-id", "info-mountinfo"}
+    assert host_info <= ids
+    assert all(c.control == {"host-info"} for c in CHECKS if c.id in host_info)
     assert {"secrets-plaintext", "secrets-reflection"} <= ids
 
 

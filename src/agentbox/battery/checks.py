@@ -1618,3 +1618,5 @@ def _api_special(ctx: Ctx) -> Verdict:
 
 
 from agentbox.battery import checks_secrets  # noqa: E402,F401
+
+from agentbox.battery import checks_hostinfo  # noqa: E402,F401  # isort: skip

@@ -1165,6 +1165,36 @@ def probe_cpu(workers: int, seconds: float) -> dict:
     t = os.times()
     return {"cpu_s": t.children_user + t.children_system, "wall_s": wall}
 
+# ------------------------------------------------------------------------- host information
+
+
+def probe_host_view(files: list[str], dirs: list[str]) -> dict:
+    """What the sandbox reads in files that could describe the host or its neighbours, the
+    names it lists in directories that could hold host files, and what it counts of itself."""
+    out: dict = {"files": {}, "dirs": {}}
+    for p in files:
+        try:
+            with open(p, "rb") as f:
+                out["files"][p] = f.read(262144).decode(errors="replace")
+        except OSError as e:
+            out["files"][p] = "ERR:" + oserr(e)
+    for d in dirs:
+        try:
+            out["dirs"][d] = sorted(os.listdir(d))
+        except OSError as e:
+            out["dirs"][d] = "ERR:" + oserr(e)
+    out["affinity"] = len(os.sched_getaffinity(0))
+    tasks = 0
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                tasks += len(os.listdir(f"/proc/{pid}/task"))
+            except OSError:
+                pass
+    out["tasks"] = tasks
+    return out
+
+
 
 # ------------------------------------------------------------------------- secrets on the wire
 # (battery/checks_secrets.py)

@@ -139,6 +139,9 @@ def serve(
     public_url: Annotated[str | None, typer.Option(
         help="This server's URL as clients see it, for signed port URLs "
              "[default: http://localhost:PORT].")] = None,
+    host_path: Annotated[list[str] | None, typer.Option(
+        "--host-path", help="A host path sandboxes of the default template see read-only, "
+        "e.g. /usr/local (hidden otherwise) or /etc/pip.conf (repeatable).")] = None,
 ) -> None:
     """Run the agentbox server in the foreground."""
     from agentbox.core.network import NetworkSettings
@@ -162,7 +165,8 @@ def serve(
         raise typer.BadParameter(str(e), param_hint="--egress-*") from None
     run_server(host=host, port=port, data_dir=data_dir or config.default_data_dir(),
                template_dir=template_dir or config.default_template_dir(), warm_pools=pools,
-               network=network)
+               network=network,
+               runtime_config={"host_paths": host_path} if host_path else None)
 
 
 @keys_app.command("create")

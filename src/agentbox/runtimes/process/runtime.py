@@ -25,13 +25,15 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
+import uuid
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, ClassVar
 
 from agentbox.runtimes.base import AgentAddress, Runtime, RuntimeError_, SandboxSpec
-from agentbox.runtimes.process import workspace
+from agentbox.runtimes.process import hostview, workspace
 from agentbox.runtimes.process.cgroups import CgroupLimits, Cgroups
 from agentbox.runtimes.process.netns import NamespaceSockets, NetnsError
 from agentbox.runtimes.process.seccomp import build_filter
@@ -53,23 +55,19 @@ UID_RANGE = (200_000, 265_000)
 SOCKET_NAME = "agent.sock"
 STATE_FILE = "runtime.json"
 
-# What of the host a sandbox sees, read-only. Deliberately not /home, /root, /opt, /srv, /mnt,
+# What of the host a sandbox sees, read-only: /usr (but not /usr/local, unless the operator
+# lists it) and a generated /etc (hostview.py). Deliberately not /home, /root, /opt, /srv, /mnt,
 # /var or /run: user data, credentials and the server's own data live there.
-_RO_DIRS = ("/usr", "/etc")
 _MERGED_USR_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+_USR_LOCAL = "/usr/local"
 _SANDBOX_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-
-
-_PASSWD = (
-    b"root:x:0:0:root:/root:/usr/sbin/nologin\n"
-    b"user:x:1000:1000:sandbox user:/workspace:/bin/bash\n"
-    b"nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
-)
-_GROUP = b"root:x:0:\nuser:x:1000:\nnogroup:x:65534:\n"
+_PIPE_PAYLOAD_MAX = 16384  # well below a pipe's buffer: the write must not block
 
 
 def _data_fd(data: bytes) -> int:
-    """A readable fd holding `data` (a pipe: these payloads fit in its buffer)."""
+    """A readable fd holding `data`: a pipe for small payloads, else an unlinked file."""
+    if len(data) > _PIPE_PAYLOAD_MAX:
+        return _data_file_fd(data)
     r, w = os.pipe()
     os.write(w, data)
     os.close(w)
@@ -105,7 +103,11 @@ class ProcessRuntime(Runtime):
         use_loop: bool | None = None,
         weaken: Iterable[str] = (),
         bind_host: Iterable[str] = (),
+        host_paths: Iterable[str] = (),
     ) -> None:
+        """`host_paths`: host paths the operator lets sandboxes of the host userland see
+        read-only (`agentbox serve --host-path`): below /etc copied into the generated /etc,
+        elsewhere bound at the same place (/usr/local shows only when listed)."""
         if shutil.which("bwrap") is None:
             raise RuntimeError_("bubblewrap (bwrap) is not installed: apt-get install bubblewrap")
         if not Path(SANDBOX_PYTHON).exists():
@@ -116,6 +118,16 @@ class ProcessRuntime(Runtime):
         os.chmod(data_dir, 0o700)
         os.chmod(self.root, 0o700)
         self.is_root = os.geteuid() == 0
+        # Positive controls of the security battery only; see weaken.py.
+        self.weak = Weakening.of(weaken, bind_host)
+        if self.weak:
+            logging.getLogger(__name__).warning(
+                "WEAKENED sandboxes for security testing: %s", ", ".join(sorted(self.weak.flags))
+            )
+        try:
+            self.host_paths = hostview.check_host_paths(host_paths, data_dir)
+        except hostview.HostPathError as e:
+            raise RuntimeError_(str(e)) from None
         # bwrap already runs as the sandbox's uid when it resolves its bind sources, and the
         # data dir is private to root (and may sit below other private dirs). So what bwrap
         # binds lives in a root-owned, traverse-only tree of its own, one per data dir.
@@ -127,7 +139,14 @@ class ProcessRuntime(Runtime):
                 os.chmod(d, 0o711)
         else:
             self.bind_root = self.root
-        self.agent_dir = self._install_agent(self.bind_root / "agent")
+        # What every sandbox shares, each tree on a tmpfs of its own (see hostview.py).
+        self.own_mounts = self.is_root and "host-info" not in self.weak
+        self.agent_dir = self._install_agent(self._shared_tree("agent", 16))
+        self.etc_dir = None if "host-info" in self.weak else self._build_etc()
+        self.proc_view = hostview.ProcView.of_host()
+        self.cpus = sorted(os.sched_getaffinity(0))
+        self.cpus_of: dict[str, list[int]] = {}
+        self.cpu_lock = threading.Lock()  # create runs in worker threads: one pick at a time
         self.cgroups = Cgroups(scope=digest)
         if use_loop is None:
             use_loop = (
@@ -140,12 +159,6 @@ class ProcessRuntime(Runtime):
             # Not on every destroy: it reads every loop device's backing file (O(live sandboxes)).
             workspace.detach_orphan_loops(self.root)
         self.seccomp = build_filter()
-        # Positive controls of the security battery only; see weaken.py.
-        self.weak = Weakening.of(weaken, bind_host)
-        if self.weak:
-            logging.getLogger(__name__).warning(
-                "WEAKENED sandboxes for security testing: %s", ", ".join(sorted(self.weak.flags))
-            )
         if "no-limits" in self.weak:
             self.use_loop = False
         self.children: dict[str, subprocess.Popen] = {}
@@ -153,6 +166,30 @@ class ProcessRuntime(Runtime):
         self.netns = NamespaceSockets()
 
     # ------------------------------------------------------------------ setup
+
+    def _shared_tree(self, name: str, size_mb: int) -> Path:
+        """A directory every sandbox binds read-only; as root a fresh tmpfs, whose root shows
+        in a sandbox's mountinfo as "/" where a plain directory would show its host path."""
+        path = self.bind_root / name
+        if self.own_mounts:
+            hostview.fresh_tmpfs(path, size_mb)
+        return path
+
+    def _build_etc(self) -> Path:
+        if self.own_mounts:
+            path = self._shared_tree("etc", 64)
+            hostview.build_etc(path, self.host_paths)
+            return path
+        # No mounts without root: build aside and swap, live sandboxes keeping the old tree.
+        path, new, old = (self.bind_root / n for n in ("etc", "etc.new", "etc.old"))
+        for d in (new, old):
+            shutil.rmtree(d, ignore_errors=True)
+        new.mkdir(mode=0o755)
+        hostview.build_etc(new, self.host_paths)
+        if path.exists():
+            path.rename(old)
+        new.rename(path)
+        return path
 
     @staticmethod
     def _install_agent(dest: Path) -> Path:
@@ -224,16 +261,10 @@ class ProcessRuntime(Runtime):
             # dir, which the sandbox's uid (bwrap runs as it) cannot traverse.
             argv += ["--ro-bind-fd", str(fds["rootfs"]), "/"]
         else:
-            for d in _RO_DIRS:
-                argv += ["--ro-bind", d, d]
-            for link in _MERGED_USR_LINKS:
-                p = Path(link)
-                if p.is_symlink():
-                    argv += ["--symlink", os.readlink(p), link]
-                elif p.is_dir():
-                    argv += ["--ro-bind", link, link]
+            argv += self._host_userland_args()
         sized = "no-limits" not in weak
         argv += ["--bind", "/proc", "/proc"] if "share-pid" in weak else ["--proc", "/proc"]
+        argv += self._proc_args(fds)
         argv += ["--dev", "/dev"]
         argv += ["--size", str(r.tmp_mb * 1024 * 1024)] if sized else []
         argv += ["--tmpfs", "/tmp"]
@@ -251,16 +282,11 @@ class ProcessRuntime(Runtime):
             "--ro-bind",
             str(self.agent_dir),
             AGENT_MOUNT,
-            "--ro-bind-data",
-            str(fds["passwd"]),
-            "/etc/passwd",
-            "--ro-bind-data",
-            str(fds["group"]),
-            "/etc/group",
-            "--chdir",
-            spec.workdir,
-            "--clearenv",
         ]
+        if "passwd" in fds:  # a template's /etc, or the host's own
+            argv += ["--ro-bind-data", str(fds["passwd"]), "/etc/passwd"]
+            argv += ["--ro-bind-data", str(fds["group"]), "/etc/group"]
+        argv += ["--chdir", spec.workdir, "--clearenv"]
         env = {
             "PATH": _SANDBOX_PATH,
             "HOME": "/workspace",
@@ -283,6 +309,44 @@ class ProcessRuntime(Runtime):
             argv += ["--seccomp", str(fds["seccomp"])]
         argv += ["--info-fd", str(fds["info"]), "--"]
         return argv + self._agent_argv(AGENT_MOUNT, fds)
+
+    def _host_userland_args(self) -> list[str]:
+        args = ["--ro-bind", "/usr", "/usr"]
+        if self.etc_dir is None:
+            args += ["--ro-bind", "/etc", "/etc"]
+        else:
+            args += ["--ro-bind", str(self.etc_dir), "/etc", *self._host_path_args()]
+        for link in _MERGED_USR_LINKS:
+            p = Path(link)
+            if p.is_symlink():
+                args += ["--symlink", os.readlink(p), link]
+            elif p.is_dir():
+                args += ["--ro-bind", link, link]
+        return args
+
+    def _host_path_args(self) -> list[str]:
+        """/usr/local hidden under an empty read-only tmpfs unless the operator lists it; the
+        operator's other host paths bound read-only (those below /etc are in its copy, the rest
+        of /usr is visible anyway)."""
+        mask = _USR_LOCAL not in self.host_paths and os.path.isdir(_USR_LOCAL)
+        args = ["--tmpfs", _USR_LOCAL] if mask else []
+        for p in self.host_paths:
+            if not p.startswith(("/etc/", "/usr/")) or (mask and p.startswith(_USR_LOCAL + "/")):
+                args += ["--ro-bind", p, p]
+        return [*args, "--remount-ro", _USR_LOCAL] if mask else args
+
+    def _proc_args(self, fds: dict[str, int]) -> list[str]:
+        """The sandbox's own figures over /proc's machine-wide files (see hostview.py)."""
+        if "host-info" in self.weak:
+            return []
+        args = []
+        for name, fd in fds.items():
+            if name.startswith("proc:"):
+                args += ["--ro-bind-data", str(fd), name.removeprefix("proc:")]
+        for d in hostview.PROC_MASKED_DIRS:
+            if os.path.isdir(d):
+                args += ["--tmpfs", d, "--remount-ro", d]
+        return args
 
     def _agent_argv(self, agent_dir: str, fds: dict[str, int], ws: str | None = None) -> list[str]:
         argv = [SANDBOX_PYTHON, "-E", "-s", "-S", f"{agent_dir}/main.py"]
@@ -314,7 +378,8 @@ class ProcessRuntime(Runtime):
         sid = spec.sandbox_id
         sdir = self.root / sid
         uid = self._allocate_uid()
-        state: dict[str, Any] = {"uid": uid, "dir": str(sdir)}
+        cpus = self._assign_cpus(sid, spec.resources.cpu_count)
+        state: dict[str, Any] = {"uid": uid, "dir": str(sdir), "cpus": cpus}
         try:
             sdir.mkdir(mode=0o711)
             os.chmod(sdir, 0o711)
@@ -329,14 +394,26 @@ class ProcessRuntime(Runtime):
             if "no-limits" in self.weak:
                 limits = CgroupLimits(1 << 40, 4_194_304, float(os.cpu_count() or 1))
             self.cgroups.create(sid, limits)
-            state.update(self._spawn(spec, sdir, ws.path, uid))
+            state.update(self._spawn(spec, sdir, ws.path, uid, cpus))
             self._write_state(sdir, state)
             return state
         except BaseException:
             self._destroy_sync(sid, state, keep_workspace=False)
             raise
 
-    def _spawn(self, spec: SandboxSpec, sdir: Path, ws: Path, uid: int) -> dict[str, Any]:
+    def _assign_cpus(self, sid: str, cpu_count: float) -> list[int]:
+        """The CPUs a sandbox may run on: one per started unit of its quota, so that nproc and
+        sched_getaffinity tell it what it gets (the cgroup quota is what enforces it)."""
+        if "host-info" in self.weak or "no-limits" in self.weak:
+            cpu_count = len(self.cpus)
+        with self.cpu_lock:
+            cpus = hostview.pick_cpus(cpu_count, self.cpus, self.cpus_of.values())
+            self.cpus_of[sid] = cpus
+        return cpus
+
+    def _spawn(
+        self, spec: SandboxSpec, sdir: Path, ws: Path, uid: int, cpus: list[int]
+    ) -> dict[str, Any]:
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         # Short path (AF_UNIX allows ~107 bytes); 0600 root: no sandbox uid may connect.
         sock_path = self.bind_root / spec.sandbox_id / SOCKET_NAME
@@ -346,12 +423,18 @@ class ProcessRuntime(Runtime):
         info_r, info_w = os.pipe()
         fds: dict[str, int] = {
             "seccomp": _data_fd(self.seccomp),
-            "passwd": _data_fd(_PASSWD),
-            "group": _data_fd(_GROUP),
             "info": info_w,
             "listen": listener.fileno(),
         }
         weak = self.weak
+        if spec.rootfs or self.etc_dir is None:
+            fds["passwd"] = _data_fd(hostview.PASSWD)
+            fds["group"] = _data_fd(hostview.GROUP)
+        if "host-info" not in weak:
+            # A new boot id at every start: a sandbox is a machine that booted just now.
+            memory = spec.resources.memory_mb * 1024 * 1024
+            for path, data in self.proc_view.files(memory, cpus, str(uuid.uuid4())).items():
+                fds[f"proc:{path}"] = _data_fd(data)
         if "leak-fd" in weak:
             fds["leak"] = os.open("/", os.O_PATH | os.O_DIRECTORY)
         if spec.rootfs:
@@ -371,6 +454,7 @@ class ProcessRuntime(Runtime):
             # Per-uid process count: a second fence behind the pids cgroup.
             limits.append((resource.RLIMIT_NPROC, r.pids + 16))
         drop_to = uid if self.is_root and "host-root" not in weak else None
+        pin = cpus if len(cpus) < len(self.cpus) else None
 
         def enter_sandbox_context() -> None:
             # Runs in the child between fork and exec: join the cgroups first, so every
@@ -382,6 +466,9 @@ class ProcessRuntime(Runtime):
                 os.close(fd)
             for res, value in limits:
                 resource.setrlimit(res, (value, value))
+            if pin is not None:
+                # Not a fence (a process may widen its own affinity): a truthful nproc.
+                os.sched_setaffinity(0, pin)
             if drop_to is not None:
                 os.setgroups([])
                 os.setgid(drop_to)
@@ -533,11 +620,14 @@ class ProcessRuntime(Runtime):
         ids |= self.cgroups.list_ids()
         for root in (self.root, self.bind_root):
             ids |= {m.relative_to(root).parts[0] for m in workspace.mounted_under(root)}
-        return ids
+        return {i for i in ids if i.startswith("sbx_")}  # not the shared trees' mounts
 
     def adopt(self, sandbox_id: str, state: dict[str, Any]) -> None:
         if "uid" in state:
             self.uids_in_use.add(state["uid"])
+        if isinstance(state.get("cpus"), list):
+            with self.cpu_lock:
+                self.cpus_of[sandbox_id] = state["cpus"]
         pid, start = state.get("init_pid"), state.get("init_start")
         if isinstance(pid, int) and start is not None and _proc_start_time(pid) == start:
             self._hold_netns(sandbox_id, pid)
@@ -552,6 +642,9 @@ class ProcessRuntime(Runtime):
             return
         self.cgroups.remove_scope()
         if self.bind_root != self.root:
+            for tree in (self.agent_dir, self.etc_dir):
+                if tree is not None and os.path.ismount(tree):
+                    hostview.detach(tree)
             shutil.rmtree(self.bind_root, ignore_errors=True)
 
     # ------------------------------------------------------------------ destroy
@@ -615,3 +708,5 @@ class ProcessRuntime(Runtime):
         else:
             shutil.rmtree(sdir, ignore_errors=True)
         self.uids_in_use.discard(state.get("uid", -1))
+        with self.cpu_lock:
+            self.cpus_of.pop(sid, None)

@@ -26,6 +26,8 @@ WEAKENINGS: dict[str, str] = {
     "unconfined-paths": "the files API follows symlinks, accepts '..', reads any file type",
     "leak-fd": "a directory fd of the host's / is inherited by every command",
     "unsandboxed": "no bwrap at all: the agent runs as a plain host process",
+    "host-info": "the sandbox sees the host's /etc, /usr/local and machine-wide /proc files, "
+    "all CPUs, and host paths in its mountinfo",
 }
 
 # Weakenings the agent itself applies (passed on its command line).
@@ -46,6 +48,7 @@ class Weakening:
         if "unsandboxed" in flags:
             # Without bwrap there is nothing for these to switch off or on.
             flags |= {"no-seccomp", "no-landlock", "share-net", "share-pid", "share-ipc"}
+            flags |= {"host-info"}
         bind_host = tuple(bind_host)
         if bind_host and "bind-host" not in flags:
             flags |= {"bind-host"}
