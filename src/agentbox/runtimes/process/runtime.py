@@ -3,7 +3,8 @@
 Layers, outermost first: a per-sandbox unprivileged host uid (so even a kernel-level escape lands
 as nobody in particular), a cgroup with memory/pids/CPU limits joined before exec, rlimits, a new
 session, every namespace unshared (user, pid, mount, net, ipc, uts, cgroup) with only loopback
-inside, a minimal read-only view of the host userland, a writable /workspace on its own size-limited
+inside, a minimal read-only view of the host userland (an allow-listed /etc, no /usr/local, /proc
+files with the sandbox's own figures: hostview.py), a writable /workspace on its own size-limited
 filesystem and a size-limited tmpfs /tmp, no capabilities, no new user namespaces, a seccomp
 filter, and Landlock (applied by the agent on itself before it serves).
 
