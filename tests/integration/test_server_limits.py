@@ -10,7 +10,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from conftest import ServerHandle, start_server
 
 pytestmark = pytest.mark.security

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from agentbox.battery.checks import CHECKS
-from agentbox.battery.server import EGRESS_WEAKENINGS
+from agentbox.battery.server import EGRESS_WEAKENINGS, SERVER_WEAKENINGS
 from agentbox.runtimes.process.weaken import WEAKENINGS, Weakening
 
 pytestmark = pytest.mark.security
@@ -53,6 +53,7 @@ def test_escape_battery(tmp_path: Path) -> None:
         "exhaustion",
         "files-api",
         "host-info",
+        "control-plane",
     } <= groups
     assert f"**{len(checks)} checks**" in md.read_text()
 
@@ -71,17 +72,20 @@ def test_weakenings_are_named_and_validated() -> None:
 
 def test_every_control_names_known_weakenings() -> None:
     assert not EGRESS_WEAKENINGS.keys() & WEAKENINGS.keys()
-    known = WEAKENINGS.keys() | EGRESS_WEAKENINGS.keys()
+    assert not SERVER_WEAKENINGS.keys() & (WEAKENINGS.keys() | EGRESS_WEAKENINGS.keys())
+    known = WEAKENINGS.keys() | EGRESS_WEAKENINGS.keys() | SERVER_WEAKENINGS.keys()
     for c in CHECKS:
         assert c.control, f"{c.id} has no positive control"
         assert c.control <= known, f"{c.id}: unknown weakening(s) {c.control - known}"
     ids = {c.id for c in CHECKS}
     assert {"net-proxy-internal", "net-proxy-bypass", "net-proxy-mismatch"} <= ids
+    assert {"secrets-plaintext", "secrets-reflection"} <= ids
+    server = {"srv-anonymous-body", "srv-slowloris", "gw-trickle-starvation", "gw-ping-flood"}
+    assert server <= ids
     host_info = {"info-etc-allowlist", "info-usr-local", "info-proc-machine-wide"}
     host_info |= {"info-proc-own-figures", "info-boot-id", "info-mountinfo"}
     assert host_info <= ids
     assert all(c.control == {"host-info"} for c in CHECKS if c.id in host_info)
-    assert {"secrets-plaintext", "secrets-reflection"} <= ids
 
 
 def test_egress_open_switches_off_the_proxy_guards() -> None:

@@ -1617,6 +1617,9 @@ def _api_special(ctx: Ctx) -> Verdict:
     return v
 
 
-from agentbox.battery import checks_secrets  # noqa: E402,F401
-
-from agentbox.battery import checks_hostinfo  # noqa: E402,F401  # isort: skip
+# The check families in modules of their own register themselves on import.
+from agentbox.battery import (  # noqa: E402
+    checks_hostinfo,  # noqa: F401
+    checks_secrets,  # noqa: F401
+    checks_server,  # noqa: F401
+)

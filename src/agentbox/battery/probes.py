@@ -1165,6 +1165,7 @@ def probe_cpu(workers: int, seconds: float) -> dict:
     t = os.times()
     return {"cpu_s": t.children_user + t.children_system, "wall_s": wall}
 
+
 # ------------------------------------------------------------------------- host information
 
 
@@ -1193,7 +1194,6 @@ def probe_host_view(files: list[str], dirs: list[str]) -> dict:
                 pass
     out["tasks"] = tasks
     return out
-
 
 
 # ------------------------------------------------------------------------- secrets on the wire

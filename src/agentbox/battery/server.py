@@ -7,11 +7,14 @@ appear among the product's own CLI options or API fields.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 from agentbox.core.network import NetworkSettings
 from agentbox.runtimes.process.weaken import WEAKENINGS
 from agentbox.server.app import serve
+from agentbox.server.gateway import RelayLimits
+from agentbox.server.limits import ServerLimits
 
 # Weakenings of the server's egress proxy rather than of the runtime.
 EGRESS_WEAKENINGS: dict[str, str] = {
@@ -20,6 +23,45 @@ EGRESS_WEAKENINGS: dict[str, str] = {
     "secrets-loose": "the egress proxy puts a secret's value into any header of a request to a "
     "bound host, over plain HTTP too, and neither scrubs nor refuses what comes back",
 }
+
+
+# Weakenings of the server's own budgets (what an HTTP client or a sandbox's server may make it
+# spend) rather than of the runtime.
+SERVER_WEAKENINGS: dict[str, str] = {
+    "server-unguarded": "the API reads request bodies before checking the key, caps no body, "
+    "times out no slow headers and budgets no connections",
+    "gateway-unbounded": "the port gateway relays without yielding to the event loop, without "
+    "idle or write timeouts, caps or ping rationing, and repeated log lines are not counted",
+}
+
+
+def weakened_limits(flags: set[str]) -> ServerLimits:
+    limits = ServerLimits()
+    forever = 10.0**9
+    if "server-unguarded" in flags:
+        limits = dataclasses.replace(
+            limits,
+            json_body=2**40,
+            template_body=2**40,
+            header_timeout=forever,
+            body_idle_timeout=forever,
+            max_connections=2**20,
+            anonymous_share=1.0,
+            key_first=False,
+        )
+    if "gateway-unbounded" in flags:
+        relay = RelayLimits(
+            idle_timeout=forever,
+            write_timeout=forever,
+            per_sandbox=2**20,
+            per_tenant=2**20,
+            ws_ping_burst=2**30,
+            ws_pings_per_second=forever,
+            ws_write_buffer=2**40,
+            fair=False,
+        )
+        limits = dataclasses.replace(limits, relay=relay, log_repeats=0)
+    return limits
 
 
 def main() -> None:
@@ -34,7 +76,7 @@ def main() -> None:
     p.add_argument("--egress-resolve", action="append", default=[])
     a = p.parse_args()
     flags = {w for w in a.weaken.split(",") if w}
-    unknown = flags - WEAKENINGS.keys() - EGRESS_WEAKENINGS.keys()
+    unknown = flags - WEAKENINGS.keys() - EGRESS_WEAKENINGS.keys() - SERVER_WEAKENINGS.keys()
     if unknown:
         p.error(f"unknown weakening(s): {', '.join(sorted(unknown))}")
     config = {"weaken": sorted(flags & WEAKENINGS.keys()), "bind_host": a.bind_host}
@@ -43,7 +85,8 @@ def main() -> None:
         egress_resolve=tuple(a.egress_resolve),
         egress_weaken=frozenset(flags & EGRESS_WEAKENINGS.keys()),
     )
-    serve(a.host, a.port, a.data_dir, a.runtime, config, network=network)
+    limits = weakened_limits(flags)
+    serve(a.host, a.port, a.data_dir, a.runtime, config, network=network, limits=limits)
 
 
 if __name__ == "__main__":

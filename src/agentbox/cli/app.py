@@ -139,6 +139,9 @@ def serve(
     public_url: Annotated[str | None, typer.Option(
         help="This server's URL as clients see it, for signed port URLs "
              "[default: http://localhost:PORT].")] = None,
+    max_connections: Annotated[int | None, typer.Option(
+        min=16, help="Open HTTP connections the server keeps; half at most for clients that "
+        "have not shown a valid API key [default: a quarter of the descriptor limit].")] = None,
     host_path: Annotated[list[str] | None, typer.Option(
         "--host-path", help="A host path sandboxes of the default template see read-only, "
         "e.g. /usr/local (hidden otherwise) or /etc/pip.conf (repeatable).")] = None,
@@ -146,6 +149,7 @@ def serve(
     """Run the agentbox server in the foreground."""
     from agentbox.core.network import NetworkSettings
     from agentbox.server.app import serve as run_server  # the server is heavy: load on use
+    from agentbox.server.limits import ServerLimits
 
     try:
         pools = {**config.default_pool_sizes(), **config.parse_pool_sizes(warm_pool or [])}
@@ -165,7 +169,7 @@ def serve(
         raise typer.BadParameter(str(e), param_hint="--egress-*") from None
     run_server(host=host, port=port, data_dir=data_dir or config.default_data_dir(),
                template_dir=template_dir or config.default_template_dir(), warm_pools=pools,
-               network=network,
+               network=network, limits=ServerLimits(max_connections=max_connections),
                runtime_config={"host_paths": host_path} if host_path else None)
 
 

@@ -44,12 +44,17 @@ from agentbox.core.manager import (
     builtin_spec_names,
 )
 from agentbox.core.network import NetworkService, NetworkSettings
+from agentbox.server import logfilter
 from agentbox.server import models as m
 from agentbox.server.gateway import PortGateway, PortTarget
+from agentbox.server.limits import RequestGuard, ServerLimits, protocol_class, raise_nofile
 from agentbox.store.db import Store
 from agentbox.templates import SpecError, TemplateStore, builtin_spec_path, load_spec
 
 log = logging.getLogger("agentbox.server")
+
+# Served without an API key: liveness and the API's own description.
+OPEN_ROUTES = frozenset({"/v1/health", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
 
 
 def _error(
@@ -157,14 +162,16 @@ def create_app(
     template_dir: Path | None = None,
     warm_pools: dict[str, int] | None = None,
     network: NetworkSettings | None = None,
+    limits: ServerLimits | None = None,
 ) -> FastAPI:
     """The HTTP API over one data dir and one runtime (`runtime_config` goes to its constructor).
 
     Templates live in `template_dir` (default `<data_dir>/templates`; servers may share one);
     `warm_pools` maps template names to pool sizes; `network` holds the operator's egress and
-    exposed-ports settings.
+    exposed-ports settings; `limits` what clients may make the server spend.
     """
     data_dir = data_dir.resolve()
+    limits = limits or ServerLimits()
     state: dict[str, Any] = {}
     net_settings = network or NetworkSettings()
     public = urlsplit(net_settings.public_url or "http://localhost")
@@ -275,6 +282,7 @@ def create_app(
             lookup=port_target,
             tenant_of_key=tenant_of_key,
             connect=connect_port,
+            limits=limits.relay,
         )
         gateway_holder.append(gw)
         return gw
@@ -287,6 +295,21 @@ def create_app(
                 await gw.aclose()
 
     gateway = _Gateway()
+
+    def key_owner(key: str) -> Caller | None:
+        try:
+            return state["auth"].authenticate(key)
+        except AgentboxError:
+            return None
+
+    # Inside the gateway (which authorizes port requests its own way): every API request shows
+    # a valid key before its body is read.
+    app.add_middleware(
+        RequestGuard,  # type: ignore[arg-type]
+        authenticate=key_owner,
+        limits=limits,
+        open_routes=OPEN_ROUTES,
+    )
     app.add_middleware(make_gateway)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ errors, in one place
@@ -342,8 +365,9 @@ def create_app(
     async def manager() -> SandboxManager:
         return state["manager"]
 
-    async def caller(x_api_key: Annotated[str | None, Header()] = None) -> Caller:
-        return state["auth"].authenticate(x_api_key)
+    async def caller(request: Request, x_api_key: Annotated[str | None, Header()] = None) -> Caller:
+        known = request.scope.get("agentbox.caller")  # the RequestGuard's check
+        return known if known is not None else state["auth"].authenticate(x_api_key)
 
     async def admin(c: Annotated[Caller, Depends(caller)]) -> Caller:
         if not c.admin:
@@ -479,7 +503,7 @@ def create_app(
 
     @app.put("/v1/secrets/{name}", responses=responses, tags=["network"])
     async def put_secret(name: str, body: m.SecretBody, mgr: Mgr, who: Who) -> dict[str, Any]:
-        binding = {
+        binding: dict[str, Any] = {
             "hosts": body.hosts,
             "in_url": body.in_url,
             "headers": body.headers,
@@ -957,6 +981,7 @@ def serve(
     template_dir: Path | None = None,
     warm_pools: dict[str, int] | None = None,
     network: NetworkSettings | None = None,
+    limits: ServerLimits | None = None,
 ) -> None:
     """Run the server in the foreground until SIGINT/SIGTERM (sandboxes keep running)."""
     import uvicorn
@@ -971,6 +996,11 @@ def serve(
         level=os.environ.get("AGENTBOX_LOG_LEVEL", "INFO"),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    limits = limits or ServerLimits()
+    if limits.log_repeats:
+        # Sandboxes and clients decide how often some things get logged: repeats are counted.
+        logfilter.install(burst=limits.log_repeats)
+    nofile = raise_nofile()
     if network is None or not network.public_url:
         shown = "localhost" if host in ("0.0.0.0", "::", "127.0.0.1") else host
         network = dataclasses.replace(
@@ -984,16 +1014,27 @@ def serve(
         template_dir,
         warm_pools,
         network,
+        limits,
     )
     started = time.monotonic()
     log.info(
-        "agentbox %s starting on http://%s:%d (data dir %s)", __version__, host, port, data_dir
+        "agentbox %s starting on http://%s:%d (data dir %s, %d descriptors, %d connections)",
+        __version__,
+        host,
+        port,
+        data_dir,
+        nofile,
+        limits.connection_cap(),
     )
     uvicorn.run(
         app,
         host=host,
         port=port,
+        http=protocol_class(limits),
+        ws_max_size=limits.relay.ws_max_message,
         log_level="warning",
+        # uvicorn's loggers go to the root handler, through the repeat filter.
+        log_config=None,
         access_log=False,
         timeout_graceful_shutdown=5,
         # Exposed ports relay the sandbox server's own Date and Server headers.
