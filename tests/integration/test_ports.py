@@ -4,8 +4,12 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from datetime import datetime
 
 import httpx
 import pytest
@@ -155,7 +159,13 @@ def test_signed_url_and_expiry(box: tuple[httpx.Client, dict, ServerHandle]) -> 
     assert r.status_code == 200, r.text
     url = r.json()["url"]
     assert url.startswith(f"http://localhost:{server.port}/v1/sandboxes/{sid}/ports/8080/")
-    assert r.json()["expires_at"] is None
+    # No URL without an end: an hour by default, a day at most.
+    expires_at = datetime.fromisoformat(r.json()["expires_at"].replace("Z", "+00:00"))
+    assert 3500 < expires_at.timestamp() - time.time() <= 3601
+    too_long = c.post(
+        f"/v1/sandboxes/{sid}/port-url", json={"port": 8080, "expires_in": 86400 * 2}
+    )
+    assert too_long.status_code == 422 and "86400" in too_long.text
     got = httpx.get(url)  # a plain client, no headers
     assert got.status_code == 200 and got.json()["target"] == "/signed?a=b"
     r = c.post(f"/v1/sandboxes/{sid}/port-url", json={"port": 8080, "expires_in": 1})
@@ -247,3 +257,44 @@ def test_no_network_interface_for_ports(box: tuple[httpx.Client, dict, ServerHan
     c, info, _ = box
     out = run(c, info["sandbox_id"], "tail -n +3 /proc/net/dev | cut -d: -f1").stdout.split()
     assert out == ["lo"]
+
+
+def test_rotating_the_access_token_revokes_urls_and_the_old_token(server: ServerHandle) -> None:
+    from agentbox.sdk import Sandbox
+
+    key = server.make_key(f"rotate-{time.monotonic_ns() % 10**9}")
+    with server.client(key) as c:
+        info = create_sandbox(c)
+        sid = info["sandbox_id"]
+        run(c, sid, "nohup python3 -m http.server -b 127.0.0.1 8000 >/dev/null 2>&1 &", timeout=5)
+        old_token = info["access_token"]
+        deadline = time.monotonic() + 10
+        with httpx.Client(base_url=server.url) as anon:
+            while anon.get(_path(info, 8000), headers={"X-Access-Token": old_token}).status_code != 200:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            sbx = Sandbox.connect(sid, api_url=server.url, api_key=key)
+            try:
+                url = sbx.get_url(8000)
+                assert httpx.get(url).status_code == 200
+                new_token = sbx.rotate_access_token()
+                assert new_token != old_token and sbx.access_token == new_token
+            finally:
+                sbx.close()
+            assert httpx.get(url).status_code == 403
+            assert anon.get(_path(info, 8000), headers={"X-Access-Token": old_token}).status_code == 401
+            assert anon.get(_path(info, 8000), headers={"X-Access-Token": new_token}).status_code == 200
+            # The CLI does the same.
+            env = dict(os.environ, AGENTBOX_API_URL=server.url, AGENTBOX_API_KEY=key)
+            out = subprocess.run(
+                [sys.executable, "-m", "agentbox.cli.app", "rotate-token", sid],
+                env=env, capture_output=True, text=True, timeout=60,
+            )
+            assert out.returncode == 0, out.stderr
+            newest = out.stdout.strip()
+            assert newest not in (new_token, old_token)
+            assert anon.get(_path(info, 8000), headers={"X-Access-Token": new_token}).status_code == 401
+            assert anon.get(_path(info, 8000), headers={"X-Access-Token": newest}).status_code == 200
+        audit = c.get("/v1/audit", params={"sandbox_id": sid, "action": "sandbox.access_token"})
+        assert len(audit.json()["events"]) == 2
+        c.delete(f"/v1/sandboxes/{sid}")

@@ -19,7 +19,7 @@ import pytest
 from fastapi import FastAPI
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
@@ -131,12 +131,19 @@ def upstream_app(seen: Upstream) -> Starlette:
         finally:
             seen.ws_closed.set()
 
+    async def set_cookies(request: Request) -> Response:
+        response = Response(b"ok")
+        for value in request.query_params.getlist("set"):
+            response.raw_headers.append((b"set-cookie", value.encode()))
+        return response
+
     async def ws_deny(ws: WebSocket) -> None:
         await ws.close()  # before accepting: uvicorn answers the upgrade with 403
 
     return Starlette(
         routes=[
             Route("/chunks", chunks),
+            Route("/set-cookies", set_cookies),
             Route("/events", events),
             Route("/upload", upload, methods=["POST", "PUT"]),
             WebSocketRoute("/ws", ws_echo),
@@ -248,10 +255,14 @@ def test_sign_and_check() -> None:
     sig = ports.sign(TOKEN, SANDBOX, PORT, exp)
     assert "=" not in sig and len(sig) == 43
     assert ports.check_signature(TOKEN, SANDBOX, PORT, str(exp), sig, time.time()) is None
-    assert (
-        ports.check_signature(TOKEN, SANDBOX, PORT, "0", ports.sign(TOKEN, SANDBOX, PORT, 0), 1e12)
-        is None
+    # No URL lives for ever, nor longer than the maximum.
+    never = ports.check_signature(TOKEN, SANDBOX, PORT, "0", ports.sign(TOKEN, SANDBOX, PORT, 0), 1)
+    assert never is not None and "never expires" in never
+    far = int(time.time()) + ports.MAX_LIFETIME + 3600
+    too_long = ports.check_signature(
+        TOKEN, SANDBOX, PORT, str(far), ports.sign(TOKEN, SANDBOX, PORT, far), time.time()
     )
+    assert too_long is not None and "maximum" in too_long
     bad = "bad signature"
     assert ports.check_signature(TOKEN, SANDBOX, PORT + 1, str(exp), sig, time.time()) == bad
     assert ports.check_signature("other", SANDBOX, PORT, str(exp), sig, time.time()) == bad
@@ -434,9 +445,7 @@ def test_signed_url_sets_a_cookie_only_for_host_routed_ports(gw: Gateway) -> Non
         cookie = r.headers["set-cookie"]
         assert cookie.startswith(f"abx_port={exp}.{sig};")
         assert "HttpOnly" in cookie and "SameSite=Lax" in cookie
-        ok = c.get(
-            "/", headers={"Host": gw.host(), "Cookie": f"abx_port={exp}.{sig}; theme=dark"}
-        )
+        ok = c.get("/", headers={"Host": gw.host(), "Cookie": f"abx_port={exp}.{sig}; theme=dark"})
         assert ok.status_code == 200
         assert header(ok.json(), "cookie") == ["theme=dark"]
 
@@ -471,8 +480,61 @@ def test_nothing_listening_is_502_and_unknown_sandbox_404(gw: Gateway) -> None:
         assert r.status_code == 502
         assert r.json()["code"] == "port_not_open"
         assert "nothing is listening on port 3001" in r.json()["message"]
+    with client(gw, headers={"X-API-Key": "key-acme"}) as c:
         assert c.get(gw.path("/", sandbox="sbx_ffffffffffffffff")).status_code == 404
     assert (SANDBOX, CLOSED_PORT, "GET", 502) in gw.audit
+
+
+def test_without_credentials_a_live_sandbox_and_an_unknown_id_look_the_same(gw: Gateway) -> None:
+    """No existence oracle: whatever a caller without valid credentials sends, a running
+    sandbox's private port and an id that does not exist answer alike."""
+    unknown = "sbx_0123456789abcdee"
+    exp = int(time.time()) + 60
+    attempts: list[dict[str, Any]] = [
+        {},
+        {"headers": {"X-Access-Token": "guess"}},
+        {"headers": {"X-API-Key": "not-a-key"}},
+        {"headers": {"Cookie": f"abx_port={exp}.{'A' * 43}"}},
+        {"params": {"abx_exp": str(exp), "abx_sig": "A" * 43}},
+    ]
+    with client(gw) as c:
+        for kw in attempts:
+            live = c.get(gw.path("/x"), **kw)
+            missing = c.get(gw.path("/x", sandbox=unknown), **kw)
+            assert live.status_code == missing.status_code, kw
+            assert live.status_code in (401, 403), kw
+            same = live.text.replace(SANDBOX, unknown)
+            assert same == missing.text, (kw, live.text, missing.text)
+            host_live = c.get("/", headers={"Host": gw.host(), **kw.get("headers", {})})
+            host_missing = c.get("/", headers={"Host": gw.host(unknown), **kw.get("headers", {})})
+            assert host_live.status_code == host_missing.status_code, kw
+
+
+def test_cookies_from_a_sandbox_stay_on_its_port(gw: Gateway) -> None:
+    cookies = [
+        "sid=1; Domain=localhost; Path=/; HttpOnly",
+        "pref=2; path=/app; SameSite=Strict",
+        "plain=3",
+        "up=4; Path=/../../v1",
+        "abx_port=1.forged; Path=/",
+    ]
+    with client(gw, headers={"X-Access-Token": TOKEN}) as c:
+        r = c.get(gw.path("/set-cookies"), params=[("set", x) for x in cookies])
+        got = r.headers.get_list("set-cookie")
+        prefix = ports.port_path_prefix(SANDBOX, PORT)
+        assert got == [
+            f"sid=1; HttpOnly; Path={prefix}/",
+            f"pref=2; SameSite=Strict; Path={prefix}/app",
+            f"plain=3; Path={prefix}/",
+            f"up=4; Path={prefix}/",
+        ], got
+        h = c.get("/set-cookies", params=[("set", x) for x in cookies], headers={"Host": gw.host()})
+        assert h.headers.get_list("set-cookie") == [
+            "sid=1; HttpOnly; Path=/",
+            "pref=2; SameSite=Strict; Path=/app",
+            "plain=3",
+            "up=4; Path=/../../v1",
+        ]
 
 
 def test_connect_timeout_is_504(gw: Gateway, monkeypatch: pytest.MonkeyPatch) -> None:

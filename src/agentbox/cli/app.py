@@ -374,7 +374,7 @@ def port_url(
     sandbox_id: Annotated[str, typer.Argument(help="Sandbox serving the port.")],
     port: Annotated[int, typer.Argument(help="Port a server in the sandbox listens on.")],
     expires_in: Annotated[float | None, typer.Option(
-        help="Seconds the URL stays valid [default: while the sandbox lives].")] = None,
+        help="Seconds the URL stays valid [default: 3600; at most 86400].")] = None,
     path: Annotated[str, typer.Option(help="Path on the sandbox's server.")] = "/",
     host_routing: Annotated[bool, typer.Option(
         "--host-routing", help="A PORT-SANDBOX_ID.DOMAIN URL instead of one under the API's "
@@ -388,6 +388,20 @@ def port_url(
     finally:
         sbx.close()
     print(url)
+
+
+@app.command("rotate-token")
+def rotate_token(
+    ctx: typer.Context,
+    sandbox_id: Annotated[str, typer.Argument(help="Sandbox whose access token to replace.")],
+) -> None:
+    """Give a sandbox a new access token (printed): the old one and every signed port URL made
+    with it stop working at once."""
+    sbx = Sandbox.connect(sandbox_id, **_conn(ctx))
+    try:
+        print(sbx.rotate_access_token())
+    finally:
+        sbx.close()
 
 
 # ---------------------------------------------------------------------------- secrets

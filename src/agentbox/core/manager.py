@@ -798,6 +798,19 @@ class SandboxManager:
         self.audit(caller, "sandbox.network", sandbox_id, network=net.to_dict())
         return self.get(caller, sandbox_id)
 
+    async def rotate_access_token(self, caller: Caller, sandbox_id: str) -> SandboxRow:
+        """Give a running sandbox a new access token; the gateway checks the new one from the
+        next request on, so the old token and every URL or cookie signed with it are void."""
+        self.running(caller, sandbox_id)
+        async with self._lock(sandbox_id):
+            self.running(caller, sandbox_id)
+            self.store.update_sandbox(sandbox_id, access_token=new_access_token())
+            fresh = self.store.get_sandbox(sandbox_id)
+            if fresh is not None and sandbox_id in self._running:
+                self._running[sandbox_id] = fresh
+        self.audit(caller, "sandbox.access_token", sandbox_id)
+        return self.get(caller, sandbox_id)
+
     def list(
         self,
         caller: Caller,

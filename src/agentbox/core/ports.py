@@ -3,9 +3,10 @@
 Pure helpers, no HTTP: the gateway (`server/gateway.py`) and the SDK (`get_url`) share them, so
 a URL the SDK mints is the URL the gateway accepts.
 
-A signed URL carries `abx_exp` (unix seconds, 0 = never expires) and `abx_sig`, the URL-safe
-unpadded base64 of HMAC-SHA256 keyed with the sandbox's access token over
-`"{sandbox_id}:{port}:{expires}"`. Rotating the access token therefore revokes every URL.
+A signed URL carries `abx_exp` (unix seconds) and `abx_sig`, the URL-safe unpadded base64 of
+HMAC-SHA256 keyed with the sandbox's access token over `"{sandbox_id}:{port}:{expires}"`.
+Rotating the access token therefore revokes every URL. A URL lives at most `MAX_LIFETIME`: one
+that leaks (a browser history, a log, a shared screen) stops working on its own.
 """
 
 from __future__ import annotations
@@ -15,6 +16,12 @@ import hashlib
 import hmac
 import re
 from datetime import UTC, datetime
+
+# Signed URL lifetimes, in seconds: when none is asked for, and the most that is accepted.
+DEFAULT_LIFETIME = 3600
+MAX_LIFETIME = 24 * 3600
+# Clock skew allowed between the signing and checking of a URL (servers may differ).
+_SKEW = 300
 
 SIG_PARAM = "abx_sig"
 EXP_PARAM = "abx_exp"
@@ -48,9 +55,13 @@ def check_signature(
     exp = int(expires)
     if not hmac.compare_digest(sign(token, sandbox_id, port, exp), sig):
         return "bad signature"
-    if exp and now > exp:
+    if now > exp:
+        if not exp:
+            return "signed URL never expires: such URLs are no longer accepted"
         at = datetime.fromtimestamp(exp, UTC).isoformat().replace("+00:00", "Z")
         return f"signed URL expired at {at}"
+    if exp > now + MAX_LIFETIME + _SKEW:
+        return f"signed URL lives longer than the maximum of {MAX_LIFETIME} s"
     return None
 
 

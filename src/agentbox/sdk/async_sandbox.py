@@ -404,6 +404,12 @@ class AsyncSandbox:
         return await self._transport.call(p.port_url(self.sandbox_id, port, expires_in, path,
                                                      routing))
 
+    async def rotate_access_token(self) -> str:
+        """A new access token; see `Sandbox.rotate_access_token`."""
+        info = self._keep(await self._transport.call(p.rotate_access_token(self.sandbox_id)))
+        assert info.access_token is not None
+        return info.access_token
+
     async def update_network(self, network: p.NetworkSpec | None = None, *,
                              allow_out: str | Sequence[str] | None = None,
                              deny_out: str | Sequence[str] | None = None,

@@ -272,6 +272,10 @@ def set_network(sandbox_id: str, network: dict[str, Any]) -> Call[SandboxInfo]:
 Routing = Literal["path", "host"]
 
 
+def rotate_access_token(sandbox_id: str) -> Call[SandboxInfo]:
+    return Call("POST", f"{_sbx(sandbox_id)}/access-token", _sandbox)
+
+
 def port_url(sandbox_id: str, port: int, expires_in: float | None = None, path: str = "/",
              routing: Routing = "path") -> Call[str]:
     """A signed URL to the sandbox's `port` that works with no headers: path-routed

@@ -502,9 +502,17 @@ class Sandbox:
     def get_url(self, port: int, expires_in: float | None = None, path: str = "/",
                 routing: p.Routing = "path") -> str:
         """A signed URL to `port` that any HTTP client can open with no headers, valid
-        `expires_in` seconds (None = while the sandbox lives). `routing="host"` gives a URL on
-        get_host's name instead of under the API's /v1/sandboxes/{id}/ports/{port}."""
+        `expires_in` seconds (None = one hour; at most a day) or until `rotate_access_token`.
+        `routing="host"` gives a URL on get_host's name instead of under the API's
+        /v1/sandboxes/{id}/ports/{port}."""
         return self._transport.call(p.port_url(self.sandbox_id, port, expires_in, path, routing))
+
+    def rotate_access_token(self) -> str:
+        """Give the sandbox a new access token and return it: the old one and every URL
+        `get_url` signed with it stop working at once."""
+        info = self._keep(self._transport.call(p.rotate_access_token(self.sandbox_id)))
+        assert info.access_token is not None
+        return info.access_token
 
     def update_network(self, network: p.NetworkSpec | None = None, *,
                        allow_out: str | Sequence[str] | None = None,

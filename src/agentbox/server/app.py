@@ -480,7 +480,7 @@ def create_app(
     async def port_url(sandbox_id: str, body: m.PortUrlBody, mgr: Mgr, who: Who) -> dict[str, Any]:
         row = mgr.running(who, sandbox_id)
         assert row.access_token is not None
-        expires = math.ceil(time.time() + body.expires_in) if body.expires_in else 0
+        expires = math.ceil(time.time() + (body.expires_in or ports.DEFAULT_LIFETIME))
         sig = ports.sign(row.access_token, sandbox_id, body.port, expires)
         path = body.path if body.path.startswith("/") else "/" + body.path
         sep = "&" if "?" in path else "?"
@@ -496,8 +496,19 @@ def create_app(
         return {
             "url": f"{base}{path}{sep}{query}",
             "port": body.port,
-            "expires_at": m.rfc3339(expires) if expires else None,
+            "expires_at": m.rfc3339(expires),
         }
+
+    @app.post(
+        "/v1/sandboxes/{sandbox_id}/access-token",
+        response_model=m.SandboxInfo,
+        responses=responses,
+        tags=["network"],
+    )
+    async def rotate_access_token(sandbox_id: str, mgr: Mgr, who: Who) -> m.SandboxInfo:
+        """A new access token for the sandbox's private ports: the old one, every URL signed
+        with it and every port cookie made from those stop working at once."""
+        return info(await mgr.rotate_access_token(who, sandbox_id))
 
     # ------------------------------------------------------------------ secrets
 

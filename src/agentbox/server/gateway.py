@@ -24,6 +24,7 @@ import hmac
 import json
 import logging
 import re
+import secrets
 import select
 import socket
 import struct
@@ -277,7 +278,36 @@ def _forwarded_headers(
     return out
 
 
-def _response_headers(raw: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+def _confined_cookie(value: str, prefix: str | None) -> str | None:
+    """A Set-Cookie from a sandbox's server as the client may get it, or None to drop it.
+
+    A sandbox's cookie never reaches beyond where it came from: no `Domain` (a host-routed
+    port's cookie would otherwise cover every sandbox's host, or the API's, under a shared
+    parent domain), on a path-routed port a `Path` under that port's prefix (they all share the
+    API's origin), and never the gateway's own access cookie (cookie tossing)."""
+    first, *attributes = value.split(";")
+    if first.partition("=")[0].strip() == ports.COOKIE:
+        return None
+    kept, path = [], None
+    for attribute in attributes:
+        name, _, arg = attribute.strip().partition("=")
+        if name.lower() == "domain":
+            continue
+        if name.lower() == "path":
+            path = arg.strip()
+            continue
+        kept.append(attribute.strip())
+    if prefix is not None:
+        safe = path and path.startswith("/") and ".." not in path and "%" not in path
+        path = prefix + (path if safe else "/")  # type: ignore[operator]
+    if path is not None:
+        kept.append(f"Path={path}")
+    return "; ".join([first.strip(), *kept])
+
+
+def _response_headers(
+    raw: Iterable[tuple[bytes, bytes]], prefix: str | None
+) -> list[tuple[bytes, bytes]]:
     pairs = list(raw)
     listed = _connection_tokens(
         (k.decode("latin-1").lower(), v.decode("latin-1")) for k, v in pairs
@@ -287,6 +317,11 @@ def _response_headers(raw: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, b
         name = key.decode("latin-1").lower()
         if name in _HOP_BY_HOP or name.startswith("proxy-") or name in listed:
             continue
+        if name == "set-cookie":
+            cookie = _confined_cookie(value.decode("latin-1"), prefix)
+            if cookie is None:
+                continue
+            value = cookie.encode("latin-1")
         out.append((name.encode("latin-1"), value))  # ASGI wants lower-case names
     return out
 
@@ -662,6 +697,7 @@ class PortGateway:
         self._pools: dict[tuple[str, int], _Pool] = {}
         self._last_sweep = time.monotonic()
         self.limits = limits or RelayLimits()
+        self._unguessable = secrets.token_urlsafe(32)
         # Relays open now, per sandbox and per tenant.
         self._relays: dict[str, int] = {}
 
@@ -758,11 +794,16 @@ class PortGateway:
     ) -> tuple[PortTarget, str | None]:
         """Raise unless the request may reach the port; the sandbox, and a Set-Cookie value to
         add if any."""
-        target = await self._lookup(route.sandbox_id)
+        found = await self._lookup(route.sandbox_id)
         not_found = NotFound(f"no running sandbox {route.sandbox_id}", sandbox_id=route.sandbox_id)
-        if target is None:
-            raise not_found
-        return target, await self._check_credentials(scope, headers, route, target, not_found)
+        # An unknown id is judged like a private port whose token nobody knows, so a caller
+        # without valid credentials gets the same answer for both (no existence oracle); a
+        # tenant's own key learns that it is not found, as for another tenant's sandbox.
+        target = found or PortTarget(route.sandbox_id, "", self._unguessable, public=False)
+        set_cookie = await self._check_credentials(scope, headers, route, target, not_found)
+        if found is None:
+            raise not_found  # not reached: no credential matches the unguessable token
+        return found, set_cookie
 
     async def _check_credentials(
         self,
@@ -786,7 +827,7 @@ class PortGateway:
             if tenant is not None:
                 if tenant == target.tenant:
                     return None
-                raise not_found  # another tenant's sandbox: do not reveal that it exists
+                raise not_found  # another tenant's sandbox (or none): do not reveal which
         if route.exp is not None or route.sig is not None:
             reason = ports.check_signature(
                 target.access_token,
@@ -992,7 +1033,7 @@ class PortGateway:
                             raise
                         attempt += 1
                 try:
-                    response_headers = _response_headers(response.headers)
+                    response_headers = _response_headers(response.headers, route.prefix)
                     if set_cookie:
                         response_headers.append((b"set-cookie", set_cookie.encode("latin-1")))
                     await send(
@@ -1096,11 +1137,14 @@ class PortGateway:
         except InvalidStatus as e:
             # The sandbox's server refused the upgrade: the client gets its answer.
             response = e.response
-            passed = [
-                (k.encode("latin-1"), v.encode("latin-1"))
-                for k, v in response.headers.raw_items()
-                if k.lower() in ("content-type", "location", "www-authenticate", "set-cookie")
-            ]
+            passed = _response_headers(
+                (
+                    (k.encode("latin-1"), v.encode("latin-1"))
+                    for k, v in response.headers.raw_items()
+                    if k.lower() in ("content-type", "location", "www-authenticate", "set-cookie")
+                ),
+                route.prefix,
+            )
             await _deny_websocket(
                 scope, send, response.status_code, passed, bytes(response.body or b"")
             )
@@ -1113,10 +1157,13 @@ class PortGateway:
             return mapped.status
         try:
             handshake = upstream.response
-            accept_headers = [
-                (b"set-cookie", v.encode("latin-1"))
-                for v in (handshake.headers.get_all("Set-Cookie") if handshake else [])
-            ] + cookie
+            accept_headers = _response_headers(
+                (
+                    (b"set-cookie", v.encode("latin-1"))
+                    for v in (handshake.headers.get_all("Set-Cookie") if handshake else [])
+                ),
+                route.prefix,
+            ) + cookie
             try:
                 await send(
                     {

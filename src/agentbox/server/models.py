@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from agentbox.core import ports
 from agentbox.store.db import SandboxRow
 
 
@@ -111,7 +112,11 @@ class TenantNetworkBody(Strict):
 class PortUrlBody(Strict):
     port: int = Field(ge=1, le=65535)
     expires_in: float | None = Field(
-        None, gt=0, le=10**9, description="seconds; none = valid while the sandbox lives"
+        None,
+        gt=0,
+        le=ports.MAX_LIFETIME,
+        description=f"seconds (default {ports.DEFAULT_LIFETIME}, at most {ports.MAX_LIFETIME}); "
+        "rotating the sandbox's access token revokes the URL sooner",
     )
     path: str = Field("/", max_length=4096)
     routing: Literal["path", "host"] = "path"
