@@ -269,3 +269,57 @@ def _gw_ping_flood(ctx: Ctx) -> Verdict:
     if cut is None:
         return Verdict("BROKEN", ["DOS"], "the ping flood was relayed for 6 s without a cut")
     return blocked(f"cut after {cut:.1f} s; health p50 {during * 1000:.1f} ms afterwards")
+
+
+_COOKIE_SETTER = r"""
+import socket, sys, threading
+def serve(c):
+    try:
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += c.recv(65536)
+        c.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n"
+                  b"Set-Cookie: session=tossed; Domain=localhost; Path=/\r\n"
+                  b"Set-Cookie: api=tossed; Path=/v1/\r\n"
+                  b"Set-Cookie: abx_port=1.forged; Path=/\r\n\r\nok")
+    except OSError:
+        pass
+    finally:
+        c.close()
+s = socket.create_server(("127.0.0.1", int(sys.argv[1])))
+print("listening", flush=True)
+while True:
+    threading.Thread(target=serve, args=(s.accept()[0],), daemon=True).start()
+"""
+
+
+@check(
+    "gw-cookie-tossing",
+    "control-plane",
+    "a sandbox's Set-Cookie cannot reach beyond its own port (no Domain, path-routed cookies "
+    "under the port's prefix, never the gateway's own cookie)",
+    {"gateway-unbounded"},
+)
+def _gw_cookie_tossing(ctx: Ctx) -> Verdict:
+    box = ctx.box()
+    port = 8703
+    _start_server(box, "cookies", _COOKIE_SETTER, port)
+    prefix = f"/v1/sandboxes/{box.id}/ports/{port}"
+    token = box.info.get("access_token") or ""
+    with httpx.Client(base_url=ctx.server.url, timeout=10) as c:
+        r = c.get(prefix + "/", headers={"X-Access-Token": token})
+    box.kill()
+    if r.status_code != 200:
+        return Verdict("ERROR", evidence=f"HTTP {r.status_code}: {r.text[:200]}")
+    cookies = r.headers.get_list("set-cookie")
+    v = blocked(f"cookies as relayed: {cookies}")
+    for cookie in cookies:
+        attrs = [a.strip().lower() for a in cookie.split(";")[1:]]
+        paths = [a.partition("=")[2] for a in attrs if a.startswith("path=")]
+        if any(a.startswith("domain=") for a in attrs):
+            v.add_break("COOKIE", f"relayed with a Domain: {cookie}")
+        if not paths or not all(p.startswith(prefix.lower() + "/") for p in paths):
+            v.add_break("COOKIE", f"not confined to {prefix}/: {cookie}")
+        if cookie.startswith("abx_port="):
+            v.add_break("COOKIE", f"the gateway's own cookie set by the sandbox: {cookie}")
+    return v

@@ -31,7 +31,8 @@ SERVER_WEAKENINGS: dict[str, str] = {
     "server-unguarded": "the API reads request bodies before checking the key, caps no body, "
     "times out no slow headers and budgets no connections",
     "gateway-unbounded": "the port gateway relays without yielding to the event loop, without "
-    "idle or write timeouts, caps or ping rationing, and repeated log lines are not counted",
+    "idle or write timeouts, caps or ping rationing, passes a sandbox's Set-Cookie untouched, "
+    "and repeated log lines are not counted",
 }
 
 
@@ -59,6 +60,7 @@ def weakened_limits(flags: set[str]) -> ServerLimits:
             ws_pings_per_second=forever,
             ws_write_buffer=2**40,
             fair=False,
+            confine_cookies=False,
         )
         limits = dataclasses.replace(limits, relay=relay, log_repeats=0)
     return limits

@@ -92,6 +92,9 @@ class RelayLimits:
     # Yield to the event loop after each relayed chunk. Off only in the security battery's
     # positive control (`gateway-unbounded`), to show its checks can see a starved loop.
     fair: bool = True
+    # Confine a sandbox's Set-Cookie to its port (see _confined_cookie). Off only in the same
+    # positive control.
+    confine_cookies: bool = True
 
 
 _ORIGIN_SUFFIX = ".agentbox-gw"
@@ -306,7 +309,7 @@ def _confined_cookie(value: str, prefix: str | None) -> str | None:
 
 
 def _response_headers(
-    raw: Iterable[tuple[bytes, bytes]], prefix: str | None
+    raw: Iterable[tuple[bytes, bytes]], prefix: str | None, confine: bool = True
 ) -> list[tuple[bytes, bytes]]:
     pairs = list(raw)
     listed = _connection_tokens(
@@ -317,7 +320,7 @@ def _response_headers(
         name = key.decode("latin-1").lower()
         if name in _HOP_BY_HOP or name.startswith("proxy-") or name in listed:
             continue
-        if name == "set-cookie":
+        if name == "set-cookie" and confine:
             cookie = _confined_cookie(value.decode("latin-1"), prefix)
             if cookie is None:
                 continue
@@ -1033,7 +1036,9 @@ class PortGateway:
                             raise
                         attempt += 1
                 try:
-                    response_headers = _response_headers(response.headers, route.prefix)
+                    response_headers = _response_headers(
+                        response.headers, route.prefix, limits.confine_cookies
+                    )
                     if set_cookie:
                         response_headers.append((b"set-cookie", set_cookie.encode("latin-1")))
                     await send(
@@ -1144,6 +1149,7 @@ class PortGateway:
                     if k.lower() in ("content-type", "location", "www-authenticate", "set-cookie")
                 ),
                 route.prefix,
+                self.limits.confine_cookies,
             )
             await _deny_websocket(
                 scope, send, response.status_code, passed, bytes(response.body or b"")
@@ -1157,13 +1163,17 @@ class PortGateway:
             return mapped.status
         try:
             handshake = upstream.response
-            accept_headers = _response_headers(
-                (
-                    (b"set-cookie", v.encode("latin-1"))
-                    for v in (handshake.headers.get_all("Set-Cookie") if handshake else [])
-                ),
-                route.prefix,
-            ) + cookie
+            accept_headers = (
+                _response_headers(
+                    (
+                        (b"set-cookie", v.encode("latin-1"))
+                        for v in (handshake.headers.get_all("Set-Cookie") if handshake else [])
+                    ),
+                    route.prefix,
+                    self.limits.confine_cookies,
+                )
+                + cookie
+            )
             try:
                 await send(
                     {
