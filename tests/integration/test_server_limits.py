@@ -59,7 +59,7 @@ def test_json_bodies_are_capped_with_a_clear_413(server: ServerHandle) -> None:
 
 @pytest.fixture
 def small_server(tmp_path: Path) -> Iterator[ServerHandle]:
-    handle = start_server(tmp_path, ["--max-connections", "64"])
+    handle = start_server(tmp_path, ["--max-connections", "256"])
     try:
         yield handle
     finally:
@@ -67,11 +67,11 @@ def small_server(tmp_path: Path) -> Iterator[ServerHandle]:
 
 
 def test_slow_anonymous_connections_cannot_lock_others_out(small_server: ServerHandle) -> None:
-    """Ten times the connection budget in slowloris connections: health and admin calls are
-    still answered at once, and the slow connections are dropped."""
+    """Thousands of slowloris connections, eight times the connection budget: health and admin
+    calls are still answered at once, and the slow connections are dropped."""
     slow: list[socket.socket] = []
     try:
-        for _ in range(640):
+        for _ in range(2048):
             s = socket.create_connection(("127.0.0.1", small_server.port), timeout=5)
             s.sendall(b"GET /v1/health HTTP/1.1\r\nHost: x\r\nX-Slow: ")
             slow.append(s)
@@ -91,7 +91,7 @@ def test_slow_anonymous_connections_cannot_lock_others_out(small_server: ServerH
                 alive += 1
             except OSError:
                 pass
-        assert alive <= 64, f"{alive} slow connections still open"
+        assert alive <= 128, f"{alive} slow connections still open"  # the anonymous share
     finally:
         for s in slow:
             s.close()
