@@ -81,7 +81,7 @@ def test_every_control_names_known_weakenings() -> None:
     assert {"net-proxy-internal", "net-proxy-bypass", "net-proxy-mismatch"} <= ids
     assert {"secrets-plaintext", "secrets-reflection"} <= ids
     server = {"srv-anonymous-body", "srv-slowloris", "gw-trickle-starvation", "gw-ping-flood"}
-    server |= {"gw-cookie-tossing"}
+    server |= {"gw-cookie-tossing", "gw-deaf-peer"}
     assert server <= ids
     host_info = {"info-etc-allowlist", "info-usr-local", "info-proc-machine-wide"}
     host_info |= {"info-proc-own-figures", "info-boot-id", "info-mountinfo"}

@@ -323,3 +323,71 @@ def _gw_cookie_tossing(ctx: Ctx) -> Verdict:
         if cookie.startswith("abx_port="):
             v.add_break("COOKIE", f"the gateway's own cookie set by the sandbox: {cookie}")
     return v
+
+
+_DEAF = r"""
+import base64, hashlib, socket, sys, threading, time
+def serve(c):
+    try:
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += c.recv(65536)
+        key = [l.split(b":", 1)[1].strip() for l in data.split(b"\r\n")
+               if l.lower().startswith(b"sec-websocket-key:")][0]
+        acc = base64.b64encode(hashlib.sha1(key + b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11")
+                               .digest())
+        c.sendall(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n"
+                  b"Connection: Upgrade\r\nSec-WebSocket-Accept: " + acc + b"\r\n\r\n")
+        time.sleep(3600)  # and never read again
+    except OSError:
+        pass
+s = socket.create_server(("127.0.0.1", int(sys.argv[1])))
+print("listening", flush=True)
+while True:
+    threading.Thread(target=serve, args=(s.accept()[0],), daemon=True).start()
+"""
+
+
+@check(
+    "gw-deaf-peer",
+    "control-plane",
+    "a WebSocket relay to a sandbox server that stops reading ends (write timeout) instead of "
+    "holding server memory and descriptors for ever",
+    {"gateway-unbounded"},
+)
+def _gw_deaf_peer(ctx: Ctx) -> Verdict:
+    from websockets.exceptions import ConnectionClosed
+    from websockets.sync.client import connect
+
+    box = ctx.box()
+    port = 8704
+    _start_server(box, "deaf", _DEAF, port)
+    token = box.info.get("access_token") or ""
+    url = ctx.server.url.replace("http://", "ws://") + f"/v1/sandboxes/{box.id}/ports/{port}/"
+    limit = 45.0  # the shipped write timeout is 30 s
+    t0 = time.monotonic()
+    sent = 0
+    ended = None
+    try:
+        # No keepalive of our own: its unanswered pings would end the relay from this side.
+        headers = {"X-Access-Token": token}
+        with connect(url, additional_headers=headers, open_timeout=10, ping_interval=None) as ws:
+            while time.monotonic() - t0 < limit:
+                try:
+                    ws.send(b"x" * 65536)
+                    sent += 1
+                    ws.recv(timeout=0.05)
+                except TimeoutError:
+                    continue
+                except ConnectionClosed:
+                    ended = time.monotonic() - t0
+                    break
+    except Exception as e:  # noqa: BLE001 - any failure to relay is reported
+        box.kill()
+        return Verdict("ERROR", evidence=f"{type(e).__name__}: {e}"[:300])
+    box.kill()
+    if ended is None:
+        return Verdict(
+            "BROKEN", ["DOS"], f"the relay was still open after {limit:g} s ({sent} messages)"
+        )
+    return blocked(f"the relay ended after {ended:.1f} s ({sent} messages accepted)")

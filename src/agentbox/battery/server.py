@@ -32,7 +32,7 @@ SERVER_WEAKENINGS: dict[str, str] = {
     "times out no slow headers and budgets no connections",
     "gateway-unbounded": "the port gateway relays without yielding to the event loop, without "
     "idle or write timeouts, caps or ping rationing, passes a sandbox's Set-Cookie untouched, "
-    "and repeated log lines are not counted",
+    "WebSocket clients get no keepalive pings, and repeated log lines are not counted",
 }
 
 
@@ -62,7 +62,7 @@ def weakened_limits(flags: set[str]) -> ServerLimits:
             fair=False,
             confine_cookies=False,
         )
-        limits = dataclasses.replace(limits, relay=relay, log_repeats=0)
+        limits = dataclasses.replace(limits, relay=relay, log_repeats=0, ws_ping_interval=None)
     return limits
 
 

@@ -1043,6 +1043,8 @@ def serve(
         port=port,
         http=protocol_class(limits),
         ws_max_size=limits.relay.ws_max_message,
+        ws_ping_interval=limits.ws_ping_interval,
+        ws_ping_timeout=limits.ws_ping_interval,
         log_level="warning",
         # uvicorn's loggers go to the root handler, through the repeat filter.
         log_config=None,

@@ -53,6 +53,9 @@ class ServerLimits:
     # share of them that connections without a valid API key may hold.
     max_connections: int | None = None
     anonymous_share: float = 0.5
+    # Pings to WebSocket clients: one unanswered this long after another closes the socket
+    # (None: no pings; only the security battery's positive control turns them off).
+    ws_ping_interval: float | None = 20.0
     # A message logged more often than this per minute is counted instead (0: no limit).
     log_repeats: int = 5
     # Check the API key before reading the body. Off only in the security battery's positive
