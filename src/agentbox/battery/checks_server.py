@@ -19,51 +19,61 @@ from agentbox.battery.checks import Ctx, Verdict, blocked, check
 from agentbox.battery.target import Box
 
 # Servers run inside a sandbox (stdlib only). Each takes its port as argv[1].
-_TRICKLE = r"""
-import socket, sys, threading
-def serve(c):
-    try:
-        data = b""
-        while b"\r\n\r\n" not in data:
-            data += c.recv(65536)
-        c.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
-        burst = b"1\r\nx\r\n" * 4000
-        while True:
-            c.sendall(burst)
-    except OSError:
-        pass
-    finally:
-        c.close()
-s = socket.create_server(("127.0.0.1", int(sys.argv[1])))
-print("listening", flush=True)
-while True:
-    threading.Thread(target=serve, args=(s.accept()[0],), daemon=True).start()
-"""
 
-_PING_FLOOD = r"""
-import base64, hashlib, socket, sys, threading
-def serve(c):
+
+# The hostile servers, run inside a sandbox (stdlib only): `python3 script PORT MODE`.
+_HOSTILE_SERVER = r"""
+import base64, hashlib, socket, sys, threading, time
+
+def head(c):
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += c.recv(65536)
+    return data
+
+def websocket(c, data):
+    key = [l.split(b":", 1)[1].strip() for l in data.split(b"\r\n")
+           if l.lower().startswith(b"sec-websocket-key:")][0]
+    acc = base64.b64encode(hashlib.sha1(key + b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11").digest())
+    c.sendall(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n"
+              b"Connection: Upgrade\r\nSec-WebSocket-Accept: " + acc + b"\r\n\r\n")
+
+def trickle(c):  # chunked, then 1-byte chunks as fast as they are taken
+    head(c)
+    c.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+    burst = b"1\r\nx\r\n" * 4000
+    while True:
+        c.sendall(burst)
+
+def pingflood(c):
+    websocket(c, head(c))
+    flood = b"\x89\x00" * 32768
+    while True:
+        c.sendall(flood)
+
+def deaf(c):  # accepts the WebSocket, then never reads again
+    websocket(c, head(c))
+    time.sleep(3600)
+
+def cookies(c):
+    head(c)
+    c.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n"
+              b"Set-Cookie: session=tossed; Domain=localhost; Path=/\r\n"
+              b"Set-Cookie: api=tossed; Path=/v1/\r\n"
+              b"Set-Cookie: abx_port=1.forged; Path=/\r\n\r\nok")
+
+def serve(c, mode):
     try:
-        data = b""
-        while b"\r\n\r\n" not in data:
-            data += c.recv(65536)
-        key = [l.split(b":", 1)[1].strip() for l in data.split(b"\r\n")
-               if l.lower().startswith(b"sec-websocket-key:")][0]
-        acc = base64.b64encode(hashlib.sha1(key + b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11")
-                               .digest())
-        c.sendall(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n"
-                  b"Connection: Upgrade\r\nSec-WebSocket-Accept: " + acc + b"\r\n\r\n")
-        flood = b"\x89\x00" * 32768
-        while True:
-            c.sendall(flood)
+        globals()[mode](c)
     except OSError:
         pass
     finally:
         c.close()
+
 s = socket.create_server(("127.0.0.1", int(sys.argv[1])))
 print("listening", flush=True)
 while True:
-    threading.Thread(target=serve, args=(s.accept()[0],), daemon=True).start()
+    threading.Thread(target=serve, args=(s.accept()[0], sys.argv[2]), daemon=True).start()
 """
 
 
@@ -77,14 +87,14 @@ def _health_p50(url: str, n: int = 15) -> tuple[float, float]:
                 times.append(time.perf_counter() - t0)
             except httpx.HTTPError:
                 times.append(5.0)
+                break  # a stalled server: one timeout says it, more only cost time
     return statistics.median(times), max(times)
 
 
-def _start_server(box: Box, name: str, source: str, port: int) -> None:
-    path = f"/tmp/.abx-{name}.py"
-    r = box.put(path, source.encode())
-    r.raise_for_status()
-    cmd_id = box.start(f"python3 {path} {port}")
+def _start_server(box: Box, mode: str, port: int) -> None:
+    path = "/tmp/.abx-hostile-server.py"
+    box.put(path, _HOSTILE_SERVER.encode()).raise_for_status()
+    cmd_id = box.start(f"python3 {path} {port} {mode}")
     box.wait_output(cmd_id, "listening", timeout=15)
 
 
@@ -189,7 +199,7 @@ def _srv_slowloris(ctx: Ctx) -> Verdict:
 def _gw_trickle(ctx: Ctx) -> Verdict:
     box = ctx.box()
     port = 8701
-    _start_server(box, "trickle", _TRICKLE, port)
+    _start_server(box, "trickle", port)
     before, _ = _health_p50(ctx.server.url)
     got = {"bytes": 0}
     stop = threading.Event()
@@ -248,7 +258,7 @@ def _gw_ping_flood(ctx: Ctx) -> Verdict:
 
     box = ctx.box()
     port = 8702
-    _start_server(box, "pingflood", _PING_FLOOD, port)
+    _start_server(box, "pingflood", port)
     token = box.info.get("access_token") or ""
     url = ctx.server.url.replace("http://", "ws://") + f"/v1/sandboxes/{box.id}/ports/{port}/"
     t0 = time.monotonic()
@@ -271,28 +281,6 @@ def _gw_ping_flood(ctx: Ctx) -> Verdict:
     return blocked(f"cut after {cut:.1f} s; health p50 {during * 1000:.1f} ms afterwards")
 
 
-_COOKIE_SETTER = r"""
-import socket, sys, threading
-def serve(c):
-    try:
-        data = b""
-        while b"\r\n\r\n" not in data:
-            data += c.recv(65536)
-        c.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n"
-                  b"Set-Cookie: session=tossed; Domain=localhost; Path=/\r\n"
-                  b"Set-Cookie: api=tossed; Path=/v1/\r\n"
-                  b"Set-Cookie: abx_port=1.forged; Path=/\r\n\r\nok")
-    except OSError:
-        pass
-    finally:
-        c.close()
-s = socket.create_server(("127.0.0.1", int(sys.argv[1])))
-print("listening", flush=True)
-while True:
-    threading.Thread(target=serve, args=(s.accept()[0],), daemon=True).start()
-"""
-
-
 @check(
     "gw-cookie-tossing",
     "control-plane",
@@ -303,7 +291,7 @@ while True:
 def _gw_cookie_tossing(ctx: Ctx) -> Verdict:
     box = ctx.box()
     port = 8703
-    _start_server(box, "cookies", _COOKIE_SETTER, port)
+    _start_server(box, "cookies", port)
     prefix = f"/v1/sandboxes/{box.id}/ports/{port}"
     token = box.info.get("access_token") or ""
     with httpx.Client(base_url=ctx.server.url, timeout=10) as c:
@@ -325,29 +313,6 @@ def _gw_cookie_tossing(ctx: Ctx) -> Verdict:
     return v
 
 
-_DEAF = r"""
-import base64, hashlib, socket, sys, threading, time
-def serve(c):
-    try:
-        data = b""
-        while b"\r\n\r\n" not in data:
-            data += c.recv(65536)
-        key = [l.split(b":", 1)[1].strip() for l in data.split(b"\r\n")
-               if l.lower().startswith(b"sec-websocket-key:")][0]
-        acc = base64.b64encode(hashlib.sha1(key + b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11")
-                               .digest())
-        c.sendall(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n"
-                  b"Connection: Upgrade\r\nSec-WebSocket-Accept: " + acc + b"\r\n\r\n")
-        time.sleep(3600)  # and never read again
-    except OSError:
-        pass
-s = socket.create_server(("127.0.0.1", int(sys.argv[1])))
-print("listening", flush=True)
-while True:
-    threading.Thread(target=serve, args=(s.accept()[0],), daemon=True).start()
-"""
-
-
 @check(
     "gw-deaf-peer",
     "control-plane",
@@ -361,7 +326,7 @@ def _gw_deaf_peer(ctx: Ctx) -> Verdict:
 
     box = ctx.box()
     port = 8704
-    _start_server(box, "deaf", _DEAF, port)
+    _start_server(box, "deaf", port)
     token = box.info.get("access_token") or ""
     url = ctx.server.url.replace("http://", "ws://") + f"/v1/sandboxes/{box.id}/ports/{port}/"
     limit = 45.0  # the shipped write timeout is 30 s
