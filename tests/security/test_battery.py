@@ -83,6 +83,9 @@ def test_every_control_names_known_weakenings() -> None:
     server = {"srv-anonymous-body", "srv-slowloris", "gw-trickle-starvation", "gw-ping-flood"}
     server |= {"gw-cookie-tossing", "gw-deaf-peer"}
     assert server <= ids
+    budgets = {"budget-descriptors", "budget-log-amplification"}
+    assert budgets <= ids
+    assert all(c.control == {"budgets-open"} for c in CHECKS if c.id in budgets)
     host_info = {"info-etc-allowlist", "info-usr-local", "info-proc-machine-wide"}
     host_info |= {"info-proc-own-figures", "info-boot-id", "info-mountinfo"}
     assert host_info <= ids

@@ -41,6 +41,8 @@ FINISHED_KEPT = 32
 LIST_LIMIT = 10_000
 STDERR_TAIL = 4096
 KEEPALIVE_S = 15.0
+ENDS_KEPT = 1024  # end events `exec.ended` can still hand out
+ENDS_PER_REPLY = 128
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
@@ -748,6 +750,10 @@ class Commands:
         self.lock = threading.Lock()
         self.by_id: dict[str, Command] = {}
         self.seq = 0
+        # Every listed command's end, numbered: one `exec.ended` connection watches them all.
+        self.ended = threading.Condition(threading.Lock())
+        self.ends: list[tuple[int, str, dict]] = []  # (number, cmd_id, end event), oldest first
+        self.end_seq = 0
 
     def get(self, cmd_id: object) -> Command:
         with self.lock:
@@ -828,8 +834,7 @@ class Commands:
                 break
             c.append(stream, data)
 
-    @staticmethod
-    def _wait(c: Command) -> None:
+    def _wait(self, c: Command) -> None:
         import select
 
         try:
@@ -858,6 +863,12 @@ class Commands:
             c.exit_code = code
             c.ended_at = time.time()
             c.cond.notify_all()
+        if not c.hidden:
+            with self.ended:
+                self.end_seq += 1
+                self.ends.append((self.end_seq, c.id, c.end_event()))
+                del self.ends[:-ENDS_KEPT]
+                self.ended.notify_all()
 
 
 COMMANDS = Commands()
@@ -1001,6 +1012,29 @@ def op_exec_wait(conn: Conn, req: dict) -> None:
         conn.reply({"type": "keepalive"})
 
 
+def op_exec_ended(conn: Conn, req: dict) -> None:
+    """The end events of commands that ended after end number `after` (at most ENDS_PER_REPLY),
+    as soon as there is one (keepalives meanwhile): the control plane watches every command of
+    the sandbox on this one connection. `complete` is false when some were dropped meanwhile."""
+    after = req.get("after", 0)
+    if not isinstance(after, int) or isinstance(after, bool) or after < 0:
+        raise OpError("invalid_request", "after must be a non-negative integer")
+    c = COMMANDS
+    while True:
+        with c.ended:
+            if after > c.end_seq:
+                after = 0  # a number from before this agent started: all it kept is new
+            if c.end_seq <= after:
+                c.ended.wait(KEEPALIVE_S)  # any end wakes it; a quiet interval sends a keepalive
+            found = [(n, i, e) for n, i, e in c.ends if n > after][:ENDS_PER_REPLY]
+        if found:
+            ends = [{**e, "cmd_id": i} for _, i, e in found]
+            complete = found[0][0] == after + 1
+            conn.reply({"ok": True, "ends": ends, "seq": found[-1][0], "complete": complete})
+            return
+        conn.reply({"type": "keepalive"})
+
+
 def op_exec_stdin(conn: Conn, req: dict) -> None:
     c = COMMANDS.get(req.get("cmd_id"))
     stdin = c.proc.stdin if c.proc else None
@@ -1137,6 +1171,7 @@ OPS = {
     "exec.list": op_exec_list,
     "exec.events": op_exec_events,
     "exec.wait": op_exec_wait,
+    "exec.ended": op_exec_ended,
     "exec.stdin": op_exec_stdin,
     "exec.kill": op_exec_kill,
     "code.call": op_code_call,

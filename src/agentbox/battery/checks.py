@@ -1619,6 +1619,7 @@ def _api_special(ctx: Ctx) -> Verdict:
 
 # The check families in modules of their own register themselves on import.
 from agentbox.battery import (  # noqa: E402
+    checks_budget,  # noqa: F401
     checks_hostinfo,  # noqa: F401
     checks_secrets,  # noqa: F401
     checks_server,  # noqa: F401

@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from pathlib import Path
+from typing import Any
 
+from agentbox.core.logs import LogLimits
 from agentbox.core.network import NetworkSettings
 from agentbox.runtimes.process.weaken import WEAKENINGS
 from agentbox.server.app import serve
@@ -33,6 +35,8 @@ SERVER_WEAKENINGS: dict[str, str] = {
     "gateway-unbounded": "the port gateway relays without yielding to the event loop, without "
     "idle or write timeouts, caps or ping rationing, passes a sandbox's Set-Cookie untouched, "
     "WebSocket clients get no keepalive pings, and repeated log lines are not counted",
+    "budgets-open": "the egress proxy caps no sandbox's or tenant's connections, and every "
+    "refused egress attempt is written to the egress log one by one",
 }
 
 
@@ -63,7 +67,15 @@ def weakened_limits(flags: set[str]) -> ServerLimits:
             confine_cookies=False,
         )
         limits = dataclasses.replace(limits, relay=relay, log_repeats=0, ws_ping_interval=None)
+    if "budgets-open" in flags:
+        limits = dataclasses.replace(limits, logs=LogLimits(refused_sampled=2**40))
     return limits
+
+
+def weakened_network(flags: set[str], **settings: Any) -> NetworkSettings:
+    if "budgets-open" in flags:
+        settings.update(egress_conns_per_sandbox=2**20, egress_conns_per_tenant=2**20)
+    return NetworkSettings(egress_weaken=frozenset(flags & EGRESS_WEAKENINGS.keys()), **settings)
 
 
 def main() -> None:
@@ -82,10 +94,10 @@ def main() -> None:
     if unknown:
         p.error(f"unknown weakening(s): {', '.join(sorted(unknown))}")
     config = {"weaken": sorted(flags & WEAKENINGS.keys()), "bind_host": a.bind_host}
-    network = NetworkSettings(
+    network = weakened_network(
+        flags,
         egress_allow_cidrs=tuple(a.egress_allow_cidr),
         egress_resolve=tuple(a.egress_resolve),
-        egress_weaken=frozenset(flags & EGRESS_WEAKENINGS.keys()),
     )
     limits = weakened_limits(flags)
     serve(a.host, a.port, a.data_dir, a.runtime, config, network=network, limits=limits)

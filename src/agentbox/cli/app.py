@@ -145,8 +145,14 @@ def serve(
     host_path: Annotated[list[str] | None, typer.Option(
         "--host-path", help="A host path sandboxes of the default template see read-only, "
         "e.g. /usr/local (hidden otherwise) or /etc/pip.conf (repeatable).")] = None,
+    log_retention_days: Annotated[float, typer.Option(
+        min=0, help="Audit and egress log rows older than this are deleted.")] = 30.0,
+    log_max_rows: Annotated[int, typer.Option(
+        min=1000, help="Rows the audit log and the egress log each keep at most (the newest)."
+        )] = 1_000_000,
 ) -> None:
     """Run the agentbox server in the foreground."""
+    from agentbox.core.logs import LogLimits
     from agentbox.core.network import NetworkSettings
     from agentbox.server.app import serve as run_server  # the server is heavy: load on use
     from agentbox.server.limits import ServerLimits
@@ -169,7 +175,9 @@ def serve(
         raise typer.BadParameter(str(e), param_hint="--egress-*") from None
     run_server(host=host, port=port, data_dir=data_dir or config.default_data_dir(),
                template_dir=template_dir or config.default_template_dir(), warm_pools=pools,
-               network=network, limits=ServerLimits(max_connections=max_connections),
+               network=network, limits=ServerLimits(
+                   max_connections=max_connections,
+                   logs=LogLimits(retention_days=log_retention_days, max_rows=log_max_rows)),
                runtime_config={"host_paths": host_path} if host_path else None)
 
 

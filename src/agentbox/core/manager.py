@@ -16,7 +16,7 @@ import os
 import re
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,7 +46,7 @@ from agentbox.core.pools import MAX_POOL_SIZE, POOL_TENANT, WarmPools
 from agentbox.egress.policy import EgressPolicy
 from agentbox.egress.proxy import HTTP_PORT, SOCKS_PORT
 from agentbox.runtimes.base import Resources, Runtime, RuntimeError_, SandboxSpec
-from agentbox.store.db import SandboxRow, Store
+from agentbox.store.db import DETAIL_STRING_CHARS, SandboxRow, Store
 from agentbox.templates import (
     BuildError,
     TemplateInfo,
@@ -90,10 +90,39 @@ HEALTH_CHECK_S = 2.0  # how often every running sandbox's agent is pinged
 AGENT_PING_TIMEOUT_S = 5.0  # no answer in this long: the sandbox is `unhealthy`
 HEALTH_CONCURRENCY = 32  # pings in flight at once (a wedged agent holds one for the timeout)
 UNHEALTHY = "unhealthy"  # shown instead of `running`; never stored: it is an observation
+# Commands per sandbox whose end the server waits for to audit it (background ones, and
+# foreground ones their client left): all on one agent connection, but each costs memory.
+MAX_WATCHED_COMMANDS = 1024
+WATCH_RETRY_S = 1.0  # an agent that could not be reached is asked again this much later
+ENDS_POLL_S = 2.0  # an agent without `exec.ended` is asked about each command this often
+UNCLAIMED_ENDS = 256
 
 
 class _KilledWhileStarting(Exception):
     """A kill arrived while the sandbox was starting: the start stops and tears it down."""
+
+
+@dataclass
+class _Watched:
+    """A command whose end will be audited: who started it, what, and when (monotonic)."""
+
+    row: SandboxRow
+    cmd: str
+    caller: Caller | None
+    started: float
+
+
+@dataclass
+class _CommandWatch:
+    """One sandbox's commands awaiting their end, the task that waits for them all, and the
+    number of the last end the agent reported (`exec.ended`)."""
+
+    pending: dict[str, _Watched] = field(default_factory=dict)
+    after: int = 0
+    task: asyncio.Task[None] | None = None
+    # Ends reported for commands not watched (yet): one that ends before the reply to its
+    # start is read is reported before it is watched. Oldest first, bounded.
+    unclaimed: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass
@@ -193,6 +222,7 @@ class SandboxManager:
         # (sandbox, command) -> what explains its end: {"violation", "network_blocked"}.
         self._violations: dict[tuple[str, str], dict[str, Any]] = {}
         self._watchers: set[asyncio.Task] = set()
+        self._command_watches: dict[str, _CommandWatch] = {}
         self._tasks: list[asyncio.Task] = []
         self._wake = asyncio.Event()
         # Running sandboxes, read on every command and file call. This process is the only
@@ -919,6 +949,7 @@ class SandboxManager:
         self._sandbox_locks.pop(row.sandbox_id, None)
         self._unhealthy.pop(row.sandbox_id, None)
         self._inflight.pop(row.sandbox_id, None)
+        self._command_watches.pop(row.sandbox_id, None)
         for key in [k for k in self._baselines if k[0] == row.sandbox_id]:
             self._baselines.pop(key, None)
         for key in [k for k in self._violations if k[0] == row.sandbox_id]:
@@ -1176,6 +1207,7 @@ class SandboxManager:
         body = self._exec_request(req, "exec.start")
         started = time.monotonic()
         row = self._reachable(caller, sandbox_id)
+        self._check_watch_room(sandbox_id)
         baseline = self.runtime.limit_counters(sandbox_id)
         try:
             info = (await self._client(row).call(body))["command"]
@@ -1192,6 +1224,7 @@ class SandboxManager:
         body = self._exec_request(req, "exec.run")
         started = time.monotonic()
         row = self._reachable(caller, sandbox_id)
+        self._check_watch_room(sandbox_id)  # its client may leave before the end
         baseline = self.runtime.limit_counters(sandbox_id)
         try:
             info, stream = await self._client(row).command_stream(body)
@@ -1202,7 +1235,7 @@ class SandboxManager:
 
         def ended(end: dict[str, Any] | None) -> None:
             if end is None:  # the client left before the end: audit when it does end
-                self._watch(row, cmd_id, req.cmd, caller, started)
+                self._watch(row, cmd_id, req.cmd, caller, started, verify=True)
             else:
                 self._audit_command(caller, row, cmd_id, req.cmd, started, end)
 
@@ -1252,25 +1285,113 @@ class SandboxManager:
             violation=(end.get("violation") or {}).get("code"),
         )
 
+    def _check_watch_room(self, sandbox_id: str) -> None:
+        w = self._command_watches.get(sandbox_id)
+        if w is not None and len(w.pending) >= MAX_WATCHED_COMMANDS:
+            raise AgentboxError(
+                f"sandbox {sandbox_id} has {MAX_WATCHED_COMMANDS} commands running in the "
+                "background (or left running by their clients), the most the server follows "
+                "per sandbox; wait for some to end or kill them, then retry",
+                code="too_many_commands",
+                status=429,
+                limit=MAX_WATCHED_COMMANDS,
+            )
+
     def _watch(
-        self, row: SandboxRow, cmd_id: str, cmd: str, caller: Caller | None, started: float
+        self,
+        row: SandboxRow,
+        cmd_id: str,
+        cmd: str,
+        caller: Caller | None,
+        started: float,
+        verify: bool = False,
     ) -> None:
-        """Audit the command when it ends, whoever (if anyone) is streaming its output."""
+        """Audit the command when it ends, whoever (if anyone) is streaming its output.
 
-        async def watch() -> None:
-            t0 = started or time.monotonic()
-            try:
-                conn_end = await self._client(row, tracked=False).call(
-                    {"op": "exec.wait", "cmd_id": cmd_id}, timeout=None
-                )
-            except (AgentOpError, AgentUnavailable):
-                return
-            end = self.finish(row.sandbox_id, cmd_id, conn_end)
-            self._audit_command(caller, row, cmd_id, cmd, t0, end)
+        A sandbox's commands are all awaited on one agent connection (`_watch_ends`): the
+        server's descriptors do not grow with the commands a sandbox keeps running. `verify`:
+        the command may have ended unseen already (its client left the stream), ask once."""
+        w = self._command_watches.setdefault(row.sandbox_id, _CommandWatch())
+        t0 = started or time.monotonic()  # 0: found running after a restart
+        w.pending[cmd_id] = _Watched(row, cmd[:DETAIL_STRING_CHARS], caller, t0)
+        end = w.unclaimed.pop(cmd_id, None)
+        if end is not None:  # a quick command: its end came before its start's reply
+            self._ended(w, cmd_id, end)
+            return
+        if w.task is None or w.task.done():
+            w.task = self._background(self._watch_ends(row, w))
+        if verify:
+            self._background(self._poll_ends(self._client(row, tracked=False), w, [cmd_id]))
 
-        task = asyncio.create_task(watch())
+    def _background(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        task = asyncio.create_task(work)
         self._watchers.add(task)
         task.add_done_callback(self._watchers.discard)
+        return task
+
+    async def _watch_ends(self, row: SandboxRow, w: _CommandWatch) -> None:
+        """Audit the sandbox's watched commands as the agent reports their ends, until none
+        is left or the sandbox is gone."""
+        client = self._client(row, tracked=False)
+        while w.pending:
+            try:
+                reply = await client.call({"op": "exec.ended", "after": w.after}, timeout=None)
+            except AgentOpError as e:
+                if e.code == "invalid_request":  # an agent from before exec.ended
+                    await self._poll_ends(client, w, list(w.pending), ENDS_POLL_S)
+                    continue
+                reply = {}  # at its process limit, say: ask again in a while
+            except AgentUnavailable:
+                reply = {}
+            seq, ends = reply.get("seq"), reply.get("ends")
+            if not isinstance(seq, int) or not isinstance(ends, list):
+                if row.sandbox_id not in self._running or row.sandbox_id in self._ending:
+                    break
+                # A wedged or broken agent (the health check decides) may not make us spin.
+                await asyncio.sleep(WATCH_RETRY_S)
+                continue
+            w.after = seq
+            audited = sum(
+                self._ended(w, str(end.get("cmd_id")), end) for end in ends if isinstance(end, dict)
+            )
+            if reply.get("complete") is not True:  # some ends were dropped meanwhile
+                await self._poll_ends(client, w, list(w.pending))
+            if not audited:
+                await asyncio.sleep(0.05)  # only others' ends: a lying agent may not spin us
+        if w.pending and self._command_watches.get(row.sandbox_id) is w:
+            del self._command_watches[row.sandbox_id]  # the sandbox is gone, and its commands
+
+    async def _poll_ends(
+        self, client: AgentClient, w: _CommandWatch, cmd_ids: Sequence[str], wait: float = 0
+    ) -> None:
+        """Ask the agent about each of these commands (one connection at a time)."""
+        await asyncio.sleep(wait)
+        for cmd_id in cmd_ids:
+            try:
+                info = (await client.call({"op": "exec.info", "cmd_id": cmd_id}))["command"]
+            except AgentOpError:
+                w.pending.pop(cmd_id, None)  # gone from the agent's memory: nothing to audit
+                continue
+            except (AgentUnavailable, KeyError, TypeError):
+                return
+            if isinstance(info, dict) and info.get("running") is False and cmd_id in w.pending:
+                code = info.get("exit_code")
+                signal = -code if isinstance(code, int) and code < 0 else None
+                self._ended(w, cmd_id, {**info, "type": "end", "signal": signal})
+
+    def _ended(self, w: _CommandWatch, cmd_id: str, end: dict[str, Any]) -> bool:
+        """Audit a watched command's end; False if it is not watched (yet: kept a while)."""
+        watched = w.pending.pop(cmd_id, None)
+        if watched is None:
+            tail = str(end.get("stderr_tail") or "")[-1024:]  # enough for the hints it holds
+            w.unclaimed[cmd_id] = {**end, "stderr_tail": tail}
+            while len(w.unclaimed) > UNCLAIMED_ENDS:
+                w.unclaimed.pop(next(iter(w.unclaimed)))
+            return False
+        row = watched.row
+        final = self.finish(row.sandbox_id, cmd_id, end)
+        self._audit_command(watched.caller, row, cmd_id, watched.cmd, watched.started, final)
+        return True
 
     def finish(self, sandbox_id: str, cmd_id: str, end: dict[str, Any]) -> dict[str, Any]:
         """Turn the agent's end event into the API's, with the violation that explains it."""

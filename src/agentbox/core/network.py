@@ -22,6 +22,7 @@ from typing import Any
 from cryptography.fernet import Fernet, InvalidToken
 
 from agentbox.core.errors import Forbidden, InvalidRequest, NotFound
+from agentbox.core.logs import LogLimits, RefusalSampler
 from agentbox.egress.addresses import AddressGuard, parse_resolve_option
 from agentbox.egress.policy import EgressPolicy, Rule, RuleError, check_within, parse_rule
 from agentbox.egress.proxy import HTTP_PORT, SOCKS_PORT, EgressProxy
@@ -78,6 +79,10 @@ class NetworkSettings:
     # server's address as clients see it (for signed URLs).
     ports_domain: str = "localhost"
     public_url: str = ""  # "" = http://localhost:{port} of `agentbox serve`
+    # Egress connections (HTTP proxy and SOCKS) open at once per sandbox and per tenant; each
+    # holds two of the server's descriptors (the sandbox's side and the upstream's).
+    egress_conns_per_sandbox: int = 64
+    egress_conns_per_tenant: int = 256
     # Security-battery positive controls only (see EgressProxy); never set by the CLI.
     egress_weaken: frozenset[str] = frozenset()
 
@@ -137,7 +142,13 @@ def _network(d: dict[str, Any] | None, what: str) -> SandboxNetwork:
 
 
 class NetworkService:
-    def __init__(self, store: Store, data_dir: Path, settings: NetworkSettings) -> None:
+    def __init__(
+        self,
+        store: Store,
+        data_dir: Path,
+        settings: NetworkSettings,
+        logs: LogLimits | None = None,
+    ) -> None:
         self.store = store
         self.settings = settings
         self.workdir = data_dir / "egress"
@@ -152,6 +163,8 @@ class NetworkService:
             secret=self.bound_secret,
             record=self._record,
             weaken=settings.egress_weaken,
+            conns_per_sandbox=settings.egress_conns_per_sandbox,
+            conns_per_tenant=settings.egress_conns_per_tenant,
         )
         self._fernet = Fernet(self._key(data_dir / "secrets.key"))
         self._secrets: dict[tuple[str, str], BoundSecret | None] = {}
@@ -161,6 +174,8 @@ class NetworkService:
         self._ceilings: dict[str, EgressPolicy | None] = {}
         self._pending: list[dict[str, Any]] = []
         self._flusher: asyncio.Task[None] | None = None
+        # A sandbox decides how often it is refused: past a few per window, only counted.
+        self._sampler = RefusalSampler(logs or LogLimits())
 
     @staticmethod
     def _key(path: Path) -> bytes:
@@ -368,12 +383,14 @@ class NetworkService:
     async def forget(self, sandbox_id: str) -> None:
         """Stop serving a sandbox's egress and drop its CA."""
         await self.proxy.detach(sandbox_id)
+        self._sampler.forget(sandbox_id)
         shutil.rmtree(self.workdir / sandbox_id, ignore_errors=True)
 
     # ------------------------------------------------------------------ egress log
 
     def _record(self, event: dict[str, Any]) -> None:
-        self._pending.append(event)
+        if self._sampler.admit(event):
+            self._pending.append(event)
         if self._flusher is None or self._flusher.done():
             try:
                 self._flusher = asyncio.get_running_loop().create_task(self._flush_later())
@@ -385,10 +402,15 @@ class NetworkService:
         self.flush()
 
     def flush(self) -> None:
-        """Write the recorded egress events (batched: one transaction per half second)."""
+        """Write the recorded egress events (batched: one transaction per half second) and the
+        counts of the refusals that were only counted."""
         events, self._pending = self._pending, []
         try:
             self.store.add_egress_events(events)
+            for tally in self._sampler.changed():
+                tally.row["suppressed"] = tally.count
+                tally.row_id = self.store.put_egress_summary(tally.row_id, tally.row)
+                tally.written = tally.count
         except Exception:  # noqa: BLE001 - the log must never break egress
             log.exception("could not write %d egress events", len(events))
 

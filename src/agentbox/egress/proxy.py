@@ -11,6 +11,9 @@ host it asked CONNECT for. Only for hosts a secret of the sandbox is bound to do
 terminate TLS (with the sandbox's own CA, which the sandbox trusts), speak TLS to the real
 upstream, verifying it, and put the secret's value where its binding allows (`secrets`); the
 responses of those hosts are scrubbed of the value on their way back.
+
+Connections are budgeted per sandbox and per tenant (`_over_cap`): each costs the server two
+descriptors, and a sandbox decides how many it opens. One past a cap is answered with why.
 """
 
 from __future__ import annotations
@@ -52,7 +55,11 @@ log = logging.getLogger(__name__)
 
 HTTP_PORT = 3128
 SOCKS_PORT = 1080
-MAX_CONNS_PER_SANDBOX = 256
+# Connections past a sandbox's or tenant's cap are still answered, with the reason (503, SOCKS
+# general failure), in at most this many at once per sandbox and this long each; past that they
+# are closed unanswered.
+BUSY_ANSWERS = 8
+BUSY_ANSWER_S = 5.0
 HEAD_TIMEOUT_S = 30.0
 CONNECT_TIMEOUT_S = 10.0
 RESOLVE_TIMEOUT_S = 5.0
@@ -79,6 +86,8 @@ class SandboxEgress:
     ca: EgressCA | None = None
     servers: list[asyncio.AbstractServer] = field(default_factory=list)
     conns: set[asyncio.Task[Any]] = field(default_factory=set)
+    # Connections over a cap, being answered with why (`_admit` refuses them).
+    busy: dict[asyncio.Task[Any], Refused] = field(default_factory=dict)
     denials: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=100))
 
 
@@ -168,6 +177,8 @@ class EgressProxy:
         secret: Callable[[str, str], BoundSecret | None] = lambda tenant, name: None,
         record: Callable[[dict[str, Any]], None] = lambda event: None,
         weaken: frozenset[str] = frozenset(),
+        conns_per_sandbox: int = 64,
+        conns_per_tenant: int = 256,
     ) -> None:
         # Positive controls of the security battery only ("egress-open": no address guard, no
         # SNI or Host checks; "secrets-loose": values go into any header of a request to a bound
@@ -181,6 +192,8 @@ class EgressProxy:
         self._ceiling = ceiling
         self._secret = secret
         self._record = record
+        self.conns_per_sandbox = conns_per_sandbox
+        self.conns_per_tenant = conns_per_tenant
         self.sandboxes: dict[str, SandboxEgress] = {}
 
     # ------------------------------------------------------------------ sandboxes
@@ -224,10 +237,11 @@ class EgressProxy:
             return
         for server in sbx.servers:
             server.close()
-        for task in list(sbx.conns):
+        tasks = [*sbx.conns, *sbx.busy]
+        for task in tasks:
             task.cancel()
-        if sbx.conns:
-            await asyncio.gather(*sbx.conns, return_exceptions=True)
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
         if sbx.ca is not None:
             sbx.ca.close()
 
@@ -263,6 +277,10 @@ class EgressProxy:
 
     def _admit(self, sbx: SandboxEgress, raw_host: str, port: int) -> tuple[str, Decision]:
         """The normalised host and the decision that allows it; raises Refused otherwise."""
+        task = asyncio.current_task()
+        busy = sbx.busy.get(task) if task is not None else None
+        if busy is not None:  # a connection past a cap: it learns why, and goes nowhere
+            raise busy
         try:
             host = normalize_host(raw_host)
         except RuleError as e:
@@ -351,23 +369,51 @@ class EgressProxy:
     ) -> None:
         task = asyncio.current_task()
         assert task is not None
-        if len(sbx.conns) >= MAX_CONNS_PER_SANDBOX:
+        busy = self._over_cap(sbx)
+        if busy is not None and len(sbx.busy) >= BUSY_ANSWERS:
             writer.close()
             return
-        sbx.conns.add(task)
+        if busy is None:
+            sbx.conns.add(task)
+        else:
+            sbx.busy[task] = busy
         sock = writer.get_extra_info("socket")
         if sock is not None:
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
-            await handler(sbx, reader, writer)
+            async with asyncio.timeout(BUSY_ANSWER_S if busy else None):
+                await handler(sbx, reader, writer)
         except (asyncio.CancelledError, ConnectionError, asyncio.IncompleteReadError):
             pass
+        except TimeoutError:
+            pass  # a connection over the cap that did not say what it wanted in time
         except Exception:  # noqa: BLE001 - one broken connection must not reach the server
             log.exception("egress connection of %s failed", sbx.sandbox_id)
         finally:
             sbx.conns.discard(task)
+            sbx.busy.pop(task, None)
             writer.close()
+
+    def _over_cap(self, sbx: SandboxEgress) -> Refused | None:
+        """Why a new connection of the sandbox is refused, if it is over a cap: its own
+        connections, or its tenant's (counted now: a claimed pool member changes tenant)."""
+        if len(sbx.conns) >= self.conns_per_sandbox:
+            whose = f"sandbox {sbx.sandbox_id} has {self.conns_per_sandbox}"
+            per = "sandbox"
+        else:
+            tenant = sum(len(s.conns) for s in self.sandboxes.values() if s.tenant == sbx.tenant)
+            if tenant < self.conns_per_tenant:
+                return None
+            whose = f"the sandboxes of tenant {sbx.tenant} have {self.conns_per_tenant}"
+            per = "tenant"
+        return Refused(
+            "connection_limit",
+            f"{whose} egress connections open, the most the server allows per {per}; close "
+            "some (reuse keep-alive connections, fewer parallel downloads) and retry",
+            503,
+            socks_code=1,
+        )
 
     def _finish(self, att: _Attempt) -> None:
         event = {
@@ -805,6 +851,9 @@ class _HttpSession:
             outcome = "blocked by the sandbox network policy"
             kind, error = b"denied", b"destination_denied"
             status_text = "Blocked by agentbox network policy"
+        elif e.rule == "connection_limit":
+            outcome, kind, error = "refused", b"busy", b"connection_limit_reached"
+            status_text = "Too many egress connections"
         else:
             outcome, kind, error = "failed", b"failed", b"proxy_internal_error"
             status_text = "Egress failed"

@@ -36,6 +36,7 @@ from agentbox.core.errors import (
     NotFound,
     SandboxUnavailable,
 )
+from agentbox.core.logs import LogKeeper
 from agentbox.core.manager import (
     CodeRequest,
     CommandRequest,
@@ -222,7 +223,7 @@ def create_app(
             template_dir or data_dir / "templates",
             in_use=lambda rootfs: manager.rootfs_in_use(rootfs),
         )
-        netsvc = NetworkService(store, data_dir, net_settings)
+        netsvc = NetworkService(store, data_dir, net_settings, limits.logs)
         health = {
             arg: float(os.environ[var])
             for arg, var in (
@@ -233,6 +234,8 @@ def create_app(
         }
         manager = SandboxManager(store, runtime, templates, netsvc, warm_pools, **health)
         await manager.start()
+        log_keeper = LogKeeper(store, limits.logs)
+        log_keeper.start()
         state.update(store=store, auth=auth, manager=manager, runtime=runtime, network=netsvc)
         try:
             yield
@@ -241,6 +244,7 @@ def create_app(
             await manager.stop()
             await gateway.aclose()
             await netsvc.close()
+            await log_keeper.stop()
             await runtime.close()
             os.close(lock_fd)  # the lock goes with it
 

@@ -30,6 +30,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from agentbox.core.errors import AgentboxError, Unauthorized
+from agentbox.core.logs import LogLimits
 from agentbox.server.gateway import RelayLimits
 
 log = logging.getLogger("agentbox.server")
@@ -62,6 +63,8 @@ class ServerLimits:
     # control (`server-unguarded`), to show its checks can see a server that reads first.
     key_first: bool = True
     relay: RelayLimits = field(default_factory=RelayLimits)
+    # What the audit and egress logs may hold (sandboxes' refused attempts are sampled).
+    logs: LogLimits = field(default_factory=LogLimits)
 
     def connection_cap(self) -> int:
         if self.max_connections is not None:

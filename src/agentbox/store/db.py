@@ -1,12 +1,15 @@
-"""Persistence: tenants, API keys, sandboxes and the audit log, through SQLAlchemy Core.
+"""Persistence: tenants, API keys, sandboxes, the audit and egress logs, through SQLAlchemy Core.
 
 SQLite in the data dir is the embedded default; the schema uses only portable types so a
 PostgreSQL URL can replace it. Calls are short and synchronous (SQLite in WAL mode answers in
-well under a millisecond); callers on the event loop use them directly.
+well under a millisecond); callers on the event loop use them directly. The audit and egress
+logs are bounded here: every text field by length, the rows by age and count (`trim_logs`,
+which core/logs.py runs).
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -23,6 +26,7 @@ from sqlalchemy import (
     String,
     Table,
     create_engine,
+    delete,
     event,
     func,
     insert,
@@ -111,6 +115,9 @@ egress_log = Table(
     Column("rule", String(255), nullable=True),
     Column("reason", String, nullable=True),
     Column("duration_ms", Float, nullable=True),
+    # On a summary row: the refused attempts of this sandbox under this rule, in one sampling
+    # window, that were counted rather than written one by one (core/logs.py).
+    Column("suppressed", Integer, nullable=True),
 )
 
 audit = Table(
@@ -128,6 +135,69 @@ audit = Table(
 )
 
 LIVE_STATES = ("starting", "running")
+
+# The longest value each text field of the two logs stores (characters; docs/API.md, "Audit and
+# egress logs"): sandboxes and clients choose these strings, and the disk must not pay for them.
+EGRESS_FIELD_LENGTHS = {
+    "tenant": 128,
+    "sandbox_id": 64,
+    "protocol": 24,
+    "host": 255,
+    "method": 16,
+    "path": 512,
+    "rule": 255,
+    "reason": 1024,
+}
+AUDIT_FIELD_LENGTHS = {"tenant": 128, "key_id": 32, "action": 64, "sandbox_id": 64}
+# An audit row's detail is at most this long as JSON. It is cut value by value, never as text,
+# so it stays valid JSON: strings to DETAIL_STRING_CHARS (fewer if that is not enough), lists
+# and objects to their first DETAIL_ITEMS entries, nesting to DETAIL_DEPTH levels.
+DETAIL_MAX_BYTES = 4096
+DETAIL_STRING_CHARS = 1024
+DETAIL_ITEMS = 64
+DETAIL_DEPTH = 4
+_CUT = "…"  # ends a cut string; a cut list or object ends with it as an item / key
+
+
+def _clipped(values: dict[str, Any], lengths: dict[str, int]) -> dict[str, Any]:
+    out = dict(values)
+    for name, most in lengths.items():
+        value = out.get(name)
+        if isinstance(value, str) and len(value) > most:
+            out[name] = value[:most]
+    return out
+
+
+def _clip_value(value: Any, chars: int, depth: int) -> Any:
+    if value is None or isinstance(value, bool | int | float):
+        return value
+    if isinstance(value, str):
+        return value if len(value) <= chars else value[:chars] + _CUT
+    if depth >= DETAIL_DEPTH:
+        return _CUT
+    if isinstance(value, dict):
+        items = list(value.items())
+        out = {str(k)[:chars]: _clip_value(v, chars, depth + 1) for k, v in items[:DETAIL_ITEMS]}
+        if len(items) > DETAIL_ITEMS:
+            out[_CUT] = len(items) - DETAIL_ITEMS
+        return out
+    if isinstance(value, list | tuple):
+        out_list = [_clip_value(v, chars, depth + 1) for v in value[:DETAIL_ITEMS]]
+        return out_list + [_CUT] if len(value) > DETAIL_ITEMS else out_list
+    return _clip_value(str(value), chars, depth)
+
+
+def clip_detail(detail: dict[str, Any] | None) -> dict[str, Any] | None:
+    """An audit detail as stored: valid JSON of at most DETAIL_MAX_BYTES."""
+    if not detail:
+        return detail
+    chars = DETAIL_STRING_CHARS
+    while chars >= 8:
+        clipped = _clip_value(detail, chars, 0)
+        if len(json.dumps(clipped)) <= DETAIL_MAX_BYTES:
+            return clipped  # type: ignore[no-any-return]
+        chars //= 4
+    return {_CUT: "the detail was too large to keep"}
 
 
 @dataclass
@@ -167,6 +237,10 @@ class Store:
             @event.listens_for(self.engine, "connect")
             def _pragmas(conn: Any, _record: Any) -> None:
                 cur = conn.cursor()
+                # Pages the log trims free go back to the filesystem (`reclaim`). SQLite takes
+                # this only before the first table exists: older data dirs reuse freed pages
+                # instead, so their file stops growing but does not shrink.
+                cur.execute("PRAGMA auto_vacuum=INCREMENTAL")
                 cur.execute("PRAGMA journal_mode=WAL")
                 cur.execute("PRAGMA synchronous=NORMAL")
                 cur.execute("PRAGMA busy_timeout=5000")
@@ -397,7 +471,21 @@ class Store:
     def add_egress_events(self, events: list[dict[str, Any]]) -> None:
         if events:
             with self.engine.begin() as c:
-                c.execute(insert(egress_log), events)
+                c.execute(insert(egress_log), [_clipped(e, EGRESS_FIELD_LENGTHS) for e in events])
+
+    def put_egress_summary(self, row_id: int | None, event: dict[str, Any]) -> int:
+        """Write a summary row of counted refusals (row_id None) or update its count and time;
+        the row's id."""
+        event = _clipped(event, EGRESS_FIELD_LENGTHS)
+        with self.engine.begin() as c:
+            if row_id is not None:
+                values = {"suppressed": event["suppressed"], "time": event["time"]}
+                done = c.execute(update(egress_log).where(egress_log.c.id == row_id).values(values))
+                if done.rowcount:
+                    return row_id
+            key = c.execute(insert(egress_log).values(event)).inserted_primary_key
+            assert key is not None
+            return int(key[0])
 
     def list_egress(
         self,
@@ -429,6 +517,8 @@ class Store:
     # ------------------------------------------------------------------ audit
 
     def add_audit(self, **values: Any) -> None:
+        values = _clipped(values, AUDIT_FIELD_LENGTHS)
+        values["detail"] = clip_detail(values.get("detail"))
         with self.engine.begin() as c:
             c.execute(insert(audit).values(**values))
 
@@ -442,3 +532,52 @@ class Store:
     ) -> list[dict[str, Any]]:
         filters = {"tenant": tenant, "sandbox_id": sandbox_id, "action": action}
         return self._newest(audit, filters, since, limit)
+
+    # ------------------------------------------------------------------ log bounds
+
+    def trim_logs(self, before: float, max_rows: int, batch: int = 5000) -> int:
+        """Delete the audit and egress log rows older than `before` (unix time) and those
+        beyond each log's `max_rows` newest; the number deleted. Oldest first, by id, `batch`
+        rows per transaction, so writers never wait long."""
+        removed = 0
+        for table in (audit, egress_log):
+            removed += self._delete_oldest(table, table.c.time < before, batch)
+            with self.engine.connect() as c:
+                newest = c.execute(select(func.max(table.c.id))).scalar()
+            # Ids only grow and only the oldest rows go, so every row has an id within
+            # max_rows of the newest: no count(*) (a full scan) needed.
+            if newest is not None and max_rows >= 0:
+                removed += self._delete_oldest(table, table.c.id <= newest - max_rows, batch)
+        if removed:
+            self.reclaim()
+        return removed
+
+    def _delete_oldest(self, table: Table, condition: Any, batch: int) -> int:
+        # No ORDER BY: the condition's own index (time, or the id itself) finds the rows, and
+        # a log with nothing to trim costs one index probe, not a scan.
+        removed = 0
+        while True:
+            some = select(table.c.id).where(condition).limit(batch)
+            with self.engine.begin() as c:
+                n = c.execute(delete(table).where(table.c.id.in_(some))).rowcount
+            removed += n
+            if n < batch:
+                return removed
+
+    def reclaim(self) -> None:
+        """Give the pages deleted rows left free back to the filesystem (SQLite)."""
+        if self.engine.dialect.name == "sqlite":
+            with self.engine.connect() as c:
+                # Each step of this pragma frees one page, and sqlite3's execute() takes one
+                # step of a statement without columns: executescript runs it to the end.
+                raw = c.connection.driver_connection
+                assert raw is not None
+                raw.executescript("PRAGMA incremental_vacuum;")
+
+    def log_rows(self) -> dict[str, int]:
+        """Rows in each log (a full count: for tests and operators, not hot paths)."""
+        with self.engine.connect() as c:
+            return {
+                t.name: int(c.execute(select(func.count()).select_from(t)).scalar_one())
+                for t in (audit, egress_log)
+            }
