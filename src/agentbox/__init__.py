@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("Sandbox", "AsyncSandbox", "Templates", "Secrets"):
+    if name in ("Sandbox", "AsyncSandbox", "Templates", "Secrets", "Workspaces", "AsyncWorkspaces"):
         from agentbox import sdk
 
         return getattr(sdk, name)

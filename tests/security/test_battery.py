@@ -90,6 +90,7 @@ def test_every_control_names_known_weakenings() -> None:
     host_info |= {"info-proc-own-figures", "info-boot-id", "info-mountinfo"}
     assert host_info <= ids
     assert all(c.control == {"host-info"} for c in CHECKS if c.id in host_info)
+    assert {c.id for c in CHECKS if c.control == {"quota-open"}} == {"res-file-table"}
 
 
 def test_egress_open_switches_off_the_proxy_guards() -> None:

@@ -37,6 +37,19 @@ SERVER_WEAKENINGS: dict[str, str] = {
     "WebSocket clients get no keepalive pings, and repeated log lines are not counted",
     "budgets-open": "the egress proxy caps no sandbox's or tenant's connections, and every "
     "refused egress attempt is written to the egress log one by one",
+    "quota-open": "tenants get the quota they had before every resource was capped: no cap on "
+    "nofile, file size or /tmp, no descriptor budget (pids × nofile) per sandbox or tenant, no "
+    "total disk",
+}
+
+# The default tenant quota values `quota-open` puts back (the server's own hard limits stay).
+OPEN_QUOTA = {
+    "max_nofile": 1 << 20,
+    "max_file_size_mb": 1 << 30,
+    "max_tmp_mb": 1 << 20,
+    "max_descriptors": 1 << 42,
+    "max_total_descriptors": 1 << 62,
+    "max_total_disk_mb": 1 << 40,
 }
 
 
@@ -69,6 +82,8 @@ def weakened_limits(flags: set[str]) -> ServerLimits:
         limits = dataclasses.replace(limits, relay=relay, log_repeats=0, ws_ping_interval=None)
     if "budgets-open" in flags:
         limits = dataclasses.replace(limits, logs=LogLimits(refused_sampled=2**40))
+    if "quota-open" in flags:
+        limits = dataclasses.replace(limits, tenant_quota=OPEN_QUOTA)
     return limits
 
 

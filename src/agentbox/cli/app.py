@@ -34,6 +34,7 @@ from agentbox.sdk import (
     SandboxInfo,
     Secrets,
     Templates,
+    Workspaces,
 )
 from agentbox.sdk.audit import list_audit_events, list_egress_events
 
@@ -50,6 +51,9 @@ app.add_typer(pool_app, name="pool")
 secrets_app = typer.Typer(help="Secrets sandboxes use without seeing them.",
                           no_args_is_help=True)
 app.add_typer(secrets_app, name="secrets")
+workspaces_app = typer.Typer(help="Workspaces kept after their sandbox ended (--keep-workspace).",
+                             no_args_is_help=True)
+app.add_typer(workspaces_app, name="workspaces")
 
 out = Console()
 err = Console(stderr=True)
@@ -841,6 +845,87 @@ def pool_set(
     with Templates(**_conn(ctx)) as templates:
         p = templates.set_pool_size(template, size)
     print(f"pool {p.template}: size {p.size}, ready {p.ready}")
+
+
+# ---------------------------------------------------------------------------- kept workspaces
+
+
+@workspaces_app.command("ls")
+def workspaces_ls(
+    ctx: typer.Context,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """List your kept workspaces: size on the server's disk, when kept, when deleted."""
+    with Workspaces(**_conn(ctx)) as kept:
+        found = kept.list()
+    if as_json:
+        _print_json([dataclasses.asdict(w) for w in found])
+        return
+    rows = [[w.sandbox_id, _bytes(w.used_bytes), _time(w.kept_at), _time(w.expires_at),
+             escape(w.template), escape(" ".join(f"{k}={v}" for k, v in w.metadata.items()))]
+            for w in found]
+    _print_table(["ID", "USED", "KEPT", "EXPIRES", "TEMPLATE", "METADATA"], rows)
+
+
+def _save(chunks: Any, dest: str, what: str) -> None:
+    """Stream chunks to a file, or to stdout for `-`."""
+    if dest == "-":
+        if sys.stdout.isatty():
+            raise typer.BadParameter(f"{what} is binary: redirect stdout or give --output FILE")
+        for chunk in chunks:
+            sys.stdout.buffer.write(chunk)
+        sys.stdout.buffer.flush()
+        return
+    size = 0
+    with open(dest, "wb") as f:
+        for chunk in chunks:
+            f.write(chunk)
+            size += len(chunk)
+    err.print(f"{escape(what)} -> {escape(dest)} ({size} bytes)", highlight=False)
+
+
+@workspaces_app.command("get")
+def workspaces_get(
+    ctx: typer.Context,
+    sandbox_id: Annotated[str, typer.Argument(help="Sandbox whose workspace was kept.")],
+    path: Annotated[str, typer.Argument(help="/workspace/... or a path relative to it.")],
+    output: Annotated[str, typer.Option(
+        "--output", "-o", help="File to write [default: stdout].")] = "-",
+) -> None:
+    """Copy one file out of a kept workspace (streamed; symlinks are never followed)."""
+    with Workspaces(**_conn(ctx)) as kept:
+        chunks = kept.read(sandbox_id, path, format="stream")
+        if output == "-":
+            for chunk in chunks:
+                sys.stdout.buffer.write(chunk)
+            sys.stdout.buffer.flush()
+        else:
+            _save(chunks, output, f"{sandbox_id}:{path}")
+
+
+@workspaces_app.command("archive")
+def workspaces_archive(
+    ctx: typer.Context,
+    sandbox_id: Annotated[str, typer.Argument(help="Sandbox whose workspace was kept.")],
+    output: Annotated[str, typer.Option(
+        "--output", "-o", help="Tar file to write, - for stdout [default: SANDBOX_ID.tar].")
+    ] = "",
+) -> None:
+    """Download a whole kept workspace as a tar archive (streamed)."""
+    with Workspaces(**_conn(ctx)) as kept:
+        _save(kept.archive(sandbox_id), output or f"{sandbox_id}.tar", sandbox_id)
+
+
+@workspaces_app.command("rm")
+def workspaces_rm(
+    ctx: typer.Context,
+    sandbox_ids: Annotated[list[str], typer.Argument(help="Kept workspaces to delete.")],
+) -> None:
+    """Delete kept workspaces (their disk goes back to your quota)."""
+    with Workspaces(**_conn(ctx)) as kept:
+        for sid in sandbox_ids:
+            kept.remove(sid)
+            print(f"removed {sid}")
 
 
 def main() -> None:

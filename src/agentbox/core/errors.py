@@ -52,6 +52,12 @@ class LimitExceeded(AgentboxError):
     status, code = 400, "limit_exceeded"
 
 
+class InsufficientStorage(AgentboxError):
+    """The server's own disk is nearly full: nothing new is created until space is freed."""
+
+    status, code = 507, "insufficient_storage"
+
+
 class SandboxNotRunning(AgentboxError):
     status, code = 409, "sandbox_not_running"
 

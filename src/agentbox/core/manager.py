@@ -12,7 +12,6 @@ import asyncio
 import codecs
 import dataclasses
 import logging
-import os
 import re
 import secrets
 import time
@@ -22,15 +21,15 @@ from pathlib import Path
 from typing import Any
 
 from agentbox.agent.client import AgentClient, AgentOpError, AgentUnavailable, OutputChunk
-from agentbox.core import violations
+from agentbox.core import quotas, violations
 from agentbox.core.auth import Caller
+from agentbox.core.disk import DiskAccounting, DiskSettings, live_workspaces
 from agentbox.core.errors import (
     AgentboxError,
     Conflict,
     InvalidRequest,
     LimitExceeded,
     NotFound,
-    QuotaExceeded,
     SandboxNotRunning,
     SandboxUnavailable,
     SandboxUnhealthy,
@@ -43,6 +42,7 @@ from agentbox.core.network import (
     new_access_token,
 )
 from agentbox.core.pools import MAX_POOL_SIZE, POOL_TENANT, WarmPools
+from agentbox.core.workspaces import KeptWorkspaces
 from agentbox.egress.policy import EgressPolicy
 from agentbox.egress.proxy import HTTP_PORT, SOCKS_PORT
 from agentbox.runtimes.base import Resources, Runtime, RuntimeError_, SandboxSpec
@@ -62,29 +62,7 @@ DEFAULT_TEMPLATE = "default"  # the host's own userland, read-only
 POOL_LIFETIME_S = 10 * 365 * 86_400
 # Key under which the manager notes, in a sandbox's stored state, the template tree it runs from.
 TEMPLATE_ROOTFS = "template_rootfs"  # members never expire; a claim sets the real deadline
-DEFAULT_QUOTA: dict[str, Any] = {
-    "max_sandboxes": 20,
-    "max_memory_mb": 4096,
-    "max_cpu_count": float(os.cpu_count() or 1),
-    "max_timeout": 86_400,
-    "max_disk_mb": 10_240,
-    "max_pids": 4096,
-}
-_RESOURCE_CAPS = {
-    "memory_mb": "max_memory_mb",
-    "cpu_count": "max_cpu_count",
-    "disk_mb": "max_disk_mb",
-    "pids": "max_pids",
-}
-_RESOURCE_MIN = {
-    "memory_mb": 32,
-    "cpu_count": 0.05,
-    "pids": 16,
-    "nofile": 64,
-    "file_size_mb": 1,
-    "disk_mb": 16,
-    "tmp_mb": 1,
-}
+DEFAULT_QUOTA: dict[str, Any] = quotas.default_quota()  # derived from this host (core/quotas.py)
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 HEALTH_CHECK_S = 2.0  # how often every running sandbox's agent is pinged
 AGENT_PING_TIMEOUT_S = 5.0  # no answer in this long: the sandbox is `unhealthy`
@@ -208,9 +186,19 @@ class SandboxManager:
         pool_sizes: dict[str, int] | None = None,
         health_interval: float = HEALTH_CHECK_S,
         ping_timeout: float = AGENT_PING_TIMEOUT_S,
+        default_quota: dict[str, Any] | None = None,
     ) -> None:
+        """`default_quota`: values of every tenant's quota until an admin sets its own, over
+        those derived from this host. The disk settings come from the environment."""
         self.store = store
         self.runtime = runtime
+        self.default_quota = {**DEFAULT_QUOTA, **(default_quota or {})}
+        disk = DiskSettings.from_env()
+        # Disk is accounted in one place: live workspaces and kept ones, by real usage.
+        self.disk = DiskAccounting(disk, runtime.storage_path())
+        self.workspaces = KeptWorkspaces(store, runtime, disk.kept_retention_s, self.audit)
+        self.disk.add_source(live_workspaces(store, runtime))
+        self.disk.add_source(self.workspaces.usage)
         self.templates = templates
         self.network = network
         self._template_locks: dict[str, asyncio.Lock] = {}
@@ -269,7 +257,7 @@ class SandboxManager:
     # ------------------------------------------------------------------ quotas
 
     def quota(self, tenant: str) -> dict[str, Any]:
-        return {**DEFAULT_QUOTA, **self.store.get_quota(tenant)}
+        return {**self.default_quota, **self.store.get_quota(tenant)}
 
     def set_quota(self, caller: Caller, tenant: str, values: dict[str, Any]) -> dict[str, Any]:
         merged = {**self.store.get_quota(tenant), **values}
@@ -278,22 +266,7 @@ class SandboxManager:
         return self.quota(tenant)
 
     def _resources(self, requested: dict[str, Any], quota: dict[str, Any]) -> Resources:
-        unknown = set(requested) - set(Resources.__dataclass_fields__)
-        if unknown:
-            raise InvalidRequest(f"unknown resources: {', '.join(sorted(unknown))}")
-        res = Resources(**{k: v for k, v in requested.items() if v is not None})
-        for name, minimum in _RESOURCE_MIN.items():
-            if getattr(res, name) < minimum:
-                raise InvalidRequest(f"resources.{name} must be at least {minimum}")
-        for name, cap in _RESOURCE_CAPS.items():
-            if getattr(res, name) > quota[cap]:
-                raise LimitExceeded(
-                    f"resources.{name}={getattr(res, name)} is above your tenant's limit of "
-                    f"{quota[cap]}; ask for less or have an admin raise quota.{cap}",
-                    setting=f"quota.{cap}",
-                    limit=quota[cap],
-                )
-        return res
+        return quotas.sandbox_resources(requested, quota, self.runtime.resource_ceilings())
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -334,19 +307,28 @@ class SandboxManager:
             for row in self.store.live_sandboxes()
         )
 
-    def _check_capacity(self, caller: Caller, quota: dict[str, Any], started: float) -> None:
-        live = self.store.count_live(caller.tenant)
-        if live >= quota["max_sandboxes"]:
-            self.audit(
-                caller, "sandbox.create", status=429, started=started, error="quota_exceeded"
-            )
-            raise QuotaExceeded(
-                f"tenant {caller.tenant} already has {live} running sandboxes, its limit "
-                f"is {quota['max_sandboxes']}; kill one or ask an admin to raise "
-                "quota.max_sandboxes",
-                setting="quota.max_sandboxes",
-                limit=quota["max_sandboxes"],
-            )
+    async def _check_capacity(
+        self, caller: Caller, quota: dict[str, Any], started: float, resources: Resources
+    ) -> None:
+        """Under the tenant's lock: room for one more sandbox of `resources` (sandbox count,
+        descriptors and disk summed over the tenant's live sandboxes)."""
+        live = [r.resources for r in self.store.live_sandboxes() if r.tenant == caller.tenant]
+        try:
+            quotas.check_tenant_room(caller.tenant, quota, live, resources)
+            await asyncio.to_thread(self.disk.check_room, caller.tenant, quota, resources.disk_mb)
+        except AgentboxError as e:
+            self.audit(caller, "sandbox.create", status=e.status, started=started, error=e.code)
+            raise
+
+    def _check_free_space(self, caller: Caller | None, started: float) -> None:
+        try:
+            self.disk.check_free_space()
+        except AgentboxError as e:
+            if caller is not None:
+                self.audit(
+                    caller, "sandbox.create", status=e.status, started=started, error=e.code
+                )
+            raise
 
     async def create(self, caller: Caller, req: CreateRequest) -> SandboxRow:
         started = time.monotonic()
@@ -361,6 +343,7 @@ class SandboxManager:
                 limit=quota["max_timeout"],
             )
         resources = self._resources(req.resources, quota)
+        self._check_free_space(caller, started)
         net = self.network.sandbox_network(caller.tenant, req.network)
         # Secrets need their placeholders and the CA in place from the start: no pool.
         if resources == Resources() and not req.keep_workspace and not req.secrets:
@@ -375,7 +358,7 @@ class SandboxManager:
         lock = self._tenant_locks.setdefault(caller.tenant, asyncio.Lock())
         try:
             async with lock:
-                self._check_capacity(caller, quota, started)
+                await self._check_capacity(caller, quota, started, resources)
                 self._insert(sandbox_id, caller.tenant, template, req, resources, net, egress)
         except BaseException:
             if egress.ca is not None:
@@ -612,7 +595,7 @@ class SandboxManager:
             return None
         lock = self._tenant_locks.setdefault(caller.tenant, asyncio.Lock())
         async with lock:
-            self._check_capacity(caller, quota, started)
+            await self._check_capacity(caller, quota, started, Resources())
             sid = self.pools.take(template, self._usable_member, caller.tenant)
             if sid is None:
                 return None
@@ -653,6 +636,7 @@ class SandboxManager:
         return row
 
     async def _make_member(self, template: str) -> str:
+        self._check_free_space(None, time.monotonic())
         tpl = await self.template(template)
         sandbox_id = "sbx_" + secrets.token_hex(8)
         req = CreateRequest(template=template, timeout=POOL_LIFETIME_S)
@@ -960,7 +944,11 @@ class SandboxManager:
 
     async def start(self) -> None:
         await self.reconcile()
-        self._tasks = [asyncio.create_task(self._reaper()), asyncio.create_task(self._health())]
+        self._tasks = [
+            asyncio.create_task(self._reaper()),
+            asyncio.create_task(self._health()),
+            asyncio.create_task(self.workspaces.run_expiry()),
+        ]
         self.pools.start()
 
     async def stop(self) -> None:

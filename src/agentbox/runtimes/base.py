@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import socket
 from abc import ABC, abstractmethod
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -42,6 +43,25 @@ class SandboxSpec:
     user: str = "user"  # "user" (uid 1000) or "root" (uid 0 of the sandbox, no capabilities)
     # Read-only files placed in the sandbox: absolute sandbox path -> content (CA bundles).
     files: dict[str, bytes] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Ceiling:
+    """The most of one resource a runtime can give a sandbox on this host, whatever the quota
+    says (a hard limit the server itself cannot raise), and what to change to get more."""
+
+    limit: int
+    setting: str  # what names it in errors, e.g. "server.rlimit_nofile"
+    reason: str  # "the server's hard descriptor limit (RLIMIT_NOFILE) 20000; ..."
+
+
+@dataclass(frozen=True)
+class KeptWorkspace:
+    """The workspace of an ended sandbox created with `keep_workspace`, as the host holds it."""
+
+    sandbox_id: str
+    used_bytes: int  # what it really takes on the host's disk (blocks, not apparent size)
+    kept_at: float  # unix time it was kept
 
 
 @dataclass(frozen=True)
@@ -114,6 +134,33 @@ class Runtime(ABC):
     def capabilities(self) -> dict[str, Any]:
         """What this runtime enforces on this host (shown in health and sandbox info)."""
         return {}
+
+    def resource_ceilings(self) -> dict[str, Ceiling]:
+        """Per resource (a `Resources` field), the most this runtime can give any sandbox."""
+        return {}
+
+    # Disk: what sandboxes take on the host, and the workspaces kept after they end.
+
+    def storage_path(self) -> Path | None:
+        """A path on the filesystem that holds sandboxes' workspaces (None: not on this host)."""
+        return None
+
+    def workspace_bytes(self, sandbox_id: str, state: dict[str, Any]) -> int | None:
+        """Bytes a live sandbox's workspace really takes on the host (None: unknown)."""
+        return None
+
+    def kept_workspaces(self) -> list[KeptWorkspace]:
+        """Every kept workspace on the host."""
+        return []
+
+    def kept_workspace_files(self, sandbox_id: str) -> AbstractAsyncContextManager[Path]:
+        """A read-only view of a kept workspace's files for the length of the context (what
+        the sandbox saw as /workspace). Its content is the sandbox's: untrusted."""
+        raise RuntimeError_(f"the {self.name} runtime keeps no workspaces")
+
+    async def remove_kept_workspace(self, sandbox_id: str) -> bool:
+        """Delete a kept workspace; False if there was none."""
+        return False
 
     async def close(self) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Release runtime resources held by this server process (sandboxes keep running)."""

@@ -7,7 +7,7 @@
         sbx.files.write("notes.txt", "hello")
 """
 
-from agentbox.sdk.async_sandbox import AsyncCommandHandle, AsyncSandbox
+from agentbox.sdk.async_sandbox import AsyncCommandHandle, AsyncSandbox, AsyncWorkspaces
 from agentbox.sdk.exceptions import *  # noqa: F403
 from agentbox.sdk.exceptions import __all__ as _exception_names
 from agentbox.sdk.models import (
@@ -20,6 +20,7 @@ from agentbox.sdk.models import (
     EntryInfo,
     Execution,
     ExecutionError,
+    KeptWorkspace,
     Logs,
     NetworkInfo,
     OutputMessage,
@@ -31,7 +32,7 @@ from agentbox.sdk.models import (
     TemplateInfo,
     Violation,
 )
-from agentbox.sdk.sandbox import CommandHandle, Sandbox, Secrets, Templates
+from agentbox.sdk.sandbox import CommandHandle, Sandbox, Secrets, Templates, Workspaces
 
 __all__ = [
     "Sandbox",
@@ -59,5 +60,8 @@ __all__ = [
     "Context",
     "TemplateInfo",
     "PoolStats",
+    "Workspaces",
+    "AsyncWorkspaces",
+    "KeptWorkspace",
     *_exception_names,
 ]

@@ -30,6 +30,7 @@ from agentbox.sdk.models import (
     Context,
     EntryInfo,
     Execution,
+    KeptWorkspace,
     Resources,
     SandboxInfo,
 )
@@ -313,6 +314,52 @@ class AsyncFiles:
 
     async def rename(self, src: str, dst: str) -> EntryInfo:
         return await self._transport.call(p.rename_file(self._sandbox_id, src, dst))
+
+
+class AsyncWorkspaces:
+    """See `Workspaces`: `async with AsyncWorkspaces() as kept:`."""
+
+    def __init__(self, api_key: str | None = None, api_url: str | None = None,
+                 request_timeout: float = 60) -> None:
+        self._transport = AsyncTransport(p.resolve_config(api_key, api_url, request_timeout))
+
+    async def list(self) -> list[KeptWorkspace]:
+        return await self._transport.call(p.list_workspaces())
+
+    @overload
+    async def read(self, sandbox_id: str, path: str,
+                   format: Literal["text"] = "text") -> str: ...
+
+    @overload
+    async def read(self, sandbox_id: str, path: str, format: Literal["bytes"]) -> bytes: ...
+
+    @overload
+    async def read(self, sandbox_id: str, path: str,
+                   format: Literal["stream"]) -> AsyncIterator[bytes]: ...
+
+    async def read(self, sandbox_id: str, path: str,
+                   format: Literal["text", "bytes", "stream"] = "text",
+                   ) -> str | bytes | AsyncIterator[bytes]:
+        stream = await self._transport.bytes_stream(p.read_workspace_file(sandbox_id, path))
+        if format == "stream":
+            return stream
+        data = b"".join([chunk async for chunk in stream])
+        return data if format == "bytes" else p.decode_text(data)
+
+    async def archive(self, sandbox_id: str) -> AsyncIterator[bytes]:
+        return await self._transport.bytes_stream(p.workspace_archive(sandbox_id))
+
+    async def remove(self, sandbox_id: str) -> None:
+        await self._transport.call(p.remove_workspace(sandbox_id))
+
+    async def close(self) -> None:
+        await self._transport.close()
+
+    async def __aenter__(self) -> AsyncWorkspaces:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
 
 
 class AsyncSandbox:

@@ -436,3 +436,25 @@ class PoolStats:
     def from_json(cls, data: Any) -> PoolStats:
         data = data if isinstance(data, dict) else {}
         return cls(**{k: data.get(k) for k in cls.__dataclass_fields__})
+
+
+@dataclass(frozen=True)
+class KeptWorkspace:
+    """The /workspace of an ended sandbox created with `keep_workspace=True`: what it takes on
+    the server's disk (it counts against the tenant's total) and when the server deletes it."""
+
+    sandbox_id: str
+    template: str
+    metadata: dict[str, str]
+    used_bytes: int
+    kept_at: datetime | None
+    expires_at: datetime | None
+
+    @classmethod
+    def from_json(cls, data: Any) -> KeptWorkspace:
+        data = data if isinstance(data, dict) else {}
+        return cls(sandbox_id=str(data.get("sandbox_id", "")),
+                   template=str(data.get("template", "")),
+                   metadata=dict(data.get("metadata") or {}),
+                   used_bytes=int(data.get("used_bytes") or 0),
+                   kept_at=_time(data.get("kept_at")), expires_at=_time(data.get("expires_at")))

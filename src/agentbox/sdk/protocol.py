@@ -44,6 +44,7 @@ from agentbox.sdk.models import (
     EntryInfo,
     Execution,
     ExecutionError,
+    KeptWorkspace,
     NetworkInfo,
     OutputMessage,
     PoolStats,
@@ -628,6 +629,34 @@ def list_pools() -> Call[list[PoolStats]]:
 def set_pool_size(template: str, size: int) -> Call[PoolStats]:
     return Call("PUT", f"/v1/pools/{_seg(template)}", lambda r: PoolStats.from_json(r.json()),
                 json={"size": size})
+
+
+# Kept workspaces
+
+
+def _kept(workspace_id: str) -> str:
+    return f"/v1/workspaces/{_seg(workspace_id)}"
+
+
+def list_workspaces() -> Call[list[KeptWorkspace]]:
+    def parse(r: httpx.Response) -> list[KeptWorkspace]:
+        return [KeptWorkspace.from_json(w) for w in r.json().get("workspaces", [])]
+
+    return Call("GET", "/v1/workspaces", parse)
+
+
+def read_workspace_file(sandbox_id: str, path: str) -> Call[None]:
+    """The answer is the raw file, read as a stream by the caller."""
+    return Call("GET", f"{_kept(sandbox_id)}/files", _none, params=[("path", path)])
+
+
+def workspace_archive(sandbox_id: str) -> Call[None]:
+    """The answer is a tar stream of the whole workspace, read by the caller."""
+    return Call("GET", f"{_kept(sandbox_id)}/archive", _none)
+
+
+def remove_workspace(sandbox_id: str) -> Call[None]:
+    return Call("DELETE", _kept(sandbox_id), _none)
 
 
 # ---------------------------------------------------------------------------- errors

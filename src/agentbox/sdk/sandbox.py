@@ -18,6 +18,7 @@ from agentbox.sdk.models import (
     EntryInfo,
     Execution,
     ExecutionError,
+    KeptWorkspace,
     OutputMessage,
     PoolStats,
     Resources,
@@ -397,6 +398,56 @@ class Secrets:
         self._transport.close()
 
     def __enter__(self) -> Secrets:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Workspaces:
+    """Kept workspaces: the /workspace of your ended sandboxes created with
+    `keep_workspace=True`, until you remove them or the server's retention does (7 days by
+    default). They count against your tenant's disk quota. `Workspaces()` with a key."""
+
+    def __init__(self, api_key: str | None = None, api_url: str | None = None,
+                 request_timeout: float = 60) -> None:
+        self._transport = Transport(p.resolve_config(api_key, api_url, request_timeout))
+
+    def list(self) -> list[KeptWorkspace]:
+        """Your kept workspaces, most recently kept first."""
+        return self._transport.call(p.list_workspaces())
+
+    @overload
+    def read(self, sandbox_id: str, path: str, format: Literal["text"] = "text") -> str: ...
+
+    @overload
+    def read(self, sandbox_id: str, path: str, format: Literal["bytes"]) -> bytes: ...
+
+    @overload
+    def read(self, sandbox_id: str, path: str, format: Literal["stream"]) -> Iterator[bytes]: ...
+
+    def read(self, sandbox_id: str, path: str,
+             format: Literal["text", "bytes", "stream"] = "text") -> str | bytes | Iterator[bytes]:
+        """One file (`/workspace/...` or relative to it); symlinks are never followed."""
+        call = p.read_workspace_file(sandbox_id, path)
+        if format == "stream":
+            return self._transport.bytes_stream(call)
+        data = b"".join(self._transport.bytes_stream(call))
+        return data if format == "bytes" else p.decode_text(data)
+
+    def archive(self, sandbox_id: str) -> Iterator[bytes]:
+        """The whole workspace as a tar stream (GNU tar; symlinks as links), in chunks:
+        iterate it to the end, e.g. into a file or `tarfile.open(fileobj=..., mode="r|")`."""
+        return self._transport.bytes_stream(p.workspace_archive(sandbox_id))
+
+    def remove(self, sandbox_id: str) -> None:
+        """NotFoundError if there is no such kept workspace (of your tenant)."""
+        self._transport.call(p.remove_workspace(sandbox_id))
+
+    def close(self) -> None:
+        self._transport.close()
+
+    def __enter__(self) -> Workspaces:
         return self
 
     def __exit__(self, *exc: object) -> None:

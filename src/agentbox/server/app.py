@@ -4,6 +4,7 @@ This module only speaks HTTP: it authenticates, validates, maps errors to respon
 place, and streams. Everything else happens in `core/`.
 """
 
+import asyncio
 import base64
 import dataclasses
 import json
@@ -24,6 +25,7 @@ from urllib.parse import urlencode, urlsplit
 from fastapi import Depends, FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agentbox import __version__
@@ -232,7 +234,10 @@ def create_app(
             )
             if os.environ.get(var)
         }
-        manager = SandboxManager(store, runtime, templates, netsvc, warm_pools, **health)
+        manager = SandboxManager(
+            store, runtime, templates, netsvc, warm_pools, default_quota=limits.tenant_quota,
+            **health,
+        )  # fmt: skip
         await manager.start()
         log_keeper = LogKeeper(store, limits.logs)
         log_keeper.start()
@@ -983,6 +988,61 @@ def create_app(
         for e in events:
             e["time"] = m.rfc3339(e["time"])
         return {"events": events}
+
+    # ------------------------------------------------------------------ kept workspaces
+
+    @app.get(
+        "/v1/workspaces",
+        response_model=m.KeptWorkspaceList,
+        responses=responses,
+        tags=["workspaces"],
+    )
+    async def list_workspaces(mgr: Mgr, who: Who) -> m.KeptWorkspaceList:
+        """The caller's tenant's kept workspaces (sandboxes created with keep_workspace)."""
+        kept = await asyncio.to_thread(mgr.workspaces.of_tenant, who.tenant)
+        return m.KeptWorkspaceList(workspaces=[m.KeptWorkspaceInfo.of(k) for k in kept])
+
+    @app.get(
+        "/v1/workspaces/{sandbox_id}/files",
+        responses={**responses, 200: {"content": {"application/octet-stream": {}}}},
+        tags=["workspaces"],
+    )
+    async def read_workspace_file(
+        sandbox_id: str,
+        mgr: Mgr,
+        who: Who,
+        path: Annotated[str, Query(max_length=8192, description="/workspace/… or relative")],
+    ) -> Response:
+        size, chunks = await mgr.workspaces.read_file(who, sandbox_id, path)
+        # Closed after the response, also when the client left mid-way: that unmounts it.
+        return StreamingResponse(
+            chunks,
+            media_type="application/octet-stream",
+            headers={"Content-Length": str(size)},
+            background=BackgroundTask(chunks.aclose),
+        )
+
+    @app.get(
+        "/v1/workspaces/{sandbox_id}/archive",
+        responses={**responses, 200: {"content": {"application/x-tar": {}}}},
+        tags=["workspaces"],
+    )
+    async def workspace_archive(sandbox_id: str, mgr: Mgr, who: Who) -> Response:
+        """The whole kept workspace as a tar stream, made as it is sent."""
+        chunks = await mgr.workspaces.archive(who, sandbox_id)
+        return StreamingResponse(
+            chunks,
+            media_type="application/x-tar",
+            headers={"Content-Disposition": f'attachment; filename="{sandbox_id}.tar"'},
+            background=BackgroundTask(chunks.aclose),
+        )
+
+    @app.delete(
+        "/v1/workspaces/{sandbox_id}", status_code=204, responses=responses, tags=["workspaces"]
+    )
+    async def remove_workspace(sandbox_id: str, mgr: Mgr, who: Who) -> Response:
+        await mgr.workspaces.remove(who, sandbox_id)
+        return Response(status_code=204)
 
     return app
 

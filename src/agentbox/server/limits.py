@@ -63,6 +63,9 @@ class ServerLimits:
     # control (`server-unguarded`), to show its checks can see a server that reads first.
     key_first: bool = True
     relay: RelayLimits = field(default_factory=RelayLimits)
+    # Tenants' default quota values over those derived from the host (core/quotas.py); only the
+    # security battery's positive control (`quota-open`) sets them.
+    tenant_quota: dict[str, Any] | None = None
     # What the audit and egress logs may hold (sandboxes' refused attempts are sampled).
     logs: LogLimits = field(default_factory=LogLimits)
 

@@ -277,6 +277,18 @@ class QuotaBody(Strict):
     max_timeout: float | None = Field(None, gt=0, le=10**9)
     max_disk_mb: int | None = Field(None, gt=0, le=1 << 30)
     max_pids: int | None = Field(None, gt=0, le=1 << 22)
+    max_nofile: int | None = Field(None, gt=0, le=1 << 20)
+    max_file_size_mb: int | None = Field(None, gt=0, le=1 << 30)
+    max_tmp_mb: int | None = Field(None, gt=0, le=1 << 20)
+    max_descriptors: int | None = Field(
+        None, gt=0, le=1 << 42, description="pids × nofile of one sandbox"
+    )
+    max_total_descriptors: int | None = Field(
+        None, gt=0, le=1 << 62, description="pids × nofile summed over live sandboxes"
+    )
+    max_total_disk_mb: int | None = Field(
+        None, gt=0, le=1 << 40, description="live and kept workspaces, by real usage"
+    )
 
 
 class ErrorBody(BaseModel):
@@ -395,3 +407,30 @@ class PoolStats(BaseModel):
 
 class PoolList(BaseModel):
     pools: list[PoolStats]
+
+
+# ---------------------------------------------------------------------- kept workspaces
+
+
+class KeptWorkspaceInfo(BaseModel):
+    sandbox_id: str
+    template: str
+    metadata: dict[str, str]
+    used_bytes: int = Field(description="what it really takes on the server's disk")
+    kept_at: str
+    expires_at: str
+
+    @classmethod
+    def of(cls, k: Any) -> KeptWorkspaceInfo:
+        return cls(
+            sandbox_id=k.sandbox_id,
+            template=k.template,
+            metadata=k.metadata,
+            used_bytes=k.used_bytes,
+            kept_at=rfc3339(k.kept_at) or "",
+            expires_at=rfc3339(k.expires_at) or "",
+        )
+
+
+class KeptWorkspaceList(BaseModel):
+    workspaces: list[KeptWorkspaceInfo]

@@ -16,6 +16,7 @@ restarted server finds and re-adopts it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -29,11 +30,18 @@ import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 from typing import Any, ClassVar
 
-from agentbox.runtimes.base import AgentAddress, Runtime, RuntimeError_, SandboxSpec
+from agentbox.runtimes.base import (
+    AgentAddress,
+    Ceiling,
+    KeptWorkspace,
+    Runtime,
+    RuntimeError_,
+    SandboxSpec,
+)
 from agentbox.runtimes.process import hostview, workspace
 from agentbox.runtimes.process.cgroups import CgroupLimits, Cgroups
 from agentbox.runtimes.process.netns import NamespaceSockets, NetnsError
@@ -55,6 +63,8 @@ SANDBOX_PYTHON = "/usr/bin/python3"
 UID_RANGE = (200_000, 265_000)
 SOCKET_NAME = "agent.sock"
 STATE_FILE = "runtime.json"
+NPROC_SLACK = 16  # RLIMIT_NPROC is the sandbox's pids plus this (see _spawn)
+CAP_SYS_RESOURCE = 24
 
 # What of the host a sandbox sees, read-only: /usr (but not /usr/local, unless the operator
 # lists it) and a generated /etc (hostview.py). Deliberately not /home, /root, /opt, /srv, /mnt,
@@ -81,6 +91,18 @@ def _data_file_fd(data: bytes) -> int:
     os.write(fd, data)
     os.lseek(fd, 0, os.SEEK_SET)
     return fd
+
+
+def _can_raise_rlimits() -> bool:
+    """Whether this process may raise hard rlimits (CAP_SYS_RESOURCE in its effective set)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> CAP_SYS_RESOURCE & 1)
+    except (OSError, ValueError):
+        pass
+    return False
 
 
 def _proc_start_time(pid: int) -> int | None:
@@ -115,6 +137,8 @@ class ProcessRuntime(Runtime):
             raise RuntimeError_(f"{SANDBOX_PYTHON} is missing: apt-get install python3")
         self.root = data_dir / "sandboxes"
         self.kept_root = data_dir / "kept-workspaces"
+        # Where kept workspaces are mounted read-only while someone reads them.
+        self.kept_mounts = data_dir / "kept-mounts"
         self.root.mkdir(parents=True, exist_ok=True)
         os.chmod(data_dir, 0o700)
         os.chmod(self.root, 0o700)
@@ -159,6 +183,7 @@ class ProcessRuntime(Runtime):
         if use_loop:
             # Not on every destroy: it reads every loop device's backing file (O(live sandboxes)).
             workspace.detach_orphan_loops(self.root)
+        self._drop_kept_mounts()
         self.seccomp = build_filter()
         if "no-limits" in self.weak:
             self.use_loop = False
@@ -231,6 +256,41 @@ class ProcessRuntime(Runtime):
             "seccomp": True,
             "per_sandbox_uid": self.is_root,
         }
+
+    def resource_ceilings(self) -> dict[str, Ceiling]:
+        """The rlimits `_spawn` sets cannot go above the server's own hard limits, unless it may
+        raise them (CAP_SYS_RESOURCE); asking more must be a refusal, not a failed spawn."""
+        if "no-limits" in self.weak:
+            return {}
+        if _can_raise_rlimits():
+            nr_open = int(Path("/proc/sys/fs/nr_open").read_text())
+            reason = f"the host's per-process descriptor ceiling (fs.nr_open) {nr_open}"
+            return {"nofile": Ceiling(nr_open, "host.fs.nr_open", reason)}
+        out: dict[str, Ceiling] = {}
+        _, nofile = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if nofile != resource.RLIM_INFINITY:
+            out["nofile"] = Ceiling(
+                nofile,
+                "server.rlimit_nofile",
+                f"the server's hard descriptor limit (RLIMIT_NOFILE) {nofile}; start the "
+                "server with a higher one (ulimit -Hn, systemd LimitNOFILE=)",
+            )
+        _, fsize = resource.getrlimit(resource.RLIMIT_FSIZE)
+        if fsize != resource.RLIM_INFINITY:
+            out["file_size_mb"] = Ceiling(
+                fsize // 2**20,
+                "server.rlimit_fsize",
+                f"the server's hard file size limit (RLIMIT_FSIZE) {fsize // 2**20} MiB",
+            )
+        _, nproc = resource.getrlimit(resource.RLIMIT_NPROC)
+        if self.is_root and nproc != resource.RLIM_INFINITY:
+            out["pids"] = Ceiling(
+                nproc - NPROC_SLACK,
+                "server.rlimit_nproc",
+                f"the server's hard process limit (RLIMIT_NPROC) {nproc} less {NPROC_SLACK}; "
+                "start the server with a higher one (ulimit -Hu, systemd LimitNPROC=)",
+            )
+        return out
 
     # ------------------------------------------------------------------ create
 
@@ -453,7 +513,7 @@ class ProcessRuntime(Runtime):
             limits = limits[2:]
         elif self.is_root:
             # Per-uid process count: a second fence behind the pids cgroup.
-            limits.append((resource.RLIMIT_NPROC, r.pids + 16))
+            limits.append((resource.RLIMIT_NPROC, r.pids + NPROC_SLACK))
         drop_to = uid if self.is_root and "host-root" not in weak else None
         pin = cpus if len(cpus) < len(self.cpus) else None
 
@@ -611,6 +671,87 @@ class ProcessRuntime(Runtime):
     def limit_counters(self, sandbox_id: str) -> dict[str, int]:
         return self.cgroups.counters(sandbox_id)
 
+    # ------------------------------------------------------------------ disk
+
+    def storage_path(self) -> Path:
+        return self.root
+
+    def workspace_bytes(self, sandbox_id: str, state: dict[str, Any]) -> int | None:
+        image = Path(state.get("dir") or self.root / sandbox_id) / workspace.IMAGE_NAME
+        try:
+            if image.exists():
+                return workspace.used_bytes(image)
+            return workspace.used_bytes(self.bind_root / sandbox_id / workspace.MOUNT_NAME)
+        except OSError:
+            return None
+
+    def kept_workspaces(self) -> list[KeptWorkspace]:
+        try:
+            entries = list(os.scandir(self.kept_root))
+        except FileNotFoundError:
+            return []
+        found = []
+        for e in entries:
+            if e.name.startswith("sbx_") and e.is_dir(follow_symlinks=False):
+                try:
+                    used = workspace.used_bytes(Path(e.path))
+                    kept_at = e.stat(follow_symlinks=False).st_mtime
+                except OSError:
+                    continue  # removed meanwhile
+                found.append(KeptWorkspace(e.name, used, kept_at))
+        return found
+
+    def _kept_dir(self, sandbox_id: str) -> Path:
+        if not sandbox_id.startswith("sbx_") or Path(sandbox_id).name != sandbox_id:
+            raise RuntimeError_(f"{sandbox_id!r} is not a sandbox id")
+        return self.kept_root / sandbox_id
+
+    @contextlib.asynccontextmanager
+    async def kept_workspace_files(self, sandbox_id: str) -> AsyncIterator[Path]:
+        kept = self._kept_dir(sandbox_id)
+        image = kept / workspace.IMAGE_NAME
+        if not image.exists():
+            plain = kept / workspace.MOUNT_NAME
+            if not plain.is_dir() or plain.is_symlink():
+                raise RuntimeError_(f"sandbox {sandbox_id} has no kept workspace")
+            yield plain
+            return
+        self.kept_mounts.mkdir(mode=0o700, exist_ok=True)
+        # A mount of its own per reader: a removal or a second reader never pulls it away.
+        mnt = self.kept_mounts / f"{sandbox_id}.{uuid.uuid4().hex[:8]}"
+        try:
+            await asyncio.to_thread(workspace.mount_readonly, image, mnt)
+        except workspace.WorkspaceError as e:
+            raise RuntimeError_(f"the kept workspace of {sandbox_id} cannot be read: {e}") from None
+        try:
+            yield mnt
+        finally:
+            await asyncio.to_thread(workspace.unmount, mnt)
+
+    async def remove_kept_workspace(self, sandbox_id: str) -> bool:
+        kept = self._kept_dir(sandbox_id)
+        # Out of the listing at once (a rename), then deleted; a reader's mount keeps its image.
+        doomed = self.kept_root / f".removing-{sandbox_id}-{uuid.uuid4().hex[:8]}"
+        try:
+            kept.rename(doomed)
+        except FileNotFoundError:
+            return False
+        await asyncio.to_thread(shutil.rmtree, doomed, True)
+        return True
+
+    def _drop_kept_mounts(self) -> None:
+        """What a server that stopped mid-read (or mid-removal) left: read-only mounts of kept
+        workspaces with their loop devices, half-removed kept workspaces."""
+        for mnt in workspace.mounted_under(self.kept_mounts):
+            workspace.unmount(mnt)
+        if self.kept_mounts.is_dir():
+            for d in self.kept_mounts.iterdir():
+                with contextlib.suppress(OSError):
+                    d.rmdir()  # never rmtree: a mount that would not go still holds files
+        if self.kept_root.is_dir():
+            for d in self.kept_root.glob(".removing-*"):
+                shutil.rmtree(d, ignore_errors=True)
+
     async def list_sandboxes(self) -> set[str]:
         ids = {
             p.name
@@ -637,6 +778,7 @@ class ProcessRuntime(Runtime):
         """On server stop, drop this data dir's host scaffolding if no sandbox still uses it
         (live sandboxes keep theirs: a restarted server re-adopts them)."""
         self.netns.shutdown()
+        self._drop_kept_mounts()
         if self.use_loop:
             workspace.detach_orphan_loops(self.root)
         if await self.list_sandboxes():

@@ -5,12 +5,16 @@ the one disk limit a sandbox cannot write past. The image is sparse (it costs on
 written), has no journal (it dies with the sandbox), and is mounted nosuid,nodev. When loop
 devices are unavailable the workspace falls back to a plain directory and says the disk limit is
 not enforced.
+
+A kept workspace (`keep_workspace`) keeps its image, trimmed so it holds only the blocks of files
+that still exist; it is read through a read-only mount of its own per reader.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import stat
 import subprocess
 import time
 from dataclasses import dataclass
@@ -142,6 +146,10 @@ def destroy(sandbox_dir: Path, bind_dir: Path, keep: bool) -> bool:
     ok = True
     mounts = mounted_under(bind_dir) + mounted_under(sandbox_dir)
     for mnt in mounts:
+        if keep:
+            # A kept image then holds (and counts against its tenant's disk) only the blocks
+            # of files that still exist: those of deleted ones go back to the host.
+            subprocess.run(["fstrim", str(mnt)], capture_output=True)
         ok = _umount(mnt) and ok
     if not ok:
         return False
@@ -183,3 +191,66 @@ def usage(bind_dir: Path) -> tuple[int, int] | None:
         return None
     st = os.statvfs(mnt)
     return (st.f_blocks - st.f_bfree) * st.f_frsize, st.f_blocks * st.f_frsize
+
+
+def used_bytes(path: Path) -> int:
+    """Bytes `path` really takes on its filesystem: the blocks of a (sparse) image file, or of
+    everything below a plain directory (symlinks not followed, other filesystems not entered,
+    hard links counted once)."""
+    top = os.lstat(path)
+    total = top.st_blocks * 512
+    if not stat.S_ISDIR(top.st_mode):
+        return total
+    seen: set[int] = set()
+    todo = [str(path)]
+    while todo:
+        try:
+            entries = os.scandir(todo.pop())
+        except OSError:
+            continue
+        with entries:
+            for e in entries:
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                if st.st_dev != top.st_dev or (st.st_nlink > 1 and st.st_ino in seen):
+                    continue
+                if st.st_nlink > 1:
+                    seen.add(st.st_ino)
+                total += st.st_blocks * 512
+                if stat.S_ISDIR(st.st_mode):
+                    todo.append(e.path)
+    return total
+
+
+def mount_readonly(image: Path, mnt: Path) -> None:
+    """Mount a kept workspace image read-only at `mnt` (a fresh, private directory).
+
+    Read-only at the loop device too, so the kernel writes nothing back to the image; nosuid,
+    nodev, noexec: its files were made by the sandbox."""
+    mnt.mkdir(mode=0o700)
+    proc = subprocess.run(
+        ["losetup", "--read-only", "--find", "--show", str(image)], capture_output=True, text=True
+    )
+    device = proc.stdout.strip()
+    if proc.returncode != 0 or not device.startswith("/dev/loop"):
+        mnt.rmdir()
+        raise WorkspaceError(f"losetup failed: {proc.stderr.strip() or proc.stdout.strip()}")
+    try:
+        _run(["mount", "-t", "ext4", "-o", "ro,nosuid,nodev,noexec,noatime", device, str(mnt)])
+    except BaseException:
+        subprocess.run(["losetup", "-d", device], capture_output=True)
+        mnt.rmdir()
+        raise
+
+
+def unmount(mnt: Path) -> bool:
+    """Undo `mount_readonly` (the loop device goes with the mount); False if still mounted."""
+    if os.path.ismount(mnt) and not _umount(mnt):
+        return False
+    try:
+        mnt.rmdir()
+    except OSError:
+        pass
+    return True
