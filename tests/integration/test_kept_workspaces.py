@@ -192,4 +192,5 @@ def test_kept_workspaces_expire_after_the_retention(
             events = c.get("/v1/audit", params={"action": "workspace.expire"}).json()["events"]
             assert [e["sandbox_id"] for e in events] == [sid]
     finally:
+        srv.kill_all_sandboxes()  # a stopped server ends none: its sandboxes outlive it
         srv.stop()

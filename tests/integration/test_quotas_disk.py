@@ -162,4 +162,5 @@ def test_free_space_floor_refuses_creates_with_507(
             assert events[0]["status"] == 507
             assert c.get("/v1/sandboxes").json()["sandboxes"] == []
     finally:
+        srv.kill_all_sandboxes()  # a stopped server ends none: its sandboxes outlive it
         srv.stop()
