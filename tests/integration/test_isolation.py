@@ -598,8 +598,12 @@ def test_fork_bomb_is_contained(server, client, boxes) -> None:
             assert httpx.get(f"{server.url}/v1/health", timeout=5).status_code == 200
             host_worst = max(host_worst, time.monotonic() - t0)
             time.sleep(0.2)
-    # The bomb really went off and hit the fence, and the fence held.
-    assert peak >= 100, f"the fork bomb never got going (peak {peak} pids)"
+    # The bomb really went off and hit the fence, and the fence held. Sampling the count misses
+    # the peaks of a bomb whose refused forks make processes exit (more so on the one CPU a
+    # one-CPU sandbox is pinned to); the cgroup counts every fork it refused at the limit.
+    events = current.with_name("pids.events")
+    refused = int(events.read_text().split()[1]) if events.exists() else 0
+    assert peak >= 100 or refused > 0, f"the fork bomb never got going (peak {peak} pids)"
     assert peak <= 128, f"pids cgroup exceeded its limit: {peak}"
     assert host_worst < 2, f"host stalled for {host_worst:.2f} s"
     probe.check()

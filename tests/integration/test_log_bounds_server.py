@@ -168,7 +168,7 @@ def test_egress_connections_are_capped_per_sandbox_and_the_server_fds_stay_bound
 def test_background_commands_share_one_watcher_descriptor(
     bounded_server: ServerHandle, client: httpx.Client
 ) -> None:
-    sid = create_sandbox(client, resources={"pids": 2048})["sandbox_id"]
+    sid = create_sandbox(client, resources={"pids": 2048, "nofile": 128})["sandbox_id"]
     before = _settled_fds(bounded_server)
     for _ in range(150):
         r = client.post(

@@ -99,7 +99,7 @@ def _background(ctx: Ctx, box: Box) -> int:
 def _budget_descriptors(ctx: Ctx) -> Verdict:
     upstream = socket.create_server((EGRESS_ALLOWED[1], 0), backlog=1024)  # never accepts
     try:
-        roomy = {"nofile": 1024, "pids": 1024}  # the sandbox's own limits are not the point
+        roomy = {"nofile": 512, "pids": 512}  # within the descriptor quota (pids × nofile)
         box = ctx.box(network={"allow_out": [EGRESS_ALLOWED[0]]}, resources=roomy)
         gained, answers = _tunnels(ctx, box, upstream.getsockname()[1])
         box.kill()

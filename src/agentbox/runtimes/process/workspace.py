@@ -109,6 +109,8 @@ def _attach(image: Path) -> str:
         )
         if proc.returncode == 0 and proc.stdout.strip().startswith("/dev/loop"):
             return proc.stdout.strip()
+        # A losetup that failed late (or was killed) may have attached a device all the same.
+        _detach_loops(image)
     raise WorkspaceError(f"losetup failed: {proc.stderr.strip() or proc.stdout.strip()}")
 
 
@@ -153,7 +155,8 @@ def destroy(sandbox_dir: Path, bind_dir: Path, keep: bool) -> bool:
         ok = _umount(mnt) and ok
     if not ok:
         return False
-    if not mounts and (sandbox_dir / IMAGE_NAME).exists():
+    if (sandbox_dir / IMAGE_NAME).exists():
+        # Also after unmounting: a create cut short may have attached a second device.
         _detach_loops(sandbox_dir / IMAGE_NAME)
     mnt = bind_dir / MOUNT_NAME
     if keep and mnt.exists() and not (sandbox_dir / IMAGE_NAME).exists():
