@@ -165,18 +165,23 @@ def test_egress_connections_are_capped_per_sandbox_and_the_server_fds_stay_bound
     client.post(f"/v1/sandboxes/{sid}/commands/{cmd_id}/kill", json={"signal": 9})
 
 
-def test_background_commands_share_one_watcher_descriptor(
-    bounded_server: ServerHandle, client: httpx.Client
-) -> None:
-    sid = create_sandbox(client, resources={"pids": 2048, "nofile": 128})["sandbox_id"]
-    before = _settled_fds(bounded_server)
-    for _ in range(150):
-        r = client.post(
-            f"/v1/sandboxes/{sid}/commands", json={"cmd": "sleep 120", "background": True}
-        )
-        assert r.status_code == 201, r.text
-    after = _settled_fds(bounded_server)
-    assert after - before <= 10, (before, after)  # was one agent connection per command
+def test_background_commands_share_one_watcher_descriptor(bounded_server: ServerHandle) -> None:
+    # 150 commands need their pids and the agent's pipes: more descriptors (pids × nofile)
+    # than a tenant's default share, so this tenant gets a bigger one.
+    tenant = f"watchers-{time.monotonic_ns() % 10**9}"
+    big = {"max_descriptors": 2048 * 1024, "max_total_descriptors": 2048 * 1024}
+    with bounded_server.client() as admin:
+        assert admin.put(f"/v1/tenants/{tenant}/quota", json=big).status_code == 200
+    with bounded_server.client(bounded_server.make_key(tenant)) as client:
+        sid = create_sandbox(client, resources={"pids": 2048})["sandbox_id"]
+        before = _settled_fds(bounded_server)
+        for _ in range(150):
+            r = client.post(
+                f"/v1/sandboxes/{sid}/commands", json={"cmd": "sleep 120", "background": True}
+            )
+            assert r.status_code == 201, r.text
+        after = _settled_fds(bounded_server)
+        assert after - before <= 10, (before, after)  # was one agent connection per command
 
 
 def test_watched_commands_are_still_audited_when_they_end(client: httpx.Client) -> None:
