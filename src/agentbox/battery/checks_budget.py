@@ -99,11 +99,16 @@ def _background(ctx: Ctx, box: Box) -> int:
 def _budget_descriptors(ctx: Ctx) -> Verdict:
     upstream = socket.create_server((EGRESS_ALLOWED[1], 0), backlog=1024)  # never accepts
     try:
-        roomy = {"nofile": 512, "pids": 512}  # within the descriptor quota (pids × nofile)
-        box = ctx.box(network={"allow_out": [EGRESS_ALLOWED[0]]}, resources=roomy)
+        # The sandbox's own limits are not the point: its tenant may hold more descriptors
+        # (pids × nofile) than the default share, set by the admin as an operator would.
+        tenant, roomy = "battery-budget", {"nofile": 1024, "pids": 1024}
+        quota = {"max_descriptors": 2**21, "max_total_descriptors": 2**22}
+        with ctx.server.client(ctx.server.admin_key) as admin:
+            admin.put(f"/v1/tenants/{tenant}/quota", json=quota).raise_for_status()
+        box = ctx.box(tenant, network={"allow_out": [EGRESS_ALLOWED[0]]}, resources=roomy)
         gained, answers = _tunnels(ctx, box, upstream.getsockname()[1])
         box.kill()
-        commands = _background(ctx, ctx.box(resources=roomy))
+        commands = _background(ctx, ctx.box(tenant, resources=roomy))
     finally:
         upstream.close()
     if not answers:
