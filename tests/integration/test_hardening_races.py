@@ -158,13 +158,15 @@ def test_a_wedged_agent_is_noticed_and_in_flight_requests_end(
             sid = h.create(c)["sandbox_id"]
             # The command stops its own agent: its stream is now a request in flight to an
             # agent that will never answer.
+            # (It waits first so the stream has begun: stopped before its start event is sent,
+            # the same error comes as the 503 answer instead of the stream's last event.)
             t0 = time.monotonic()
-            events = _events(c, sid, "kill -STOP 2; sleep 30", http_timeout=15)
+            events = _events(c, sid, "sleep 1; kill -STOP 2; sleep 30", http_timeout=15)
             took = time.monotonic() - t0
             errors = [e for e in events if e.get("type") == "error"]
             assert errors and errors[-1]["code"] == "sandbox_unhealthy", events
             assert "stopped answering" in errors[-1]["message"]
-            assert took < 0.5 + 1.5 + 5, f"the in-flight request took {took:.1f} s to end"
+            assert took < 1 + 0.5 + 1.5 + 5, f"the in-flight request took {took:.1f} s to end"
             assert c.get(f"/v1/sandboxes/{sid}").json()["state"] == "unhealthy"
             listed = c.get("/v1/sandboxes", params={"state": "unhealthy"}).json()["sandboxes"]
             assert [s["sandbox_id"] for s in listed] == [sid]
