@@ -252,7 +252,9 @@ def create(
     sbx = Sandbox.create(
         template=template, timeout=timeout, metadata=_pairs(metadata, "--metadata"),
         envs=_pairs(env, "--env"), resources=Resources(cpu_count=cpu, memory_mb=memory_mb),
-        keep_workspace=keep_workspace, network=network, secrets=secret, **_conn(ctx))
+        keep_workspace=keep_workspace, network=network, secrets=secret,
+        on_progress=lambda progress: print(f"{progress} ...", file=sys.stderr, flush=True),
+        **_conn(ctx))
     sbx.close()
     print(sbx.sandbox_id)
 

@@ -67,6 +67,10 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 HEALTH_CHECK_S = 2.0  # how often every running sandbox's agent is pinged
 AGENT_PING_TIMEOUT_S = 5.0  # no answer in this long: the sandbox is `unhealthy`
 HEALTH_CONCURRENCY = 32  # pings in flight at once (a wedged agent holds one for the timeout)
+CHECK_TENANT = "~check"  # start-up checks of templates (like POOL_TENANT: no key can own it)
+TEMPLATE_CHECK_S = 120.0  # a template whose check sandbox takes longer to start has failed
+BUILDING = "building"  # a create waiting for the first-use build of its template
+BUILD_ALLOWANCE_S = 3600.0  # a `building` sandbox ends (timeout) if its build takes longer
 UNHEALTHY = "unhealthy"  # shown instead of `running`; never stored: it is an observation
 # Commands per sandbox whose end the server waits for to audit it (background ones, and
 # foreground ones their client left): all on one agent connection, but each costs memory.
@@ -74,6 +78,15 @@ MAX_WATCHED_COMMANDS = 1024
 WATCH_RETRY_S = 1.0  # an agent that could not be reached is asked again this much later
 ENDS_POLL_S = 2.0  # an agent without `exec.ended` is asked about each command this often
 UNCLAIMED_ENDS = 256
+
+
+@dataclass(frozen=True)
+class TemplateCheck:
+    """What the start-up check found: `checking`, `ok` or `failed` (with why)."""
+
+    status: str
+    error: str | None = None
+    seconds: float | None = None
 
 
 class _KilledWhileStarting(Exception):
@@ -187,6 +200,7 @@ class SandboxManager:
         health_interval: float = HEALTH_CHECK_S,
         ping_timeout: float = AGENT_PING_TIMEOUT_S,
         default_quota: dict[str, Any] | None = None,
+        check_templates: bool = True,
     ) -> None:
         """`default_quota`: values of every tenant's quota until an admin sets its own, over
         those derived from this host. The disk settings come from the environment."""
@@ -202,6 +216,11 @@ class SandboxManager:
         self.templates = templates
         self.network = network
         self._template_locks: dict[str, asyncio.Lock] = {}
+        # First-use builds of shipped templates -> how far they got (shown on `building` rows).
+        self._builds: dict[str, dict[str, Any]] = {}
+        # Whether each template started a sandbox at start-up (check_templates).
+        self.template_checks: dict[str, TemplateCheck] = {}
+        self.check_templates_at_start = check_templates
         self.pools = WarmPools(pool_sizes or {}, self._make_member, self._end_member)
         self._tenant_locks: dict[str, asyncio.Lock] = {}
         self._sandbox_locks: dict[str, asyncio.Lock] = {}
@@ -294,11 +313,38 @@ class SandboxManager:
             if info is None:
                 log.info("building shipped template %s on first use", name)
                 spec = load_spec(spec_path.read_text(), spec_path.parent)
+                progress = self._builds[name] = {"template": name, "started_at": time.time()}
+
+                def step(event: dict[str, Any]) -> None:  # in the build's thread
+                    if event.get("type") == "step":
+                        progress["step"] = event["index"] + 1
+                        progress["steps"] = event["total"]
+                        progress["step_name"] = event["name"]
+
                 try:
-                    info = await asyncio.to_thread(self.templates.build, spec)
+                    info = await asyncio.to_thread(self.templates.build, spec, step)
                 except BuildError as e:
                     raise SandboxUnavailable(f"template {name} could not be built: {e}") from None
+                finally:
+                    self._builds.pop(name, None)
         return info
+
+    def needs_build(self, template: str) -> bool:
+        """Whether a create of `template` waits for a first-use build of a shipped template."""
+        return (
+            template != DEFAULT_TEMPLATE
+            and self.templates.get(template) is None
+            and builtin_spec_path(template) is not None
+        )
+
+    def build_progress(self, row: SandboxRow) -> dict[str, Any] | None:
+        """How far the build a `building` sandbox waits for got."""
+        if row.state != BUILDING:
+            return None
+        progress = dict(self._builds.get(row.template) or {"template": row.template})
+        if "started_at" in progress:
+            progress["seconds"] = round(time.time() - progress.pop("started_at"), 1)
+        return progress
 
     def rootfs_in_use(self, rootfs: Path) -> bool:
         """Whether a live sandbox runs from this template tree (a rebuild must keep it)."""
@@ -350,6 +396,8 @@ class SandboxManager:
             row = await self._claim(caller, template, req, quota, started, net)
             if row is not None:
                 return row
+        if self.needs_build(template):
+            return await self._create_building(caller, template, req, quota, resources, net)
         tpl = await self.template(template)
         sandbox_id = "sbx_" + secrets.token_hex(8)
         egress = self.network.setup(
@@ -401,6 +449,87 @@ class SandboxManager:
         )
         return row
 
+    async def _create_building(
+        self,
+        caller: Caller,
+        template: str,
+        req: CreateRequest,
+        quota: dict[str, Any],
+        resources: Resources,
+        net: SandboxNetwork,
+    ) -> SandboxRow:
+        """A create that must wait for a first-use build answers at once with a `building`
+        sandbox (no client waits minutes on one request); the build, then the start, go on
+        here, and the row tells how they went."""
+        started = time.monotonic()
+        sandbox_id = "sbx_" + secrets.token_hex(8)
+        async with self._tenant_locks.setdefault(caller.tenant, asyncio.Lock()):
+            await self._check_capacity(caller, quota, started, resources)
+            # Its deadline counts from when it runs; until then the build has an hour.
+            self._insert(
+                sandbox_id, caller.tenant, template, req, resources, net, None, BUILDING,
+                BUILD_ALLOWANCE_S,
+            )  # fmt: skip
+        task = asyncio.create_task(
+            self._build_then_start(caller, sandbox_id, req, resources, net)
+        )
+        self._watchers.add(task)
+        task.add_done_callback(self._watchers.discard)
+        self.audit(
+            caller, "sandbox.create", sandbox_id, status=202, started=started, template=template,
+            building=True,
+        )  # fmt: skip
+        row = self.store.get_sandbox(sandbox_id)
+        assert row is not None
+        return row
+
+    async def _build_then_start(
+        self,
+        caller: Caller,
+        sandbox_id: str,
+        req: CreateRequest,
+        resources: Resources,
+        net: SandboxNetwork,
+    ) -> None:
+        row = self.store.get_sandbox(sandbox_id)
+        assert row is not None
+        try:
+            tpl = await self.template(row.template)
+            row = self.store.get_sandbox(sandbox_id)
+            if row is None or row.state != BUILDING:
+                return  # killed while it waited
+            egress = self.network.setup(row.tenant, sandbox_id, req.secrets, str(tpl.rootfs))
+        except AgentboxError as e:
+            self._fail_building(caller, sandbox_id, e.message)
+            return
+        # No await from the check above to here: a kill sees `building` or `starting`.
+        self.store.update_sandbox(
+            sandbox_id, state="starting", secrets=egress.placeholders or None
+        )
+        try:
+            await self._start(
+                sandbox_id, tpl, row.template, resources, req.envs, req.timeout,
+                egress, net, row.tenant,
+            )  # fmt: skip
+        except AgentboxError as e:
+            self.store.update_sandbox(sandbox_id, error=e.message[:DETAIL_STRING_CHARS])
+            self.audit(caller, "sandbox.start", sandbox_id, status=e.status, error=e.message)
+            return
+        self.audit(caller, "sandbox.start", sandbox_id, status=200, template=row.template)
+
+    def _fail_building(self, caller: Caller, sandbox_id: str, message: str) -> None:
+        row = self.store.get_sandbox(sandbox_id)
+        if row is None or row.state != BUILDING:
+            return
+        self.store.update_sandbox(
+            sandbox_id,
+            state="failed",
+            end_reason="build_failed",
+            ended_at=time.time(),
+            error=message[:DETAIL_STRING_CHARS],
+        )
+        self.audit(caller, "sandbox.start", sandbox_id, status=503, error=message)
+
     def _insert(
         self,
         sandbox_id: str,
@@ -409,7 +538,9 @@ class SandboxManager:
         req: CreateRequest,
         resources: Resources,
         net: SandboxNetwork,
-        egress: SandboxEgressSetup,
+        egress: SandboxEgressSetup | None,
+        state: str = "starting",
+        grace: float = 0.0,
     ) -> None:
         now = time.time()
         self.store.insert_sandbox(
@@ -417,16 +548,16 @@ class SandboxManager:
             tenant=tenant,
             template=template,
             runtime=self.runtime.name,
-            state="starting",
+            state=state,
             metadata=req.metadata,
             resources=asdict(resources),
             runtime_state=None,
             keep_workspace=req.keep_workspace,
             created_at=now,
-            end_at=now + req.timeout,
+            end_at=now + grace + req.timeout,
             network=net.to_dict(),
             access_token=new_access_token(),
-            secrets=egress.placeholders or None,
+            secrets=(egress.placeholders or None) if egress else None,
         )
 
     async def _start(
@@ -659,6 +790,61 @@ class SandboxManager:
             raise SandboxUnavailable(f"the new pool member did not run a command: {e}") from None
         self.audit(None, "pool.refill", sandbox_id, tenant=POOL_TENANT, template=template)
         return sandbox_id
+
+    async def check_templates(self) -> None:
+        """At start-up: start one sandbox of each ready template (the host userland included)
+        and run a command in it, so that a template that cannot start is known, and why, before
+        a client finds out (the log, /v1/health and the template's `check` say it)."""
+        names = [DEFAULT_TEMPLATE, *sorted(t.name for t in self.templates.list())]
+        for name in names:
+            self.template_checks[name] = TemplateCheck("checking")
+        limit = asyncio.Semaphore(2)
+
+        async def check(name: str) -> None:
+            async with limit:
+                started = time.monotonic()
+                try:
+                    await asyncio.wait_for(self._check_template(name), TEMPLATE_CHECK_S)
+                except (AgentboxError, TimeoutError) as e:
+                    why = (
+                        e.message
+                        if isinstance(e, AgentboxError)
+                        else f"no sandbox started within {TEMPLATE_CHECK_S:g} s"
+                    )
+                    self.template_checks[name] = TemplateCheck("failed", why)
+                    log.error(
+                        "template %s cannot start a sandbox: %s (creates from it will fail "
+                        "the same way; fix it, or rebuild or remove it: agentbox template)",
+                        name,
+                        why,
+                    )
+                else:
+                    took = round(time.monotonic() - started, 2)
+                    self.template_checks[name] = TemplateCheck("ok", seconds=took)
+
+        await asyncio.gather(*(check(n) for n in names))
+
+    async def _check_template(self, template: str) -> None:
+        tpl = await self.template(template)
+        sandbox_id = "sbx_" + secrets.token_hex(8)
+        req = CreateRequest(template=template, timeout=TEMPLATE_CHECK_S)
+        net = SandboxNetwork(EgressPolicy())
+        egress = self.network.setup(CHECK_TENANT, sandbox_id, [], None)
+        self._insert(sandbox_id, CHECK_TENANT, template, req, Resources(), net, egress)
+        row = await self._start(
+            sandbox_id, tpl, template, Resources(), {}, TEMPLATE_CHECK_S, egress, net, CHECK_TENANT
+        )
+        try:
+            _, events = await self._client(row).command_stream(
+                {"op": "exec.run", "cmd": "true", "timeout": 30, "hidden": True}
+            )
+            async for event in events:
+                if event.get("type") == "end" and event.get("exit_code") != 0:
+                    raise SandboxUnavailable(f"`true` ended with {event.get('exit_code')}")
+        except (AgentOpError, AgentUnavailable) as e:
+            raise SandboxUnavailable(f"the started sandbox did not run a command: {e}") from None
+        finally:
+            await self._end(row, "killed", "checked")
 
     async def _end_member(self, sandbox_id: str) -> None:
         row = self.store.get_sandbox(sandbox_id)
@@ -944,6 +1130,8 @@ class SandboxManager:
 
     async def start(self) -> None:
         await self.reconcile()
+        if self.check_templates_at_start:
+            await self.check_templates()
         self._tasks = [
             asyncio.create_task(self._reaper()),
             asyncio.create_task(self._health()),
@@ -1042,9 +1230,11 @@ class SandboxManager:
         now = time.time()
         known: set[str] = set()
         for row in self.store.live_sandboxes():
-            if row.state == "starting" or row.runtime_state is None:
+            if row.state in ("starting", BUILDING) or row.runtime_state is None:
                 await self._end(row, "failed", "failed")
                 counts["failed"] += 1
+            elif row.tenant == CHECK_TENANT:  # a start-up check the last server left
+                await self._end(row, "killed", "checked")
             elif row.end_at <= now:
                 await self._end(row, "expired", "timeout")
                 self.audit(None, "sandbox.expire", row.sandbox_id, tenant=row.tenant)

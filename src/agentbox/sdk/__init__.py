@@ -13,6 +13,7 @@ from agentbox.sdk.exceptions import __all__ as _exception_names
 from agentbox.sdk.models import (
     AuditEvent,
     BlockedAttempt,
+    BuildProgress,
     CommandInfo,
     CommandResult,
     Context,
@@ -40,6 +41,7 @@ __all__ = [
     "CommandHandle",
     "AsyncCommandHandle",
     "SandboxInfo",
+    "BuildProgress",
     "CommandResult",
     "CommandInfo",
     "EntryInfo",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import contextlib
 import inspect
 from collections.abc import (
     AsyncIterable,
@@ -25,6 +26,7 @@ import httpx
 from agentbox.sdk import protocol as p
 from agentbox.sdk.exceptions import AgentboxError, NotFoundError
 from agentbox.sdk.models import (
+    BuildProgress,
     CommandInfo,
     CommandResult,
     Context,
@@ -384,13 +386,26 @@ class AsyncSandbox:
                      keep_workspace: bool = False, network: p.NetworkSpec | None = None,
                      secrets: Sequence[str] | None = None,
                      allow_internet_access: bool | None = None, api_key: str | None = None,
-                     api_url: str | None = None, request_timeout: float = 60) -> AsyncSandbox:
+                     api_url: str | None = None, request_timeout: float = 60,
+                     on_progress: Callable[[BuildProgress], None] | None = None,
+                     ) -> AsyncSandbox:
         """See `Sandbox.create`."""
         transport = AsyncTransport(p.resolve_config(api_key, api_url, request_timeout))
         try:
             info = await transport.call(p.create_sandbox(template, timeout, metadata, envs,
                                                          resources, keep_workspace, network,
                                                          secrets, allow_internet_access))
+            try:
+                report = p.ProgressReporter(on_progress)
+                while not p.create_finished(info):
+                    report(info)
+                    await asyncio.sleep(p.BUILD_POLL_S)
+                    info = await transport.call(p.get_sandbox(info.sandbox_id))
+            except BaseException:
+                if info.state in ("building", "starting"):  # given up on: not left to run
+                    with contextlib.suppress(AgentboxError):
+                        await transport.call(p.kill_sandbox(info.sandbox_id))
+                raise
         except BaseException:
             await transport.close()
             raise

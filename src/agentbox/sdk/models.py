@@ -107,10 +107,14 @@ class SandboxInfo:
     # Out of repr: an info printed to a log must not hand out access to the sandbox's ports.
     access_token: str | None = field(default=None, repr=False)
     domain: str | None = None
+    # Why it failed after the create answered; while `building`, how far its template's build got.
+    error: str | None = None
+    build: BuildProgress | None = None
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> SandboxInfo:
         return cls(
+            error=data.get("error") or None, build=BuildProgress.from_json(data.get("build")),
             sandbox_id=str(data["sandbox_id"]), tenant=str(data.get("tenant", "")),
             template=str(data.get("template", "")), state=str(data.get("state", "")),
             metadata=dict(data.get("metadata") or {}), created_at=_time(data.get("created_at")),
@@ -121,6 +125,30 @@ class SandboxInfo:
             secrets=_strings(data.get("secrets")), access_token=data.get("access_token") or None,
             domain=data.get("domain") or None,
         )
+
+
+@dataclass(frozen=True)
+class BuildProgress:
+    """A `building` sandbox waits for the first-use build of its template: how far it got."""
+
+    template: str
+    step: int | None = None
+    steps: int | None = None
+    step_name: str | None = None
+    seconds: float | None = None
+
+    @classmethod
+    def from_json(cls, data: Any) -> BuildProgress | None:
+        if not isinstance(data, dict):
+            return None
+        return cls(template=str(data.get("template", "")), step=data.get("step"),
+                   steps=data.get("steps"), step_name=data.get("step_name"),
+                   seconds=data.get("seconds"))
+
+    def __str__(self) -> str:
+        where = f": step {self.step}/{self.steps} ({self.step_name})" if self.step else ""
+        took = f", {self.seconds:.0f} s" if self.seconds is not None else ""
+        return f"building template {self.template}{where}{took}"
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,10 @@ from __future__ import annotations
 import base64
 import functools
 import json
+import logging
 import os
 import ssl
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -37,6 +39,7 @@ from agentbox.sdk.exceptions import (
 from agentbox.sdk.models import (
     AuditEvent,
     BlockedAttempt,
+    BuildProgress,
     CommandInfo,
     CommandResult,
     Context,
@@ -191,6 +194,49 @@ def create_sandbox(template: str | None, timeout: float, metadata: Mapping[str, 
     if secrets:
         body["secrets"] = _names(secrets, "secrets")
     return Call("POST", "/v1/sandboxes", _sandbox, json=body)
+
+
+BUILD_POLL_S = 1.0  # how often a create that waits for a template build asks how it goes
+
+
+PROGRESS_EVERY_S = 15.0  # while a build step goes on, how often it is reported again
+
+
+def log_progress(progress: BuildProgress) -> None:
+    logging.getLogger("agentbox").info("%s", progress)
+
+
+class ProgressReporter:
+    """Passes a waiting create's build progress on: each new step, and every PROGRESS_EVERY_S
+    while one takes long (not at every poll)."""
+
+    def __init__(self, on_progress: Callable[[BuildProgress], None] | None) -> None:
+        self.on_progress = on_progress or log_progress
+        self.shown: tuple[Any, ...] | None = None
+        self.at = 0.0
+
+    def __call__(self, info: SandboxInfo) -> None:
+        build = info.build
+        if build is None:
+            return
+        now = time.monotonic()
+        key = (build.template, build.step, build.step_name)
+        if key != self.shown or now - self.at >= PROGRESS_EVERY_S:
+            self.shown, self.at = key, now
+            self.on_progress(build)
+
+
+def create_finished(info: SandboxInfo) -> bool:
+    """After a create answered: whether the sandbox runs (False while its template is built
+    or it starts); raises why it failed if it did."""
+    if info.state in ("building", "starting"):
+        return False
+    if info.state in ("running", "unhealthy"):
+        return True
+    code = "build_failed" if info.end_reason == "build_failed" else "sandbox_unavailable"
+    why = info.error or f"it is {info.state} ({info.end_reason})"
+    raise AgentboxError(f"sandbox {info.sandbox_id} did not start: {why}", status=503,
+                        code=code, detail={"sandbox_id": info.sandbox_id})
 
 
 @dataclass(frozen=True)

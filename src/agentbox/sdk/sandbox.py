@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import builtins
+import contextlib
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import IO, Any, Literal, TypeVar, overload
@@ -12,6 +13,7 @@ import httpx
 from agentbox.sdk import protocol as p
 from agentbox.sdk.exceptions import AgentboxError, NotFoundError
 from agentbox.sdk.models import (
+    BuildProgress,
     CommandInfo,
     CommandResult,
     Context,
@@ -478,18 +480,35 @@ class Sandbox:
                keep_workspace: bool = False, network: p.NetworkSpec | None = None,
                secrets: Sequence[str] | None = None, allow_internet_access: bool | None = None,
                api_key: str | None = None, api_url: str | None = None,
-               request_timeout: float = 60) -> Sandbox:
+               request_timeout: float = 60,
+               on_progress: Callable[[BuildProgress], None] | None = None) -> Sandbox:
         """Start a sandbox that lives `timeout` seconds unless extended with set_timeout.
 
         `network` is its policy ({"allow_out": [...], "deny_out": [...],
         "allow_internet_access": bool, "allow_public_traffic": bool}; None = the tenant's
         default); `allow_internet_access` overrides that one field. `secrets` names tenant
-        secrets (see `Secrets`) the sandbox gets as placeholder environment variables."""
+        secrets (see `Secrets`) the sandbox gets as placeholder environment variables.
+
+        A shipped template used for the first time is built first (a minute or two): the
+        server answers at once with a `building` sandbox and this waits until it runs, passing
+        each change of the build's progress to `on_progress` (default: the `agentbox` logger,
+        at INFO)."""
         transport = Transport(p.resolve_config(api_key, api_url, request_timeout))
         try:
             info = transport.call(p.create_sandbox(template, timeout, metadata, envs, resources,
                                                    keep_workspace, network, secrets,
                                                    allow_internet_access))
+            try:
+                report = p.ProgressReporter(on_progress)
+                while not p.create_finished(info):
+                    report(info)
+                    time.sleep(p.BUILD_POLL_S)
+                    info = transport.call(p.get_sandbox(info.sandbox_id))
+            except BaseException:
+                if info.state in ("building", "starting"):  # given up on: not left to run
+                    with contextlib.suppress(AgentboxError):
+                        transport.call(p.kill_sandbox(info.sandbox_id))
+                raise
         except BaseException:
             transport.close()
             raise

@@ -184,7 +184,8 @@ def create_app(
         domain = f"{domain}:{public.port}"
 
     def info(row: Any) -> m.SandboxInfo:
-        return m.SandboxInfo.of(row, domain)
+        mgr = state.get("manager")
+        return m.SandboxInfo.of(row, domain, mgr.build_progress(row) if mgr else None)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -394,10 +395,14 @@ def create_app(
 
     @app.get("/v1/health", tags=["health"])
     async def health() -> dict[str, Any]:
+        # Whether each template could start a sandbox at start-up (why not: the log, and the
+        # template's `check` for API keys).
+        checks = {n: c.status for n, c in state["manager"].template_checks.items()}
         return {
-            "status": "ok",
+            "status": "degraded" if "failed" in checks.values() else "ok",
             "version": __version__,
             "runtime": state["runtime"].capabilities() if "runtime" in state else None,
+            "templates": checks,
         }
 
     # ------------------------------------------------------------------ sandboxes
@@ -409,7 +414,9 @@ def create_app(
         responses=responses,
         tags=["sandboxes"],
     )
-    async def create_sandbox(body: m.CreateSandboxBody, mgr: Mgr, who: Who) -> m.SandboxInfo:
+    async def create_sandbox(
+        body: m.CreateSandboxBody, mgr: Mgr, who: Who, response: Response
+    ) -> m.SandboxInfo:
         network = body.network.model_dump() if body.network is not None else None
         if body.allow_internet_access is not None:
             network = {**(network or {}), "allow_internet_access": body.allow_internet_access}
@@ -426,6 +433,8 @@ def create_app(
                 secrets=body.secrets,
             ),
         )
+        if row.state == "building":  # the template's first-use build: the client waits on GET
+            response.status_code = 202
         return info(row)
 
     @app.get("/v1/sandboxes", response_model=m.SandboxList, responses=responses, tags=["sandboxes"])
@@ -863,7 +872,9 @@ def create_app(
     )
     async def list_templates(mgr: Mgr, who: Who) -> m.TemplateList:
         return m.TemplateList(
-            templates=[m.TemplateInfo.of(t) for t in mgr.templates.list()],
+            templates=[
+                m.TemplateInfo.of(t, mgr.template_checks.get(t.name)) for t in mgr.templates.list()
+            ],
             builtin=builtin_spec_names(),
         )
 
@@ -877,7 +888,7 @@ def create_app(
         info = mgr.templates.get(name)
         if info is None:
             raise NotFound(f"template {name!r} is not built", template=name)
-        return m.TemplateInfo.of(info)
+        return m.TemplateInfo.of(info, mgr.template_checks.get(name))
 
     @app.post(
         "/v1/templates",

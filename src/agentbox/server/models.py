@@ -142,10 +142,17 @@ class SandboxInfo(BaseModel):
     secrets: list[str] = []
     access_token: str | None = None
     domain: str | None = None
+    # Why it failed after the create answered; how far the build a `building` one waits for got.
+    error: str | None = None
+    build: dict[str, Any] | None = None
 
     @classmethod
-    def of(cls, row: SandboxRow, domain: str | None = None) -> SandboxInfo:
+    def of(
+        cls, row: SandboxRow, domain: str | None = None, build: dict[str, Any] | None = None
+    ) -> SandboxInfo:
         return cls(
+            error=row.error,
+            build=build,
             network=row.network,
             secrets=sorted(row.secrets or {}),
             # `unhealthy` is a live sandbox whose agent is silent (never a stored state).
@@ -364,10 +371,13 @@ class TemplateInfo(BaseModel):
     start_cmd: str | None = None
     ready_cmd: str | None = None
     warm: list[str] = Field(default_factory=list)
+    # The start-up check: {"status": "ok" | "failed" | "checking", "error"}; None: not checked.
+    check: dict[str, Any] | None = None
 
     @classmethod
-    def of(cls, t: Any) -> TemplateInfo:
+    def of(cls, t: Any, check: Any = None) -> TemplateInfo:
         return cls(
+            check={"status": check.status, "error": check.error} if check else None,
             name=t.name,
             key=t.key,
             size_bytes=t.size_bytes,

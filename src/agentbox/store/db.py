@@ -79,6 +79,8 @@ sandboxes = Table(
     Column("network", JSON, nullable=True),
     Column("access_token", String(64), nullable=True),
     Column("secrets", JSON, nullable=True),
+    # Why it failed, when the failure came after the create answered (a first-use build).
+    Column("error", String, nullable=True),
 )
 
 secrets = Table(
@@ -134,7 +136,7 @@ audit = Table(
     Column("detail", JSON, nullable=True),
 )
 
-LIVE_STATES = ("starting", "running")
+LIVE_STATES = ("building", "starting", "running")
 
 # The longest value each text field of the two logs stores (characters; docs/API.md, "Audit and
 # egress logs"): sandboxes and clients choose these strings, and the disk must not pay for them.
@@ -219,6 +221,7 @@ class SandboxRow:
     network: dict[str, Any] | None = None
     access_token: str | None = None
     secrets: dict[str, str] | None = None
+    error: str | None = None
 
     @property
     def live(self) -> bool:

@@ -210,7 +210,8 @@ def _sandbox_sees(path: str, visible: tuple[str, ...]) -> bool:
 # ------------------------------------------------------------------------ shared trees
 
 _libc = ctypes.CDLL(None, use_errno=True)
-_MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 2, 4, 8
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
+_MS_REMOUNT, _MS_BIND = 32, 4096
 _MNT_DETACH = 2
 
 
@@ -225,6 +226,20 @@ def fresh_tmpfs(path: Path, size_mb: int) -> None:
     if _libc.mount(b"tmpfs", str(path).encode(), b"tmpfs", flags, opts) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"mount tmpfs on {path}: {os.strerror(err)}")
+
+
+def bind_readonly(src: Path, dest: Path) -> None:
+    """Bind `src` read-only (and nosuid, nodev) at `dest`, an existing empty directory."""
+    flags = _MS_BIND | _MS_NOSUID | _MS_NODEV
+    if _libc.mount(str(src).encode(), str(dest).encode(), None, flags, None) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"bind {src} on {dest}: {os.strerror(err)}")
+    # A bind takes the read-only flag only on a remount of itself.
+    flags |= _MS_REMOUNT | _MS_RDONLY
+    if _libc.mount(b"none", str(dest).encode(), None, flags, None) != 0:
+        err = ctypes.get_errno()
+        detach(dest)
+        raise OSError(err, f"remount {dest} read-only: {os.strerror(err)}")
 
 
 def detach(path: Path) -> None:

@@ -26,6 +26,7 @@ import resource
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import threading
 import time
@@ -49,6 +50,7 @@ from agentbox.runtimes.process.seccomp import build_filter
 from agentbox.runtimes.process.weaken import Weakening
 
 RUN_ROOT = Path("/run/agentbox")
+TEMPLATE_BINDS = "templates"  # below the bind root: template trees a sandbox uid can resolve
 AGENT_SRC = Path(__file__).resolve().parent.parent.parent / "agent"
 AGENT_FILES = (
     "main.py",
@@ -166,6 +168,8 @@ class ProcessRuntime(Runtime):
             self.bind_root = self.root
         # What every sandbox shares, each tree on a tmpfs of its own (see hostview.py).
         self.own_mounts = self.is_root and "host-info" not in self.weak
+        self.template_lock = threading.Lock()
+        self._drop_template_binds()  # a previous server's
         self.agent_dir = self._install_agent(self._shared_tree("agent", 16))
         self.etc_dir = None if "host-info" in self.weak else self._build_etc()
         self.proc_view = hostview.ProcView.of_host()
@@ -317,9 +321,9 @@ class ProcessRuntime(Runtime):
             argv = ["bwrap", *self._weakened_namespace_args()]
         argv += ["--hostname", "sandbox", "--new-session"]
         if spec.rootfs:
-            # A template: its whole tree read-only, then the sandbox's own mounts on top.
-            # By fd, opened by the server: the template store may sit in the private data
-            # dir, which the sandbox's uid (bwrap runs as it) cannot traverse.
+            # A template: its whole tree read-only, then the sandbox's own mounts on top
+            # (by fd, opened by the server, on a path bwrap can resolve: see
+            # _reachable_template).
             argv += ["--ro-bind-fd", str(fds["rootfs"]), "/"]
         else:
             argv += self._host_userland_args()
@@ -462,6 +466,37 @@ class ProcessRuntime(Runtime):
             self._destroy_sync(sid, state, keep_workspace=False)
             raise
 
+    def _reachable_template(self, rootfs: str) -> str:
+        """A template tree's path as bwrap can resolve it. bwrap runs as the sandbox's uid and
+        resolves the path of every bind source (even one given by fd), which a private data
+        dir (the default /var/lib/agentbox is 0700) keeps from that uid. Such a tree is bound
+        read-only below the traverse-only bind root, once per tree while the server runs."""
+        if not self.is_root or _others_can_reach(Path(rootfs)):
+            return rootfs
+        st = os.stat(rootfs)
+        # A tree rebuilt at the same path is another inode: a fresh bind, never a stale one.
+        key = hashlib.sha256(f"{rootfs}\0{st.st_dev}\0{st.st_ino}".encode()).hexdigest()[:16]
+        dest = self.bind_root / TEMPLATE_BINDS / key
+        with self.template_lock:
+            # (Not os.path.ismount: a bind from the filesystem /run is on does not show there.)
+            if not workspace.mounted_under(dest):
+                dest.parent.mkdir(mode=0o711, exist_ok=True)
+                dest.mkdir(mode=0o755, exist_ok=True)
+                hostview.bind_readonly(Path(rootfs), dest)
+        return str(dest)
+
+    def _drop_template_binds(self) -> None:
+        """Started sandboxes hold their own copy of the bind: the host's can go at any time."""
+        binds = self.bind_root / TEMPLATE_BINDS
+        if self.bind_root == self.root or not binds.is_dir():
+            return
+        for mnt in workspace.mounted_under(binds):
+            with contextlib.suppress(OSError):
+                hostview.detach(mnt)
+        for d in binds.iterdir():
+            with contextlib.suppress(OSError):
+                d.rmdir()  # never rmtree: a bind that would not go still shows a template
+
     def _assign_cpus(self, sid: str, cpu_count: float) -> list[int]:
         """The CPUs a sandbox may run on: one per started unit of its quota, so that nproc and
         sched_getaffinity tell it what it gets (the cgroup quota is what enforces it)."""
@@ -499,7 +534,8 @@ class ProcessRuntime(Runtime):
         if "leak-fd" in weak:
             fds["leak"] = os.open("/", os.O_PATH | os.O_DIRECTORY)
         if spec.rootfs:
-            fds["rootfs"] = os.open(spec.rootfs, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW)
+            rootfs = self._reachable_template(spec.rootfs)
+            fds["rootfs"] = os.open(rootfs, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW)
         for path, data in spec.files.items():
             fds[f"file:{path}"] = _data_file_fd(data)
         r = spec.resources
@@ -779,6 +815,7 @@ class ProcessRuntime(Runtime):
         (live sandboxes keep theirs: a restarted server re-adopts them)."""
         self.netns.shutdown()
         self._drop_kept_mounts()
+        self._drop_template_binds()
         if self.use_loop:
             workspace.detach_orphan_loops(self.root)
         if await self.list_sandboxes():
@@ -853,3 +890,15 @@ class ProcessRuntime(Runtime):
         self.uids_in_use.discard(state.get("uid", -1))
         with self.cpu_lock:
             self.cpus_of.pop(sid, None)
+
+
+def _others_can_reach(path: Path) -> bool:
+    """Whether a uid that owns nothing on the way may resolve `path` (search on every dir)."""
+    path = path.resolve()
+    for d in (path, *path.parents):
+        try:
+            if not os.stat(d).st_mode & stat.S_IXOTH:
+                return False
+        except OSError:
+            return False
+    return True

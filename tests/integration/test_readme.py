@@ -1,0 +1,304 @@
+"""The README's examples, run as a new user runs them: the server started by the quick start's
+own command (`bash scripts/serve.sh`) with the data dir where the README says it lives, then
+every shell and Python block executed as written, its `# expected` comments checked.
+
+A block the test cannot run says why in an HTML comment just before it
+(`<!-- readme-test: skip: REASON -->`); a block that is neither run nor explained fails.
+
+The data dir is the default one (`/var/lib/agentbox`, made 0700 by the server) when CI runs on
+a fresh machine; elsewhere (a developer's machine may run its own server there) a fresh dir
+made the same way, named by AGENTBOX_DATA_DIR, which the README documents. Either way the
+code-interpreter template is built on first use inside it, as for a new user: from the test
+run's cached layers and downloads (copied in as hard links), so the build takes seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from agentbox.battery.target import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+README = REPO / "README.md"
+DEFAULT_DATA_DIR = Path("/var/lib/agentbox")
+BLOCK = re.compile(
+    r"(?:<!-- readme-test: (?P<mark>[^\n]*?) -->\n)?^```(?P<lang>[a-z]*)\n(?P<body>.*?)^```",
+    re.S | re.M,
+)
+ID = re.compile(r"^sbx_[0-9a-f]{16}$")
+
+
+@dataclass
+class Block:
+    index: int
+    lang: str
+    body: str
+    mark: str | None
+
+
+def readme_blocks() -> list[Block]:
+    return [
+        Block(i, m["lang"], m["body"], m["mark"])
+        for i, m in enumerate(BLOCK.finditer(README.read_text()))
+    ]
+
+
+def _block(predicate: str) -> Block:
+    found = [b for b in readme_blocks() if predicate in b.body]
+    assert len(found) == 1, f"the README has {len(found)} blocks with {predicate!r}"
+    return found[0]
+
+
+def test_every_block_is_run_or_says_why_not() -> None:
+    run_here = {"bash scripts/serve.sh", "agentbox keys create", "sbx.files.write", "run_code"}
+    for block in readme_blocks():
+        if block.lang not in ("sh", "python", "bash"):
+            continue  # diagrams, tables
+        ran = any(marker in block.body for marker in run_here)
+        skipped = (block.mark or "").startswith("skip: ") and len(block.mark or "") > 12
+        assert ran or skipped, f"README block {block.index} is neither run nor skipped with a reason:\n{block.body}"
+
+
+# ------------------------------------------------------------------------------ the server
+
+
+@dataclass
+class Readme:
+    url: str
+    data_dir: Path
+    env: dict[str, str]
+    output: Path
+    workdir: Path
+
+
+def _seed_template_cache(code_template: Path, data_dir: Path) -> None:
+    """What a first build downloads and builds layer by layer, as this test run has it."""
+    templates = data_dir / "templates"
+    templates.mkdir(mode=0o700, parents=True)
+    for part in ("layers", "cache"):
+        if (code_template / part).is_dir():
+            r = subprocess.run(["cp", "-al", str(code_template / part), str(templates)])
+            if r.returncode != 0:  # another filesystem: a real copy
+                shutil.rmtree(templates / part, ignore_errors=True)
+                shutil.copytree(code_template / part, templates / part, symlinks=True)
+
+
+@pytest.fixture(scope="module")
+def readme(tmp_path_factory: pytest.TempPathFactory, code_template: Path) -> Iterator[Readme]:
+    tmp = tmp_path_factory.mktemp("readme")
+    literal = bool(os.environ.get("CI")) and not DEFAULT_DATA_DIR.exists()
+    data_dir = DEFAULT_DATA_DIR if literal else tmp / "var-lib-agentbox"
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("AGENTBOX_") and k not in ("PYTHONPATH",)
+    }
+    if os.environ.get("PYTHONPATH"):  # a checkout tested from another tree's venv
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+    if not literal:
+        env["AGENTBOX_DATA_DIR"] = str(data_dir)
+    port = free_port()
+    env["AGENTBOX_API_URL"] = f"http://127.0.0.1:{port}"
+    _seed_template_cache(code_template, data_dir)
+    serve = _block("bash scripts/serve.sh").body.strip()
+    assert serve == "bash scripts/serve.sh"
+    output = tmp / "serve.log"
+    with open(output, "wb") as log:
+        proc = subprocess.Popen(
+            [*serve.split(), "--port", str(port)],
+            cwd=REPO,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + 300  # serve.sh installs what is missing first
+        while True:
+            assert proc.poll() is None, output.read_text()[-3000:]
+            try:
+                if httpx.get(f"{env['AGENTBOX_API_URL']}/v1/health", timeout=2).is_success:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, output.read_text()[-3000:]
+            time.sleep(0.2)
+        # Where a new user runs the CLI lines: `.venv/bin/agentbox` relative to it.
+        workdir = tmp / "work"
+        workdir.mkdir()
+        (workdir / ".venv").symlink_to(REPO / ".venv")
+        yield Readme(env["AGENTBOX_API_URL"], data_dir, env, output, workdir)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        if literal:
+            shutil.rmtree(DEFAULT_DATA_DIR, ignore_errors=True)
+
+
+def test_the_server_makes_a_private_data_dir_and_an_admin_key(readme: Readme) -> None:
+    assert readme.data_dir.stat().st_mode & 0o777 == 0o700
+    key_file = readme.data_dir / "admin.key"
+    assert key_file.stat().st_mode & 0o777 == 0o600
+    assert key_file.read_text().strip() in readme.output.read_text()
+    health = httpx.get(f"{readme.url}/v1/health").json()
+    assert health["status"] == "ok" and health["templates"] == {"default": "ok"}, health
+
+
+# ------------------------------------------------------------------------------ the blocks
+
+
+def _shell_steps(body: str) -> list[str]:
+    """The block's commands, each on a line of its own (comments after `#` dropped)."""
+    return [line.split("  #")[0].strip() for line in body.splitlines() if line.strip()]
+
+
+def test_the_cli_quick_start(readme: Readme) -> None:
+    block = _block("agentbox keys create")
+    (readme.workdir / "data.csv").write_text("x\n1\n2\n3\n")
+    # The id the README writes as `sbx_…` is the one `agentbox create` printed.
+    script = ["set -euo pipefail"]
+    for i, step in enumerate(_shell_steps(block.body)):
+        step = step.replace("sbx_…", "$SBX")
+        if step.endswith("agentbox create"):
+            step = f"SBX=$({step}); echo \"$SBX\""
+        script += [f"echo '::step {i}'", step]
+    script.append('echo "::key $AGENTBOX_API_KEY"')
+    r = subprocess.run(
+        ["bash", "-c", "\n".join(script)],
+        cwd=readme.workdir,
+        env=readme.env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert r.returncode == 0, f"{r.stdout}\n{r.stderr}"
+    out = _steps(r.stdout)
+    assert set(out) == set(range(len(_shell_steps(block.body)))), r.stdout
+    key = r.stdout.split("::key ")[1].strip()
+    assert key.startswith("abx_"), r.stdout
+    readme.env["AGENTBOX_API_KEY"] = key  # the README's `export`, kept for the Python blocks
+    created = out[1].strip()
+    assert ID.match(created), out[1]
+    assert out[2].strip() == "42"
+    assert created in out[4], out[4]  # `ls` lists it with its whole id
+    assert "sandbox.create" in out[5] and "file.write" in out[5], out[5]
+    listed = httpx.get(
+        f"{readme.url}/v1/sandboxes/{created}", headers={"X-API-Key": key}
+    ).json()
+    assert listed["state"] == "killed", listed
+
+
+def _steps(stdout: str) -> dict[int, str]:
+    out: dict[int, str] = {}
+    current = None
+    for line in stdout.splitlines(keepends=True):
+        if line.startswith("::step "):
+            current = int(line.split()[1])
+            out[current] = ""
+        elif line.startswith("::key "):
+            current = None
+        elif current is not None:
+            out[current] += line
+    return out
+
+
+# Runs a block with `print` recording what each call printed (one entry per call, in order).
+HARNESS = """
+import builtins, io, json, sys
+printed = []
+_print = builtins.print
+def recording_print(*args, **kwargs):
+    buf = io.StringIO()
+    _print(*args, **{**kwargs, "file": buf})
+    printed.append(buf.getvalue())
+    _print(*args, **kwargs)
+builtins.print = recording_print
+try:
+    exec(compile(open(sys.argv[1]).read(), "README block", "exec"), {"__name__": "__main__"})
+finally:
+    json.dump(printed, open(sys.argv[2], "w"))
+"""
+
+
+def _expected_prints(body: str) -> list[str | None]:
+    """Per `print(` line of the block, what its `# comment` says it prints (None: no claim)."""
+    out: list[str | None] = []
+    for line in body.splitlines():
+        if not re.match(r"\s*print\(", line):
+            continue
+        comment = line.split("  # ", 1)[1].strip() if "  # " in line else None
+        out.append(comment)
+    return out
+
+
+def _run_python(readme: Readme, block: Block, timeout: float) -> list[str]:
+    assert "AGENTBOX_API_KEY" in readme.env, "the CLI quick start exports the key first"
+    src, printed = readme.workdir / f"block{block.index}.py", readme.workdir / "printed.json"
+    src.write_text(block.body)
+    harness = readme.workdir / "harness.py"
+    harness.write_text(HARNESS)
+    r = subprocess.run(
+        [".venv/bin/python", str(harness), str(src), str(printed)],
+        cwd=readme.workdir,
+        env=readme.env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert r.returncode == 0, f"README block {block.index} failed:\n{r.stdout}\n{r.stderr}"
+    calls: list[str] = json.loads(printed.read_text())
+    expected = _expected_prints(block.body)
+    assert len(calls) == len(expected), (calls, expected)
+    for got, claim in zip(calls, expected, strict=True):
+        if claim is not None:
+            assert got.rstrip("\n") == claim, f"README says {claim!r}, the code printed {got!r}"
+    return calls
+
+
+def test_the_python_quick_start(readme: Readme) -> None:
+    calls = _run_python(readme, _block("sbx.files.write"), timeout=120)
+    assert calls[0] == "hi from the sandbox\n 0\n" and calls[1] == "done\n\n", calls
+
+
+def test_the_code_interpreter_example_builds_its_template_on_first_use(readme: Readme) -> None:
+    assert not (readme.data_dir / "templates" / "index").exists() or not any(
+        (readme.data_dir / "templates" / "index").iterdir()
+    ), "the template must not be built before the example asks for it"
+    _run_python(readme, _block("run_code"), timeout=600)
+    health = httpx.get(f"{readme.url}/v1/health").json()
+    assert health["status"] == "ok", health
+    # Built inside the private data dir, which sandbox uids cannot traverse.
+    index = readme.data_dir / "templates" / "index" / "code-interpreter.json"
+    assert index.exists()
+    assert readme.data_dir.stat().st_mode & 0o777 == 0o700
+    # The create answered at once (`building`), the SDK waited for the build and the start.
+    key = readme.env["AGENTBOX_API_KEY"]
+    events = httpx.get(
+        f"{readme.url}/v1/audit", headers={"X-API-Key": key}, params={"limit": 1000}
+    ).json()["events"]
+    creates = [e for e in events if e["action"] == "sandbox.create"]
+    built = [e for e in creates if (e.get("detail") or {}).get("template") == "code-interpreter"]
+    assert [e["status"] for e in built] == [202], creates
+    starts = [e for e in events if e["action"] == "sandbox.start"]
+    assert [e["status"] for e in starts] == [200], starts
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-v"]))

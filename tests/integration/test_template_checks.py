@@ -1,0 +1,84 @@
+"""Templates kept in the private data dir start sandboxes, and a server says at start-up which
+templates cannot (its log, /v1/health, the template's `check`)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from conftest import ServerHandle, start_server
+
+
+def _private_copy(code_template: Path, data_dir: Path) -> Path:
+    """The built code-interpreter template in `data_dir`/templates, where `agentbox serve`
+    keeps templates by default (hard links: seconds, not a GB of copying)."""
+    templates = data_dir / "templates"
+    templates.mkdir(mode=0o700, parents=True, exist_ok=True)
+    data_dir.chmod(0o700)
+    for part in ("index", "rootfs", "layers"):
+        shutil.rmtree(templates / part, ignore_errors=True)  # empty: the server made them
+        subprocess.run(["cp", "-al", str(code_template / part), str(templates)], check=True)
+    return templates
+
+
+@pytest.fixture
+def private(tmp_path: Path, code_template: Path) -> Iterator[tuple[ServerHandle, Path]]:
+    tmp_path.chmod(0o700)
+    handle = start_server(tmp_path)  # starts with no template: made below, then restarted
+    handle.stop()
+    templates = _private_copy(code_template, handle.data_dir)
+    handle.start()
+    yield handle, templates
+    handle.kill_all_sandboxes()
+    handle.stop()
+
+
+def test_a_template_in_the_private_data_dir_starts_sandboxes(
+    private: tuple[ServerHandle, Path],
+) -> None:
+    srv, _ = private
+    health = httpx.get(f"{srv.url}/v1/health").json()
+    assert health["status"] == "ok", health
+    assert health["templates"] == {"default": "ok", "code-interpreter": "ok"}, health
+    key = srv.make_key("checks")
+    with srv.client(key) as c:
+        assert c.get("/v1/templates/code-interpreter").json()["check"]["status"] == "ok"
+        r = c.post("/v1/sandboxes", json={"template": "code-interpreter", "timeout": 60})
+        assert r.status_code == 201, r.text
+        sid = r.json()["sandbox_id"]
+        ctx = c.post(f"/v1/sandboxes/{sid}/code/contexts", json={"language": "python"})
+        assert ctx.status_code in (200, 201), ctx.text
+        assert c.delete(f"/v1/sandboxes/{sid}").status_code == 204
+
+
+def test_a_template_that_cannot_start_is_named_at_start_up(
+    private: tuple[ServerHandle, Path],
+) -> None:
+    srv, templates = private
+    srv.stop()
+    # Break this server's copy only: its python is gone (the shared tree keeps its own link).
+    (rootfs,) = (d for d in (templates / "rootfs").iterdir() if d.is_dir())
+    for name in ("python3",):
+        (rootfs / "usr" / "bin" / name).unlink()
+    srv.start()
+    health = httpx.get(f"{srv.url}/v1/health").json()
+    assert health["status"] == "degraded", health
+    assert health["templates"] == {"default": "ok", "code-interpreter": "failed"}, health
+    key = srv.make_key("checks")
+    with srv.client(key) as c:
+        check = c.get("/v1/templates/code-interpreter").json()["check"]
+        assert check["status"] == "failed" and "agent did not start" in check["error"], check
+        # A create fails the same way, with the same reason.
+        r = c.post("/v1/sandboxes", json={"template": "code-interpreter", "timeout": 60})
+        assert r.status_code == 503 and "agent did not start" in r.json()["message"], r.text
+        # The host userland still works.
+        r = c.post("/v1/sandboxes", json={"timeout": 60})
+        assert r.status_code == 201, r.text
+    assert srv.log_path is not None
+    log = srv.log_path.read_text()
+    assert "template code-interpreter cannot start a sandbox" in log, log[-2000:]
