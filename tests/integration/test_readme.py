@@ -69,7 +69,8 @@ def test_every_block_is_run_or_says_why_not() -> None:
             continue  # diagrams, tables
         ran = any(marker in block.body for marker in run_here)
         skipped = (block.mark or "").startswith("skip: ") and len(block.mark or "") > 12
-        assert ran or skipped, f"README block {block.index} is neither run nor skipped with a reason:\n{block.body}"
+        why = f"README block {block.index} is neither run nor skipped with a reason"
+        assert ran or skipped, f"{why}:\n{block.body}"
 
 
 # ------------------------------------------------------------------------------ the server

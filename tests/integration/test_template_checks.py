@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-
 from conftest import ServerHandle, start_server
 
 
@@ -82,3 +82,71 @@ def test_a_template_that_cannot_start_is_named_at_start_up(
     assert srv.log_path is not None
     log = srv.log_path.read_text()
     assert "template code-interpreter cannot start a sandbox" in log, log[-2000:]
+
+
+# ---------------------------------------------------------------- first-use builds: `building`
+
+
+@pytest.fixture
+def unbuilt(tmp_path: Path, code_template: Path) -> Iterator[tuple[ServerHandle, Path]]:
+    """A server whose code-interpreter is not built, but whose build cache has every layer (a
+    first-use build takes seconds: only the final tree is made)."""
+    handle = start_server(tmp_path)
+    handle.stop()
+    templates = handle.data_dir / "templates"
+    for part in ("layers", "cache"):
+        shutil.rmtree(templates / part, ignore_errors=True)
+        subprocess.run(["cp", "-al", str(code_template / part), str(templates)], check=True)
+    handle.start()
+    yield handle, templates
+    subprocess.run(["chattr", "-i", str(templates / "rootfs")], check=False)
+    handle.kill_all_sandboxes()
+    handle.stop()
+
+
+def _wait(c: httpx.Client, sid: str, states: set[str], within: float) -> dict:
+    deadline = time.monotonic() + within
+    while True:
+        info = c.get(f"/v1/sandboxes/{sid}").json()
+        if info["state"] in states or time.monotonic() > deadline:
+            return info
+        time.sleep(0.2)
+
+
+def test_a_first_use_build_answers_building_and_a_kill_ends_it(
+    unbuilt: tuple[ServerHandle, Path],
+) -> None:
+    srv, _ = unbuilt
+    with srv.client(srv.make_key("builds")) as c:
+        r = c.post("/v1/sandboxes", json={"template": "code-interpreter", "timeout": 60})
+        assert r.status_code == 202, r.text
+        first = r.json()
+        assert first["state"] == "building" and first["build"]["template"] == "code-interpreter"
+        r = c.post("/v1/sandboxes", json={"template": "code-interpreter", "timeout": 60})
+        assert r.status_code == 202, r.text
+        second = r.json()["sandbox_id"]
+        # Killed while it waits: it ends now, and the build still serves the other one.
+        assert c.delete(f"/v1/sandboxes/{first['sandbox_id']}").status_code == 204
+        assert c.get(f"/v1/sandboxes/{first['sandbox_id']}").json()["state"] == "killed"
+        info = _wait(c, second, {"running", "failed"}, within=120)
+        assert info["state"] == "running" and info["build"] is None, info
+        assert c.get(f"/v1/sandboxes/{first['sandbox_id']}").json()["state"] == "killed"
+        live = c.get("/v1/sandboxes", params={"state": "running"}).json()["sandboxes"]
+        assert [s["sandbox_id"] for s in live] == [second]
+
+
+def test_a_first_use_build_that_fails_says_why(unbuilt: tuple[ServerHandle, Path]) -> None:
+    srv, templates = unbuilt
+    # No tree can be made where built templates go: the build's last step fails.
+    subprocess.run(["chattr", "+i", str(templates / "rootfs")], check=True)
+    from agentbox import Sandbox
+    from agentbox.sdk.exceptions import AgentboxError
+
+    key = srv.make_key("builds")
+    with pytest.raises(AgentboxError) as e:
+        Sandbox.create(template="code-interpreter", api_key=key, api_url=srv.url)
+    assert e.value.code == "build_failed", e.value
+    assert "template code-interpreter could not be built" in e.value.message, e.value
+    with srv.client(key) as c:
+        (row,) = c.get("/v1/sandboxes", params={"state": "failed"}).json()["sandboxes"]
+        assert row["end_reason"] == "build_failed" and "could not be built" in row["error"]

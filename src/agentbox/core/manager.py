@@ -323,7 +323,9 @@ class SandboxManager:
 
                 try:
                     info = await asyncio.to_thread(self.templates.build, spec, step)
-                except BuildError as e:
+                except (BuildError, OSError) as e:  # OSError: the template store's own disk
+                    if not isinstance(e, BuildError):
+                        log.exception("building template %s failed", name)
                     raise SandboxUnavailable(f"template {name} could not be built: {e}") from None
                 finally:
                     self._builds.pop(name, None)
@@ -499,8 +501,10 @@ class SandboxManager:
             if row is None or row.state != BUILDING:
                 return  # killed while it waited
             egress = self.network.setup(row.tenant, sandbox_id, req.secrets, str(tpl.rootfs))
-        except AgentboxError as e:
-            self._fail_building(caller, sandbox_id, e.message)
+        except Exception as e:  # noqa: BLE001 - whatever it was, the row must say it
+            if not isinstance(e, AgentboxError):
+                log.exception("the first-use build for %s failed", sandbox_id)
+            self._fail_building(caller, sandbox_id, getattr(e, "message", None) or str(e))
             return
         # No await from the check above to here: a kill sees `building` or `starting`.
         self.store.update_sandbox(
@@ -511,9 +515,10 @@ class SandboxManager:
                 sandbox_id, tpl, row.template, resources, req.envs, req.timeout,
                 egress, net, row.tenant,
             )  # fmt: skip
-        except AgentboxError as e:
-            self.store.update_sandbox(sandbox_id, error=e.message[:DETAIL_STRING_CHARS])
-            self.audit(caller, "sandbox.start", sandbox_id, status=e.status, error=e.message)
+        except Exception as e:  # noqa: BLE001 - _start recorded how it ended; add why
+            message = e.message if isinstance(e, AgentboxError) else str(e)
+            self.store.update_sandbox(sandbox_id, error=message[:DETAIL_STRING_CHARS])
+            self.audit(caller, "sandbox.start", sandbox_id, status=503, error=message)
             return
         self.audit(caller, "sandbox.start", sandbox_id, status=200, template=row.template)
 
