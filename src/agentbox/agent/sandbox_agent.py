@@ -36,7 +36,10 @@ DEFAULT_CWD = WORKSPACE  # where commands start: the template's working dir (the
 WEAKENED: frozenset = frozenset()
 LEAKED_FD = -1
 MAX_PATH = 4096
-OUTPUT_CAP = 4 * 1024 * 1024  # buffered output per command; oldest dropped first
+# Output buffered per command. With a client attached the command waits for it (its pipe
+# fills and its writes block: nothing is lost); with none, the oldest is dropped beyond this and
+# whoever reads later is told how much (a `truncated` event).
+OUTPUT_CAP = 4 * 1024 * 1024
 FINISHED_KEPT = 32
 LIST_LIMIT = 10_000
 STDERR_TAIL = 4096
@@ -678,6 +681,10 @@ class Command:
         self.stderr_tail = b""
         self.cond = threading.Condition()
         self.readers: list[threading.Thread] = []
+        # Attached streams -> the offset each has sent up to; pipe readers waiting for them.
+        self.attached: dict[object, int] = {}
+        self.backlogged = 0
+        self.first_stream: object | None = None  # a foreground run's own stream
         # The control plane's own commands (readiness checks, a pool member's warm-up): not
         # listed, so whoever gets the sandbox sees only the commands it ran.
         self.hidden = False
@@ -720,15 +727,46 @@ class Command:
         with self.cond:
             if not self.running and self.ended_at and time.time() - self.ended_at > 1:
                 return  # late output of a daemon that outlived its command
+            # Back-pressure: while a client is attached, the pipe reader (so the command)
+            # waits until the slowest attached stream has sent all but OUTPUT_CAP bytes.
+            while self.attached and self.next_offset - min(self.attached.values()) >= OUTPUT_CAP:
+                self.backlogged += 1
+                try:
+                    self.cond.wait(KEEPALIVE_S)
+                finally:
+                    self.backlogged -= 1
             self.chunks.append((stream, self.next_offset, data))
             self.next_offset += len(data)
             self.buffered += len(data)
             if stream == P.STDERR:
                 self.stderr_tail = (self.stderr_tail + data)[-STDERR_TAIL:]
+            # What every attached stream has sent may go; beyond OUTPUT_CAP, the oldest.
+            keep_from = min(self.attached.values()) if self.attached else self.next_offset
             while self.buffered > OUTPUT_CAP and len(self.chunks) > 1:
-                _, _, old = self.chunks.pop(0)
+                start, old = self.chunks[0][1], self.chunks[0][2]
+                if start + len(old) > keep_from:
+                    break
+                self.chunks.pop(0)
                 self.buffered -= len(old)
                 self.first_offset = self.chunks[0][1]
+            self.cond.notify_all()
+
+    def attach(self, offset: int) -> object:
+        """A stream that will send output from `offset`: the command waits for it."""
+        token = object()
+        with self.cond:
+            self.attached[token] = max(offset, self.first_offset)
+        return token
+
+    def sent(self, token: object, offset: int) -> None:
+        with self.cond:
+            if token in self.attached:
+                self.attached[token] = offset
+                self.cond.notify_all()
+
+    def detach(self, token: object) -> None:
+        with self.cond:
+            self.attached.pop(token, None)
             self.cond.notify_all()
 
 
@@ -762,7 +800,8 @@ class Commands:
             raise OpError("not_found", f"no command {cmd_id!r} in this sandbox")
         return cmd
 
-    def start(self, req: dict) -> Command:
+    def start(self, req: dict, attach: bool = False) -> Command:
+        """`attach`: a stream from offset 0 is attached before any output (`first_stream`)."""
         import subprocess
 
         cmd = req.get("cmd")
@@ -778,6 +817,7 @@ class Commands:
             cmd_id = req.get("cmd_id") or f"c{self.seq}"
         c = Command(cmd_id, cmd, cwd, float(timeout))
         c.hidden = req.get("hidden") is True
+        c.first_stream = c.attach(0) if attach else None
         env = dict(os.environ)
         env.update(envs)
         env["AGENTBOX_CMD_ID"] = cmd_id  # lets kill() find daemons that left the process tree
@@ -849,10 +889,14 @@ class Commands:
                 kill_tree(c)
         code = c.proc.wait()
         # Output still in the pipes belongs to the command; daemons holding the pipes open
-        # must not keep the command "running", so wait for the readers only briefly.
+        # must not keep the command "running", so wait for the readers only briefly, unless
+        # they wait for an attached client to take what they read (its output goes on).
         deadline = time.monotonic() + 0.2
         for t in c.readers:
-            t.join(max(0.0, deadline - time.monotonic()))
+            while t.is_alive():
+                t.join(0.05)
+                if time.monotonic() > deadline and not c.backlogged:
+                    break
         for pipe in (c.proc.stdout, c.proc.stderr):
             try:
                 if pipe is not None:
@@ -953,20 +997,30 @@ def op_exec_events(conn: Conn, req: dict) -> None:
     offset = req.get("offset", 0)
     if not isinstance(offset, int) or offset < 0:
         raise OpError("invalid_request", "offset must be a non-negative integer")
-    conn.reply({"ok": True, "command": c.info()})
-    stream_events(conn, c, offset)
+    token = c.attach(offset)
+    try:
+        conn.reply({"ok": True, "command": c.info()})
+        stream_events(conn, c, offset, token)
+    finally:
+        c.detach(token)
 
 
 def op_exec_run(conn: Conn, req: dict) -> None:
     """Start a command and stream its events on the same connection (foreground runs)."""
-    c = COMMANDS.start(req)
-    conn.reply({"ok": True, "command": c.info()})
-    stream_events(conn, c, 0)
+    c = COMMANDS.start(req, attach=True)
+    token = c.first_stream
+    try:
+        conn.reply({"ok": True, "command": c.info()})
+        stream_events(conn, c, 0, token)
+    finally:
+        c.detach(token)
 
 
-def stream_events(conn: Conn, c: Command, offset: int) -> None:
-    """Send output from `offset` (buffered, then live), then the end event."""
+def stream_events(conn: Conn, c: Command, offset: int, token: object) -> None:
+    """Send output from `offset` (buffered, then live), then the end event. The command's
+    output waits for what this stream has not sent yet (see Command.append)."""
     while True:
+        c.sent(token, offset)
         with c.cond:
             if offset < c.first_offset and c.chunks:
                 dropped = c.first_offset - offset

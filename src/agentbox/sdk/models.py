@@ -182,6 +182,13 @@ class CommandResult:
     cmd_id: str | None = None
     # Egress attempts the proxy refused while the command ran (whatever its exit code).
     network_blocked: list[BlockedAttempt] = field(default_factory=list)
+    # Output nobody was attached for went past the sandbox's buffer: this many of its oldest
+    # bytes are missing from stdout/stderr (never while a client follows the command).
+    dropped_bytes: int = 0
+
+    @property
+    def truncated(self) -> bool:
+        return self.dropped_bytes > 0
 
 
 @dataclass(frozen=True)

@@ -854,7 +854,7 @@ class CommandProgress:
                              exit_code=exit_code, error=error, timed_out=timed_out,
                              violation=violation, cmd_id=self.cmd_id,
                              network_blocked=BlockedAttempt.list_from_json(
-                                 end.get("network_blocked")))
+                                 end.get("network_blocked")), dropped_bytes=self.dropped)
 
     def outcome(self) -> CommandResult:
         """The result, or CommandExitException when the command did not exit 0."""
@@ -862,14 +862,26 @@ class CommandProgress:
         if result.exit_code == 0 and not result.timed_out:
             return result
         message = result.error or "command failed"
-        if result.stderr.strip():
-            message += f"\nstderr: {result.stderr.strip()[-1000:]}"
+        # What a tool wrapper printing str(e) must show: the failing assertion, the traceback.
+        for name, text in (("stderr", result.stderr), ("stdout", result.stdout)):
+            if text.strip():
+                message += f"\n{name} (last lines):\n{output_tail(text)}"
+                break
         cls = CommandTimeoutError if result.timed_out else CommandExitException
         raise cls(message, stdout=result.stdout, stderr=result.stderr,
                   exit_code=result.exit_code, error=result.error, timed_out=result.timed_out,
                   violation=result.violation, cmd_id=result.cmd_id,
                   code="command_timeout" if result.timed_out else "command_exit",
                   network_blocked=result.network_blocked)
+
+
+TAIL_LINES, TAIL_CHARS = 20, 2000
+
+
+def output_tail(text: str) -> str:
+    """The last TAIL_LINES lines of a command's output, at most TAIL_CHARS characters."""
+    tail = "\n".join(text.rstrip().splitlines()[-TAIL_LINES:])
+    return tail if len(tail) <= TAIL_CHARS else "…" + tail[-TAIL_CHARS:]
 
 
 def _failure_text(exit_code: int | None, timed_out: bool, violation: Violation | None) -> str:

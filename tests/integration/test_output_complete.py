@@ -1,0 +1,118 @@
+"""Nothing a command prints is silently lost: an attached client gets all of it (the command
+waits for a slow one), output nobody was attached for is dropped only past the sandbox's
+buffer and then said, and a failing command's exception shows the end of its output."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from agentbox import Sandbox
+from agentbox.sdk.exceptions import CommandExitException
+
+LINES = 2_000_000  # `seq` prints 14.8 MB: more than three times the sandbox's buffer
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def conn(server: Any, tenant_key: str) -> dict[str, Any]:
+    return {"api_key": tenant_key, "api_url": server.url}
+
+
+@pytest.fixture
+def sbx(conn: dict[str, Any]) -> Iterator[Sandbox]:
+    sandbox = Sandbox.create(timeout=300, **conn)
+    yield sandbox
+    sandbox.kill()
+    sandbox.close()
+
+
+def _is_seq(text: str) -> None:
+    lines = text.splitlines()
+    assert len(lines) == LINES, f"{len(lines)} of {LINES} lines"
+    assert lines[0] == "1" and lines[-1] == str(LINES) and lines[LINES // 2] == str(LINES // 2 + 1)
+
+
+def test_the_sdk_gets_every_line(sbx: Sandbox) -> None:
+    result = sbx.commands.run(f"seq 1 {LINES}", timeout=120)
+    _is_seq(result.stdout)
+    assert not result.truncated and result.dropped_bytes == 0
+    # A slow consumer: the command waits for it instead of dropping what it has not taken.
+    got: list[str] = []
+
+    def slow(data: str) -> None:
+        got.append(data)
+        if len(got) % 50 == 0:
+            time.sleep(0.02)
+
+    result = sbx.commands.run(f"seq 1 {LINES}", on_stdout=slow, timeout=120)
+    _is_seq("".join(got))
+    assert not result.truncated
+
+
+def test_raw_http_gets_every_line_even_reading_slowly(sbx: Sandbox, conn: dict[str, Any]) -> None:
+    with httpx.Client(
+        base_url=conn["api_url"], headers={"X-API-Key": conn["api_key"]}, timeout=120
+    ) as c:
+        body = {"cmd": f"seq 1 {LINES}", "timeout": 120}
+        parts: list[str] = []
+        types: set[str] = set()
+        with c.stream("POST", f"/v1/sandboxes/{sbx.sandbox_id}/commands", json=body) as r:
+            assert r.status_code == 200
+            time.sleep(2)  # the command fills the buffer and waits meanwhile
+            for line in r.iter_lines():
+                if line:
+                    event = json.loads(line)
+                    types.add(event["type"])
+                    if event["type"] == "stdout":
+                        parts.append(event["data"])
+    assert "truncated" not in types, types
+    _is_seq("".join(parts))
+
+
+def test_the_cli_prints_every_line(sbx: Sandbox, conn: dict[str, Any]) -> None:
+    env = {"AGENTBOX_API_URL": conn["api_url"], "AGENTBOX_API_KEY": conn["api_key"]}
+    env["PATH"] = "/usr/bin:/bin"
+    cli = [sys.executable, "-m", "agentbox.cli.app"]
+    r = subprocess.run(
+        [*cli, "exec", sbx.sandbox_id, "--", "seq", "1", str(LINES)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=180,
+    )
+    assert r.returncode == 0, r.stderr
+    _is_seq(r.stdout)
+
+
+def test_output_nobody_followed_is_dropped_only_past_the_buffer_and_said(sbx: Sandbox) -> None:
+    handle = sbx.commands.run("head -c 6291456 /dev/zero | tr '\\0' a; echo; echo tail",
+                              background=True)  # fmt: skip
+    deadline = time.monotonic() + 30
+    while sbx.commands.get_info(handle.cmd_id).running and time.monotonic() < deadline:
+        time.sleep(0.1)
+    result = handle.wait()  # from offset 0: older than the buffer holds
+    assert result.stdout.endswith("a\ntail\n")
+    assert result.truncated and result.dropped_bytes > 0
+    assert len(result.stdout) + result.dropped_bytes == 6291456 + len("\ntail\n")
+
+
+def test_a_failing_command_shows_the_end_of_its_output(sbx: Sandbox) -> None:
+    with pytest.raises(CommandExitException) as e:
+        sbx.commands.run("python3 -c \"[print(i) for i in range(100)]; assert 1 == 2, 'boom'\"")
+    assert "AssertionError: boom" in str(e.value), str(e.value)
+    # Nothing on stderr: the end of stdout, where test runners print what failed.
+    script = "for i in $(seq 1 100); do echo line $i; done; echo 'FAILED test_x: 1 != 2'; exit 3"
+    with pytest.raises(CommandExitException) as e:
+        sbx.commands.run(script)
+    text = str(e.value)
+    assert "exited with code 3" in text and "FAILED test_x: 1 != 2" in text, text
+    assert "line 100" in text and "line 50" not in text, "only the last lines"
