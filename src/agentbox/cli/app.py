@@ -1,20 +1,26 @@
 """The `agentbox` command line: parses arguments and prints; the SDK does the talking.
 
-`serve` and `keys create` work on the local data dir; every other command goes through the SDK
-to a server (`--api-url` / AGENTBOX_API_URL, `--api-key` / AGENTBOX_API_KEY).
+`serve` works on the local data dir, and `keys` may (see `_keys_offline_dir`); every other
+command goes through the SDK to a server (`--api-url` / AGENTBOX_API_URL, `--api-key` /
+AGENTBOX_API_KEY).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import re
+import select
 import shlex
 import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
 from datetime import datetime
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal, TypeVar
 
 import typer
 from rich.console import Console
@@ -27,7 +33,10 @@ from agentbox import config
 from agentbox.sdk import (
     AgentboxError,
     CommandExitException,
+    ConflictError,
+    ConnectionFailedError,
     EgressEvent,
+    KeyInfo,
     NetworkInfo,
     Resources,
     Sandbox,
@@ -37,12 +46,14 @@ from agentbox.sdk import (
     Workspaces,
 )
 from agentbox.sdk.audit import list_audit_events, list_egress_events
+from agentbox.sdk.keys import create_key, delete_key, list_keys
 
 app = typer.Typer(
     name="agentbox", help="Self-hosted sandboxes for AI agents.", no_args_is_help=True,
     add_completion=False, pretty_exceptions_enable=False,
 )
-keys_app = typer.Typer(help="Manage API keys on the local data dir.", no_args_is_help=True)
+keys_app = typer.Typer(help="Manage API keys (admin): through the API, or on the server's "
+                       "own data dir.", no_args_is_help=True)
 app.add_typer(keys_app, name="keys")
 template_app = typer.Typer(help="Build, list and remove templates.", no_args_is_help=True)
 app.add_typer(template_app, name="template")
@@ -57,6 +68,7 @@ app.add_typer(workspaces_app, name="workspaces")
 
 out = Console()
 err = Console(stderr=True)
+T = TypeVar("T")
 
 # The exit code `timeout(1)` uses, so scripts can tell a timeout from a failure.
 TIMEOUT_EXIT = 124
@@ -185,21 +197,49 @@ def serve(
                runtime_config={"host_paths": host_path} if host_path else None)
 
 
+# `keys` goes through the server's API (POST /v1/keys, with an admin key) when given --api-url
+# or AGENTBOX_API_URL, or when this machine has no agentbox database; on the server's own
+# machine, or with --data-dir, it works on the data dir's database (no server needed).
+_KEYS_DATA_DIR = typer.Option(
+    "--data-dir", help="Work on this server data dir's database, not through the API "
+    "[default: through the API when an API URL is given or no local data dir "
+    "(AGENTBOX_DATA_DIR, /var/lib/agentbox as root) holds a database]")
+
+
+def _keys_offline_dir(ctx: typer.Context, data_dir: Path | None) -> Path | None:
+    """The data dir to work on, or None to go through the API."""
+    if data_dir is not None:
+        return data_dir
+    if ctx.obj.api_url:
+        return None
+    local = config.default_data_dir()
+    # os.path, not Path.exists: a data dir this user may not enter is simply not theirs.
+    return local if os.path.exists(local / "agentbox.db") else None
+
+
 @keys_app.command("create")
 def keys_create(
+    ctx: typer.Context,
     tenant: Annotated[str, typer.Option(help="Tenant the key belongs to.")],
     admin: Annotated[bool, typer.Option("--admin", help="Make an admin key.")] = False,
-    data_dir: Annotated[Path | None, typer.Option(help="State dir of the server.")] = None,
+    data_dir: Annotated[Path | None, _KEYS_DATA_DIR] = None,
+    as_json: Annotated[bool, typer.Option(
+        "--json", help="Print key_id, key, tenant and admin as JSON.")] = False,
 ) -> None:
-    """Create an API key in the local database (no server needed). Shown only once."""
+    """Create an API key (shown only once): through the API with an admin key, or on the
+    server's own data dir."""
     from agentbox.core.auth import create_key_offline
-    from agentbox.core.errors import AgentboxError as CoreError
 
-    try:
-        key_id, key = create_key_offline(data_dir or config.default_data_dir(), tenant, admin)
-    except CoreError as e:
-        err.print(f"[red]error:[/red] {escape(e.message)}", highlight=False)
-        raise typer.Exit(1) from None
+    offline = _keys_offline_dir(ctx, data_dir)
+    if offline is None:
+        with _keys_remote(ctx):
+            made = create_key(tenant, admin, **_conn(ctx))
+        key_id, key = made.key_id, made.key or ""
+    else:
+        key_id, key = _offline(lambda: create_key_offline(offline, tenant, admin))
+    if as_json:
+        _print_json({"key_id": key_id, "key": key, "tenant": tenant, "admin": admin})
+        return
     if not sys.stdout.isatty():
         # Plain, so `KEY=$(agentbox keys create --tenant t)` works.
         print(key)
@@ -208,6 +248,71 @@ def keys_create(
         f"[bold]{escape(key)}[/bold]\n\nkey id: {escape(key_id)}   tenant: {escape(tenant)}"
         f"   admin: {'yes' if admin else 'no'}\n[dim]Store it now: it is not shown again.[/dim]",
         title="new API key", expand=False))
+
+
+@keys_app.command("ls")
+def keys_ls(
+    ctx: typer.Context,
+    data_dir: Annotated[Path | None, _KEYS_DATA_DIR] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """List the API keys not revoked, oldest first (never their secrets)."""
+    from agentbox.core.auth import list_keys_offline
+
+    offline = _keys_offline_dir(ctx, data_dir)
+    if offline is None:
+        with _keys_remote(ctx):
+            found = list_keys(**_conn(ctx))
+    else:
+        found = [KeyInfo.from_json(k) for k in _offline(lambda: list_keys_offline(offline))]
+    if as_json:
+        _print_json([dataclasses.asdict(k) for k in found])
+        return
+    rows = [[k.key_id, escape(k.tenant), "yes" if k.admin else "no", _time(k.created_at)]
+            for k in found]
+    _print_table(["KEY ID", "TENANT", "ADMIN", "CREATED"], rows, last="whole")
+
+
+@keys_app.command("rm")
+def keys_rm(
+    ctx: typer.Context,
+    key_ids: Annotated[list[str], typer.Argument(help="Key ids to revoke.")],
+    data_dir: Annotated[Path | None, _KEYS_DATA_DIR] = None,
+) -> None:
+    """Revoke API keys at once."""
+    from agentbox.core.auth import revoke_key_offline
+
+    offline = _keys_offline_dir(ctx, data_dir)
+    for key_id in key_ids:
+        if offline is None:
+            with _keys_remote(ctx):
+                delete_key(key_id, **_conn(ctx))
+        else:
+            _offline(lambda k=key_id: revoke_key_offline(offline, k))
+        print(f"revoked {key_id}")
+
+
+@contextlib.contextmanager
+def _keys_remote(ctx: typer.Context) -> Iterator[None]:
+    """Says why `keys` went to the API when no server answers and nobody asked for one."""
+    try:
+        yield
+    except ConnectionFailedError as e:
+        if not ctx.obj.api_url:
+            e.message += (f"; no database in {config.default_data_dir()} either: give the "
+                          "server's --data-dir, or --api-url")
+        raise
+
+
+def _offline(work: Callable[[], T]) -> T:
+    """Run work on the local data dir; its errors end as one line, like the server's."""
+    from agentbox.core.errors import AgentboxError as CoreError
+
+    try:
+        return work()
+    except CoreError as e:
+        err.print(f"[red]error:[/red] {escape(e.message)}", highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
 
 
 # ---------------------------------------------------------------------------- sandboxes
@@ -261,14 +366,19 @@ def create(
 def list_sandboxes(
     ctx: typer.Context,
     state: Annotated[str | None, typer.Option(
-        help="starting, running, killed, expired or failed (comma-separated).")] = None,
+        help="live, starting, running, unhealthy, killed, expired or failed (comma-separated) "
+             "[default: live, i.e. starting, running and unhealthy]")] = None,
+    all_states: Annotated[bool, typer.Option(
+        "--all", "-a", help="Sandboxes in every state, ended ones too.")] = False,
     metadata: Annotated[list[str] | None, typer.Option(
         "--metadata", "-m", help="Only sandboxes with this KEY=VALUE (repeatable).")] = None,
-    limit: Annotated[int | None, typer.Option(help="At most this many.")] = None,
+    limit: Annotated[int | None, typer.Option(help="At most this many [default: all].")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
-    """List your sandboxes, newest first."""
-    states = [s for s in (state or "").split(",") if s] or None
+    """List your live sandboxes (--all: ended ones too), newest first."""
+    if all_states and state:
+        raise typer.BadParameter("give --state or --all, not both", param_hint="--all")
+    states = [s for s in (state or "").split(",") if s] or ("all" if all_states else "live")
     found = Sandbox.list(state=states, metadata=_pairs(metadata, "--metadata"), limit=limit,
                          **_conn(ctx))
     if as_json:
@@ -285,19 +395,89 @@ def _sandbox_table(found: list[SandboxInfo]) -> None:
     _print_table(["ID", "STATE", "TEMPLATE", "CREATED", "ENDS", "METADATA"], rows)
 
 
-def _print_table(headers: list[str], rows: list[list[str]]) -> None:
-    """Every column keeps its full width except the last, which is cut to fit the terminal."""
+@app.command()
+def info(
+    ctx: typer.Context,
+    sandbox_id: Annotated[str, typer.Argument(help="Sandbox to describe.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Show one sandbox: state, times, resources, network policy, metadata."""
+    sbx = Sandbox.connect(sandbox_id, **_conn(ctx))
+    try:
+        found = sbx.get_info()
+    finally:
+        sbx.close()
+    if as_json:
+        _print_json(dataclasses.asdict(found))
+        return
+    r = found.resources
+    ended = _full_time(found.ended_at)
+    rows = [
+        ("id", found.sandbox_id), ("state", found.state), ("template", found.template),
+        ("tenant", found.tenant), ("created", _full_time(found.created_at)),
+        ("ends", _full_time(found.end_at)) if found.ended_at is None
+        else ("ended", f"{ended} ({found.end_reason or '?'})"),
+        ("resources", f"{r.cpu_count} CPU, {r.memory_mb} MiB memory, {r.pids} processes, "
+                      f"{r.nofile} open files, {r.disk_mb} MiB disk, {r.tmp_mb} MiB /tmp, "
+                      f"{r.file_size_mb} MiB per file"),
+        ("workspace", "kept after the end" if found.keep_workspace else "deleted at the end"),
+        ("metadata", " ".join(f"{k}={v}" for k, v in found.metadata.items()) or "-"),
+        ("secrets", ", ".join(found.secrets) or "-"),
+    ]
+    for name, value in rows:
+        out.print(f"{name + ':':<11} {escape(value)}", highlight=False, soft_wrap=True)
+    _print_network(found.network)
+
+
+def _full_time(value: datetime | None) -> str:
+    return value.astimezone().isoformat(sep=" ", timespec="seconds") if value else "-"
+
+
+def _print_table(headers: list[str], rows: list[list[str]],
+                 last: Literal["wrap", "ellipsis", "whole"] = "wrap") -> None:
+    """A table that never cuts an id or a key: they are what people and scripts copy.
+
+    Piped, every column is printed whole. On a terminal too narrow, the last column (free
+    text) wraps in the room left (`ellipsis`: is cut there; `whole`: is never narrowed), or
+    when that is too little, columns are dropped from the right; the first (the row's key) is
+    always shown whole. `--json` has everything."""
     widths = [max([Text.from_markup(r[i]).cell_len for r in rows] + [len(name)])
               for i, name in enumerate(headers)]
-    room = out.width - sum(widths[:-1]) - 2 * (len(headers) - 1)
+    shown = list(range(len(headers)))
+    narrowed: int | None = None  # the width the last shown column is narrowed to
+    if sys.stdout.isatty() and _table_width(widths, shown) > out.width:
+        room = out.width - _table_width(widths, shown[:-1]) - 2
+        if last != "whole" and room >= _NARROWED_MIN:
+            narrowed = room
+        else:
+            shown.pop()
+            while len(shown) > 1 and _table_width(widths, shown) > out.width:
+                shown.pop()
     table = Table(box=None, header_style="bold", pad_edge=False)
-    for i, name in enumerate(headers):
-        last = i == len(headers) - 1
-        table.add_column(name, no_wrap=True, overflow="ellipsis",
-                         width=min(widths[i], max(room, 8)) if last else widths[i])
+    for i in shown:
+        narrow = narrowed is not None and i == shown[-1]
+        table.add_column(headers[i], no_wrap=not narrow or last == "ellipsis",
+                         overflow="ellipsis" if narrow and last == "ellipsis" else "fold",
+                         width=narrowed if narrow else widths[i])
     for row in rows:
-        table.add_row(*row)
-    out.print(table)
+        table.add_row(*(row[i] for i in shown))
+    need = out.width if narrowed is not None else _table_width(widths, shown)
+    console = out if need <= out.width else Console(width=need, highlight=False)
+    if sys.stdout.isatty():
+        console.print(table)
+        return
+    with console.capture() as captured:
+        console.print(table)
+    # Without the cells' padding at line ends, for `cut`, `diff` and the like.
+    sys.stdout.write("".join(line.rstrip() + "\n" for line in captured.get().splitlines()))
+
+
+# The last column is narrowed to no fewer cells than this; with less room it is dropped.
+_NARROWED_MIN = 16
+
+
+def _table_width(widths: list[int], columns: list[int]) -> int:
+    return sum(widths[i] for i in columns) + 2 * max(0, len(columns) - 1)
 
 
 @app.command()
@@ -371,13 +551,16 @@ def _print_network(net: NetworkInfo | None) -> None:
     if net is None:
         out.print("[dim]no network policy reported by the server[/dim]")
         return
-    allowed = ", ".join(net.allow_out) or "-"
-    out.print(f"allow out:  {escape(allowed)}", highlight=False)
-    out.print(f"deny out:   {escape(', '.join(net.deny_out) or '-')}", highlight=False)
-    out.print("internet:   " + ("[green]allowed[/green]" if net.allow_internet_access
-                                else "[dim]not allowed[/dim]"), highlight=False)
-    out.print("ports:      " + ("[yellow]public[/yellow]" if net.allow_public_traffic
-                                else "private (access token or API key)"), highlight=False)
+    lines = [
+        f"allow out:  {escape(', '.join(net.allow_out) or '-')}",
+        f"deny out:   {escape(', '.join(net.deny_out) or '-')}",
+        "internet:   " + ("[green]allowed[/green]" if net.allow_internet_access
+                          else "[dim]not allowed[/dim]"),
+        "ports:      " + ("[yellow]public[/yellow]" if net.allow_public_traffic
+                          else "private (access token or API key)"),
+    ]
+    for line in lines:
+        out.print(line, highlight=False, soft_wrap=True)  # never cut a host name
 
 
 @app.command("port-url")
@@ -491,21 +674,39 @@ def exec_command(
     ctx: typer.Context,
     sandbox_id: Annotated[str, typer.Argument(help="Sandbox to run in.")],
     cmd: Annotated[list[str], typer.Argument(help="Command, after `--`.")],
-    cwd: Annotated[str | None, typer.Option(help="Working directory.")] = None,
+    cwd: Annotated[str | None, typer.Option(
+        help="Working directory [default: /workspace].")] = None,
     env: Annotated[list[str] | None, typer.Option(
         "--env", "-e", help="KEY=VALUE (repeatable).")] = None,
     timeout: Annotated[float, typer.Option(help="Seconds; 0 = no limit.")] = 60,
+    stdin: Annotated[bool | None, typer.Option(
+        "--stdin/--no-stdin", show_default=False,
+        help="Forward stdin to the command, as UTF-8 text [default: forwarded unless stdin "
+             "is a terminal]")] = None,
 ) -> None:
     """Run a command in a sandbox, streaming its output; exits with its exit code.
 
     One argument runs as a shell line (`agentbox exec ID -- 'ls | wc -l'`); several are quoted
-    as words. Death by signal N exits 128+N; a timeout exits 124.
+    as words. Death by signal N exits 128+N; a timeout exits 124. Stdin is forwarded when it
+    is a pipe or a file (`echo hi | agentbox exec ID -- cat`). Ctrl-C interrupts the command
+    (SIGINT to its processes, then SIGKILL to what is left, at most 2 s later) and exits 130.
     """
     line = cmd[0] if len(cmd) == 1 else shlex.join(cmd)
+    forward = not sys.stdin.isatty() if stdin is None else stdin
     sbx = Sandbox.connect(sandbox_id, **_conn(ctx))
+    started: list[str] = []  # the command's id, once the server started it
+    ended = threading.Event()
+
+    def on_start(cmd_id: str) -> None:
+        started.append(cmd_id)
+        if forward:
+            threading.Thread(target=_forward_stdin, args=(sbx, cmd_id, ended),
+                             daemon=True).start()
+
     try:
         sbx.commands.run(line, envs=_pairs(env, "--env"), cwd=cwd, timeout=timeout,
-                         on_stdout=_writer(sys.stdout), on_stderr=_writer(sys.stderr))
+                         on_stdout=_writer(sys.stdout), on_stderr=_writer(sys.stderr),
+                         stdin=forward, on_start=on_start)
     except CommandExitException as e:
         sys.stdout.flush()
         if e.violation is not None:
@@ -513,8 +714,73 @@ def exec_command(
         elif e.exit_code is None:
             err.print(f"[red]{escape(e.error or 'command ended without an exit code')}[/red]")
         raise typer.Exit(_exit_status(e)) from None
+    except KeyboardInterrupt:
+        if started:
+            _interrupt(sbx, started[0])
+        raise typer.Exit(130) from None
     finally:
+        ended.set()
         sbx.close()
+
+
+# The stdin route takes at most this many characters per request; each request is audited,
+# so piped input goes in pieces this large when it is there to read.
+_STDIN_PIECE = 1 << 20
+_UNDECODABLE = re.compile("[\udc80-\udcff]")
+# Ctrl-C: how long the command's processes have to end after SIGINT before SIGKILL.
+INTERRUPT_GRACE_S = 2.0
+
+
+def _forward_stdin(sbx: Sandbox, cmd_id: str, ended: threading.Event) -> None:
+    """Send this process's stdin to the command as it comes, then end its stdin."""
+    warned = False
+    try:
+        for piece in _stdin_pieces():
+            text = piece.decode("utf-8", "surrogateescape")
+            if _UNDECODABLE.search(text):
+                text = _UNDECODABLE.sub("\ufffd", text)
+                if not warned:
+                    err.print("[yellow]warning:[/yellow] stdin is not UTF-8 text: its invalid "
+                              "bytes were replaced (copy binary files with `agentbox cp`)",
+                              highlight=False, soft_wrap=True)
+                    warned = True
+            sbx.commands.send_stdin(cmd_id, text)
+        sbx.commands.close_stdin(cmd_id)
+    except ConflictError:
+        pass  # the command ended or closed its stdin: like a pipe's reader leaving
+    except Exception as e:  # a thread's traceback is no message; after the end, not news
+        if not ended.is_set():
+            err.print(f"[yellow]warning:[/yellow] stopped forwarding stdin: {escape(str(e))}",
+                      highlight=False, soft_wrap=True)
+
+
+def _stdin_pieces() -> Iterator[bytes]:
+    # os.read, not sys.stdin: a thread left blocked in a buffered read at exit aborts Python.
+    while True:
+        piece = os.read(0, _STDIN_PIECE)
+        if not piece:
+            return
+        while len(piece) < _STDIN_PIECE and select.select([0], [], [], 0)[0]:
+            more = os.read(0, _STDIN_PIECE - len(piece))
+            if not more:
+                yield piece
+                return
+            piece += more
+        yield piece
+
+
+def _interrupt(sbx: Sandbox, cmd_id: str) -> None:
+    """Ctrl-C: SIGINT to the command's process tree, as a terminal sends it, then SIGKILL to
+    what is left of the tree once the command ended, INTERRUPT_GRACE_S later, or at a second
+    Ctrl-C (a shell's background jobs ignore SIGINT; nothing the command started outlives it)."""
+    try:
+        sbx.commands.kill(cmd_id, "SIGINT")
+        deadline = time.monotonic() + INTERRUPT_GRACE_S
+        while time.monotonic() < deadline and sbx.commands.get_info(cmd_id).running:
+            time.sleep(0.1)
+    except KeyboardInterrupt:
+        pass
+    sbx.commands.kill(cmd_id)
 
 
 def _writer(stream: Any) -> Any:
@@ -642,7 +908,7 @@ def audit(
             escape(json.dumps(e.detail, default=str)) if e.detail else ""])
     headers = ["TIME", *(["TENANT"] if show_tenant else []), "ACTION", "SANDBOX", "STATUS",
                "DETAIL"]
-    _print_table(headers, rows)
+    _print_table(headers, rows, last="ellipsis")
 
 
 def _egress_log(ctx: typer.Context, sandbox: str | None, host: str | None, denied: bool,
@@ -687,7 +953,8 @@ def _bytes(n: int) -> str:
 
 def _print_error(e: AgentboxError, prefix: str = "") -> None:
     code = f" [dim]({escape(e.code)})[/dim]" if e.code and e.code != "error" else ""
-    err.print(f"[red]error:[/red] {escape(prefix)}{escape(e.message)}{code}", highlight=False)
+    err.print(f"[red]error:[/red] {escape(prefix)}{escape(e.message)}{code}", highlight=False,
+              soft_wrap=True)  # one line, whatever the width: scripts grep it
 
 
 # ---------------------------------------------------------------------------- code
@@ -784,7 +1051,7 @@ def template_build(
             templates.close()
         progress.update(task, description="done", note="")
     out.print(f"built [bold]{escape(info.name)}[/bold] ({_size(info.size_bytes)}, "
-              f"key {info.key[:12]})")
+              f"key {info.key})")
 
 
 @template_app.command("ls")
@@ -798,11 +1065,11 @@ def template_ls(
     if as_json:
         _print_json({"templates": [dataclasses.asdict(t) for t in built], "builtin": shipped})
         return
-    rows = [[escape(t.name), _size(t.size_bytes), _time(t.built_at), t.key[:12],
-             ",".join(t.warm) or "-"] for t in built]
+    rows = [[escape(t.name), _size(t.size_bytes), _time(t.built_at), ",".join(t.warm) or "-",
+             t.key] for t in built]
     names = {t.name for t in built}
     rows += [[escape(n), "-", "not built", "-", "-"] for n in shipped if n not in names]
-    _print_table(["NAME", "SIZE", "BUILT", "KEY", "WARM"], rows)
+    _print_table(["NAME", "SIZE", "BUILT", "WARM", "KEY"], rows, last="whole")
 
 
 @template_app.command("rm")

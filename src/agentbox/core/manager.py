@@ -46,7 +46,7 @@ from agentbox.core.workspaces import KeptWorkspaces
 from agentbox.egress.policy import EgressPolicy
 from agentbox.egress.proxy import HTTP_PORT, SOCKS_PORT
 from agentbox.runtimes.base import Resources, Runtime, RuntimeError_, SandboxSpec
-from agentbox.store.db import DETAIL_STRING_CHARS, SandboxRow, Store
+from agentbox.store.db import DETAIL_STRING_CHARS, LIVE_STATES, SandboxRow, Store
 from agentbox.templates import (
     BuildError,
     TemplateInfo,
@@ -68,6 +68,7 @@ HEALTH_CHECK_S = 2.0  # how often every running sandbox's agent is pinged
 AGENT_PING_TIMEOUT_S = 5.0  # no answer in this long: the sandbox is `unhealthy`
 HEALTH_CONCURRENCY = 32  # pings in flight at once (a wedged agent holds one for the timeout)
 UNHEALTHY = "unhealthy"  # shown instead of `running`; never stored: it is an observation
+LIVE = "live"  # a list filter: every state of a sandbox not ended (starting, running, ...)
 # Commands per sandbox whose end the server waits for to audit it (background ones, and
 # foreground ones their client left): all on one agent connection, but each costs memory.
 MAX_WATCHED_COMMANDS = 1024
@@ -841,8 +842,11 @@ class SandboxManager:
                 raise InvalidRequest("invalid next_token") from None
             if not 0 <= before < 1 << 63:  # beyond SQLite's integers: never one we handed out
                 raise InvalidRequest("invalid next_token")
-        # `unhealthy` is never stored: such rows are `running` in the store.
         wanted = set(states) if states else None
+        if wanted is not None and LIVE in wanted:
+            wanted = (wanted - {LIVE}) | set(LIVE_STATES) | {UNHEALTHY}
+            states = sorted(wanted)
+        # `unhealthy` is never stored: such rows are `running` in the store.
         if wanted is not None and UNHEALTHY in wanted:
             states = sorted(wanted | {"running"})
         out: list[SandboxRow] = []

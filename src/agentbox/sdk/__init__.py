@@ -21,6 +21,7 @@ from agentbox.sdk.models import (
     Execution,
     ExecutionError,
     KeptWorkspace,
+    KeyInfo,
     Logs,
     NetworkInfo,
     OutputMessage,
@@ -63,5 +64,6 @@ __all__ = [
     "Workspaces",
     "AsyncWorkspaces",
     "KeptWorkspace",
+    "KeyInfo",
     *_exception_names,
 ]
