@@ -85,10 +85,10 @@ def _global(
     ctx: typer.Context,
     api_url: Annotated[str | None, typer.Option(
         "--api-url", envvar="AGENTBOX_API_URL",
-        help=f"Server URL [default: {config.DEFAULT_API_URL}]")] = None,
+        help="Server URL.", show_default=config.DEFAULT_API_URL)] = None,
     api_key: Annotated[str | None, typer.Option(
         "--api-key", envvar="AGENTBOX_API_KEY",
-        help="API key [default: the local server's admin.key]")] = None,
+        help="API key.", show_default="the local server's admin.key")] = None,
 ) -> None:
     ctx.obj = Connection(api_url, api_key)
 
@@ -130,14 +130,14 @@ def serve(
     host: Annotated[str, typer.Option(help="Address to listen on.")] = config.DEFAULT_HOST,
     port: Annotated[int, typer.Option(help="Port to listen on.")] = config.DEFAULT_PORT,
     data_dir: Annotated[Path | None, typer.Option(
-        help="State dir [default: AGENTBOX_DATA_DIR, /var/lib/agentbox as root, "
-             "else ~/.local/share/agentbox]")] = None,
+        help="State dir.", show_default="AGENTBOX_DATA_DIR, /var/lib/agentbox as root, "
+        "else ~/.local/share/agentbox")] = None,
     warm_pool: Annotated[list[str] | None, typer.Option(
         "--warm-pool", help="TEMPLATE=N: keep N started sandboxes of TEMPLATE ready "
         "(repeatable; also AGENTBOX_WARM_POOLS).")] = None,
     template_dir: Annotated[Path | None, typer.Option(
-        help="Where built templates live [default: AGENTBOX_TEMPLATE_DIR, "
-             "else DATA_DIR/templates]")] = None,
+        help="Where built templates live.",
+        show_default="AGENTBOX_TEMPLATE_DIR, else DATA_DIR/templates")] = None,
     egress_allow_cidr: Annotated[list[str] | None, typer.Option(
         "--egress-allow-cidr", help="Let egress policies reach this otherwise refused address "
         "range, e.g. 10.20.0.0/16 (repeatable).")] = None,
@@ -150,14 +150,19 @@ def serve(
     egress_upstream_ca: Annotated[list[Path] | None, typer.Option(
         "--egress-upstream-ca", help="Extra CA file the egress proxy trusts for upstreams it "
         "inspects (repeatable).")] = None,
+    sandbox_ca: Annotated[list[Path] | None, typer.Option(
+        "--sandbox-ca", help="A PEM file of CA certificates every sandbox trusts besides the "
+        "system's, e.g. a TLS-inspecting proxy's (repeatable; the egress proxy trusts them "
+        "too).")] = None,
     ports_domain: Annotated[str, typer.Option(
         help="Exposed ports are reachable at PORT-SANDBOX_ID.DOMAIN.")] = "localhost",
     public_url: Annotated[str | None, typer.Option(
-        help="This server's URL as clients see it, for signed port URLs "
-             "[default: http://localhost:PORT].")] = None,
+        help="This server's URL as clients see it, for signed port URLs.",
+        show_default="http://localhost:PORT")] = None,
     max_connections: Annotated[int | None, typer.Option(
         min=16, help="Open HTTP connections the server keeps; half at most for clients that "
-        "have not shown a valid API key [default: a quarter of the descriptor limit].")] = None,
+        "have not shown a valid API key.", show_default="a quarter of the descriptor limit"
+    )] = None,
     host_path: Annotated[list[str] | None, typer.Option(
         "--host-path", help="A host path sandboxes of the default template see read-only, "
         "e.g. /usr/local (hidden otherwise) or /etc/pip.conf (repeatable).")] = None,
@@ -182,14 +187,25 @@ def serve(
         egress_resolve=tuple(egress_resolve or ()),
         egress_deny=tuple(egress_deny or ()),
         egress_upstream_ca=tuple(str(p) for p in egress_upstream_ca or ()),
+        sandbox_ca=tuple(str(p) for p in sandbox_ca or ()),
         ports_domain=ports_domain,
         public_url=public_url or "",
     )
     try:
+        network.sandbox_ca_pem()
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--sandbox-ca") from None
+    try:
         network.parsed()
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--egress-*") from None
-    run_server(host=host, port=port, data_dir=data_dir or config.default_data_dir(),
+    data_dir = data_dir or config.default_data_dir()
+    try:
+        data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # private, as the server keeps it
+    except OSError as e:
+        raise typer.BadParameter(f"cannot create {data_dir}: {e.strerror}",
+                                 param_hint="--data-dir") from None
+    run_server(host=host, port=port, data_dir=data_dir,
                template_dir=template_dir or config.default_template_dir(), warm_pools=pools,
                network=network, limits=ServerLimits(
                    max_connections=max_connections,
@@ -201,9 +217,9 @@ def serve(
 # or AGENTBOX_API_URL, or when this machine has no agentbox database; on the server's own
 # machine, or with --data-dir, it works on the data dir's database (no server needed).
 _KEYS_DATA_DIR = typer.Option(
-    "--data-dir", help="Work on this server data dir's database, not through the API "
-    "[default: through the API when an API URL is given or no local data dir "
-    "(AGENTBOX_DATA_DIR, /var/lib/agentbox as root) holds a database]")
+    "--data-dir", help="Work on this server data dir's database, not through the API.",
+    show_default="through the API when an API URL is given or no local data dir "
+    "(AGENTBOX_DATA_DIR, /var/lib/agentbox as root) holds a database")
 
 
 def _keys_offline_dir(ctx: typer.Context, data_dir: Path | None) -> Path | None:
@@ -321,14 +337,16 @@ def _offline(work: Callable[[], T]) -> T:
 @app.command()
 def create(
     ctx: typer.Context,
-    template: Annotated[str | None, typer.Option(help="Template name.")] = None,
+    template: Annotated[str | None, typer.Option(
+        help="Template name.", show_default="default, the host's own userland")] = None,
     timeout: Annotated[float, typer.Option(help="Seconds until the sandbox ends.")] = 300,
     metadata: Annotated[list[str] | None, typer.Option(
         "--metadata", "-m", help="KEY=VALUE label (repeatable).")] = None,
     env: Annotated[list[str] | None, typer.Option(
         "--env", "-e", help="KEY=VALUE environment variable (repeatable).")] = None,
-    memory_mb: Annotated[int | None, typer.Option(help="Memory limit in MiB.")] = None,
-    cpu: Annotated[float | None, typer.Option(help="CPU count.")] = None,
+    memory_mb: Annotated[int | None, typer.Option(
+        help="Memory limit in MiB.", show_default="512")] = None,
+    cpu: Annotated[float | None, typer.Option(help="CPU count.", show_default="1")] = None,
     keep_workspace: Annotated[bool, typer.Option(
         help="Keep /workspace after the sandbox ends.")] = False,
     allow: Annotated[list[str] | None, typer.Option(
@@ -366,13 +384,14 @@ def create(
 def list_sandboxes(
     ctx: typer.Context,
     state: Annotated[str | None, typer.Option(
-        help="live, starting, running, unhealthy, killed, expired or failed (comma-separated) "
-             "[default: live, i.e. starting, running and unhealthy]")] = None,
+        help="live, starting, running, unhealthy, killed, expired or failed (comma-separated).",
+        show_default="live: starting, running and unhealthy")] = None,
     all_states: Annotated[bool, typer.Option(
         "--all", "-a", help="Sandboxes in every state, ended ones too.")] = False,
     metadata: Annotated[list[str] | None, typer.Option(
         "--metadata", "-m", help="Only sandboxes with this KEY=VALUE (repeatable).")] = None,
-    limit: Annotated[int | None, typer.Option(help="At most this many [default: all].")] = None,
+    limit: Annotated[int | None, typer.Option(
+        help="At most this many.", show_default="all")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """List your live sandboxes (--all: ended ones too), newest first."""
@@ -517,10 +536,10 @@ def network(
         "--deny", help="Refused even if allowed (repeatable).")] = None,
     internet: Annotated[bool | None, typer.Option(
         "--internet/--no-internet", help="Allow every public destination not denied.",
-        show_default=False)] = None,
+        show_default="--no-internet when the policy is replaced")] = None,
     public_ports: Annotated[bool | None, typer.Option(
         "--public-ports/--private-ports", help="Whether exposed ports need no access token.",
-        show_default=False)] = None,
+        show_default="--private-ports when the policy is replaced")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Show a sandbox's network policy, or replace it.
@@ -569,7 +588,7 @@ def port_url(
     sandbox_id: Annotated[str, typer.Argument(help="Sandbox serving the port.")],
     port: Annotated[int, typer.Argument(help="Port a server in the sandbox listens on.")],
     expires_in: Annotated[float | None, typer.Option(
-        help="Seconds the URL stays valid [default: 3600; at most 86400].")] = None,
+        help="Seconds the URL stays valid (at most 86400).", show_default="3600")] = None,
     path: Annotated[str, typer.Option(help="Path on the sandbox's server.")] = "/",
     host_routing: Annotated[bool, typer.Option(
         "--host-routing", help="A PORT-SANDBOX_ID.DOMAIN URL instead of one under the API's "
@@ -614,8 +633,8 @@ def secrets_set(
     in_url: Annotated[bool, typer.Option(
         "--in-url", help="Also swap the placeholder in request URLs, not only headers.")] = False,
     header: Annotated[list[str] | None, typer.Option(
-        "--header", help="A request header the value may go in (repeatable) "
-        "[default: Authorization].")] = None,
+        "--header", help="A request header the value may go in (repeatable).",
+        show_default="Authorization")] = None,
     allow_plaintext: Annotated[bool, typer.Option(
         "--allow-plaintext", help="Also send the value over plain http:// "
         "(default: only over TLS the proxy verified).")] = False,
@@ -675,14 +694,13 @@ def exec_command(
     sandbox_id: Annotated[str, typer.Argument(help="Sandbox to run in.")],
     cmd: Annotated[list[str], typer.Argument(help="Command, after `--`.")],
     cwd: Annotated[str | None, typer.Option(
-        help="Working directory [default: /workspace].")] = None,
+        help="Working directory.", show_default="/workspace")] = None,
     env: Annotated[list[str] | None, typer.Option(
         "--env", "-e", help="KEY=VALUE (repeatable).")] = None,
     timeout: Annotated[float, typer.Option(help="Seconds; 0 = no limit.")] = 60,
     stdin: Annotated[bool | None, typer.Option(
-        "--stdin/--no-stdin", show_default=False,
-        help="Forward stdin to the command, as UTF-8 text [default: forwarded unless stdin "
-             "is a terminal]")] = None,
+        "--stdin/--no-stdin", help="Forward stdin to the command, as UTF-8 text.",
+        show_default="--stdin unless stdin is a terminal")] = None,
 ) -> None:
     """Run a command in a sandbox, streaming its output; exits with its exit code.
 
@@ -871,14 +889,18 @@ def cp(
 @app.command()
 def audit(
     ctx: typer.Context,
-    sandbox: Annotated[str | None, typer.Option("--sandbox", help="Sandbox id.")] = None,
-    action: Annotated[str | None, typer.Option(help="e.g. command.run, file.write.")] = None,
-    tenant: Annotated[str | None, typer.Option(help="Tenant (admin keys only).")] = None,
+    sandbox: Annotated[str | None, typer.Option(
+        "--sandbox", help="Only this sandbox's events.", show_default="all")] = None,
+    action: Annotated[str | None, typer.Option(
+        help="Only this action, e.g. command.run, file.write.", show_default="all")] = None,
+    tenant: Annotated[str | None, typer.Option(
+        help="Only this tenant (admin keys only).", show_default="all the key sees")] = None,
     limit: Annotated[int, typer.Option(help="At most this many events.")] = 100,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
     egress: Annotated[bool, typer.Option(
         "--egress", help="Show the egress log: every connection sandboxes tried to make.")] = False,
-    host: Annotated[str | None, typer.Option(help="With --egress: only this host.")] = None,
+    host: Annotated[str | None, typer.Option(
+        help="With --egress: only this host.", show_default="all")] = None,
     denied: Annotated[bool, typer.Option(
         "--denied", help="With --egress: only refused attempts.")] = False,
 ) -> None:
@@ -966,9 +988,11 @@ def run_code(
     sandbox_id: Annotated[str, typer.Argument(help="Sandbox to run in.")],
     code: Annotated[str, typer.Argument(help="Code to run; - reads it from stdin.")],
     language: Annotated[str | None, typer.Option(
-        "--language", "-l", help="python (default), bash or javascript.")] = None,
-    context: Annotated[str | None, typer.Option(help="Context id (not with --language).")] = None,
-    timeout: Annotated[float | None, typer.Option(help="Seconds (0 = none).")] = None,
+        "--language", "-l", help="python, bash or javascript.", show_default="python")] = None,
+    context: Annotated[str | None, typer.Option(
+        help="Context id (not with --language).", show_default="the language's own")] = None,
+    timeout: Annotated[float | None, typer.Option(
+        help="Seconds (0 = none).", show_default="300")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the Execution as JSON.")] = False,
 ) -> None:
     """Run code in a sandbox's stateful interpreter; exit 1 if it raised."""
@@ -1157,7 +1181,7 @@ def workspaces_get(
     sandbox_id: Annotated[str, typer.Argument(help="Sandbox whose workspace was kept.")],
     path: Annotated[str, typer.Argument(help="/workspace/... or a path relative to it.")],
     output: Annotated[str, typer.Option(
-        "--output", "-o", help="File to write [default: stdout].")] = "-",
+        "--output", "-o", help="File to write, - for stdout.")] = "-",
 ) -> None:
     """Copy one file out of a kept workspace (streamed; symlinks are never followed)."""
     with Workspaces(**_conn(ctx)) as kept:
@@ -1175,8 +1199,8 @@ def workspaces_archive(
     ctx: typer.Context,
     sandbox_id: Annotated[str, typer.Argument(help="Sandbox whose workspace was kept.")],
     output: Annotated[str, typer.Option(
-        "--output", "-o", help="Tar file to write, - for stdout [default: SANDBOX_ID.tar].")
-    ] = "",
+        "--output", "-o", help="Tar file to write, - for stdout.",
+        show_default="SANDBOX_ID.tar")] = "",
 ) -> None:
     """Download a whole kept workspace as a tar archive (streamed)."""
     with Workspaces(**_conn(ctx)) as kept:
@@ -1208,6 +1232,12 @@ def main() -> None:
         # `agentbox cp ID:/f - | head`: the reader left; exit quietly like other tools.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(141)
+    except OSError as e:
+        # A local file the command was given: missing, a directory, not writable...
+        where = f": {e.filename}" if e.filename else ""
+        err.print(f"[red]error:[/red] {escape((e.strerror or str(e)) + where)}", highlight=False,
+                  soft_wrap=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

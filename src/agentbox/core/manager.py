@@ -642,7 +642,7 @@ class SandboxManager:
         sandbox_id = "sbx_" + secrets.token_hex(8)
         req = CreateRequest(template=template, timeout=POOL_LIFETIME_S)
         net = SandboxNetwork(EgressPolicy())
-        egress = self.network.setup(POOL_TENANT, sandbox_id, [], None)
+        egress = self.network.setup(POOL_TENANT, sandbox_id, [], str(tpl.rootfs) if tpl else None)
         self._insert(sandbox_id, POOL_TENANT, template, req, Resources(), net, egress)
         row = await self._start(
             sandbox_id, tpl, template, Resources(), {}, POOL_LIFETIME_S, egress, net, POOL_TENANT
