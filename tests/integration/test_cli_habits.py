@@ -33,18 +33,25 @@ def _env(server: Any, key: str, **extra: str) -> dict[str, str]:
     return env
 
 
-def _cli(env: dict[str, str], *args: str, input: str | None = None,
-         timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*CLI, *args], env=env, input=input, capture_output=True, text=True,
-                          timeout=timeout)
+def _cli(
+    env: dict[str, str], *args: str, input: str | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*CLI, *args], env=env, input=input, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def _on_a_terminal(env: dict[str, str], columns: int, *args: str) -> str:
     """What the CLI prints on a terminal `columns` wide (a real pseudo-terminal)."""
     leader, follower = pty.openpty()
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
-    proc = subprocess.Popen([*CLI, *args], env={**env, "COLUMNS": str(columns)},
-                            stdin=subprocess.DEVNULL, stdout=follower, stderr=follower)
+    proc = subprocess.Popen(
+        [*CLI, *args],
+        env={**env, "COLUMNS": str(columns)},
+        stdin=subprocess.DEVNULL,
+        stdout=follower,
+        stderr=follower,
+    )
     os.close(follower)
     chunks = []
     try:
@@ -70,16 +77,22 @@ def env(server: Any, tenant_key: str) -> dict[str, str]:
 @pytest.fixture
 def two(server: Any, tenant_key: str) -> Iterator[list[str]]:
     """Two running sandboxes with metadata too long for a narrow table."""
-    made = [Sandbox.create(metadata={"note": LONG, "n": str(i)}, timeout=120,
-                           api_key=tenant_key, api_url=server.url) for i in range(2)]
+    made = [
+        Sandbox.create(
+            metadata={"note": LONG, "n": str(i)},
+            timeout=120,
+            api_key=tenant_key,
+            api_url=server.url,
+        )
+        for i in range(2)
+    ]
     yield [s.sandbox_id for s in made]
     for s in made:
         s.kill()
         s.close()
 
 
-def test_piped_output_is_whole_whatever_columns_says(env: dict[str, str],
-                                                     two: list[str]) -> None:
+def test_piped_output_is_whole_whatever_columns_says(env: dict[str, str], two: list[str]) -> None:
     # COLUMNS=40 is what a script inherits from a narrow terminal; piped, it must not matter.
     narrow = {**env, "COLUMNS": "40"}
     listing = _cli(narrow, "ls")
@@ -97,7 +110,8 @@ def test_piped_output_is_whole_whatever_columns_says(env: dict[str, str],
 
 
 def test_a_narrow_terminal_drops_or_wraps_columns_but_never_cuts_an_id(
-        env: dict[str, str], two: list[str]) -> None:
+    env: dict[str, str], two: list[str]
+) -> None:
     for columns in (40, 30):
         shown = _on_a_terminal(env, columns, "ls")
         for sid in two:
@@ -107,8 +121,9 @@ def test_a_narrow_terminal_drops_or_wraps_columns_but_never_cuts_an_id(
     assert all(sid in wide for sid in two) and "n=0" in wide  # metadata wraps, is not cut
 
 
-def test_ls_and_list_show_live_sandboxes_unless_asked(server: Any, env: dict[str, str],
-                                                      tenant_key: str) -> None:
+def test_ls_and_list_show_live_sandboxes_unless_asked(
+    server: Any, env: dict[str, str], tenant_key: str
+) -> None:
     conn = {"api_key": tenant_key, "api_url": server.url}
     ended = Sandbox.create(timeout=120, **conn)
     live = Sandbox.create(timeout=120, **conn)
@@ -125,8 +140,7 @@ def test_ls_and_list_show_live_sandboxes_unless_asked(server: Any, env: dict[str
         assert [s.sandbox_id for s in Sandbox.list(**conn)] == [live.sandbox_id]
         assert len(Sandbox.list(state="all", **conn)) == 2
         assert len(Sandbox.list(state=None, **conn)) == 2
-        assert [s.sandbox_id for s in asyncio.run(AsyncSandbox.list(**conn))] == [
-            live.sandbox_id]
+        assert [s.sandbox_id for s in asyncio.run(AsyncSandbox.list(**conn))] == [live.sandbox_id]
         assert len(asyncio.run(AsyncSandbox.list(state="all", **conn))) == 2
     finally:
         live.kill()
@@ -149,15 +163,20 @@ def test_exec_forwards_stdin(env: dict[str, str], two: list[str]) -> None:
     assert (r.returncode, r.stdout) == (0, "")
 
 
-def test_ctrl_c_ends_the_remote_command(server: Any, env: dict[str, str], tenant_key: str,
-                                        two: list[str]) -> None:
+def test_ctrl_c_ends_the_remote_command(
+    server: Any, env: dict[str, str], tenant_key: str, two: list[str]
+) -> None:
     sbx = Sandbox.connect(two[0], api_key=tenant_key, api_url=server.url)
     try:
         # Ignores SIGINT, and leaves a background job that would outlive a plain SIGINT.
         proc = subprocess.Popen(
             [*CLI, "exec", two[0], "--", "trap '' INT; sleep 300 & sleep 301; echo after"],
-            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True)
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         deadline = time.monotonic() + 30
         while not [c for c in sbx.commands.list() if c.running]:
             assert time.monotonic() < deadline and proc.poll() is None
@@ -173,13 +192,21 @@ def test_ctrl_c_ends_the_remote_command(server: Any, env: dict[str, str], tenant
         sbx.close()
 
 
-def test_json_on_every_listing_and_info_command(server: Any, env: dict[str, str],
-                                                two: list[str]) -> None:
+def test_json_on_every_listing_and_info_command(
+    server: Any, env: dict[str, str], two: list[str]
+) -> None:
     admin = _env(server, server.admin_key)
     runs = {
-        ("ls",): env, ("info", two[0]): env, ("network", two[0]): env, ("audit",): env,
-        ("audit", "--egress"): env, ("template", "ls"): env, ("pool", "ls"): env,
-        ("secrets", "ls"): env, ("workspaces", "ls"): env, ("keys", "ls"): admin,
+        ("ls",): env,
+        ("info", two[0]): env,
+        ("network", two[0]): env,
+        ("audit",): env,
+        ("audit", "--egress"): env,
+        ("template", "ls"): env,
+        ("pool", "ls"): env,
+        ("secrets", "ls"): env,
+        ("workspaces", "ls"): env,
+        ("keys", "ls"): admin,
     }
     for args, who in runs.items():
         r = _cli(who, *args, "--json")
@@ -215,14 +242,20 @@ def test_help_shows_every_default() -> None:
             if not described and (opt.show_default is False or opt.default is None):
                 missing.append(f"{' '.join(path)} {opt.opts[0]}")
     assert not missing, missing
-    r = subprocess.run([*CLI, "create", "--help"], capture_output=True, text=True, timeout=60,
-                       env={**os.environ, "COLUMNS": "200"})
+    r = subprocess.run(
+        [*CLI, "create", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "COLUMNS": "200"},
+    )
     assert "[default: (default, the host's own userland)]" in r.stdout, r.stdout
     assert "[default: 300]" in r.stdout
 
 
-def test_user_errors_are_one_line_never_a_traceback(server: Any, env: dict[str, str],
-                                                    tmp_path: Path, two: list[str]) -> None:
+def test_user_errors_are_one_line_never_a_traceback(
+    server: Any, env: dict[str, str], tmp_path: Path, two: list[str]
+) -> None:
     nowhere = {**env, "AGENTBOX_API_URL": "http://127.0.0.1:9/some/long/path/to/nothing"}
     no_key = {k: v for k, v in env.items() if k != "AGENTBOX_API_KEY"}
     no_key.update(AGENTBOX_DATA_DIR=str(tmp_path / "none"), HOME=str(tmp_path))
