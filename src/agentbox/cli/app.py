@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -304,7 +305,7 @@ def keys_rm(
             with _keys_remote(ctx):
                 delete_key(key_id, **_conn(ctx))
         else:
-            _offline(lambda k=key_id: revoke_key_offline(offline, k))
+            _offline(functools.partial(revoke_key_offline, offline, key_id))
         print(f"revoked {key_id}")
 
 
