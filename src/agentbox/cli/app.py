@@ -1,20 +1,27 @@
 """The `agentbox` command line: parses arguments and prints; the SDK does the talking.
 
-`serve` and `keys create` work on the local data dir; every other command goes through the SDK
-to a server (`--api-url` / AGENTBOX_API_URL, `--api-key` / AGENTBOX_API_KEY).
+`serve` works on the local data dir, and `keys` may (see `_keys_offline_dir`); every other
+command goes through the SDK to a server (`--api-url` / AGENTBOX_API_URL, `--api-key` /
+AGENTBOX_API_KEY).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import json
 import os
 import re
+import select
 import shlex
 import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
 from datetime import datetime
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal, TypeVar
 
 import typer
 from rich.console import Console
@@ -27,7 +34,10 @@ from agentbox import config
 from agentbox.sdk import (
     AgentboxError,
     CommandExitException,
+    ConflictError,
+    ConnectionFailedError,
     EgressEvent,
+    KeyInfo,
     NetworkInfo,
     Resources,
     Sandbox,
@@ -37,12 +47,14 @@ from agentbox.sdk import (
     Workspaces,
 )
 from agentbox.sdk.audit import list_audit_events, list_egress_events
+from agentbox.sdk.keys import create_key, delete_key, list_keys
 
 app = typer.Typer(
     name="agentbox", help="Self-hosted sandboxes for AI agents.", no_args_is_help=True,
     add_completion=False, pretty_exceptions_enable=False,
 )
-keys_app = typer.Typer(help="Manage API keys on the local data dir.", no_args_is_help=True)
+keys_app = typer.Typer(help="Manage API keys (admin): through the API, or on the server's "
+                       "own data dir.", no_args_is_help=True)
 app.add_typer(keys_app, name="keys")
 template_app = typer.Typer(help="Build, list and remove templates.", no_args_is_help=True)
 app.add_typer(template_app, name="template")
@@ -57,6 +69,7 @@ app.add_typer(workspaces_app, name="workspaces")
 
 out = Console()
 err = Console(stderr=True)
+T = TypeVar("T")
 
 # The exit code `timeout(1)` uses, so scripts can tell a timeout from a failure.
 TIMEOUT_EXIT = 124
@@ -73,10 +86,10 @@ def _global(
     ctx: typer.Context,
     api_url: Annotated[str | None, typer.Option(
         "--api-url", envvar="AGENTBOX_API_URL",
-        help=f"Server URL [default: {config.DEFAULT_API_URL}]")] = None,
+        help="Server URL.", show_default=config.DEFAULT_API_URL)] = None,
     api_key: Annotated[str | None, typer.Option(
         "--api-key", envvar="AGENTBOX_API_KEY",
-        help="API key [default: the local server's admin.key]")] = None,
+        help="API key.", show_default="the local server's admin.key")] = None,
 ) -> None:
     ctx.obj = Connection(api_url, api_key)
 
@@ -118,14 +131,14 @@ def serve(
     host: Annotated[str, typer.Option(help="Address to listen on.")] = config.DEFAULT_HOST,
     port: Annotated[int, typer.Option(help="Port to listen on.")] = config.DEFAULT_PORT,
     data_dir: Annotated[Path | None, typer.Option(
-        help="State dir [default: AGENTBOX_DATA_DIR, /var/lib/agentbox as root, "
-             "else ~/.local/share/agentbox]")] = None,
+        help="State dir.", show_default="AGENTBOX_DATA_DIR, /var/lib/agentbox as root, "
+        "else ~/.local/share/agentbox")] = None,
     warm_pool: Annotated[list[str] | None, typer.Option(
         "--warm-pool", help="TEMPLATE=N: keep N started sandboxes of TEMPLATE ready "
         "(repeatable; also AGENTBOX_WARM_POOLS).")] = None,
     template_dir: Annotated[Path | None, typer.Option(
-        help="Where built templates live [default: AGENTBOX_TEMPLATE_DIR, "
-             "else DATA_DIR/templates]")] = None,
+        help="Where built templates live.",
+        show_default="AGENTBOX_TEMPLATE_DIR, else DATA_DIR/templates")] = None,
     egress_allow_cidr: Annotated[list[str] | None, typer.Option(
         "--egress-allow-cidr", help="Let egress policies reach this otherwise refused address "
         "range, e.g. 10.20.0.0/16 (repeatable).")] = None,
@@ -138,14 +151,19 @@ def serve(
     egress_upstream_ca: Annotated[list[Path] | None, typer.Option(
         "--egress-upstream-ca", help="Extra CA file the egress proxy trusts for upstreams it "
         "inspects (repeatable).")] = None,
+    sandbox_ca: Annotated[list[Path] | None, typer.Option(
+        "--sandbox-ca", help="A PEM file of CA certificates every sandbox trusts besides the "
+        "system's, e.g. a TLS-inspecting proxy's (repeatable; the egress proxy trusts them "
+        "too).")] = None,
     ports_domain: Annotated[str, typer.Option(
         help="Exposed ports are reachable at PORT-SANDBOX_ID.DOMAIN.")] = "localhost",
     public_url: Annotated[str | None, typer.Option(
-        help="This server's URL as clients see it, for signed port URLs "
-             "[default: http://localhost:PORT].")] = None,
+        help="This server's URL as clients see it, for signed port URLs.",
+        show_default="http://localhost:PORT")] = None,
     max_connections: Annotated[int | None, typer.Option(
         min=16, help="Open HTTP connections the server keeps; half at most for clients that "
-        "have not shown a valid API key [default: a quarter of the descriptor limit].")] = None,
+        "have not shown a valid API key.", show_default="a quarter of the descriptor limit"
+    )] = None,
     host_path: Annotated[list[str] | None, typer.Option(
         "--host-path", help="A host path sandboxes of the default template see read-only, "
         "e.g. /usr/local (hidden otherwise) or /etc/pip.conf (repeatable).")] = None,
@@ -170,14 +188,25 @@ def serve(
         egress_resolve=tuple(egress_resolve or ()),
         egress_deny=tuple(egress_deny or ()),
         egress_upstream_ca=tuple(str(p) for p in egress_upstream_ca or ()),
+        sandbox_ca=tuple(str(p) for p in sandbox_ca or ()),
         ports_domain=ports_domain,
         public_url=public_url or "",
     )
     try:
+        network.sandbox_ca_pem()
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--sandbox-ca") from None
+    try:
         network.parsed()
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--egress-*") from None
-    run_server(host=host, port=port, data_dir=data_dir or config.default_data_dir(),
+    data_dir = data_dir or config.default_data_dir()
+    try:
+        data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # private, as the server keeps it
+    except OSError as e:
+        raise typer.BadParameter(f"cannot create {data_dir}: {e.strerror}",
+                                 param_hint="--data-dir") from None
+    run_server(host=host, port=port, data_dir=data_dir,
                template_dir=template_dir or config.default_template_dir(), warm_pools=pools,
                network=network, limits=ServerLimits(
                    max_connections=max_connections,
@@ -185,21 +214,49 @@ def serve(
                runtime_config={"host_paths": host_path} if host_path else None)
 
 
+# `keys` goes through the server's API (POST /v1/keys, with an admin key) when given --api-url
+# or AGENTBOX_API_URL, or when this machine has no agentbox database; on the server's own
+# machine, or with --data-dir, it works on the data dir's database (no server needed).
+_KEYS_DATA_DIR = typer.Option(
+    "--data-dir", help="Work on this server data dir's database, not through the API.",
+    show_default="through the API when an API URL is given or no local data dir "
+    "(AGENTBOX_DATA_DIR, /var/lib/agentbox as root) holds a database")
+
+
+def _keys_offline_dir(ctx: typer.Context, data_dir: Path | None) -> Path | None:
+    """The data dir to work on, or None to go through the API."""
+    if data_dir is not None:
+        return data_dir
+    if ctx.obj.api_url:
+        return None
+    local = config.default_data_dir()
+    # os.path, not Path.exists: a data dir this user may not enter is simply not theirs.
+    return local if os.path.exists(local / "agentbox.db") else None
+
+
 @keys_app.command("create")
 def keys_create(
+    ctx: typer.Context,
     tenant: Annotated[str, typer.Option(help="Tenant the key belongs to.")],
     admin: Annotated[bool, typer.Option("--admin", help="Make an admin key.")] = False,
-    data_dir: Annotated[Path | None, typer.Option(help="State dir of the server.")] = None,
+    data_dir: Annotated[Path | None, _KEYS_DATA_DIR] = None,
+    as_json: Annotated[bool, typer.Option(
+        "--json", help="Print key_id, key, tenant and admin as JSON.")] = False,
 ) -> None:
-    """Create an API key in the local database (no server needed). Shown only once."""
+    """Create an API key (shown only once): through the API with an admin key, or on the
+    server's own data dir."""
     from agentbox.core.auth import create_key_offline
-    from agentbox.core.errors import AgentboxError as CoreError
 
-    try:
-        key_id, key = create_key_offline(data_dir or config.default_data_dir(), tenant, admin)
-    except CoreError as e:
-        err.print(f"[red]error:[/red] {escape(e.message)}", highlight=False)
-        raise typer.Exit(1) from None
+    offline = _keys_offline_dir(ctx, data_dir)
+    if offline is None:
+        with _keys_remote(ctx):
+            made = create_key(tenant, admin, **_conn(ctx))
+        key_id, key = made.key_id, made.key or ""
+    else:
+        key_id, key = _offline(lambda: create_key_offline(offline, tenant, admin))
+    if as_json:
+        _print_json({"key_id": key_id, "key": key, "tenant": tenant, "admin": admin})
+        return
     if not sys.stdout.isatty():
         # Plain, so `KEY=$(agentbox keys create --tenant t)` works.
         print(key)
@@ -210,20 +267,87 @@ def keys_create(
         title="new API key", expand=False))
 
 
+@keys_app.command("ls")
+def keys_ls(
+    ctx: typer.Context,
+    data_dir: Annotated[Path | None, _KEYS_DATA_DIR] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """List the API keys not revoked, oldest first (never their secrets)."""
+    from agentbox.core.auth import list_keys_offline
+
+    offline = _keys_offline_dir(ctx, data_dir)
+    if offline is None:
+        with _keys_remote(ctx):
+            found = list_keys(**_conn(ctx))
+    else:
+        found = [KeyInfo.from_json(k) for k in _offline(lambda: list_keys_offline(offline))]
+    if as_json:
+        _print_json([dataclasses.asdict(k) for k in found])
+        return
+    rows = [[k.key_id, escape(k.tenant), "yes" if k.admin else "no", _time(k.created_at)]
+            for k in found]
+    _print_table(["KEY ID", "TENANT", "ADMIN", "CREATED"], rows, last="whole")
+
+
+@keys_app.command("rm")
+def keys_rm(
+    ctx: typer.Context,
+    key_ids: Annotated[list[str], typer.Argument(help="Key ids to revoke.")],
+    data_dir: Annotated[Path | None, _KEYS_DATA_DIR] = None,
+) -> None:
+    """Revoke API keys at once."""
+    from agentbox.core.auth import revoke_key_offline
+
+    offline = _keys_offline_dir(ctx, data_dir)
+    for key_id in key_ids:
+        if offline is None:
+            with _keys_remote(ctx):
+                delete_key(key_id, **_conn(ctx))
+        else:
+            _offline(functools.partial(revoke_key_offline, offline, key_id))
+        print(f"revoked {key_id}")
+
+
+@contextlib.contextmanager
+def _keys_remote(ctx: typer.Context) -> Iterator[None]:
+    """Says why `keys` went to the API when no server answers and nobody asked for one."""
+    try:
+        yield
+    except ConnectionFailedError as e:
+        if not ctx.obj.api_url:
+            e.message += (f"; no database in {config.default_data_dir()} either: give the "
+                          "server's --data-dir, or --api-url")
+        raise
+
+
+def _offline(work: Callable[[], T]) -> T:
+    """Run work on the local data dir; its errors end as one line, like the server's."""
+    from agentbox.core.errors import AgentboxError as CoreError
+
+    try:
+        return work()
+    except CoreError as e:
+        err.print(f"[red]error:[/red] {escape(e.message)}", highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
+
+
 # ---------------------------------------------------------------------------- sandboxes
 
 
 @app.command()
 def create(
     ctx: typer.Context,
-    template: Annotated[str | None, typer.Option(help="Template name.")] = None,
+    template: Annotated[str | None, typer.Option(
+        help="Template name.", show_default="default, the host's own userland")] = None,
     timeout: Annotated[float, typer.Option(help="Seconds until the sandbox ends.")] = 300,
     metadata: Annotated[list[str] | None, typer.Option(
         "--metadata", "-m", help="KEY=VALUE label (repeatable).")] = None,
     env: Annotated[list[str] | None, typer.Option(
         "--env", "-e", help="KEY=VALUE environment variable (repeatable).")] = None,
-    memory_mb: Annotated[int | None, typer.Option(help="Memory limit in MiB.")] = None,
-    cpu: Annotated[float | None, typer.Option(help="CPU count.")] = None,
+    memory_mb: Annotated[int | None, typer.Option(
+        help="Memory limit in MiB.", show_default="512")] = None,
+    cpu: Annotated[float | None, typer.Option(help="CPU count.", show_default="1")] = None,
     keep_workspace: Annotated[bool, typer.Option(
         help="Keep /workspace after the sandbox ends.")] = False,
     allow: Annotated[list[str] | None, typer.Option(
@@ -263,14 +387,20 @@ def create(
 def list_sandboxes(
     ctx: typer.Context,
     state: Annotated[str | None, typer.Option(
-        help="starting, running, killed, expired or failed (comma-separated).")] = None,
+        help="live, starting, running, unhealthy, killed, expired or failed (comma-separated).",
+        show_default="live: starting, running and unhealthy")] = None,
+    all_states: Annotated[bool, typer.Option(
+        "--all", "-a", help="Sandboxes in every state, ended ones too.")] = False,
     metadata: Annotated[list[str] | None, typer.Option(
         "--metadata", "-m", help="Only sandboxes with this KEY=VALUE (repeatable).")] = None,
-    limit: Annotated[int | None, typer.Option(help="At most this many.")] = None,
+    limit: Annotated[int | None, typer.Option(
+        help="At most this many.", show_default="all")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
-    """List your sandboxes, newest first."""
-    states = [s for s in (state or "").split(",") if s] or None
+    """List your live sandboxes (--all: ended ones too), newest first."""
+    if all_states and state:
+        raise typer.BadParameter("give --state or --all, not both", param_hint="--all")
+    states = [s for s in (state or "").split(",") if s] or ("all" if all_states else "live")
     found = Sandbox.list(state=states, metadata=_pairs(metadata, "--metadata"), limit=limit,
                          **_conn(ctx))
     if as_json:
@@ -287,19 +417,89 @@ def _sandbox_table(found: list[SandboxInfo]) -> None:
     _print_table(["ID", "STATE", "TEMPLATE", "CREATED", "ENDS", "METADATA"], rows)
 
 
-def _print_table(headers: list[str], rows: list[list[str]]) -> None:
-    """Every column keeps its full width except the last, which is cut to fit the terminal."""
+@app.command()
+def info(
+    ctx: typer.Context,
+    sandbox_id: Annotated[str, typer.Argument(help="Sandbox to describe.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Show one sandbox: state, times, resources, network policy, metadata."""
+    sbx = Sandbox.connect(sandbox_id, **_conn(ctx))
+    try:
+        found = sbx.get_info()
+    finally:
+        sbx.close()
+    if as_json:
+        _print_json(dataclasses.asdict(found))
+        return
+    r = found.resources
+    ended = _full_time(found.ended_at)
+    rows = [
+        ("id", found.sandbox_id), ("state", found.state), ("template", found.template),
+        ("tenant", found.tenant), ("created", _full_time(found.created_at)),
+        ("ends", _full_time(found.end_at)) if found.ended_at is None
+        else ("ended", f"{ended} ({found.end_reason or '?'})"),
+        ("resources", f"{r.cpu_count} CPU, {r.memory_mb} MiB memory, {r.pids} processes, "
+                      f"{r.nofile} open files, {r.disk_mb} MiB disk, {r.tmp_mb} MiB /tmp, "
+                      f"{r.file_size_mb} MiB per file"),
+        ("workspace", "kept after the end" if found.keep_workspace else "deleted at the end"),
+        ("metadata", " ".join(f"{k}={v}" for k, v in found.metadata.items()) or "-"),
+        ("secrets", ", ".join(found.secrets) or "-"),
+    ]
+    for name, value in rows:
+        out.print(f"{name + ':':<11} {escape(value)}", highlight=False, soft_wrap=True)
+    _print_network(found.network)
+
+
+def _full_time(value: datetime | None) -> str:
+    return value.astimezone().isoformat(sep=" ", timespec="seconds") if value else "-"
+
+
+def _print_table(headers: list[str], rows: list[list[str]],
+                 last: Literal["wrap", "ellipsis", "whole"] = "wrap") -> None:
+    """A table that never cuts an id or a key: they are what people and scripts copy.
+
+    Piped, every column is printed whole. On a terminal too narrow, the last column (free
+    text) wraps in the room left (`ellipsis`: is cut there; `whole`: is never narrowed), or
+    when that is too little, columns are dropped from the right; the first (the row's key) is
+    always shown whole. `--json` has everything."""
     widths = [max([Text.from_markup(r[i]).cell_len for r in rows] + [len(name)])
               for i, name in enumerate(headers)]
-    room = out.width - sum(widths[:-1]) - 2 * (len(headers) - 1)
+    shown = list(range(len(headers)))
+    narrowed: int | None = None  # the width the last shown column is narrowed to
+    if sys.stdout.isatty() and _table_width(widths, shown) > out.width:
+        room = out.width - _table_width(widths, shown[:-1]) - 2
+        if last != "whole" and room >= _NARROWED_MIN:
+            narrowed = room
+        else:
+            shown.pop()
+            while len(shown) > 1 and _table_width(widths, shown) > out.width:
+                shown.pop()
     table = Table(box=None, header_style="bold", pad_edge=False)
-    for i, name in enumerate(headers):
-        last = i == len(headers) - 1
-        table.add_column(name, no_wrap=True, overflow="ellipsis",
-                         width=min(widths[i], max(room, 8)) if last else widths[i])
+    for i in shown:
+        narrow = narrowed is not None and i == shown[-1]
+        table.add_column(headers[i], no_wrap=not narrow or last == "ellipsis",
+                         overflow="ellipsis" if narrow and last == "ellipsis" else "fold",
+                         width=narrowed if narrow else widths[i])
     for row in rows:
-        table.add_row(*row)
-    out.print(table)
+        table.add_row(*(row[i] for i in shown))
+    need = out.width if narrowed is not None else _table_width(widths, shown)
+    console = out if need <= out.width else Console(width=need, highlight=False)
+    if sys.stdout.isatty():
+        console.print(table)
+        return
+    with console.capture() as captured:
+        console.print(table)
+    # Without the cells' padding at line ends, for `cut`, `diff` and the like.
+    sys.stdout.write("".join(line.rstrip() + "\n" for line in captured.get().splitlines()))
+
+
+# The last column is narrowed to no fewer cells than this; with less room it is dropped.
+_NARROWED_MIN = 16
+
+
+def _table_width(widths: list[int], columns: list[int]) -> int:
+    return sum(widths[i] for i in columns) + 2 * max(0, len(columns) - 1)
 
 
 @app.command()
@@ -339,10 +539,10 @@ def network(
         "--deny", help="Refused even if allowed (repeatable).")] = None,
     internet: Annotated[bool | None, typer.Option(
         "--internet/--no-internet", help="Allow every public destination not denied.",
-        show_default=False)] = None,
+        show_default="--no-internet when the policy is replaced")] = None,
     public_ports: Annotated[bool | None, typer.Option(
         "--public-ports/--private-ports", help="Whether exposed ports need no access token.",
-        show_default=False)] = None,
+        show_default="--private-ports when the policy is replaced")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Show a sandbox's network policy, or replace it.
@@ -373,13 +573,16 @@ def _print_network(net: NetworkInfo | None) -> None:
     if net is None:
         out.print("[dim]no network policy reported by the server[/dim]")
         return
-    allowed = ", ".join(net.allow_out) or "-"
-    out.print(f"allow out:  {escape(allowed)}", highlight=False)
-    out.print(f"deny out:   {escape(', '.join(net.deny_out) or '-')}", highlight=False)
-    out.print("internet:   " + ("[green]allowed[/green]" if net.allow_internet_access
-                                else "[dim]not allowed[/dim]"), highlight=False)
-    out.print("ports:      " + ("[yellow]public[/yellow]" if net.allow_public_traffic
-                                else "private (access token or API key)"), highlight=False)
+    lines = [
+        f"allow out:  {escape(', '.join(net.allow_out) or '-')}",
+        f"deny out:   {escape(', '.join(net.deny_out) or '-')}",
+        "internet:   " + ("[green]allowed[/green]" if net.allow_internet_access
+                          else "[dim]not allowed[/dim]"),
+        "ports:      " + ("[yellow]public[/yellow]" if net.allow_public_traffic
+                          else "private (access token or API key)"),
+    ]
+    for line in lines:
+        out.print(line, highlight=False, soft_wrap=True)  # never cut a host name
 
 
 @app.command("port-url")
@@ -388,7 +591,7 @@ def port_url(
     sandbox_id: Annotated[str, typer.Argument(help="Sandbox serving the port.")],
     port: Annotated[int, typer.Argument(help="Port a server in the sandbox listens on.")],
     expires_in: Annotated[float | None, typer.Option(
-        help="Seconds the URL stays valid [default: 3600; at most 86400].")] = None,
+        help="Seconds the URL stays valid (at most 86400).", show_default="3600")] = None,
     path: Annotated[str, typer.Option(help="Path on the sandbox's server.")] = "/",
     host_routing: Annotated[bool, typer.Option(
         "--host-routing", help="A PORT-SANDBOX_ID.DOMAIN URL instead of one under the API's "
@@ -433,8 +636,8 @@ def secrets_set(
     in_url: Annotated[bool, typer.Option(
         "--in-url", help="Also swap the placeholder in request URLs, not only headers.")] = False,
     header: Annotated[list[str] | None, typer.Option(
-        "--header", help="A request header the value may go in (repeatable) "
-        "[default: Authorization].")] = None,
+        "--header", help="A request header the value may go in (repeatable).",
+        show_default="Authorization")] = None,
     allow_plaintext: Annotated[bool, typer.Option(
         "--allow-plaintext", help="Also send the value over plain http:// "
         "(default: only over TLS the proxy verified).")] = False,
@@ -493,21 +696,38 @@ def exec_command(
     ctx: typer.Context,
     sandbox_id: Annotated[str, typer.Argument(help="Sandbox to run in.")],
     cmd: Annotated[list[str], typer.Argument(help="Command, after `--`.")],
-    cwd: Annotated[str | None, typer.Option(help="Working directory.")] = None,
+    cwd: Annotated[str | None, typer.Option(
+        help="Working directory.", show_default="/workspace")] = None,
     env: Annotated[list[str] | None, typer.Option(
         "--env", "-e", help="KEY=VALUE (repeatable).")] = None,
     timeout: Annotated[float, typer.Option(help="Seconds; 0 = no limit.")] = 60,
+    stdin: Annotated[bool | None, typer.Option(
+        "--stdin/--no-stdin", help="Forward stdin to the command, as UTF-8 text.",
+        show_default="--stdin unless stdin is a terminal")] = None,
 ) -> None:
     """Run a command in a sandbox, streaming its output; exits with its exit code.
 
     One argument runs as a shell line (`agentbox exec ID -- 'ls | wc -l'`); several are quoted
-    as words. Death by signal N exits 128+N; a timeout exits 124.
+    as words. Death by signal N exits 128+N; a timeout exits 124. Stdin is forwarded when it
+    is a pipe or a file (`echo hi | agentbox exec ID -- cat`). Ctrl-C interrupts the command
+    (SIGINT to its processes, then SIGKILL to what is left, at most 2 s later) and exits 130.
     """
     line = cmd[0] if len(cmd) == 1 else shlex.join(cmd)
+    forward = not sys.stdin.isatty() if stdin is None else stdin
     sbx = Sandbox.connect(sandbox_id, **_conn(ctx))
+    started: list[str] = []  # the command's id, once the server started it
+    ended = threading.Event()
+
+    def on_start(cmd_id: str) -> None:
+        started.append(cmd_id)
+        if forward:
+            threading.Thread(target=_forward_stdin, args=(sbx, cmd_id, ended),
+                             daemon=True).start()
+
     try:
         sbx.commands.run(line, envs=_pairs(env, "--env"), cwd=cwd, timeout=timeout,
-                         on_stdout=_writer(sys.stdout), on_stderr=_writer(sys.stderr))
+                         on_stdout=_writer(sys.stdout), on_stderr=_writer(sys.stderr),
+                         stdin=forward, on_start=on_start)
     except CommandExitException as e:
         sys.stdout.flush()
         if e.violation is not None:
@@ -515,8 +735,73 @@ def exec_command(
         elif e.exit_code is None:
             err.print(f"[red]{escape(e.error or 'command ended without an exit code')}[/red]")
         raise typer.Exit(_exit_status(e)) from None
+    except KeyboardInterrupt:
+        if started:
+            _interrupt(sbx, started[0])
+        raise typer.Exit(130) from None
     finally:
+        ended.set()
         sbx.close()
+
+
+# The stdin route takes at most this many characters per request; each request is audited,
+# so piped input goes in pieces this large when it is there to read.
+_STDIN_PIECE = 1 << 20
+_UNDECODABLE = re.compile("[\udc80-\udcff]")
+# Ctrl-C: how long the command's processes have to end after SIGINT before SIGKILL.
+INTERRUPT_GRACE_S = 2.0
+
+
+def _forward_stdin(sbx: Sandbox, cmd_id: str, ended: threading.Event) -> None:
+    """Send this process's stdin to the command as it comes, then end its stdin."""
+    warned = False
+    try:
+        for piece in _stdin_pieces():
+            text = piece.decode("utf-8", "surrogateescape")
+            if _UNDECODABLE.search(text):
+                text = _UNDECODABLE.sub("\ufffd", text)
+                if not warned:
+                    err.print("[yellow]warning:[/yellow] stdin is not UTF-8 text: its invalid "
+                              "bytes were replaced (copy binary files with `agentbox cp`)",
+                              highlight=False, soft_wrap=True)
+                    warned = True
+            sbx.commands.send_stdin(cmd_id, text)
+        sbx.commands.close_stdin(cmd_id)
+    except ConflictError:
+        pass  # the command ended or closed its stdin: like a pipe's reader leaving
+    except Exception as e:  # a thread's traceback is no message; after the end, not news
+        if not ended.is_set():
+            err.print(f"[yellow]warning:[/yellow] stopped forwarding stdin: {escape(str(e))}",
+                      highlight=False, soft_wrap=True)
+
+
+def _stdin_pieces() -> Iterator[bytes]:
+    # os.read, not sys.stdin: a thread left blocked in a buffered read at exit aborts Python.
+    while True:
+        piece = os.read(0, _STDIN_PIECE)
+        if not piece:
+            return
+        while len(piece) < _STDIN_PIECE and select.select([0], [], [], 0)[0]:
+            more = os.read(0, _STDIN_PIECE - len(piece))
+            if not more:
+                yield piece
+                return
+            piece += more
+        yield piece
+
+
+def _interrupt(sbx: Sandbox, cmd_id: str) -> None:
+    """Ctrl-C: SIGINT to the command's process tree, as a terminal sends it, then SIGKILL to
+    what is left of the tree once the command ended, INTERRUPT_GRACE_S later, or at a second
+    Ctrl-C (a shell's background jobs ignore SIGINT; nothing the command started outlives it)."""
+    try:
+        sbx.commands.kill(cmd_id, "SIGINT")
+        deadline = time.monotonic() + INTERRUPT_GRACE_S
+        while time.monotonic() < deadline and sbx.commands.get_info(cmd_id).running:
+            time.sleep(0.1)
+    except KeyboardInterrupt:
+        pass
+    sbx.commands.kill(cmd_id)
 
 
 def _writer(stream: Any) -> Any:
@@ -607,14 +892,18 @@ def cp(
 @app.command()
 def audit(
     ctx: typer.Context,
-    sandbox: Annotated[str | None, typer.Option("--sandbox", help="Sandbox id.")] = None,
-    action: Annotated[str | None, typer.Option(help="e.g. command.run, file.write.")] = None,
-    tenant: Annotated[str | None, typer.Option(help="Tenant (admin keys only).")] = None,
+    sandbox: Annotated[str | None, typer.Option(
+        "--sandbox", help="Only this sandbox's events.", show_default="all")] = None,
+    action: Annotated[str | None, typer.Option(
+        help="Only this action, e.g. command.run, file.write.", show_default="all")] = None,
+    tenant: Annotated[str | None, typer.Option(
+        help="Only this tenant (admin keys only).", show_default="all the key sees")] = None,
     limit: Annotated[int, typer.Option(help="At most this many events.")] = 100,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
     egress: Annotated[bool, typer.Option(
         "--egress", help="Show the egress log: every connection sandboxes tried to make.")] = False,
-    host: Annotated[str | None, typer.Option(help="With --egress: only this host.")] = None,
+    host: Annotated[str | None, typer.Option(
+        help="With --egress: only this host.", show_default="all")] = None,
     denied: Annotated[bool, typer.Option(
         "--denied", help="With --egress: only refused attempts.")] = False,
 ) -> None:
@@ -644,7 +933,7 @@ def audit(
             escape(json.dumps(e.detail, default=str)) if e.detail else ""])
     headers = ["TIME", *(["TENANT"] if show_tenant else []), "ACTION", "SANDBOX", "STATUS",
                "DETAIL"]
-    _print_table(headers, rows)
+    _print_table(headers, rows, last="ellipsis")
 
 
 def _egress_log(ctx: typer.Context, sandbox: str | None, host: str | None, denied: bool,
@@ -689,7 +978,8 @@ def _bytes(n: int) -> str:
 
 def _print_error(e: AgentboxError, prefix: str = "") -> None:
     code = f" [dim]({escape(e.code)})[/dim]" if e.code and e.code != "error" else ""
-    err.print(f"[red]error:[/red] {escape(prefix)}{escape(e.message)}{code}", highlight=False)
+    err.print(f"[red]error:[/red] {escape(prefix)}{escape(e.message)}{code}", highlight=False,
+              soft_wrap=True)  # one line, whatever the width: scripts grep it
 
 
 # ---------------------------------------------------------------------------- code
@@ -701,9 +991,11 @@ def run_code(
     sandbox_id: Annotated[str, typer.Argument(help="Sandbox to run in.")],
     code: Annotated[str, typer.Argument(help="Code to run; - reads it from stdin.")],
     language: Annotated[str | None, typer.Option(
-        "--language", "-l", help="python (default), bash or javascript.")] = None,
-    context: Annotated[str | None, typer.Option(help="Context id (not with --language).")] = None,
-    timeout: Annotated[float | None, typer.Option(help="Seconds (0 = none).")] = None,
+        "--language", "-l", help="python, bash or javascript.", show_default="python")] = None,
+    context: Annotated[str | None, typer.Option(
+        help="Context id (not with --language).", show_default="the language's own")] = None,
+    timeout: Annotated[float | None, typer.Option(
+        help="Seconds (0 = none).", show_default="300")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the Execution as JSON.")] = False,
 ) -> None:
     """Run code in a sandbox's stateful interpreter; exit 1 if it raised."""
@@ -786,7 +1078,7 @@ def template_build(
             templates.close()
         progress.update(task, description="done", note="")
     out.print(f"built [bold]{escape(info.name)}[/bold] ({_size(info.size_bytes)}, "
-              f"key {info.key[:12]})")
+              f"key {info.key})")
 
 
 @template_app.command("ls")
@@ -800,11 +1092,11 @@ def template_ls(
     if as_json:
         _print_json({"templates": [dataclasses.asdict(t) for t in built], "builtin": shipped})
         return
-    rows = [[escape(t.name), _size(t.size_bytes), _time(t.built_at), t.key[:12],
-             ",".join(t.warm) or "-"] for t in built]
+    rows = [[escape(t.name), _size(t.size_bytes), _time(t.built_at), ",".join(t.warm) or "-",
+             t.key] for t in built]
     names = {t.name for t in built}
     rows += [[escape(n), "-", "not built", "-", "-"] for n in shipped if n not in names]
-    _print_table(["NAME", "SIZE", "BUILT", "KEY", "WARM"], rows)
+    _print_table(["NAME", "SIZE", "BUILT", "WARM", "KEY"], rows, last="whole")
 
 
 @template_app.command("rm")
@@ -892,7 +1184,7 @@ def workspaces_get(
     sandbox_id: Annotated[str, typer.Argument(help="Sandbox whose workspace was kept.")],
     path: Annotated[str, typer.Argument(help="/workspace/... or a path relative to it.")],
     output: Annotated[str, typer.Option(
-        "--output", "-o", help="File to write [default: stdout].")] = "-",
+        "--output", "-o", help="File to write, - for stdout.")] = "-",
 ) -> None:
     """Copy one file out of a kept workspace (streamed; symlinks are never followed)."""
     with Workspaces(**_conn(ctx)) as kept:
@@ -910,8 +1202,8 @@ def workspaces_archive(
     ctx: typer.Context,
     sandbox_id: Annotated[str, typer.Argument(help="Sandbox whose workspace was kept.")],
     output: Annotated[str, typer.Option(
-        "--output", "-o", help="Tar file to write, - for stdout [default: SANDBOX_ID.tar].")
-    ] = "",
+        "--output", "-o", help="Tar file to write, - for stdout.",
+        show_default="SANDBOX_ID.tar")] = "",
 ) -> None:
     """Download a whole kept workspace as a tar archive (streamed)."""
     with Workspaces(**_conn(ctx)) as kept:
@@ -943,6 +1235,12 @@ def main() -> None:
         # `agentbox cp ID:/f - | head`: the reader left; exit quietly like other tools.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(141)
+    except OSError as e:
+        # A local file the command was given: missing, a directory, not writable...
+        where = f": {e.filename}" if e.filename else ""
+        err.print(f"[red]error:[/red] {escape((e.strerror or str(e)) + where)}", highlight=False,
+                  soft_wrap=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -15,9 +15,10 @@ import re
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from agentbox.config import ADMIN_KEY_FILE
-from agentbox.core.errors import InvalidRequest, Unauthorized
+from agentbox.core.errors import InvalidRequest, NotFound, Unauthorized
 from agentbox.store.db import Store
 
 ADMIN_TENANT = "admin"
@@ -55,6 +56,17 @@ def create_key(store: Store, tenant: str, admin: bool = False) -> tuple[str, str
 def create_key_offline(data_dir: Path, tenant: str, admin: bool = False) -> tuple[str, str]:
     """`agentbox keys create`: works on the data dir's database, with or without a server."""
     return create_key(Store.for_data_dir(data_dir), tenant, admin)
+
+
+def list_keys_offline(data_dir: Path) -> list[dict[str, Any]]:
+    """`agentbox keys ls` on the data dir's database."""
+    return Store.for_data_dir(data_dir).list_keys()
+
+
+def revoke_key_offline(data_dir: Path, key_id: str) -> None:
+    """`agentbox keys rm` on the data dir's database."""
+    if not Store.for_data_dir(data_dir).revoke_key(key_id):
+        raise NotFound(f"key {key_id} not found")
 
 
 class Authenticator:

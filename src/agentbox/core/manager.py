@@ -46,7 +46,7 @@ from agentbox.core.workspaces import KeptWorkspaces
 from agentbox.egress.policy import EgressPolicy
 from agentbox.egress.proxy import HTTP_PORT, SOCKS_PORT
 from agentbox.runtimes.base import Resources, Runtime, RuntimeError_, SandboxSpec
-from agentbox.store.db import DETAIL_STRING_CHARS, SandboxRow, Store
+from agentbox.store.db import DETAIL_STRING_CHARS, LIVE_STATES, SandboxRow, Store
 from agentbox.templates import (
     BuildError,
     TemplateInfo,
@@ -72,6 +72,7 @@ TEMPLATE_CHECK_S = 120.0  # a template whose check sandbox takes longer to start
 BUILDING = "building"  # a create waiting for the first-use build of its template
 BUILD_ALLOWANCE_S = 3600.0  # a `building` sandbox ends (timeout) if its build takes longer
 UNHEALTHY = "unhealthy"  # shown instead of `running`; never stored: it is an observation
+LIVE = "live"  # a list filter: every state of a sandbox not ended (starting, running, ...)
 # Commands per sandbox whose end the server waits for to audit it (background ones, and
 # foreground ones their client left): all on one agent connection, but each costs memory.
 MAX_WATCHED_COMMANDS = 1024
@@ -777,7 +778,7 @@ class SandboxManager:
         sandbox_id = "sbx_" + secrets.token_hex(8)
         req = CreateRequest(template=template, timeout=POOL_LIFETIME_S)
         net = SandboxNetwork(EgressPolicy())
-        egress = self.network.setup(POOL_TENANT, sandbox_id, [], None)
+        egress = self.network.setup(POOL_TENANT, sandbox_id, [], str(tpl.rootfs) if tpl else None)
         self._insert(sandbox_id, POOL_TENANT, template, req, Resources(), net, egress)
         row = await self._start(
             sandbox_id, tpl, template, Resources(), {}, POOL_LIFETIME_S, egress, net, POOL_TENANT
@@ -1032,8 +1033,11 @@ class SandboxManager:
                 raise InvalidRequest("invalid next_token") from None
             if not 0 <= before < 1 << 63:  # beyond SQLite's integers: never one we handed out
                 raise InvalidRequest("invalid next_token")
-        # `unhealthy` is never stored: such rows are `running` in the store.
         wanted = set(states) if states else None
+        if wanted is not None and LIVE in wanted:
+            wanted = (wanted - {LIVE}) | set(LIVE_STATES) | {UNHEALTHY}
+            states = sorted(wanted)
+        # `unhealthy` is never stored: such rows are `running` in the store.
         if wanted is not None and UNHEALTHY in wanted:
             states = sorted(wanted | {"running"})
         out: list[SandboxRow] = []

@@ -33,7 +33,7 @@ from agentbox.egress.secrets import (
     BoundSecret,
     parse_header_names,
 )
-from agentbox.egress.tls import EgressCA, trust_bundle
+from agentbox.egress.tls import EgressCA, read_ca_file, trust_bundle
 from agentbox.store.db import Store
 
 log = logging.getLogger(__name__)
@@ -75,6 +75,8 @@ class NetworkSettings:
     egress_resolve: tuple[str, ...] = ()  # HOST=IP
     egress_deny: tuple[str, ...] = ()
     egress_upstream_ca: tuple[str, ...] = ()
+    # CA files sandboxes trust besides the system's (a TLS-inspecting proxy on the way out).
+    sandbox_ca: tuple[str, ...] = ()
     # Exposed ports are host-routed as {port}-{sandbox_id}.{ports_domain}; public_url is the
     # server's address as clients see it (for signed URLs).
     ports_domain: str = "localhost"
@@ -97,7 +99,12 @@ class NetworkSettings:
         for ca in self.egress_upstream_ca:
             if not Path(ca).is_file():
                 raise ValueError(f"egress settings: CA file {ca} does not exist")
+        self.sandbox_ca_pem()
         return guard, deny, static
+
+    def sandbox_ca_pem(self) -> bytes:
+        """The certificates of the `sandbox_ca` files; ValueError names a bad file."""
+        return b"".join(read_ca_file(Path(p)) for p in self.sandbox_ca)
 
 
 @dataclass(frozen=True)
@@ -154,11 +161,15 @@ class NetworkService:
         self.workdir = data_dir / "egress"
         self.workdir.mkdir(mode=0o700, exist_ok=True)
         guard, deny, static = settings.parsed()
+        self.sandbox_ca_pem = settings.sandbox_ca_pem()
         self.proxy = EgressProxy(
             guard=guard,
             operator_deny=deny,
             static_hosts=static,
-            upstream_ca_files=[Path(p) for p in settings.egress_upstream_ca],
+            # The sandboxes' extra CAs vouch for upstreams the proxy inspects too.
+            upstream_ca_files=[
+                Path(p) for p in (*settings.egress_upstream_ca, *settings.sandbox_ca)
+            ],
             ceiling=self.ceiling,
             secret=self.bound_secret,
             record=self._record,
@@ -342,9 +353,10 @@ class NetworkService:
     def setup(
         self, tenant: str, sandbox_id: str, secret_names: list[str], rootfs: str | None
     ) -> SandboxEgressSetup:
-        """Proxy variables for every sandbox; placeholders and a trusted CA for secrets."""
+        """Proxy variables for every sandbox; placeholders and a trusted CA for secrets; the
+        operator's extra CAs (`--sandbox-ca`) in the trust store of every sandbox."""
         envs = dict(PROXY_ENV)
-        if not secret_names:
+        if not secret_names and not self.sandbox_ca_pem:
             return SandboxEgressSetup(envs, {}, {}, None)
         if len(set(secret_names)) != len(secret_names):
             raise InvalidRequest("secrets: a name is listed twice")
@@ -356,9 +368,10 @@ class NetworkService:
                     "VALUE --hosts HOST`"
                 )
             placeholders[name] = PLACEHOLDER_PREFIX + tokens.token_hex(16)
-        ca = EgressCA.generate(sandbox_id, self.workdir / sandbox_id)
+        ca = EgressCA.generate(sandbox_id, self.workdir / sandbox_id) if secret_names else None
         system = Path(rootfs or "/", SYSTEM_BUNDLE_PATH.lstrip("/"))
-        bundle = trust_bundle(ca.cert_pem, system if system.is_file() else None)
+        extra = self.sandbox_ca_pem + (ca.cert_pem if ca is not None else b"")
+        bundle = trust_bundle(extra, system if system.is_file() else None)
         files = {CA_BUNDLE_PATH: bundle}
         if system.is_file() and not system.is_symlink():
             files[SYSTEM_BUNDLE_PATH] = bundle  # the distribution's own trust store too

@@ -382,9 +382,34 @@ def upstream_context(extra_ca_files: Sequence[Path] = ()) -> ssl.SSLContext:
     return ctx
 
 
+# Operator CA files are small; a bigger one is a mistake (a whole disk image, a log).
+MAX_CA_FILE_BYTES = 1 << 20
+
+
+def read_ca_file(path: Path) -> bytes:
+    """The PEM certificates of an operator's CA file (`agentbox serve --sandbox-ca`), checked:
+    ValueError says what is wrong. Private keys are refused: the file goes into sandboxes."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_CA_FILE_BYTES + 1)
+    except OSError as e:
+        raise ValueError(f"CA file {path}: {e.strerror}") from None
+    if len(data) > MAX_CA_FILE_BYTES:
+        raise ValueError(f"CA file {path} is larger than {MAX_CA_FILE_BYTES} bytes")
+    if b"PRIVATE KEY-----" in data:
+        raise ValueError(f"CA file {path} holds a private key: give only the certificates")
+    try:
+        certs = x509.load_pem_x509_certificates(data)
+    except ValueError:
+        raise ValueError(
+            f"CA file {path} holds no PEM certificate (-----BEGIN CERTIFICATE-----)"
+        ) from None
+    return b"".join(c.public_bytes(serialization.Encoding.PEM) for c in certs)
+
+
 def trust_bundle(ca_pem: bytes, system_bundle: Path | None = None) -> bytes:
-    """The system CA bundle followed by `ca_pem`: the sandbox's trust store, so that both real
-    sites (tunnelled untouched) and the proxy's minted leaves verify."""
+    """The system CA bundle followed by `ca_pem`: the sandbox's trust store, so that real sites
+    (tunnelled untouched), the proxy's minted leaves and the operator's CAs all verify."""
     if system_bundle is None:
         system_bundle = next((p for p in SYSTEM_BUNDLES if p.is_file()), None)
     system = system_bundle.read_bytes() if system_bundle is not None else b""

@@ -22,6 +22,7 @@ from agentbox.sdk.models import (
     Execution,
     ExecutionError,
     KeptWorkspace,
+    KeyInfo,
     Logs,
     NetworkInfo,
     OutputMessage,
@@ -65,5 +66,6 @@ __all__ = [
     "Workspaces",
     "AsyncWorkspaces",
     "KeptWorkspace",
+    "KeyInfo",
     *_exception_names,
 ]

@@ -216,26 +216,31 @@ class AsyncCommands:
                   envs: Mapping[str, str] | None = None, cwd: str | None = None,
                   timeout: float = 60, on_stdout: OutputCallback | None = None,
                   on_stderr: OutputCallback | None = None,
-                  stdin: bool = False) -> CommandResult: ...
+                  stdin: bool = False,
+                  on_start: Callable[[str], Any] | None = None) -> CommandResult: ...
 
     @overload
     async def run(self, cmd: str, background: Literal[True],
                   envs: Mapping[str, str] | None = None, cwd: str | None = None,
                   timeout: float = 60, on_stdout: OutputCallback | None = None,
                   on_stderr: OutputCallback | None = None,
-                  stdin: bool = False) -> AsyncCommandHandle: ...
+                  stdin: bool = False,
+                  on_start: Callable[[str], Any] | None = None) -> AsyncCommandHandle: ...
 
     async def run(self, cmd: str, background: bool = False,
                   envs: Mapping[str, str] | None = None, cwd: str | None = None,
                   timeout: float = 60, on_stdout: OutputCallback | None = None,
                   on_stderr: OutputCallback | None = None,
-                  stdin: bool = False) -> CommandResult | AsyncCommandHandle:
+                  stdin: bool = False, on_start: Callable[[str], Any] | None = None,
+                  ) -> CommandResult | AsyncCommandHandle:
         """See `Commands.run`."""
         if background:
             info = await self._transport.call(
                 p.start_command(self._sandbox_id, cmd, envs, cwd, timeout, stdin))
+            if on_start is not None:
+                on_start(info.cmd_id)
             return AsyncCommandHandle(self, info.cmd_id, info.pid, on_stdout, on_stderr)
-        progress = p.CommandProgress(self._sandbox_id, cmd=cmd)
+        progress = p.CommandProgress(self._sandbox_id, cmd=cmd, on_start=on_start)
         first = p.run_command(self._sandbox_id, cmd, envs, cwd, timeout, stdin)
         async for stream, data in self._transport.follow(progress, first,
                                                          p.command_read_timeout(timeout)):
@@ -423,10 +428,11 @@ class AsyncSandbox:
         return cls(info.sandbox_id, transport, info)
 
     @classmethod
-    async def list(cls, state: str | list[str] | None = None,
+    async def list(cls, state: str | list[str] | None = "live",
                    metadata: Mapping[str, str] | None = None, limit: int | None = None,
                    api_key: str | None = None, api_url: str | None = None,
                    request_timeout: float = 60) -> list[SandboxInfo]:
+        """See `Sandbox.list`: the live ones by default, `state="all"` for every state."""
         transport = AsyncTransport(p.resolve_config(api_key, api_url, request_timeout))
         found: list[SandboxInfo] = []
         token: str | None = None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 
@@ -235,6 +235,28 @@ class EntryInfo:
             mode=int(data.get("mode") or 0), permissions=str(data.get("permissions", "")),
             modified_time=_time(data.get("modified_time")),
             symlink_target=data.get("symlink_target"),
+        )
+
+
+@dataclass(frozen=True)
+class KeyInfo:
+    """An API key. `key` (the secret itself) is set only on the answer to its creation."""
+
+    key_id: str
+    tenant: str
+    admin: bool
+    created_at: datetime | None = None
+    key: str | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> KeyInfo:
+        created = data.get("created_at")
+        return cls(
+            key_id=str(data.get("key_id", "")), tenant=str(data.get("tenant", "")),
+            admin=bool(data.get("admin")), key=data.get("key") or None,
+            # The server gave unix seconds here before RFC 3339.
+            created_at=datetime.fromtimestamp(created, UTC)
+            if isinstance(created, int | float) else _time(created),
         )
 
 

@@ -48,6 +48,7 @@ from agentbox.sdk.models import (
     Execution,
     ExecutionError,
     KeptWorkspace,
+    KeyInfo,
     NetworkInfo,
     OutputMessage,
     PoolStats,
@@ -253,9 +254,11 @@ def _sandbox_page(r: httpx.Response) -> SandboxPage:
 
 def list_sandboxes(state: str | list[str] | None, metadata: Mapping[str, str] | None,
                    limit: int, next_token: str | None) -> Call[SandboxPage]:
+    """`state` "live" (the SDK's default) is every state of a sandbox not ended; "all" or None
+    is every state."""
     params: Params = [("limit", limit)]
     states = [state] if isinstance(state, str) else list(state or [])
-    params += [("state", s) for s in states]
+    params += [("state", s) for s in states if s != "all"]
     params += [("metadata", f"{k}={v}") for k, v in (metadata or {}).items()]
     if next_token:
         params.append(("next_token", next_token))
@@ -506,6 +509,25 @@ def list_egress(sandbox_id: str | None, host: str | None, allowed: bool | None,
     return Call("GET", "/v1/audit/egress", parse,
                 params=_audit_params(limit, since, sandbox_id=sandbox_id, host=host,
                                      allowed=allowed, tenant=tenant))
+
+
+# Keys (admin)
+
+
+def create_key(tenant: str, admin: bool) -> Call[KeyInfo]:
+    return Call("POST", "/v1/keys", lambda r: KeyInfo.from_json(r.json()),
+                json={"tenant": tenant, "admin": admin})
+
+
+def list_keys() -> Call[list[KeyInfo]]:
+    def parse(r: httpx.Response) -> list[KeyInfo]:
+        return [KeyInfo.from_json(k) for k in r.json().get("keys", [])]
+
+    return Call("GET", "/v1/keys", parse)
+
+
+def delete_key(key_id: str) -> Call[None]:
+    return Call("DELETE", f"/v1/keys/{_seg(key_id)}", _none)
 
 
 # Code interpreter
@@ -796,8 +818,10 @@ class CommandProgress:
     """
 
     def __init__(self, sandbox_id: str, cmd_id: str | None = None, pid: int | None = None,
-                 cmd: str | None = None) -> None:
+                 cmd: str | None = None,
+                 on_start: Callable[[str], Any] | None = None) -> None:
         self.sandbox_id = sandbox_id
+        self.on_start = on_start
         self.cmd_id = cmd_id
         self.pid = pid
         self.cmd = cmd
@@ -828,6 +852,8 @@ class CommandProgress:
         if kind == "start":
             self.cmd_id = str(event.get("cmd_id")) if event.get("cmd_id") else self.cmd_id
             self.pid = event.get("pid", self.pid)
+            if self.on_start is not None and self.cmd_id is not None:
+                self.on_start(self.cmd_id)
         elif kind == "truncated":
             dropped = int(event.get("dropped") or 0)
             self.dropped += dropped

@@ -197,29 +197,37 @@ class Commands:
     def run(self, cmd: str, background: Literal[False] = False,
             envs: Mapping[str, str] | None = None, cwd: str | None = None,
             timeout: float = 60, on_stdout: OutputCallback | None = None,
-            on_stderr: OutputCallback | None = None, stdin: bool = False) -> CommandResult: ...
+            on_stderr: OutputCallback | None = None, stdin: bool = False,
+            on_start: Callable[[str], Any] | None = None) -> CommandResult: ...
 
     @overload
     def run(self, cmd: str, background: Literal[True],
             envs: Mapping[str, str] | None = None, cwd: str | None = None,
             timeout: float = 60, on_stdout: OutputCallback | None = None,
-            on_stderr: OutputCallback | None = None, stdin: bool = False) -> CommandHandle: ...
+            on_stderr: OutputCallback | None = None, stdin: bool = False,
+            on_start: Callable[[str], Any] | None = None) -> CommandHandle: ...
 
     def run(self, cmd: str, background: bool = False, envs: Mapping[str, str] | None = None,
             cwd: str | None = None, timeout: float = 60,
             on_stdout: OutputCallback | None = None, on_stderr: OutputCallback | None = None,
-            stdin: bool = False) -> CommandResult | CommandHandle:
+            stdin: bool = False, on_start: Callable[[str], Any] | None = None,
+            ) -> CommandResult | CommandHandle:
         """Run `cmd`; `timeout` seconds (0 = none) is enforced by the server.
 
         Foreground: streams output to the callbacks as it arrives, returns the result, and
         raises CommandExitException (CommandTimeoutError on timeout) unless it exited 0.
+        `on_start` is called with the command's id as soon as it started (from the thread
+        running it: it must not block), e.g. to `send_stdin` (with `stdin=True`) or `kill` it
+        from another thread.
         Background: returns a CommandHandle at once.
         """
         if background:
             info = self._transport.call(
                 p.start_command(self._sandbox_id, cmd, envs, cwd, timeout, stdin))
+            if on_start is not None:
+                on_start(info.cmd_id)
             return CommandHandle(self, info.cmd_id, info.pid, on_stdout, on_stderr)
-        progress = p.CommandProgress(self._sandbox_id, cmd=cmd)
+        progress = p.CommandProgress(self._sandbox_id, cmd=cmd, on_start=on_start)
         first = p.run_command(self._sandbox_id, cmd, envs, cwd, timeout, stdin)
         for stream, data in self._transport.follow(progress, first,
                                                    p.command_read_timeout(timeout)):
@@ -527,11 +535,14 @@ class Sandbox:
         return cls(info.sandbox_id, transport, info)
 
     @classmethod
-    def list(cls, state: str | list[str] | None = None,
+    def list(cls, state: str | list[str] | None = "live",
              metadata: Mapping[str, str] | None = None, limit: int | None = None,
              api_key: str | None = None, api_url: str | None = None,
              request_timeout: float = 60) -> list[SandboxInfo]:
-        """Your sandboxes, newest first, following pages until `limit` (None = all)."""
+        """Your sandboxes, newest first, following pages until `limit` (None = all).
+
+        By default the live ones (starting, running, unhealthy), as E2B's `list` gives running
+        ones; `state="all"` gives every state, or name states ("killed", ["expired", ...])."""
         transport = Transport(p.resolve_config(api_key, api_url, request_timeout))
         found: list[SandboxInfo] = []
         token: str | None = None

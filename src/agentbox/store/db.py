@@ -268,7 +268,8 @@ class Store:
 
     @classmethod
     def for_data_dir(cls, data_dir: Path) -> Store:
-        data_dir.mkdir(parents=True, exist_ok=True)
+        # Keys, secrets and sandboxes' records: never readable by others (the server's mode).
+        data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         db = data_dir / "agentbox.db"
         store = cls(f"sqlite:///{db}")
         db.chmod(0o600)

@@ -335,6 +335,11 @@ class ProcessRuntime(Runtime):
         argv += ["--tmpfs", "/tmp"]
         argv += ["--size", str(min(r.tmp_mb, 64) * 1024 * 1024)] if sized else []
         argv += ["--tmpfs", "/dev/shm", "--dir", "/run", "--dir", "/var"]
+        if spec.rootfs and any(path.startswith("/run/") for path in spec.files):
+            # A template's /run is part of its read-only tree; files placed below it (the CA
+            # bundle) need a tmpfs to land on, as /run is on a booted system.
+            argv += ["--size", str(1 << 20)] if sized else []
+            argv += ["--tmpfs", "/run"]
         if spec.rootfs and not Path(spec.rootfs, "var/tmp").is_symlink():
             argv += ["--size", str(min(r.tmp_mb, 64) * 1024 * 1024)] if sized else []
             argv += ["--tmpfs", "/var/tmp"]
