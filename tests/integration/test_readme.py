@@ -191,15 +191,22 @@ def test_the_cli_quick_start(readme: Readme) -> None:
     )
     assert r.returncode == 0, f"{r.stdout}\n{r.stderr}"
     out = _steps(r.stdout)
-    assert set(out) == set(range(len(_shell_steps(block.body)))), r.stdout
+    steps = _shell_steps(block.body)
+    assert set(out) == set(range(len(steps))), r.stdout
+
+    def output_of(command: str) -> str:
+        (i,) = [i for i, step in enumerate(steps) if command in step]
+        return out[i]
+
     key = r.stdout.split("::key ")[1].strip()
     assert key.startswith("abx_"), r.stdout
     readme.env["AGENTBOX_API_KEY"] = key  # the README's `export`, kept for the Python blocks
-    created = out[1].strip()
-    assert ID.match(created), out[1]
-    assert out[2].strip() == "42"
-    assert created in out[4], out[4]  # `ls` lists it with its whole id
-    assert "sandbox.create" in out[5] and "file.write" in out[5], out[5]
+    created = output_of("agentbox create").strip()
+    assert ID.match(created), r.stdout
+    assert output_of("print(6*7)").strip() == "42"
+    assert created in output_of("agentbox ls"), r.stdout  # with its whole id
+    audit = output_of("agentbox audit")
+    assert "sandbox.create" in audit and "file.write" in audit, r.stdout
     listed = httpx.get(
         f"{readme.url}/v1/sandboxes/{created}", headers={"X-API-Key": key}
     ).json()
