@@ -3,14 +3,16 @@ bodies never read, capped and stalled bodies, slow headers, the connection budge
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
 from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
 
 from agentbox.server.limits import RequestGuard, ServerLimits, protocol_class
 from agentbox.server.logfilter import RepeatFilter
@@ -44,6 +46,17 @@ def port() -> Iterator[int]:
         body = await request.body()
         seen["bodies"] += 1
         return {"bytes": len(body), "caller": request.scope.get("agentbox.caller")}
+
+    @api.post("/v1/slow")
+    async def slow(request: Request) -> StreamingResponse:
+        await request.body()
+
+        async def ticks() -> AsyncIterator[bytes]:
+            for i in range(4):  # 2 s: twice the body idle timeout
+                await asyncio.sleep(0.5)
+                yield f"tick {i}\n".encode()
+
+        return StreamingResponse(ticks())
 
     @api.put("/v1/sandboxes/sbx_1/files")
     async def upload(request: Request) -> dict[str, int]:
@@ -129,6 +142,14 @@ def test_a_stalled_body_is_408(port: int) -> None:
             answer += chunk
     assert answer.startswith(b"HTTP/1.1 408"), answer
     assert LIMITS.body_idle_timeout * 0.9 <= time.monotonic() - t0 < LIMITS.body_idle_timeout + 4
+
+
+def test_a_response_may_outlast_the_body_timeout(port: int) -> None:
+    # The stall bound is for the body; after it, the server waits only for the client to
+    # leave, and a long command's output must not be cut at the body's idle timeout.
+    answer = _raw(port, _request("POST", "/v1/slow", b"{}"), timeout=10)
+    assert answer.startswith(b"HTTP/1.1 200"), answer
+    assert b"tick 3" in answer, answer
 
 
 def test_slow_headers_are_cut_off(port: int) -> None:

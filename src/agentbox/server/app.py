@@ -6,6 +6,7 @@ place, and streams. Everything else happens in `core/`.
 
 import asyncio
 import base64
+import contextlib
 import dataclasses
 import json
 import logging
@@ -15,7 +16,7 @@ import signal as signals
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
@@ -25,7 +26,6 @@ from urllib.parse import urlencode, urlsplit
 from fastapi import Depends, FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agentbox import __version__
@@ -75,12 +75,38 @@ def _error(
     )
 
 
-def _ndjson(events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
-    async def body() -> AsyncIterator[bytes]:
-        async for event in events:
-            yield (json.dumps(event, separators=(",", ":")) + "\n").encode()
+_closings: set[asyncio.Task[None]] = set()
 
-    return StreamingResponse(
+
+class Streamed(StreamingResponse):
+    """A streamed response whose source is closed when the response ends, however it ends:
+    sent in full, the client gone, or an error on the way.
+
+    Starlette does not close a half-read body iterator; an async generator left so is closed
+    only when the garbage collector gets to it, and its cleanup (unmounting a kept workspace,
+    killing tar, letting go of an agent stream) would wait for that.
+    """
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                # To its end even when this task is being cancelled.
+                task = asyncio.ensure_future(aclose())
+                _closings.add(task)
+                task.add_done_callback(_closings.discard)
+                await asyncio.shield(task)
+
+
+def _ndjson(events: AsyncGenerator[dict[str, Any], None]) -> StreamingResponse:
+    async def body() -> AsyncIterator[bytes]:
+        async with contextlib.aclosing(events):
+            async for event in events:
+                yield (json.dumps(event, separators=(",", ":")) + "\n").encode()
+
+    return Streamed(
         body(),
         media_type="application/x-ndjson",
         headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
@@ -688,7 +714,7 @@ def create_app(
     )
     async def read_file(sandbox_id: str, path: PathQ, mgr: Mgr, who: Who) -> Response:
         size, chunks = await mgr.read_file(who, sandbox_id, path)
-        return StreamingResponse(
+        return Streamed(
             chunks, media_type="application/octet-stream", headers={"Content-Length": str(size)}
         )
 
@@ -1026,11 +1052,8 @@ def create_app(
     ) -> Response:
         size, chunks = await mgr.workspaces.read_file(who, sandbox_id, path)
         # Closed after the response, also when the client left mid-way: that unmounts it.
-        return StreamingResponse(
-            chunks,
-            media_type="application/octet-stream",
-            headers={"Content-Length": str(size)},
-            background=BackgroundTask(chunks.aclose),
+        return Streamed(
+            chunks, media_type="application/octet-stream", headers={"Content-Length": str(size)}
         )
 
     @app.get(
@@ -1041,11 +1064,10 @@ def create_app(
     async def workspace_archive(sandbox_id: str, mgr: Mgr, who: Who) -> Response:
         """The whole kept workspace as a tar stream, made as it is sent."""
         chunks = await mgr.workspaces.archive(who, sandbox_id)
-        return StreamingResponse(
+        return Streamed(
             chunks,
             media_type="application/x-tar",
             headers={"Content-Disposition": f'attachment; filename="{sandbox_id}.tar"'},
-            background=BackgroundTask(chunks.aclose),
         )
 
     @app.delete(

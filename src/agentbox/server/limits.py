@@ -304,18 +304,28 @@ class RequestGuard:
         await self.app(scope, _replay(body, receive), send)
 
     def _stall_bounded(self, receive: Receive) -> Receive:
+        """`receive` with a bound on the wait for each piece of the body. Once the body is in,
+        what is left to receive is the client leaving, which may rightly take as long as the
+        response does (a long command's output, a large download): that wait is unbounded."""
         idle = self.limits.body_idle_timeout
+        body_done = False
 
         async def bounded() -> Message:
+            nonlocal body_done
+            if body_done:
+                return await receive()
             try:
                 async with asyncio.timeout(idle):
-                    return await receive()
+                    message = await receive()
             except TimeoutError:
                 raise AgentboxError(
                     f"the request body stalled: nothing arrived for {idle:g} s",
                     code="request_timeout",
                     status=408,
                 ) from None
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                body_done = True
+            return message
 
         return bounded
 
