@@ -288,16 +288,21 @@ class KeptWorkspaces:
     async def _tar_chunks(
         sandbox_id: str, proc: asyncio.subprocess.Process, stack: contextlib.AsyncExitStack
     ) -> Chunks:
-        assert proc.stdout is not None
+        stdout = proc.stdout
+        assert stdout is not None
 
         async def cleanup() -> None:
             if proc.returncode is None:
                 proc.kill()
-                await proc.wait()
+            # wait() returns only once stdout is at its end too, and a reader that left
+            # early left it paused with a full buffer: drain what the dead tar wrote.
+            while await stdout.read(CHUNK):
+                pass
+            await proc.wait()
             await stack.aclose()
 
         try:
-            while chunk := await proc.stdout.read(CHUNK):
+            while chunk := await stdout.read(CHUNK):
                 yield chunk
             # 1: a file changed while read (it cannot here); more is a failure, and the
             # archive the client got is cut short.
