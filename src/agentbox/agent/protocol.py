@@ -27,6 +27,7 @@ OUTPUT_HEADER = struct.Struct(">BQ")
 MAX_JSON = 8 << 20  # a code result carries its images (base64) in one event
 MAX_DATA = 1 << 20
 CHUNK = 256 * 1024
+LIST_LIMIT = 10_000  # entries in one page of a directory listing (fs.list)
 
 KIND_JSON = ord("J")
 KIND_DATA = ord("D")

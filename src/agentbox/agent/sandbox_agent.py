@@ -41,7 +41,7 @@ MAX_PATH = 4096
 # whoever reads later is told how much (a `truncated` event).
 OUTPUT_CAP = 4 * 1024 * 1024
 FINISHED_KEPT = 32
-LIST_LIMIT = 10_000
+LIST_LIMIT = P.LIST_LIMIT
 STDERR_TAIL = 4096
 KEEPALIVE_S = 15.0
 ENDS_KEPT = 1024  # end events `exec.ended` can still hand out
@@ -458,38 +458,67 @@ def _write(conn: Conn, req: dict) -> None:
 
 
 def op_list(conn: Conn, req: dict) -> None:
+    """Entries under a directory, depth first with each directory's names sorted, so the order
+    is that of the entries' paths compared component by component. A page ends at `limit`
+    entries (or when the reply frame would grow too big) with `truncated`; the next page is
+    asked for with `cursor` = the last path of this one (`next_cursor`)."""
     parts = parse_path(req.get("path"))
     depth = req.get("depth", 1)
     if not isinstance(depth, int) or depth < 1:
         raise OpError("invalid_request", "depth must be an integer >= 1")
+    limit = req.get("limit", LIST_LIMIT)
+    if not isinstance(limit, int) or not 1 <= limit <= LIST_LIMIT:
+        raise OpError("invalid_request", f"limit must be an integer from 1 to {LIST_LIMIT}")
+    after = None
+    if req.get("cursor") is not None:
+        after = parse_path(req["cursor"])
+        if after[: len(parts)] != parts or len(after) == len(parts):
+            raise OpError(
+                "invalid_request",
+                f"cursor must be a path under {join(parts)}: the next_cursor of the page before",
+            )
     out: list[dict] = []
     # The reply is one frame (at most P.MAX_JSON bytes): stop well before, and say so.
     budget = P.MAX_JSON // 2
+    more = False
     # Depth first, with a stack rather than recursion: a hostile tree may be thousands deep.
     stack = [_listing(parts, 1)]
     try:
-        while stack and len(out) < LIST_LIMIT and budget > 0:
+        while stack:
             dparts, level, fd, names = stack[-1]
             if not names:
                 os.close(fd)
                 stack.pop()
                 continue
+            if len(out) >= limit or budget <= 0:
+                more = True
+                break
             name = names.pop()
+            here = dparts + [name]
+            # Up to `after`: skip what the earlier pages listed, without descending into a
+            # directory that lies wholly before it.
+            seen = after is not None and here <= after
+            if seen and after is not None and here != after[: len(here)]:
+                continue
             try:
                 st = os.stat(name, dir_fd=fd, follow_symlinks=False)
             except OSError:
                 continue
-            out.append(entry(name, join(dparts + [name]), st, fd))
-            budget -= len(json.dumps(out[-1])) + 2
+            if not seen:
+                out.append(entry(name, join(here), st, fd))
+                budget -= len(json.dumps(out[-1])) + 2
             if stat.S_ISDIR(st.st_mode) and level < depth:
                 try:
-                    stack.append(_listing(dparts + [name], level + 1))
+                    stack.append(_listing(here, level + 1))
                 except OpError:
                     pass  # unreadable subdirectory: list what we can
     finally:
         for frame in stack:
             os.close(frame[2])
-    conn.reply({"ok": True, "entries": out, "truncated": len(out) >= LIST_LIMIT or budget <= 0})
+    reply: dict = {"ok": True, "entries": out, "truncated": more}
+    if more:
+        reply["next_cursor"] = out[-1]["path"]
+    conn.reply(reply)
 
 
 def _listing(dparts: list[str], level: int) -> tuple[list[str], int, int, list[str]]:

@@ -66,6 +66,8 @@ app.add_typer(secrets_app, name="secrets")
 workspaces_app = typer.Typer(help="Workspaces kept after their sandbox ended (--keep-workspace).",
                              no_args_is_help=True)
 app.add_typer(workspaces_app, name="workspaces")
+files_app = typer.Typer(help="Files of a running sandbox.", no_args_is_help=True)
+app.add_typer(files_app, name="files")
 
 out = Console()
 err = Console(stderr=True)
@@ -1142,6 +1144,42 @@ def pool_set(
 
 
 # ---------------------------------------------------------------------------- kept workspaces
+
+
+@files_app.command("ls")
+def files_ls(
+    ctx: typer.Context,
+    sandbox_id: Annotated[str, typer.Argument(help="Sandbox to look into.")],
+    path: Annotated[str, typer.Argument(help="Directory.")] = "/workspace",
+    depth: Annotated[int, typer.Option(help="Levels to descend.", min=1, max=64)] = 1,
+    every: Annotated[bool, typer.Option(
+        "--all", help="Every page (else the first, and a note on stderr if there is more).")]
+    = False,
+    cursor: Annotated[str | None, typer.Option(
+        help="Start after this path: the cursor the page before printed.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """List a directory of a running sandbox, in path order."""
+    sbx = Sandbox.connect(sandbox_id, **_conn(ctx))
+    try:
+        page = sbx.files.list(path, depth, cursor=cursor)
+        found = list(page)
+        while every and page.truncated:
+            page = sbx.files.list(path, depth, cursor=page.next_cursor)
+            found += page
+    finally:
+        sbx.close()
+    if as_json:
+        _print_json({"entries": [dataclasses.asdict(e) for e in found],
+                     "truncated": page.truncated, "next_cursor": page.next_cursor})
+    else:
+        rows = [[e.type, e.permissions, _bytes(e.size), _time(e.modified_time),
+                 escape(e.path + (f" -> {e.symlink_target}" if e.symlink_target else ""))]
+                for e in found]
+        _print_table(["TYPE", "MODE", "SIZE", "MODIFIED", "PATH"], rows, last="whole")
+    if page.truncated:
+        err.print(f"listing stopped after {len(found)} entries; the rest: --all, or "
+                  f"--cursor {escape(shlex.quote(page.next_cursor or ''))}", highlight=False)
 
 
 @workspaces_app.command("ls")

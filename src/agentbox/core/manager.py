@@ -498,6 +498,7 @@ class SandboxManager:
         assert row is not None
         try:
             tpl = await self.template(row.template)
+            assert tpl is not None  # only a template that needs a build gets here
             row = self.store.get_sandbox(sandbox_id)
             if row is None or row.state != BUILDING:
                 return  # killed while it waited

@@ -31,6 +31,7 @@ from agentbox.sdk.models import (
     CommandResult,
     Context,
     EntryInfo,
+    EntryList,
     Execution,
     KeptWorkspace,
     Resources,
@@ -298,8 +299,13 @@ class AsyncFiles:
         return await self._transport.call(p.write_file(self._sandbox_id, path),
                                           _upload_body(data))
 
-    async def list(self, path: str = "/workspace", depth: int = 1) -> list[EntryInfo]:
-        return await self._transport.call(p.list_files(self._sandbox_id, path, depth))
+    async def list(self, path: str = "/workspace", depth: int = 1, *, limit: int | None = None,
+             cursor: str | None = None) -> EntryList:
+        """Entries under `path` to `depth` levels, in path order. A listing stops at `limit`
+        entries (the server's page size, 10,000, by default): then `.truncated` is True and
+        `list(path, depth, cursor=page.next_cursor)` gives the next page."""
+        return await self._transport.call(
+            p.list_files(self._sandbox_id, path, depth, limit, cursor))
 
     async def exists(self, path: str) -> bool:
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -236,6 +237,25 @@ class EntryInfo:
             modified_time=_time(data.get("modified_time")),
             symlink_target=data.get("symlink_target"),
         )
+
+
+class EntryList(list[EntryInfo]):
+    """A page of a directory listing: a list of entries that also says whether the listing
+    stopped at its limit. When `truncated`, ask for the rest with `cursor=next_cursor`."""
+
+    truncated: bool = False
+    next_cursor: str | None = None
+
+    def __init__(self, entries: Iterable[EntryInfo] = (), truncated: bool = False,
+                 next_cursor: str | None = None) -> None:
+        super().__init__(entries)
+        self.truncated = truncated
+        self.next_cursor = next_cursor
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> EntryList:
+        return cls((EntryInfo.from_json(e) for e in data.get("entries", [])),
+                   truncated=bool(data.get("truncated")), next_cursor=data.get("next_cursor"))
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,7 @@ from agentbox.sdk.models import (
     Context,
     EgressEvent,
     EntryInfo,
+    EntryList,
     Execution,
     ExecutionError,
     KeptWorkspace,
@@ -444,12 +445,15 @@ def write_file(sandbox_id: str, path: str) -> Call[EntryInfo]:
     return Call("PUT", f"{_sbx(sandbox_id)}/files", _entry, params=[("path", path)])
 
 
-def list_files(sandbox_id: str, path: str, depth: int) -> Call[list[EntryInfo]]:
-    def parse(r: httpx.Response) -> list[EntryInfo]:
-        return [EntryInfo.from_json(e) for e in r.json().get("entries", [])]
-
-    return Call("GET", f"{_sbx(sandbox_id)}/files/list", parse,
-                params=[("path", path), ("depth", depth)])
+def list_files(sandbox_id: str, path: str, depth: int, limit: int | None = None,
+               cursor: str | None = None) -> Call[EntryList]:
+    params: list[tuple[str, Any]] = [("path", path), ("depth", depth)]
+    if limit is not None:
+        params.append(("limit", limit))
+    if cursor is not None:
+        params.append(("cursor", cursor))
+    return Call("GET", f"{_sbx(sandbox_id)}/files/list",
+                lambda r: EntryList.from_json(r.json()), params=params)
 
 
 def stat_file(sandbox_id: str, path: str) -> Call[EntryInfo]:

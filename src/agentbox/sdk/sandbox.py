@@ -18,6 +18,7 @@ from agentbox.sdk.models import (
     CommandResult,
     Context,
     EntryInfo,
+    EntryList,
     Execution,
     ExecutionError,
     KeptWorkspace,
@@ -291,8 +292,13 @@ class Files:
         """Write (atomically) from str, bytes, a binary file object or an iterable of chunks."""
         return self._transport.call(p.write_file(self._sandbox_id, path), _upload_body(data))
 
-    def list(self, path: str = "/workspace", depth: int = 1) -> list[EntryInfo]:
-        return self._transport.call(p.list_files(self._sandbox_id, path, depth))
+    def list(self, path: str = "/workspace", depth: int = 1, *, limit: int | None = None,
+             cursor: str | None = None) -> EntryList:
+        """Entries under `path` to `depth` levels, in path order. A listing stops at `limit`
+        entries (the server's page size, 10,000, by default): then `.truncated` is True and
+        `list(path, depth, cursor=page.next_cursor)` gives the next page."""
+        return self._transport.call(
+            p.list_files(self._sandbox_id, path, depth, limit, cursor))
 
     def exists(self, path: str) -> bool:
         try:

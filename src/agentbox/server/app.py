@@ -6,7 +6,6 @@ place, and streams. Everything else happens in `core/`.
 
 import asyncio
 import base64
-import contextlib
 import dataclasses
 import json
 import logging
@@ -16,7 +15,7 @@ import signal as signals
 import sys
 import tempfile
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
@@ -29,6 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agentbox import __version__
+from agentbox.agent.protocol import LIST_LIMIT
 from agentbox.core import ports
 from agentbox.core.auth import Authenticator, Caller, check_tenant_name, create_key
 from agentbox.core.errors import (
@@ -100,11 +100,15 @@ class Streamed(StreamingResponse):
                 await asyncio.shield(task)
 
 
-def _ndjson(events: AsyncGenerator[dict[str, Any], None]) -> StreamingResponse:
+def _ndjson(events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
     async def body() -> AsyncIterator[bytes]:
-        async with contextlib.aclosing(events):
+        try:
             async for event in events:
                 yield (json.dumps(event, separators=(",", ":")) + "\n").encode()
+        finally:
+            aclose = getattr(events, "aclose", None)
+            if aclose is not None:
+                await aclose()
 
     return Streamed(
         body(),
@@ -253,7 +257,7 @@ def create_app(
             in_use=lambda rootfs: manager.rootfs_in_use(rootfs),
         )
         netsvc = NetworkService(store, data_dir, net_settings, limits.logs)
-        health = {
+        health: dict[str, Any] = {
             arg: float(os.environ[var])
             for arg, var in (
                 ("health_interval", "AGENTBOX_HEALTH_INTERVAL"),
@@ -749,11 +753,23 @@ def create_app(
         mgr: Mgr,
         who: Who,
         depth: Annotated[int, Query(ge=1, le=64)] = 1,
+        limit: Annotated[
+            int, Query(ge=1, le=LIST_LIMIT, description="entries per page at most")
+        ] = LIST_LIMIT,
+        cursor: Annotated[
+            str | None,
+            Query(max_length=8192, description="next_cursor of the previous page"),
+        ] = None,
     ) -> m.EntryList:
-        reply = await mgr.agent_call(
-            who, sandbox_id, {"op": "fs.list", "path": path, "depth": depth}, "file.list", path=path
+        req: dict[str, Any] = {"op": "fs.list", "path": path, "depth": depth, "limit": limit}
+        if cursor is not None:
+            req["cursor"] = cursor
+        reply = await mgr.agent_call(who, sandbox_id, req, "file.list", path=path)
+        return m.EntryList(
+            entries=[m.EntryInfo.of(e) for e in reply["entries"]],
+            truncated=bool(reply.get("truncated")),
+            next_cursor=reply.get("next_cursor"),
         )
-        return m.EntryList(entries=[m.EntryInfo.of(e) for e in reply["entries"]])
 
     @app.get(
         "/v1/sandboxes/{sandbox_id}/files/stat",

@@ -252,6 +252,9 @@ class EntryInfo(BaseModel):
 
 class EntryList(BaseModel):
     entries: list[EntryInfo]
+    # True when the listing stopped at its limit: ask again with cursor=next_cursor for more.
+    truncated: bool = False
+    next_cursor: str | None = None
 
 
 class PathBody(Strict):
