@@ -116,3 +116,46 @@ def test_a_failing_command_shows_the_end_of_its_output(sbx: Sandbox) -> None:
     text = str(e.value)
     assert "exited with code 3" in text and "FAILED test_x: 1 != 2" in text, text
     assert "line 100" in text and "line 50" not in text, "only the last lines"
+
+
+def test_unread_output_has_a_budget_across_the_sandbox(sbx: Sandbox, conn: dict[str, Any]) -> None:
+    # Six background commands of 3.5 MiB each: each under the 4 MiB a command may hold, 21 MiB
+    # together, over the 16 MiB a sandbox holds: the oldest commands' output goes first.
+    size = 3_670_016
+    handles = [
+        sbx.commands.run(f"head -c {size} /dev/zero | tr '\\0' {c}", background=True)
+        for c in "abcdef"
+    ]
+    deadline = time.monotonic() + 60
+    while any(sbx.commands.get_info(h.cmd_id).running for h in handles):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    results = [h.wait() for h in handles]
+    kept = [len(r.stdout) for r in results]
+    assert sum(kept) <= 16 << 20, kept
+    assert results[0].dropped_bytes > 0 and results[-1].dropped_bytes == 0, kept
+    for r in results:
+        assert len(r.stdout) + r.dropped_bytes == size
+    # The raw stream says where the gap is and why.
+    url = f"{conn['api_url']}/v1/sandboxes/{sbx.sandbox_id}/commands/{handles[0].cmd_id}/events"
+    with httpx.Client(headers={"X-API-Key": conn["api_key"]}, timeout=60) as c:
+        events = [json.loads(line) for line in c.get(url).text.splitlines()]
+    gap = next(e for e in events if e["type"] == "truncated")
+    assert gap["offset"] == 0 and gap["dropped"] == results[0].dropped_bytes, gap
+    assert "16 MiB" in gap["message"] and "4 MiB" in gap["message"], gap
+    # The CLI warns on stderr, and still prints what is left.
+    env = {"AGENTBOX_API_URL": conn["api_url"], "AGENTBOX_API_KEY": conn["api_key"]}
+    env["PATH"] = "/usr/bin:/bin"
+    cli = [sys.executable, "-m", "agentbox.cli.app"]
+    r = subprocess.run(
+        [*cli, "logs", sbx.sandbox_id, handles[0].cmd_id],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert len(r.stdout) == kept[0]
+    assert f"{results[0].dropped_bytes} bytes of output were dropped" in r.stderr, r.stderr
+    r = subprocess.run(
+        [*cli, "logs", sbx.sandbox_id, handles[-1].cmd_id],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0 and len(r.stdout) == size and "dropped" not in r.stderr

@@ -38,8 +38,12 @@ LEAKED_FD = -1
 MAX_PATH = 4096
 # Output buffered per command. With a client attached the command waits for it (its pipe
 # fills and its writes block: nothing is lost); with none, the oldest is dropped beyond this and
-# whoever reads later is told how much (a `truncated` event).
+# whoever reads later is told how much and where (a `truncated` event).
 OUTPUT_CAP = 4 * 1024 * 1024
+# Unread output kept in all, across the sandbox's commands (running and the FINISHED_KEPT last
+# finished): past it, the oldest output of the oldest commands goes first. It is held in the
+# agent, so in the sandbox's own memory.
+SPOOL_BUDGET = 16 * 1024 * 1024
 FINISHED_KEPT = 32
 LIST_LIMIT = P.LIST_LIMIT
 STDERR_TAIL = 4096
@@ -770,15 +774,30 @@ class Command:
             if stream == P.STDERR:
                 self.stderr_tail = (self.stderr_tail + data)[-STDERR_TAIL:]
             # What every attached stream has sent may go; beyond OUTPUT_CAP, the oldest.
-            keep_from = min(self.attached.values()) if self.attached else self.next_offset
-            while self.buffered > OUTPUT_CAP and len(self.chunks) > 1:
-                start, old = self.chunks[0][1], self.chunks[0][2]
-                if start + len(old) > keep_from:
-                    break
-                self.chunks.pop(0)
-                self.buffered -= len(old)
-                self.first_offset = self.chunks[0][1]
+            self._drop_oldest(self.buffered - OUTPUT_CAP, keep_last=True)
             self.cond.notify_all()
+        COMMANDS.spooled(len(data))
+
+    def _drop_oldest(self, excess: int, keep_last: bool = False) -> int:
+        """Drop at least `excess` bytes of the oldest output no attached stream still needs
+        (called with `cond` held); how many went."""
+        keep_from = min(self.attached.values()) if self.attached else self.next_offset
+        dropped = 0
+        while dropped < excess and len(self.chunks) > (1 if keep_last else 0):
+            start, old = self.chunks[0][1], self.chunks[0][2]
+            if start + len(old) > keep_from:
+                break
+            self.chunks.pop(0)
+            dropped += len(old)
+        self.buffered -= dropped
+        self.first_offset = self.chunks[0][1] if self.chunks else self.next_offset
+        if dropped:
+            COMMANDS.spooled(-dropped)
+        return dropped
+
+    def drop_for_budget(self, excess: int) -> int:
+        with self.cond:
+            return self._drop_oldest(excess)
 
     def attach(self, offset: int) -> object:
         """A stream that will send output from `offset`: the command waits for it."""
@@ -821,6 +840,29 @@ class Commands:
         self.ended = threading.Condition(threading.Lock())
         self.ends: list[tuple[int, str, dict]] = []  # (number, cmd_id, end event), oldest first
         self.end_seq = 0
+        self.spool = 0  # output bytes buffered by all commands
+        self.spool_lock = threading.Lock()
+        self.trimming = threading.Lock()
+
+    def spooled(self, delta: int) -> None:
+        """Count output buffered (or dropped); past SPOOL_BUDGET, drop the oldest commands'
+        oldest output. Never with a command's `cond` held: this takes them one at a time."""
+        with self.spool_lock:
+            self.spool += delta
+            over = self.spool - SPOOL_BUDGET
+        if delta <= 0 or over <= 0 or not self.trimming.acquire(blocking=False):
+            return  # a trim under way will see this output too
+        try:
+            with self.lock:
+                oldest_first = list(self.by_id.values())
+            for c in oldest_first:
+                with self.spool_lock:
+                    over = self.spool - SPOOL_BUDGET
+                if over <= 0:
+                    break
+                c.drop_for_budget(over)
+        finally:
+            self.trimming.release()
 
     def get(self, cmd_id: object) -> Command:
         with self.lock:
@@ -891,6 +933,8 @@ class Commands:
         finished = [c for c in self.by_id.values() if not c.running]
         for c in sorted(finished, key=lambda c: c.ended_at or 0)[:-FINISHED_KEPT]:
             del self.by_id[c.id]
+            with self.spool_lock:
+                self.spool -= c.buffered
 
     @staticmethod
     def _read(c: Command, stream: int, fd: int) -> None:
@@ -1051,9 +1095,8 @@ def stream_events(conn: Conn, c: Command, offset: int, token: object) -> None:
     while True:
         c.sent(token, offset)
         with c.cond:
-            if offset < c.first_offset and c.chunks:
-                dropped = c.first_offset - offset
-                pending: list = [("truncated", dropped)]
+            if offset < c.first_offset:
+                pending: list = [("truncated", offset, c.first_offset - offset)]
                 offset = c.first_offset
             else:
                 pending = []
@@ -1071,7 +1114,15 @@ def stream_events(conn: Conn, c: Command, offset: int, token: object) -> None:
             continue
         for item in pending:
             if item[0] == "truncated":
-                conn.reply({"type": "truncated", "dropped": item[1]})
+                conn.reply(
+                    {
+                        "type": "truncated",
+                        "offset": item[1],
+                        "dropped": item[2],
+                        "command_cap": OUTPUT_CAP,
+                        "sandbox_budget": SPOOL_BUDGET,
+                    }
+                )
             else:
                 conn.send(P.encode_output(*item))
         if done and not pending:

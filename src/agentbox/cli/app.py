@@ -727,11 +727,13 @@ def exec_command(
                              daemon=True).start()
 
     try:
-        sbx.commands.run(line, envs=_pairs(env, "--env"), cwd=cwd, timeout=timeout,
-                         on_stdout=_writer(sys.stdout), on_stderr=_writer(sys.stderr),
-                         stdin=forward, on_start=on_start)
+        result = sbx.commands.run(line, envs=_pairs(env, "--env"), cwd=cwd, timeout=timeout,
+                                  on_stdout=_writer(sys.stdout), on_stderr=_writer(sys.stderr),
+                                  stdin=forward, on_start=on_start)
+        _warn_dropped(result.dropped_bytes)
     except CommandExitException as e:
         sys.stdout.flush()
+        _warn_dropped(e.dropped_bytes)
         if e.violation is not None:
             err.print(f"[red]{escape(e.violation.message)}[/red]")
         elif e.exit_code is None:
@@ -744,6 +746,36 @@ def exec_command(
     finally:
         ended.set()
         sbx.close()
+
+
+@app.command()
+def logs(
+    ctx: typer.Context,
+    sandbox_id: Annotated[str, typer.Argument(help="Sandbox the command runs in.")],
+    cmd_id: Annotated[str, typer.Argument(help="Command (its id from the API or the SDK).")],
+) -> None:
+    """Print a command's output from its start (what the sandbox still holds), following it
+    until it ends; exits with its exit code."""
+    sbx = Sandbox.connect(sandbox_id, **_conn(ctx))
+    try:
+        handle = sbx.commands.connect(cmd_id)
+        result = handle.wait(on_stdout=_writer(sys.stdout), on_stderr=_writer(sys.stderr))
+        _warn_dropped(result.dropped_bytes)
+    except CommandExitException as e:
+        sys.stdout.flush()
+        _warn_dropped(e.dropped_bytes)
+        raise typer.Exit(_exit_status(e)) from None
+    finally:
+        sbx.close()
+
+
+def _warn_dropped(dropped: int) -> None:
+    if dropped:
+        sys.stdout.flush()
+        err.print(f"[yellow]warning:[/yellow] {dropped} bytes of output were dropped before "
+                  "they were read (nobody followed the command while the sandbox's output "
+                  "buffer overflowed: 4 MiB per command, 16 MiB per sandbox)",
+                  highlight=False, soft_wrap=True)
 
 
 # The stdin route takes at most this many characters per request; each request is audited,

@@ -1635,7 +1635,7 @@ class SandboxManager:
                     if text:
                         yield {"type": item.stream, "data": text, "offset": item.offset}
                 elif item.get("type") == "truncated":
-                    yield {"type": "truncated", "dropped": int(item.get("dropped", 0))}
+                    yield _truncated_event(item)
                 elif item.get("type") == "end":
                     for name, dec in decoders.items():
                         tail = dec.decode(b"", final=True)
@@ -1803,3 +1803,20 @@ class SandboxManager:
 
 
 __all__ = ["SandboxManager", "CreateRequest", "CommandRequest", "DEFAULT_QUOTA", "Conflict"]
+
+
+def _truncated_event(item: dict[str, Any]) -> dict[str, Any]:
+    """The agent's note that output nobody read was dropped, said for whoever reads now."""
+    dropped, offset = int(item.get("dropped", 0)), int(item.get("offset", 0))
+    cap, budget = int(item.get("command_cap", 0)), int(item.get("sandbox_budget", 0))
+    return {
+        "type": "truncated",
+        "offset": offset,
+        "dropped": dropped,
+        "message": (
+            f"{dropped} bytes of this command's output, from byte {offset}, were dropped: "
+            f"nobody was reading it, and a sandbox keeps at most {cap >> 20} MiB of unread "
+            f"output per command and {budget >> 20} MiB in all; follow the output as it "
+            "comes (on_stdout, or the command's stream), or send it to a file"
+        ),
+    }

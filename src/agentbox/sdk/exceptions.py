@@ -81,8 +81,11 @@ class CommandExitException(AgentboxError):
                  error: str | None = None, timed_out: bool = False,
                  violation: Violation | None = None, cmd_id: str | None = None,
                  code: str = "command_exit",
-                 network_blocked: list[BlockedAttempt] | None = None) -> None:
+                 network_blocked: list[BlockedAttempt] | None = None,
+                 dropped_bytes: int = 0) -> None:
         super().__init__(message, code=code)
+        # Output dropped before anyone read it (see CommandResult.dropped_bytes).
+        self.dropped_bytes = dropped_bytes
         # Egress attempts the sandbox's proxy refused while the command ran.
         self.network_blocked = list(network_blocked or [])
         self.stdout = stdout

@@ -902,7 +902,7 @@ class CommandProgress:
                   exit_code=result.exit_code, error=result.error, timed_out=result.timed_out,
                   violation=result.violation, cmd_id=result.cmd_id,
                   code="command_timeout" if result.timed_out else "command_exit",
-                  network_blocked=result.network_blocked)
+                  network_blocked=result.network_blocked, dropped_bytes=result.dropped_bytes)
 
 
 TAIL_LINES, TAIL_CHARS = 20, 2000
