@@ -35,6 +35,7 @@ from agentbox.core.errors import (
     SandboxUnhealthy,
     from_agent,
 )
+from agentbox.core.lifecycle import SandboxStates
 from agentbox.core.network import (
     NetworkService,
     SandboxEgressSetup,
@@ -42,6 +43,7 @@ from agentbox.core.network import (
     new_access_token,
 )
 from agentbox.core.pools import MAX_POOL_SIZE, POOL_TENANT, WarmPools
+from agentbox.core.states import LIVE_FILTER, UNHEALTHY, SandboxState
 from agentbox.core.workspaces import KeptWorkspaces
 from agentbox.egress.policy import EgressPolicy
 from agentbox.egress.proxy import HTTP_PORT, SOCKS_PORT
@@ -69,10 +71,9 @@ AGENT_PING_TIMEOUT_S = 5.0  # no answer in this long: the sandbox is `unhealthy`
 HEALTH_CONCURRENCY = 32  # pings in flight at once (a wedged agent holds one for the timeout)
 CHECK_TENANT = "~check"  # start-up checks of templates (like POOL_TENANT: no key can own it)
 TEMPLATE_CHECK_S = 120.0  # a template whose check sandbox takes longer to start has failed
-BUILDING = "building"  # a create waiting for the first-use build of its template
+BUILDING = SandboxState.BUILDING  # a create waiting for the first-use build of its template
 BUILD_ALLOWANCE_S = 3600.0  # a `building` sandbox ends (timeout) if its build takes longer
-UNHEALTHY = "unhealthy"  # shown instead of `running`; never stored: it is an observation
-LIVE = "live"  # a list filter: every state of a sandbox not ended (starting, running, ...)
+LIVE = LIVE_FILTER  # a list filter: every state of a sandbox not ended
 # Commands per sandbox whose end the server waits for to audit it (background ones, and
 # foreground ones their client left): all on one agent connection, but each costs memory.
 MAX_WATCHED_COMMANDS = 1024
@@ -206,6 +207,7 @@ class SandboxManager:
         """`default_quota`: values of every tenant's quota until an admin sets its own, over
         those derived from this host. The disk settings come from the environment."""
         self.store = store
+        self.states = SandboxStates(store)  # the one writer of sandbox states
         self.runtime = runtime
         self.default_quota = {**DEFAULT_QUOTA, **(default_quota or {})}
         disk = DiskSettings.from_env()
@@ -509,9 +511,13 @@ class SandboxManager:
             self._fail_building(caller, sandbox_id, getattr(e, "message", None) or str(e))
             return
         # No await from the check above to here: a kill sees `building` or `starting`.
-        self.store.update_sandbox(
-            sandbox_id, state="starting", secrets=egress.placeholders or None
-        )
+        moved = self.states.move(
+            sandbox_id, SandboxState.STARTING, only_from=frozenset({BUILDING}),
+            secrets=egress.placeholders or None,
+        )  # fmt: skip
+        if moved is None:
+            await self.network.forget(sandbox_id)
+            return  # killed while it was building
         try:
             await self._start(
                 sandbox_id, tpl, row.template, resources, req.envs, req.timeout,
@@ -525,16 +531,16 @@ class SandboxManager:
         self.audit(caller, "sandbox.start", sandbox_id, status=200, template=row.template)
 
     def _fail_building(self, caller: Caller, sandbox_id: str, message: str) -> None:
-        row = self.store.get_sandbox(sandbox_id)
-        if row is None or row.state != BUILDING:
-            return
-        self.store.update_sandbox(
+        moved = self.states.move(
             sandbox_id,
-            state="failed",
+            SandboxState.FAILED,
+            only_from=frozenset({BUILDING}),
             end_reason="build_failed",
             ended_at=time.time(),
             error=message[:DETAIL_STRING_CHARS],
         )
+        if moved is None:
+            return  # killed (or timed out) while it was building
         self.audit(caller, "sandbox.start", sandbox_id, status=503, error=message)
 
     def _insert(
@@ -546,16 +552,16 @@ class SandboxManager:
         resources: Resources,
         net: SandboxNetwork,
         egress: SandboxEgressSetup | None,
-        state: str = "starting",
+        state: SandboxState = SandboxState.STARTING,
         grace: float = 0.0,
     ) -> None:
         now = time.time()
-        self.store.insert_sandbox(
+        self.states.create(
+            state,
             sandbox_id=sandbox_id,
             tenant=tenant,
             template=template,
             runtime=self.runtime.name,
-            state=state,
             metadata=req.metadata,
             resources=asdict(resources),
             runtime_state=None,
@@ -615,7 +621,7 @@ class SandboxManager:
                     raise SandboxNotRunning(
                         f"sandbox {sandbox_id} was killed while it was starting; create a new "
                         "sandbox",
-                        state="killed",
+                        state=SandboxState.KILLED.value,
                         end_reason="killed",
                     ) from None
                 msg = e.message if isinstance(e, AgentboxError) else str(e)
@@ -626,11 +632,13 @@ class SandboxManager:
             now = time.time()
             if spec.rootfs:  # the control plane's note, kept with the runtime's (see rootfs_in_use)
                 state = {**state, TEMPLATE_ROOTFS: spec.rootfs}
-            self.store.update_sandbox(
-                sandbox_id, state="running", runtime_state=state, end_at=now + timeout
-            )
+            moved = self.states.move(
+                sandbox_id, SandboxState.RUNNING, only_from=frozenset({SandboxState.STARTING}),
+                runtime_state=state, end_at=now + timeout,
+            )  # fmt: skip
             row = self.store.get_sandbox(sandbox_id)
-            assert row is not None
+            # Its lock is held, so nothing else ends it meanwhile; a record gone is a bug.
+            assert moved is not None and row is not None, f"{sandbox_id} left `starting`"
             self._running[sandbox_id] = row
         self._wake.set()
         return row
@@ -649,8 +657,8 @@ class SandboxManager:
                 await self.runtime.destroy(sandbox_id, state, keep_workspace=False)
             except Exception:  # noqa: BLE001 - reconcile removes what is left
                 log.exception("could not remove the unstarted sandbox %s", sandbox_id)
-        end = "killed" if killed else "failed"
-        self.store.update_sandbox(sandbox_id, state=end, end_reason=end, ended_at=time.time())
+        end = SandboxState.KILLED if killed else SandboxState.FAILED
+        self.states.move(sandbox_id, end, end_reason=end.value, ended_at=time.time())
         self._sandbox_locks.pop(sandbox_id, None)  # nothing left to serialize
 
     async def _serve_egress(
@@ -756,7 +764,7 @@ class SandboxManager:
             try:
                 await self._client(row).call({"op": "env.set", "envs": req.envs})
             except (AgentOpError, AgentUnavailable) as e:
-                await self._end(row, "failed", "failed")
+                await self._end(row, SandboxState.FAILED, "failed")
                 log.warning("claimed pool member %s failed its hand-over: %s", sid, e)
                 return None
         self.audit(
@@ -793,7 +801,7 @@ class SandboxManager:
             async for _ in events:
                 pass
         except (AgentOpError, AgentUnavailable) as e:
-            await self._end(row, "failed", "failed")
+            await self._end(row, SandboxState.FAILED, "failed")
             raise SandboxUnavailable(f"the new pool member did not run a command: {e}") from None
         self.audit(None, "pool.refill", sandbox_id, tenant=POOL_TENANT, template=template)
         return sandbox_id
@@ -851,12 +859,12 @@ class SandboxManager:
         except (AgentOpError, AgentUnavailable) as e:
             raise SandboxUnavailable(f"the started sandbox did not run a command: {e}") from None
         finally:
-            await self._end(row, "killed", "checked")
+            await self._end(row, SandboxState.KILLED, "checked")
 
     async def _end_member(self, sandbox_id: str) -> None:
         row = self.store.get_sandbox(sandbox_id)
         if row is not None and row.tenant == POOL_TENANT:
-            await self._end(row, "killed", "pool_shrunk")
+            await self._end(row, SandboxState.KILLED, "pool_shrunk")
 
     async def build_template(
         self, caller: Caller, spec: TemplateSpec
@@ -943,13 +951,13 @@ class SandboxManager:
         return row
 
     def _shown(self, row: SandboxRow) -> SandboxRow:
-        if row.state == "running" and row.sandbox_id in self._unhealthy:
+        if row.state == SandboxState.RUNNING and row.sandbox_id in self._unhealthy:
             return dataclasses.replace(row, state=UNHEALTHY)
         return row
 
     def running(self, caller: Caller, sandbox_id: str) -> SandboxRow:
         row = self._owned(caller, sandbox_id)
-        if row.state != "running":
+        if row.state != SandboxState.RUNNING:
             reason = f" ({row.end_reason})" if row.end_reason else ""
             raise SandboxNotRunning(
                 f"sandbox {sandbox_id} is {row.state}{reason}; create a new sandbox",
@@ -999,7 +1007,7 @@ class SandboxManager:
             self.running(caller, sandbox_id)
             self.store.update_sandbox(sandbox_id, network=net.to_dict())
             fresh = self.store.get_sandbox(sandbox_id)
-            if fresh is not None and fresh.state == "running":
+            if fresh is not None and fresh.state == SandboxState.RUNNING:
                 self._running[sandbox_id] = fresh
             self.network.proxy.update(sandbox_id, net.policy)
         self.audit(caller, "sandbox.network", sandbox_id, network=net.to_dict())
@@ -1040,7 +1048,7 @@ class SandboxManager:
             states = sorted(wanted)
         # `unhealthy` is never stored: such rows are `running` in the store.
         if wanted is not None and UNHEALTHY in wanted:
-            states = sorted(wanted | {"running"})
+            states = sorted(wanted | {SandboxState.RUNNING.value})
         out: list[SandboxRow] = []
         while len(out) < limit:
             batch = self.store.list_sandboxes(caller.tenant, states, before, max(limit, 100))
@@ -1066,11 +1074,11 @@ class SandboxManager:
     async def kill(self, caller: Caller, sandbox_id: str) -> None:
         started = time.monotonic()
         row = self._owned(caller, sandbox_id)
-        if row.state == "starting":
+        if row.state == SandboxState.STARTING:
             # The start gives up at its next step, or now if it waits on the agent.
             self._kill_pending.add(sandbox_id)
             self._abort_requests(sandbox_id)
-        await self._end(row, state="killed", reason="killed")
+        await self._end(row, state=SandboxState.KILLED, reason="killed")
         self.audit(caller, "sandbox.kill", sandbox_id, status=204, started=started)
 
     async def set_timeout(self, caller: Caller, sandbox_id: str, timeout: float) -> SandboxRow:
@@ -1089,14 +1097,14 @@ class SandboxManager:
             self.store.update_sandbox(row.sandbox_id, end_at=time.time() + timeout)
             self._running.pop(row.sandbox_id, None)
             fresh = self.store.get_sandbox(row.sandbox_id)
-            if fresh is not None and fresh.state == "running":
+            if fresh is not None and fresh.state == SandboxState.RUNNING:
                 self._running[row.sandbox_id] = fresh
         self._wake.set()
         self.audit(caller, "sandbox.timeout", sandbox_id, timeout=timeout)
         return self.get(caller, sandbox_id)
 
     async def _end(
-        self, row: SandboxRow, state: str, reason: str, only_if_expired: bool = False
+        self, row: SandboxRow, state: SandboxState, reason: str, only_if_expired: bool = False
     ) -> bool:
         """Destroy a sandbox and record how it ended; False if it had already ended."""
         async with self._lock(row.sandbox_id):
@@ -1106,7 +1114,7 @@ class SandboxManager:
             if fresh is None or not fresh.live:
                 return False
             if only_if_expired and fresh.end_at > time.time():
-                if fresh.state == "running":
+                if fresh.state == SandboxState.RUNNING:
                     self._running[fresh.sandbox_id] = fresh
                 return False  # the deadline moved while we waited for the lock
             self._ending[fresh.sandbox_id] = state
@@ -1123,9 +1131,7 @@ class SandboxManager:
                 ) from None
             finally:
                 self._ending.pop(fresh.sandbox_id, None)
-            self.store.update_sandbox(
-                fresh.sandbox_id, state=state, end_reason=reason, ended_at=time.time()
-            )
+            self.states.move(fresh.sandbox_id, state, end_reason=reason, ended_at=time.time())
         self._sandbox_locks.pop(row.sandbox_id, None)
         self._unhealthy.pop(row.sandbox_id, None)
         self._inflight.pop(row.sandbox_id, None)
@@ -1161,15 +1167,18 @@ class SandboxManager:
             now = time.time()
             for row in self.store.expired(now):
                 try:
-                    if await self._end(row, "expired", "timeout", only_if_expired=True):
+                    if await self._end(row, SandboxState.EXPIRED, "timeout", only_if_expired=True):
                         self.audit(None, "sandbox.expire", row.sandbox_id, tenant=row.tenant)
                 except AgentboxError:
                     pass
             nxt = self.store.next_deadline()
             delay = 1.0 if nxt is None else min(1.0, max(0.0, nxt - time.time()))
             self._wake.clear()
+            # Not wait_for: in Python 3.11 it loses a cancellation that arrives as the event
+            # is set (a create wakes the reaper as the server stops), and stop() would hang.
             try:
-                await asyncio.wait_for(self._wake.wait(), delay + 0.001)
+                async with asyncio.timeout(delay + 0.001):
+                    await self._wake.wait()
             except TimeoutError:
                 pass
 
@@ -1190,7 +1199,7 @@ class SandboxManager:
                 return
             if not await self.runtime.is_alive(sid, row.runtime_state):
                 try:
-                    await self._end(row, "killed", "vanished")
+                    await self._end(row, SandboxState.KILLED, "vanished")
                 except AgentboxError:
                     pass
                 return
@@ -1209,7 +1218,7 @@ class SandboxManager:
                     )
                     if row.tenant == POOL_TENANT:  # nobody's yet: replace it
                         try:
-                            await self._end(row, "failed", "failed")
+                            await self._end(row, SandboxState.FAILED, "failed")
                         except AgentboxError:
                             pass
                 return
@@ -1240,17 +1249,17 @@ class SandboxManager:
         now = time.time()
         known: set[str] = set()
         for row in self.store.live_sandboxes():
-            if row.state in ("starting", BUILDING) or row.runtime_state is None:
-                await self._end(row, "failed", "failed")
+            if row.state in (SandboxState.STARTING, BUILDING) or row.runtime_state is None:
+                await self._end(row, SandboxState.FAILED, "failed")
                 counts["failed"] += 1
             elif row.tenant == CHECK_TENANT:  # a start-up check the last server left
-                await self._end(row, "killed", "checked")
+                await self._end(row, SandboxState.KILLED, "checked")
             elif row.end_at <= now:
-                await self._end(row, "expired", "timeout")
+                await self._end(row, SandboxState.EXPIRED, "timeout")
                 self.audit(None, "sandbox.expire", row.sandbox_id, tenant=row.tenant)
                 counts["expired"] += 1
             elif not await self.runtime.is_alive(row.sandbox_id, row.runtime_state):
-                await self._end(row, "killed", "vanished")
+                await self._end(row, SandboxState.KILLED, "vanished")
                 counts["vanished"] += 1
             else:
                 self.runtime.adopt(row.sandbox_id, row.runtime_state)
@@ -1264,7 +1273,7 @@ class SandboxManager:
                 )
                 self._running[row.sandbox_id] = row
                 if row.tenant == POOL_TENANT and not self.pools.adopt(row.template, row.sandbox_id):
-                    await self._end(row, "killed", "pool_shrunk")
+                    await self._end(row, SandboxState.KILLED, "pool_shrunk")
                     counts["pool_removed"] += 1
                     continue
                 counts["adopted"] += 1
@@ -1310,7 +1319,7 @@ class SandboxManager:
             return from_agent(e.code, e.message, e.detail)
         fresh = self.store.get_sandbox(row.sandbox_id)
         ending = self._ending.get(row.sandbox_id)
-        if fresh is None or fresh.state != "running" or ending:
+        if fresh is None or fresh.state != SandboxState.RUNNING or ending:
             state = ending or (fresh.state if fresh else "gone")
             return SandboxNotRunning(
                 f"sandbox {row.sandbox_id} is {state}; create a new sandbox", state=state

@@ -35,6 +35,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.engine import Engine
 
+from agentbox.core.states import LIVE, SandboxState
+
 metadata = MetaData()
 
 tenants = Table(
@@ -136,7 +138,8 @@ audit = Table(
     Column("detail", JSON, nullable=True),
 )
 
-LIVE_STATES = ("building", "starting", "running")
+# Sorted: the order SQL sees them in must not depend on a set's iteration.
+LIVE_STATES = tuple(sorted(s.value for s in LIVE))
 
 # The longest value each text field of the two logs stores (characters; docs/API.md, "Audit and
 # egress logs"): sandboxes and clients choose these strings, and the disk must not pay for them.
@@ -349,10 +352,24 @@ class Store:
             c.execute(insert(sandboxes).values(**values))
 
     def update_sandbox(self, sandbox_id: str, **values: Any) -> None:
+        """Write fields other than the state (that is `move_sandbox`'s, for core/lifecycle)."""
+        if "state" in values:
+            raise ValueError("a sandbox's state is written only through SandboxStates.move")
         with self.engine.begin() as c:
             c.execute(
                 update(sandboxes).where(sandboxes.c.sandbox_id == sandbox_id).values(**values)
             )
+
+    def move_sandbox(self, sandbox_id: str, old_state: str, **values: Any) -> bool:
+        """Write `values` (a new state among them) if the sandbox is still in `old_state`;
+        whether it was (compare-and-set: of two racing moves, one wins)."""
+        with self.engine.begin() as c:
+            result = c.execute(
+                update(sandboxes)
+                .where(sandboxes.c.sandbox_id == sandbox_id, sandboxes.c.state == old_state)
+                .values(**values)
+            )
+        return bool(result.rowcount)
 
     def get_sandbox(self, sandbox_id: str) -> SandboxRow | None:
         with self.engine.connect() as c:
@@ -377,14 +394,18 @@ class Store:
     def expired(self, now: float) -> list[SandboxRow]:
         with self.engine.connect() as c:
             rows = c.execute(
-                select(sandboxes).where(sandboxes.c.state == "running", sandboxes.c.end_at <= now)
+                select(sandboxes).where(
+                    sandboxes.c.state == SandboxState.RUNNING.value, sandboxes.c.end_at <= now
+                )
             ).all()
         return [_row(r) for r in rows]
 
     def next_deadline(self) -> float | None:
         with self.engine.connect() as c:
             return c.execute(
-                select(func.min(sandboxes.c.end_at)).where(sandboxes.c.state == "running")
+                select(func.min(sandboxes.c.end_at)).where(
+                    sandboxes.c.state == SandboxState.RUNNING.value
+                )
             ).scalar_one()
 
     def list_sandboxes(

@@ -1,0 +1,58 @@
+"""A sandbox's states and the moves between them: the one place they are written down.
+
+    (create) ──> building ──> starting ──> running
+                    │            │            │
+                    └────────────┴────────────┴──> killed | failed | expired   (ended: final)
+
+`building` waits for the first-use build of its template; `starting` is the runtime bringing it
+up; `running` serves. Every ended state is final: a sandbox never comes back (later issues add
+`paused` beside `running`, with its own arrows, here). `unhealthy` is not a state: it is shown
+instead of `running` while the sandbox's agent does not answer, and never stored.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class SandboxState(StrEnum):
+    BUILDING = "building"
+    STARTING = "starting"
+    RUNNING = "running"
+    KILLED = "killed"  # asked to end (a kill, a vanished sandbox, a pool or check member)
+    FAILED = "failed"  # could not start, or its build failed, or it broke beyond repair
+    EXPIRED = "expired"  # its timeout passed
+
+
+# What a sandbox is first stored as.
+INITIAL = frozenset({SandboxState.BUILDING, SandboxState.STARTING})
+LIVE = frozenset({SandboxState.BUILDING, SandboxState.STARTING, SandboxState.RUNNING})
+ENDED = frozenset({SandboxState.KILLED, SandboxState.FAILED, SandboxState.EXPIRED})
+
+# Every allowed move; anything else is a bug in whoever asked.
+TRANSITIONS: dict[SandboxState, frozenset[SandboxState]] = {
+    SandboxState.BUILDING: frozenset({SandboxState.STARTING}) | ENDED,
+    SandboxState.STARTING: frozenset({SandboxState.RUNNING}) | ENDED,
+    SandboxState.RUNNING: ENDED,
+    SandboxState.KILLED: frozenset(),
+    SandboxState.FAILED: frozenset(),
+    SandboxState.EXPIRED: frozenset(),
+}
+
+# Shown instead of `running` while the agent does not answer; never stored.
+UNHEALTHY = "unhealthy"
+# A list filter meaning every live state.
+LIVE_FILTER = "live"
+
+
+def allowed(old: str, new: str) -> bool:
+    """Whether a sandbox may move from `old` to `new`."""
+    try:
+        return SandboxState(new) in TRANSITIONS[SandboxState(old)]
+    except ValueError:
+        return False
+
+
+def sources(new: SandboxState) -> frozenset[SandboxState]:
+    """The states a sandbox may be in to move to `new`."""
+    return frozenset(old for old, targets in TRANSITIONS.items() if new in targets)

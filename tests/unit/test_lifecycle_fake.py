@@ -1,0 +1,200 @@
+"""The control plane's lifecycle against the fake runtime: every state change goes through the
+transition table and is announced; failures, kills, timeouts, vanished sandboxes and a restart
+end (or keep) sandboxes the way they must. Milliseconds each, no sandbox started."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from agentbox.core.auth import Caller
+from agentbox.core.errors import QuotaExceeded, SandboxUnavailable
+from agentbox.core.lifecycle import InvalidTransition, StateChange
+from agentbox.core.manager import CreateRequest, SandboxManager
+from agentbox.core.network import NetworkService, NetworkSettings
+from agentbox.core.states import ENDED, TRANSITIONS, SandboxState, allowed
+from agentbox.runtimes.fake import FakeRuntime
+from agentbox.store.db import Store
+from agentbox.templates import TemplateStore
+
+ACME = Caller(tenant="acme", key_id="k1", admin=False)
+S = SandboxState
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+class World:
+    """A store and a runtime that outlive the managers made on them (a server's restarts)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.store = Store(f"sqlite:///{root / 'agentbox.db'}")
+        self.runtime = FakeRuntime(root)
+        self.changes: list[StateChange] = []
+
+    def manager(self, **kwargs: object) -> SandboxManager:
+        m = SandboxManager(
+            self.store,
+            self.runtime,
+            TemplateStore(self.root / "templates"),
+            NetworkService(self.store, self.root, NetworkSettings()),
+            check_templates=False,
+            **kwargs,  # type: ignore[arg-type]
+        )
+        m.states.subscribe(self.changes.append)
+        return m
+
+    def moves(self, sandbox_id: str) -> list[tuple[str | None, str]]:
+        return [
+            (c.old.value if c.old else None, c.new.value)
+            for c in self.changes
+            if c.sandbox_id == sandbox_id
+        ]
+
+
+@pytest.fixture
+def world(tmp_path: Path) -> World:
+    return World(tmp_path)
+
+
+@pytest.fixture
+async def mgr(world: World) -> AsyncIterator[SandboxManager]:
+    m = world.manager(health_interval=0.05, ping_timeout=0.5)
+    await m.start()
+    yield m
+    await m.stop()
+
+
+async def _wait_for(check: object, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def test_the_table_has_no_way_back_from_an_end() -> None:
+    for end in ENDED:
+        assert TRANSITIONS[end] == frozenset()
+        assert not any(allowed(end, s) for s in SandboxState)
+    assert allowed(S.BUILDING, S.STARTING) and not allowed(S.RUNNING, S.STARTING)
+    assert not allowed(S.RUNNING, "paused")  # no such state (yet)
+
+
+async def test_create_and_kill(world: World, mgr: SandboxManager) -> None:
+    row = await mgr.create(ACME, CreateRequest())
+    assert row.state == S.RUNNING and row.sandbox_id in world.runtime.sandboxes
+    await mgr.kill(ACME, row.sandbox_id)
+    ended = mgr.get(ACME, row.sandbox_id)
+    assert ended.state == S.KILLED and ended.end_reason == "killed"
+    assert row.sandbox_id not in world.runtime.sandboxes
+    assert world.moves(row.sandbox_id) == [
+        (None, "starting"),
+        ("starting", "running"),
+        ("running", "killed"),
+    ]
+    await mgr.kill(ACME, row.sandbox_id)  # idempotent: no second change, no second destroy
+    assert len(world.moves(row.sandbox_id)) == 3
+    assert world.runtime.calls.count(("destroy", row.sandbox_id)) == 1
+
+
+async def test_a_runtime_failure_fails_the_create_and_leaves_nothing(
+    world: World, mgr: SandboxManager
+) -> None:
+    world.runtime.fail("create")
+    with pytest.raises(SandboxUnavailable):
+        await mgr.create(ACME, CreateRequest())
+    (sid,) = {c.sandbox_id for c in world.changes}
+    assert world.moves(sid) == [(None, "starting"), ("starting", "failed")]
+    assert mgr.get(ACME, sid).state == S.FAILED
+    assert world.runtime.sandboxes == {}
+
+
+async def test_a_sandbox_ends_at_its_timeout(world: World, mgr: SandboxManager) -> None:
+    row = await mgr.create(ACME, CreateRequest(timeout=0.2))
+    await _wait_for(lambda: mgr.get(ACME, row.sandbox_id).state != S.RUNNING)
+    ended = mgr.get(ACME, row.sandbox_id)
+    assert ended.state == S.EXPIRED and ended.end_reason == "timeout"
+    assert ("destroy", row.sandbox_id) in world.runtime.calls
+
+
+async def test_a_vanished_sandbox_is_ended_and_a_silent_one_is_unhealthy(
+    world: World, mgr: SandboxManager
+) -> None:
+    gone = await mgr.create(ACME, CreateRequest())
+    quiet = await mgr.create(ACME, CreateRequest())
+    world.runtime.vanish(gone.sandbox_id)
+    world.runtime.silence(quiet.sandbox_id)
+    await _wait_for(lambda: mgr.get(ACME, gone.sandbox_id).state == S.KILLED)
+    assert mgr.get(ACME, gone.sandbox_id).end_reason == "vanished"
+    await _wait_for(lambda: mgr.get(ACME, quiet.sandbox_id).state == "unhealthy")
+    world.runtime.silence(quiet.sandbox_id, False)
+    await _wait_for(lambda: mgr.get(ACME, quiet.sandbox_id).state == S.RUNNING)
+    # Unhealthy is shown, never stored.
+    assert all(c.new != "unhealthy" for c in world.changes)
+
+
+async def test_a_restarted_manager_adopts_live_sandboxes(world: World) -> None:
+    first = world.manager()
+    await first.start()
+    kept = await first.create(ACME, CreateRequest(timeout=60))
+    short = await first.create(ACME, CreateRequest(timeout=0.3))
+    # A create wakes the reaper as the server stops: stop must still end (Python 3.11's
+    # wait_for lost that cancellation, and this hung).
+    await asyncio.wait_for(first.stop(), 5)
+    await world.runtime.close()
+    await asyncio.sleep(0.4)  # `short` passes its deadline while no server runs
+    second = world.manager()
+    await second.start()
+    try:
+        assert second.get(ACME, kept.sandbox_id).state == S.RUNNING
+        assert second.get(ACME, short.sandbox_id).state == S.EXPIRED
+        assert ("adopt", kept.sandbox_id) in world.runtime.calls
+        await second.kill(ACME, kept.sandbox_id)
+        assert world.runtime.sandboxes == {}
+    finally:
+        await second.stop()
+
+
+async def test_a_leftover_with_no_record_is_removed(world: World) -> None:
+    m = world.manager()
+    await m.start()
+    await m.stop()
+    from agentbox.runtimes.base import Resources, SandboxSpec
+
+    await world.runtime.create(SandboxSpec("sbx_0123456789abcdef", "default", Resources()))
+    again = world.manager()
+    await again.start()
+    try:
+        assert "sbx_0123456789abcdef" not in world.runtime.sandboxes
+    finally:
+        await again.stop()
+
+
+async def test_the_quota_counts_live_sandboxes(world: World, mgr: SandboxManager) -> None:
+    mgr.set_quota(Caller("root", "k0", admin=True), "acme", {"max_sandboxes": 2})
+    rows = [await mgr.create(ACME, CreateRequest()) for _ in range(2)]
+    with pytest.raises(QuotaExceeded):
+        await mgr.create(ACME, CreateRequest())
+    await mgr.kill(ACME, rows[0].sandbox_id)
+    await mgr.create(ACME, CreateRequest())  # an ended sandbox frees its place
+
+
+async def test_only_the_state_writer_writes_states(world: World, mgr: SandboxManager) -> None:
+    row = await mgr.create(ACME, CreateRequest())
+    with pytest.raises(ValueError, match="only through"):
+        world.store.update_sandbox(row.sandbox_id, state="starting")
+    with pytest.raises(InvalidTransition):
+        mgr.states.move(row.sandbox_id, S.STARTING, only_from=frozenset({S.RUNNING}))
+    # A move the current state does not allow changes nothing and says so.
+    assert mgr.states.move(row.sandbox_id, S.STARTING) is None
+    await mgr.kill(ACME, row.sandbox_id)
+    assert mgr.states.move(row.sandbox_id, S.RUNNING) is None
+    assert mgr.get(ACME, row.sandbox_id).state == S.KILLED
