@@ -87,11 +87,8 @@ def test_direct_network_access_names_network(client: httpx.Client, small: str) -
 def test_process_limit_names_pids(client: httpx.Client) -> None:
     sid = create_sandbox(client, resources={"pids": 32})["sandbox_id"]
     try:
-        v = _violation(
-            client,
-            sid,
-            "python3 -c \"import subprocess\nfor _ in range(64): subprocess.Popen(['sleep', '2'])\"",
-        )
+        spawn = "import subprocess\nfor _ in range(64): subprocess.Popen(['sleep', '2'])"
+        v = _violation(client, sid, f'python3 -c "{spawn}"')
         assert v["code"] == "pids_limit" and v["setting"] == "resources.pids", v
     finally:
         client.delete(f"/v1/sandboxes/{sid}")

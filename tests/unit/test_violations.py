@@ -14,14 +14,18 @@ def test_oom_from_counters() -> None:
 
 
 def test_clean_exit_has_no_violation() -> None:
-    assert explain_command_end({"exit_code": 0, "stderr_tail": "Read-only file system"},
-                               {}, {}, 60) is None
+    assert (
+        explain_command_end({"exit_code": 0, "stderr_tail": "Read-only file system"}, {}, {}, 60)
+        is None
+    )
 
 
 def test_stderr_hints() -> None:
-    for tail, code in [("curl: (6) Could not resolve host: x", "network_disabled"),
-                       ("cp: No space left on device", "disk_limit"),
-                       ("touch: cannot touch '/usr/x': Read-only file system", "read_only_path")]:
+    for tail, code in [
+        ("curl: (6) Could not resolve host: x", "network_disabled"),
+        ("cp: No space left on device", "disk_limit"),
+        ("touch: cannot touch '/usr/x': Read-only file system", "read_only_path"),
+    ]:
         v = explain_command_end({"exit_code": 1, "stderr_tail": tail}, {}, {}, 60)
         assert v and v["code"] == code
 
