@@ -231,8 +231,13 @@ def test_kernel_death_then_restart(host: Host) -> None:
     host.run("doomed = 1", context_id=ctx)
     events = host.run("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)", context_id=ctx)
     assert events[-1]["event"] == "failed" and events[-1]["code"] == "kernel_dead", events
+    # An error the caller's code can catch, named as docs/API.md promises.
+    died = errors(events)
+    assert [e["name"] for e in died] == ["KernelDied"], events
+    assert "signal 9" in died[0]["value"], died
     again = host.run("1", context_id=ctx)
     assert again[-1]["code"] == "kernel_dead"
+    assert errors(again) == [], again  # dead before this cell: nothing of it ran
     assert "restart" in again[-1]["message"]
     restarted = host.ok("restart_context", context_id=ctx)
     assert restarted["context"]["id"] == ctx

@@ -40,9 +40,10 @@ Conventions chosen here:
   traceback of one error named `TimeoutError`, then done has `"timed_out": true`; the context
   keeps its state. If the cell is still running INTERRUPT_GRACE_S later, its interpreter is
   killed and the execute fails `kernel_dead`.
-- Interpreter death (`os._exit`, SIGKILL, bash `exit`): the execute fails with code
-  `kernel_dead` (output streamed before the death has already been sent). Later executes on the
-  context fail `kernel_dead` until `restart_context`.
+- Interpreter death (`os._exit`, SIGKILL, the OOM killer, bash `exit`): an error named
+  `KernelDied` (value: what happened), then the execute fails with code `kernel_dead` (output
+  streamed before the death has already been sent). Later executes on the context fail
+  `kernel_dead`, with no error event, until `restart_context`.
 - bash: a non-zero exit status of the cell's last command is an error event named `ExitCode`
   (value: the tail of the cell's stderr, or "exit status N" when it wrote none; traceback:
   "exit status N") and done carries `exit_code` for every bash cell. The shell is interactive
@@ -1436,8 +1437,19 @@ class CodeHost:
 
         def job() -> None:
             try:
-                ctx.usable().execute(run)
+                backend = ctx.usable()
+            except HostError as e:  # dead before this cell: nothing of it ran
+                self.out.failed(rid, e)
+                return
+            try:
+                backend.execute(run)
             except HostError as e:
+                if e.code == "kernel_dead":
+                    # Died under this cell: an error the caller's code can catch, as E2B's
+                    # clients expect, before the failure that says the context is gone.
+                    run.emit(
+                        "error", error={"name": "KernelDied", "value": e.message, "traceback": ""}
+                    )
                 self.out.failed(rid, e)
 
         ctx.submit(Job(job, lambda e: self.out.failed(rid, e)))

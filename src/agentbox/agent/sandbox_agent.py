@@ -182,9 +182,42 @@ _VIOLATIONS = {
 }
 
 
+# The sandbox's tmpfs mounts, sized by resources.tmp_mb (not the workspace's disk_mb).
+TMP_MOUNTS = ("/tmp", "/var/tmp", "/dev/shm")
+_TMP_FULL = (
+    "disk_limit",
+    "resources.tmp_mb",
+    "/tmp is full (a tmpfs in memory, like /var/tmp and /dev/shm); remove files there, write "
+    "large files to /workspace, or create the sandbox with a larger resources.tmp_mb",
+)
+
+
+def under_tmp(path: str) -> bool:
+    return any(path == m or path.startswith(m + "/") for m in TMP_MOUNTS)
+
+
+def full_filesystems(stderr_tail: bytes) -> list[str]:
+    """The writable mounts with (almost) no room left, after a command that reported ENOSPC:
+    its error line often names no path, so the server tells /tmp from the workspace by this."""
+    if b"No space left on device" not in stderr_tail:
+        return []
+    full = []
+    for mount in (WORKSPACE, *TMP_MOUNTS):
+        try:
+            st = os.statvfs(mount)
+        except OSError:
+            continue
+        size, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+        if size and free < max(1 << 20, size // 50):
+            full.append(mount)
+    return full
+
+
 def os_error(e: OSError, path: str) -> OpError:
     if e.errno in _VIOLATIONS:
         code, setting, message = _VIOLATIONS[e.errno]
+        if e.errno == errno.ENOSPC and under_tmp(path):
+            code, setting, message = _TMP_FULL
         return OpError(
             "limit_exceeded" if code != "read_only_path" else "read_only_path",
             f"{path}: {message}",
@@ -712,6 +745,7 @@ class Command:
         self.next_offset = 0
         self.buffered = 0
         self.stderr_tail = b""
+        self.full: list[str] = []  # mounts found full at its end (see full_filesystems)
         self.cond = threading.Condition()
         self.readers: list[threading.Thread] = []
         # Attached streams -> the offset each has sent up to; pipe readers waiting for them.
@@ -754,6 +788,7 @@ class Command:
             "started_at": self.started_at,
             "ended_at": self.ended_at,
             "stderr_tail": self.stderr_tail.decode("utf-8", "replace"),
+            "full": self.full,
         }
 
     def append(self, stream: int, data: bytes) -> None:
@@ -976,6 +1011,7 @@ class Commands:
                     pipe.close()
             except OSError:
                 pass
+        c.full = full_filesystems(c.stderr_tail) if code else []
         with c.cond:
             c.exit_code = code
             c.ended_at = time.time()

@@ -1725,11 +1725,13 @@ class SandboxManager:
         started = time.monotonic()
         row = self._reachable(caller, sandbox_id)
         detail = {"language": req.language, "context_id": req.context_id, "size": len(req.code)}
+        # What the memory limit had killed before the cell: a kernel death beyond it is an OOM.
+        baseline = self.runtime.limit_counters(row.sandbox_id)
         try:
             events = await self._client(row).event_stream(body)
         except (AgentOpError, AgentUnavailable) as e:
             raise self._failed(caller, row, "code.run", started, e, **detail) from None
-        return self._code_events(caller, row, events, started, detail)
+        return self._code_events(caller, row, events, started, detail, baseline)
 
     async def _code_events(
         self,
@@ -1738,9 +1740,20 @@ class SandboxManager:
         events: AsyncIterator[dict[str, Any]],
         started: float,
         detail: dict[str, Any],
+        baseline: dict[str, int],
     ) -> AsyncIterator[dict[str, Any]]:
         error_name: str | None = None
         end: dict[str, Any] | None = None
+        died: dict[str, Any] | None = None  # {"violation": ...} once the kernel died
+
+        def death() -> dict[str, Any]:
+            nonlocal died
+            if died is None:
+                after = self.runtime.limit_counters(row.sandbox_id)
+                found = violations.explain_kernel_death(baseline, after)
+                died = {"violation": found} if found else {}
+            return died
+
         try:
             async for ev in events:
                 kind = ev.get("type")
@@ -1762,6 +1775,7 @@ class SandboxManager:
                             "value": str(err.get("value", "")),
                             "traceback": str(err.get("traceback", "")),
                         },
+                        **(death() if error_name == "KernelDied" else {}),
                     }
                 elif kind == "execution_count":
                     yield {"type": "execution_count", "execution_count": ev.get("execution_count")}
@@ -1776,7 +1790,8 @@ class SandboxManager:
                     err = from_agent(str(ev.get("code")), str(ev.get("message", "")), {})
                     error_name = err.code
                     end = {"type": "end", "execution_count": None, "timed_out": False}
-                    yield {"type": "failed", "code": err.code, "message": err.message}
+                    why = death() if err.code == "kernel_dead" else {}
+                    yield {"type": "failed", "code": err.code, "message": err.message, **why}
         except (AgentOpError, AgentUnavailable) as e:
             err = self._agent_error(row, e)
             error_name = err.code

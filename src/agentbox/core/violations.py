@@ -6,6 +6,7 @@ error lines into a structured violation `{code, setting, message}`.
 
 from __future__ import annotations
 
+import re
 import signal
 from typing import Any
 
@@ -68,6 +69,19 @@ def network_blocked(blocked: list[dict[str, Any]]) -> dict[str, str]:
     )
 
 
+def explain_kernel_death(before: dict[str, int], after: dict[str, int]) -> dict[str, str] | None:
+    """The violation behind a code context's interpreter dying mid-cell, if a limit did it."""
+    if after.get("oom_kill", 0) > before.get("oom_kill", 0):
+        return violation(
+            "memory_limit",
+            "resources.memory_mb",
+            "the sandbox ran out of memory and the kernel's OOM killer killed the code's "
+            "interpreter (its state is lost: restart the context); use less memory or create "
+            "the sandbox with a larger resources.memory_mb",
+        )
+    return None
+
+
 def explain_command_end(
     end: dict[str, Any], before: dict[str, int], after: dict[str, int], timeout: float
 ) -> dict[str, str] | None:
@@ -106,5 +120,33 @@ def explain_command_end(
     tail = str(end.get("stderr_tail") or "")
     for needles, vcode, setting, message in _STDERR_HINTS:
         if any(n in tail for n in needles):
+            if vcode == "disk_limit" and _tmp_filled(tail, end.get("full")):
+                return violation("disk_limit", "resources.tmp_mb", _TMP_FULL)
             return violation(vcode, setting, message)
     return None
+
+
+_TMP_FULL = (
+    "/tmp is full (a tmpfs in memory, like /var/tmp and /dev/shm); remove files there, write "
+    "large files to /workspace, or create the sandbox with a larger resources.tmp_mb"
+)
+# A path on an ENOSPC line: where it starts decides which filesystem filled up.
+_PATH = re.compile(r"(?<![\w.~/-])(/tmp|/var/tmp|/dev/shm|/workspace)(?=[/'\"`:\s]|$)")
+
+
+def _tmp_filled(tail: str, full: object) -> bool:
+    """Whether /tmp (not the workspace) ran out of space: the error lines' paths say so, else
+    which mounts the agent found full when the command ended (`full`). A tmpfs has no quota:
+    "Disk quota exceeded" is always the workspace."""
+    if "No space left on device" not in tail:
+        return False
+    seen = {
+        m.group(1) != "/workspace"
+        for line in tail.splitlines()
+        if "No space left on device" in line
+        for m in _PATH.finditer(line)
+    }
+    if len(seen) == 1:
+        return seen.pop()
+    mounts = set(full) if isinstance(full, list) else set()
+    return bool(mounts) and "/workspace" not in mounts

@@ -416,11 +416,13 @@ class Logs:
 
 @dataclass(frozen=True)
 class ExecutionError:
-    """An exception the code raised (or a timeout / a dead kernel): name, value, traceback."""
+    """An exception the code raised (or a timeout / a dead kernel): name, value, traceback.
+    `violation` says which limit killed the kernel (a `KernelDied` error), if one did."""
 
     name: str
     value: str
     traceback: str
+    violation: Violation | None = None
 
 
 @dataclass

@@ -616,7 +616,8 @@ class ExecutionBuilder:
             raw = event.get("error")
             err: dict[str, Any] = raw if isinstance(raw, dict) else {}
             ex.error = ExecutionError(str(err.get("name", "")), str(err.get("value", "")),
-                                      str(err.get("traceback", "")))
+                                      str(err.get("traceback", "")),
+                                      Violation.from_json(event.get("violation")))
             return "on_error", ex.error
         if kind == "execution_count":
             ex.execution_count = event.get("execution_count")
@@ -627,7 +628,9 @@ class ExecutionBuilder:
                 ex.execution_count = event.get("execution_count")
         elif kind == "failed":
             self.ended = True
-            raise error_from_code(str(event.get("code", "error")), str(event.get("message", "")))
+            why = {"violation": event["violation"]} if event.get("violation") else None
+            raise error_from_code(str(event.get("code", "error")), str(event.get("message", "")),
+                                  why)
         return None
 
     def result(self) -> Execution:
