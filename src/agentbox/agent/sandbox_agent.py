@@ -727,6 +727,21 @@ def check_envs(envs: object) -> dict:
     return envs
 
 
+LOGIN_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "login_path.sh")
+
+
+def login_env(env: dict) -> dict:
+    """The environment for `bash -l -c`: its login scripts reset PATH, login_path.sh (run
+    after them) puts the given one back in front."""
+    env = dict(env)
+    if "PATH" in env:
+        env["AGENTBOX_PATH"] = env["PATH"]
+    if "BASH_ENV" in env:
+        env["AGENTBOX_BASH_ENV"] = env["BASH_ENV"]
+    env["BASH_ENV"] = LOGIN_PATH
+    return env
+
+
 class Command:
     def __init__(self, cmd_id: str, cmd: str, cwd: str, timeout: float) -> None:
         self.id = cmd_id
@@ -924,8 +939,7 @@ class Commands:
         c = Command(cmd_id, cmd, cwd, float(timeout))
         c.hidden = req.get("hidden") is True
         c.first_stream = c.attach(0) if attach else None
-        env = dict(os.environ)
-        env.update(envs)
+        env = login_env({**os.environ, **envs})
         env["AGENTBOX_CMD_ID"] = cmd_id  # lets kill() find daemons that left the process tree
         try:
             c.proc = subprocess.Popen(

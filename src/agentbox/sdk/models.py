@@ -447,7 +447,8 @@ class Execution:
 @dataclass(frozen=True)
 class OutputMessage:
     line: str
-    timestamp: float | None = None
+    # Nanoseconds since the Unix epoch, as E2B's (an int: a float would lose the last digits).
+    timestamp: int | None = None
     error: bool = False
 
     def __str__(self) -> str:

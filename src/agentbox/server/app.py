@@ -75,6 +75,35 @@ def _error(
     )
 
 
+# Errors that mean the body as a whole is not a JSON object, rather than an object that breaks
+# the schema: docs/API.md answers these 400, schema violations 422.
+_NOT_AN_OBJECT = frozenset({"model_attributes_type", "dict_type", "missing"})
+
+
+def _unreadable_body(e: RequestValidationError) -> str | None:
+    """Why the request body could not be read as a JSON object, or None if it could."""
+    for err in e.errors():
+        loc = tuple(err.get("loc", ()))
+        if err.get("type") == "json_invalid" and len(loc) == 2 and isinstance(e.body, str):
+            # FastAPI keeps only the decoder's reason and offset: rebuild the line and column.
+            where = json.JSONDecodeError(str(err.get("ctx", {}).get("error")), e.body, loc[1])
+            return f"the request body is not valid JSON: {where}"
+        if err.get("type") in _NOT_AN_OBJECT and loc == ("body",):
+            return (
+                "the request body must be a JSON object (Content-Type: application/json); "
+                f"got {_json_kind(e.body)}"
+            )
+    return None
+
+
+def _json_kind(body: Any) -> str:
+    if body is None or body == b"":
+        return "no body (or null)"
+    if isinstance(body, bytes | bytearray):
+        return "a body whose Content-Type is not JSON"
+    return {list: "an array", str: "a string", bool: "a boolean"}.get(type(body), "a number")
+
+
 _closings: set[asyncio.Task[None]] = set()
 
 
@@ -361,6 +390,9 @@ def create_app(
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+        reason = _unreadable_body(e)
+        if reason is not None:
+            return _error(400, "invalid_request", reason)
         errors = [
             {
                 "loc": list(err.get("loc", ())),

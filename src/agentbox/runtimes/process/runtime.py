@@ -59,6 +59,7 @@ AGENT_FILES = (
     "code_bridge.py",
     "code_host.py",
     "js_repl.js",
+    "login_path.sh",
 )
 AGENT_MOUNT = "/opt/agentbox"
 SANDBOX_PYTHON = "/usr/bin/python3"
