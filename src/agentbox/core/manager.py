@@ -9,20 +9,20 @@ sandboxes after a restart and removes everything no record explains.
 from __future__ import annotations
 
 import asyncio
-import codecs
 import dataclasses
 import logging
-import re
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from agentbox.agent.client import AgentClient, AgentOpError, AgentUnavailable, OutputChunk
-from agentbox.core import quotas, violations
+from agentbox.agent.client import AgentClient, AgentOpError, AgentUnavailable
+from agentbox.core import quotas
 from agentbox.core.auth import Caller
+from agentbox.core.code import CodeService
+from agentbox.core.commands import CommandService
 from agentbox.core.disk import DiskAccounting, DiskSettings, live_workspaces
 from agentbox.core.errors import (
     AgentboxError,
@@ -43,6 +43,14 @@ from agentbox.core.network import (
     new_access_token,
 )
 from agentbox.core.pools import MAX_POOL_SIZE, POOL_TENANT, WarmPools
+from agentbox.core.requests import (
+    LANGUAGES,
+    CodeRequest,
+    CommandRequest,
+    CreateRequest,
+    check_envs,
+    check_metadata,
+)
 from agentbox.core.states import LIVE_FILTER, UNHEALTHY, SandboxState
 from agentbox.core.workspaces import KeptWorkspaces
 from agentbox.egress.policy import EgressPolicy
@@ -65,7 +73,6 @@ POOL_LIFETIME_S = 10 * 365 * 86_400
 # Key under which the manager notes, in a sandbox's stored state, the template tree it runs from.
 TEMPLATE_ROOTFS = "template_rootfs"  # members never expire; a claim sets the real deadline
 DEFAULT_QUOTA: dict[str, Any] = quotas.default_quota()  # derived from this host (core/quotas.py)
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 HEALTH_CHECK_S = 2.0  # how often every running sandbox's agent is pinged
 AGENT_PING_TIMEOUT_S = 5.0  # no answer in this long: the sandbox is `unhealthy`
 HEALTH_CONCURRENCY = 32  # pings in flight at once (a wedged agent holds one for the timeout)
@@ -74,12 +81,6 @@ TEMPLATE_CHECK_S = 120.0  # a template whose check sandbox takes longer to start
 BUILDING = SandboxState.BUILDING  # a create waiting for the first-use build of its template
 BUILD_ALLOWANCE_S = 3600.0  # a `building` sandbox ends (timeout) if its build takes longer
 LIVE = LIVE_FILTER  # a list filter: every state of a sandbox not ended
-# Commands per sandbox whose end the server waits for to audit it (background ones, and
-# foreground ones their client left): all on one agent connection, but each costs memory.
-MAX_WATCHED_COMMANDS = 1024
-WATCH_RETRY_S = 1.0  # an agent that could not be reached is asked again this much later
-ENDS_POLL_S = 2.0  # an agent without `exec.ended` is asked about each command this often
-UNCLAIMED_ENDS = 256
 
 
 @dataclass(frozen=True)
@@ -95,100 +96,12 @@ class _KilledWhileStarting(Exception):
     """A kill arrived while the sandbox was starting: the start stops and tears it down."""
 
 
-@dataclass
-class _Watched:
-    """A command whose end will be audited: who started it, what, and when (monotonic)."""
-
-    row: SandboxRow
-    cmd: str
-    caller: Caller | None
-    started: float
-
-
-@dataclass
-class _CommandWatch:
-    """One sandbox's commands awaiting their end, the task that waits for them all, and the
-    number of the last end the agent reported (`exec.ended`)."""
-
-    pending: dict[str, _Watched] = field(default_factory=dict)
-    after: int = 0
-    task: asyncio.Task[None] | None = None
-    # Ends reported for commands not watched (yet): one that ends before the reply to its
-    # start is read is reported before it is watched. Oldest first, bounded.
-    unclaimed: dict[str, dict[str, Any]] = field(default_factory=dict)
-
-
-@dataclass
-class CreateRequest:
-    template: str = "default"
-    timeout: float = 300
-    metadata: dict[str, str] = field(default_factory=dict)
-    envs: dict[str, str] = field(default_factory=dict)
-    resources: dict[str, Any] = field(default_factory=dict)
-    keep_workspace: bool = False
-    network: dict[str, Any] | None = None  # None: the tenant's default (else no egress)
-    secrets: list[str] = field(default_factory=list)
-
-
-LANGUAGES = ("python", "bash", "javascript")
-
-
-@dataclass
-class CodeRequest:
-    code: str
-    language: str | None = None
-    context_id: str | None = None
-    envs: dict[str, str] = field(default_factory=dict)
-    timeout: float | None = None
-
-
-@dataclass
-class CommandRequest:
-    cmd: str
-    cwd: str | None = None
-    envs: dict[str, str] = field(default_factory=dict)
-    timeout: float = 60
-    background: bool = False
-    stdin: bool = False
-
-
-# A code result's fields (docs/API.md, "Code interpreter"): strings, or any JSON value.
-_RESULT_STRINGS = ("text", "html", "markdown", "svg", "png", "jpeg", "pdf", "latex", "javascript")
-_RESULT_VALUES = ("json", "data", "chart")
-
-
-def _code_result(raw: dict[str, Any]) -> dict[str, Any]:
-    """A result event from the agent (untrusted) with only the documented fields and types."""
-    out: dict[str, Any] = {k: raw[k] for k in _RESULT_STRINGS if isinstance(raw.get(k), str)}
-    out.update((k, raw[k]) for k in _RESULT_VALUES if raw.get(k) is not None)
-    if isinstance(raw.get("extra"), dict) and raw["extra"]:
-        out["extra"] = raw["extra"]
-    out["is_main_result"] = raw.get("is_main_result") is True
-    return out
-
-
 def builtin_spec_names() -> list[str]:
     """Templates agentbox ships a spec for (built on first use)."""
     import agentbox.templates
 
     specs = Path(agentbox.templates.__file__).parent / "specs"
     return sorted(p.stem for p in specs.glob("*.toml"))
-
-
-def _check_envs(envs: dict[str, str]) -> None:
-    for k, v in envs.items():
-        if not _ENV_NAME.fullmatch(k):  # fullmatch: `$` would also accept a trailing newline
-            raise InvalidRequest(f"invalid environment variable name {k!r}")
-        if "\0" in v:
-            raise InvalidRequest(f"environment variable {k} contains a NUL byte")
-
-
-def _check_metadata(meta: dict[str, str]) -> None:
-    if len(meta) > 64:
-        raise InvalidRequest("metadata may hold at most 64 keys")
-    for k, v in meta.items():
-        if not k or len(k) > 128 or len(v) > 1024:
-            raise InvalidRequest("metadata keys must be 1-128 characters and values at most 1024")
 
 
 class SandboxManager:
@@ -227,12 +140,7 @@ class SandboxManager:
         self.pools = WarmPools(pool_sizes or {}, self._make_member, self._end_member)
         self._tenant_locks: dict[str, asyncio.Lock] = {}
         self._sandbox_locks: dict[str, asyncio.Lock] = {}
-        # (sandbox, command) -> limit counters, timeout and monotonic start of the command.
-        self._baselines: dict[tuple[str, str], tuple[dict[str, int], float, float]] = {}
-        # (sandbox, command) -> what explains its end: {"violation", "network_blocked"}.
-        self._violations: dict[tuple[str, str], dict[str, Any]] = {}
-        self._watchers: set[asyncio.Task] = set()
-        self._command_watches: dict[str, _CommandWatch] = {}
+        self._watchers: set[asyncio.Task] = set()  # first-use builds
         self._tasks: list[asyncio.Task] = []
         self._wake = asyncio.Event()
         # Running sandboxes, read on every command and file call. This process is the only
@@ -249,6 +157,9 @@ class SandboxManager:
         self.ping_timeout = ping_timeout
         self._unhealthy: dict[str, str] = {}
         self._inflight: dict[str, set[Any]] = {}
+        # The services by job, over the agent access this object gives them.
+        self.commands = CommandService(self)
+        self.code = CodeService(self)
 
     # ------------------------------------------------------------------ audit
 
@@ -376,16 +287,14 @@ class SandboxManager:
             self.disk.check_free_space()
         except AgentboxError as e:
             if caller is not None:
-                self.audit(
-                    caller, "sandbox.create", status=e.status, started=started, error=e.code
-                )
+                self.audit(caller, "sandbox.create", status=e.status, started=started, error=e.code)
             raise
 
     async def create(self, caller: Caller, req: CreateRequest) -> SandboxRow:
         started = time.monotonic()
         template = req.template or DEFAULT_TEMPLATE
-        _check_envs(req.envs)
-        _check_metadata(req.metadata)
+        check_envs(req.envs)
+        check_metadata(req.metadata)
         quota = self.quota(caller.tenant)
         if not 0 < req.timeout <= quota["max_timeout"]:
             raise LimitExceeded(
@@ -475,9 +384,7 @@ class SandboxManager:
                 sandbox_id, caller.tenant, template, req, resources, net, None, BUILDING,
                 BUILD_ALLOWANCE_S,
             )  # fmt: skip
-        task = asyncio.create_task(
-            self._build_then_start(caller, sandbox_id, req, resources, net)
-        )
+        task = asyncio.create_task(self._build_then_start(caller, sandbox_id, req, resources, net))
         self._watchers.add(task)
         task.add_done_callback(self._watchers.discard)
         self.audit(
@@ -1135,11 +1042,7 @@ class SandboxManager:
         self._sandbox_locks.pop(row.sandbox_id, None)
         self._unhealthy.pop(row.sandbox_id, None)
         self._inflight.pop(row.sandbox_id, None)
-        self._command_watches.pop(row.sandbox_id, None)
-        for key in [k for k in self._baselines if k[0] == row.sandbox_id]:
-            self._baselines.pop(key, None)
-        for key in [k for k in self._violations if k[0] == row.sandbox_id]:
-            self._violations.pop(key, None)
+        self.commands.forget(row.sandbox_id)
         return True
 
     # ------------------------------------------------------------------ background loops
@@ -1160,6 +1063,7 @@ class SandboxManager:
         for t in [*self._tasks, *self._watchers]:
             t.cancel()
         await asyncio.gather(*self._tasks, *self._watchers, return_exceptions=True)
+        await self.commands.stop()
 
     async def _reaper(self) -> None:
         """End sandboxes at their deadline: never before it, and within a few ms after it."""
@@ -1288,7 +1192,7 @@ class SandboxManager:
                                 audited = self._audited_commands(row.sandbox_id)
                             if info["cmd_id"] in audited:
                                 continue
-                        self._watch(row, info["cmd_id"], info.get("cmd", ""), None, 0)
+                        self.commands.watch(row, info["cmd_id"], info.get("cmd", ""), None, 0)
                 except (AgentUnavailable, AgentOpError, KeyError, TypeError):
                     pass
         for stray in await self.runtime.list_sandboxes() - known:
@@ -1327,6 +1231,28 @@ class SandboxManager:
         if row.sandbox_id in self._unhealthy:
             return self._unhealthy_error(row.sandbox_id)
         return SandboxUnavailable(f"the sandbox agent is not answering: {e}")
+
+    def _failed(
+        self,
+        caller: Caller,
+        row: SandboxRow,
+        action: str,
+        started: float,
+        e: Exception,
+        **detail: Any,
+    ) -> AgentboxError:
+        """Map an agent failure to an API error, audited with its status and reason."""
+        err = self._agent_error(row, e)
+        self.audit(
+            caller,
+            action,
+            row.sandbox_id,
+            status=err.status,
+            started=started,
+            error=err.code,
+            **detail,
+        )
+        return err
 
     async def agent_call(
         self,
@@ -1378,469 +1304,49 @@ class SandboxManager:
         )
         return entry
 
-    # ------------------------------------------------------------------ commands
-
-    def _exec_request(self, req: CommandRequest, op: str) -> dict[str, Any]:
-        if not req.cmd.strip():
-            raise InvalidRequest("cmd must not be empty")
-        if "\0" in req.cmd:
-            raise InvalidRequest("cmd contains a NUL byte")
-        if req.timeout < 0:
-            raise InvalidRequest("timeout must be >= 0 (0 = no timeout)")
-        _check_envs(req.envs)
-        return {
-            "op": op,
-            "cmd": req.cmd,
-            "cwd": req.cwd,
-            "envs": req.envs,
-            "timeout": req.timeout,
-            "stdin": req.stdin,
-        }
+    # ------------------------------------------------------------------ the services' faces
+    # The surfaces call these; each is one call into the service that does the job.
 
     async def start_command(
         self, caller: Caller, sandbox_id: str, req: CommandRequest
     ) -> dict[str, Any]:
-        """Start a background command; an audit watcher records how it ends."""
-        body = self._exec_request(req, "exec.start")
-        started = time.monotonic()
-        row = self._reachable(caller, sandbox_id)
-        self._check_watch_room(sandbox_id)
-        baseline = self.runtime.limit_counters(sandbox_id)
-        try:
-            info = (await self._client(row).call(body))["command"]
-        except (AgentOpError, AgentUnavailable) as e:
-            raise self._failed(caller, row, "command.run", started, e, cmd=req.cmd) from None
-        self._baselines[(sandbox_id, info["cmd_id"])] = (baseline, req.timeout, started)
-        self._watch(row, info["cmd_id"], req.cmd, caller, started)
-        return info
+        return await self.commands.start_command(caller, sandbox_id, req)
 
     async def run_command(
         self, caller: Caller, sandbox_id: str, req: CommandRequest
     ) -> tuple[dict[str, Any], AsyncIterator[dict[str, Any]]]:
-        """Start a foreground command; its events stream on the same agent connection."""
-        body = self._exec_request(req, "exec.run")
-        started = time.monotonic()
-        row = self._reachable(caller, sandbox_id)
-        self._check_watch_room(sandbox_id)  # its client may leave before the end
-        baseline = self.runtime.limit_counters(sandbox_id)
-        try:
-            info, stream = await self._client(row).command_stream(body)
-        except (AgentOpError, AgentUnavailable) as e:
-            raise self._failed(caller, row, "command.run", started, e, cmd=req.cmd) from None
-        cmd_id = info["cmd_id"]
-        self._baselines[(sandbox_id, cmd_id)] = (baseline, req.timeout, started)
-
-        def ended(end: dict[str, Any] | None) -> None:
-            if end is None:  # the client left before the end: audit when it does end
-                self._watch(row, cmd_id, req.cmd, caller, started, verify=True)
-            else:
-                self._audit_command(caller, row, cmd_id, req.cmd, started, end)
-
-        return info, self._event_stream(row, cmd_id, stream, ended)
-
-    def _failed(
-        self,
-        caller: Caller,
-        row: SandboxRow,
-        action: str,
-        started: float,
-        e: Exception,
-        **detail: Any,
-    ) -> AgentboxError:
-        """Map an agent failure to an API error, audited with its status and reason."""
-        err = self._agent_error(row, e)
-        self.audit(
-            caller,
-            action,
-            row.sandbox_id,
-            status=err.status,
-            started=started,
-            error=err.code,
-            **detail,
-        )
-        return err
-
-    def _audit_command(
-        self,
-        caller: Caller | None,
-        row: SandboxRow,
-        cmd_id: str,
-        cmd: str,
-        started: float,
-        end: dict[str, Any],
-    ) -> None:
-        self.audit(
-            caller,
-            "command.run",
-            row.sandbox_id,
-            started=started,
-            tenant=row.tenant,
-            cmd=cmd,
-            cmd_id=cmd_id,
-            exit_code=end.get("exit_code"),
-            timed_out=end.get("timed_out"),
-            violation=(end.get("violation") or {}).get("code"),
-        )
-
-    def _check_watch_room(self, sandbox_id: str) -> None:
-        w = self._command_watches.get(sandbox_id)
-        if w is not None and len(w.pending) >= MAX_WATCHED_COMMANDS:
-            raise AgentboxError(
-                f"sandbox {sandbox_id} has {MAX_WATCHED_COMMANDS} commands running in the "
-                "background (or left running by their clients), the most the server follows "
-                "per sandbox; wait for some to end or kill them, then retry",
-                code="too_many_commands",
-                status=429,
-                limit=MAX_WATCHED_COMMANDS,
-            )
-
-    def _watch(
-        self,
-        row: SandboxRow,
-        cmd_id: str,
-        cmd: str,
-        caller: Caller | None,
-        started: float,
-        verify: bool = False,
-    ) -> None:
-        """Audit the command when it ends, whoever (if anyone) is streaming its output.
-
-        A sandbox's commands are all awaited on one agent connection (`_watch_ends`): the
-        server's descriptors do not grow with the commands a sandbox keeps running. `verify`:
-        the command may have ended unseen already (its client left the stream), ask once."""
-        w = self._command_watches.setdefault(row.sandbox_id, _CommandWatch())
-        t0 = started or time.monotonic()  # 0: found running after a restart
-        w.pending[cmd_id] = _Watched(row, cmd[:DETAIL_STRING_CHARS], caller, t0)
-        end = w.unclaimed.pop(cmd_id, None)
-        if end is not None:  # a quick command: its end came before its start's reply
-            self._ended(w, cmd_id, end)
-            return
-        if w.task is None or w.task.done():
-            w.task = self._background(self._watch_ends(row, w))
-        if verify:
-            self._background(self._poll_ends(self._client(row, tracked=False), w, [cmd_id]))
-
-    def _background(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
-        task = asyncio.create_task(work)
-        self._watchers.add(task)
-        task.add_done_callback(self._watchers.discard)
-        return task
-
-    async def _watch_ends(self, row: SandboxRow, w: _CommandWatch) -> None:
-        """Audit the sandbox's watched commands as the agent reports their ends, until none
-        is left or the sandbox is gone."""
-        client = self._client(row, tracked=False)
-        while w.pending:
-            try:
-                reply = await client.call({"op": "exec.ended", "after": w.after}, timeout=None)
-            except AgentOpError as e:
-                if e.code == "invalid_request":  # an agent from before exec.ended
-                    await self._poll_ends(client, w, list(w.pending), ENDS_POLL_S)
-                    continue
-                reply = {}  # at its process limit, say: ask again in a while
-            except AgentUnavailable:
-                reply = {}
-            seq, ends = reply.get("seq"), reply.get("ends")
-            if not isinstance(seq, int) or not isinstance(ends, list):
-                if row.sandbox_id not in self._running or row.sandbox_id in self._ending:
-                    break
-                # A wedged or broken agent (the health check decides) may not make us spin.
-                await asyncio.sleep(WATCH_RETRY_S)
-                continue
-            w.after = seq
-            audited = sum(
-                self._ended(w, str(end.get("cmd_id")), end) for end in ends if isinstance(end, dict)
-            )
-            if reply.get("complete") is not True:  # some ends were dropped meanwhile
-                await self._poll_ends(client, w, list(w.pending))
-            if not audited:
-                await asyncio.sleep(0.05)  # only others' ends: a lying agent may not spin us
-        if w.pending and self._command_watches.get(row.sandbox_id) is w:
-            del self._command_watches[row.sandbox_id]  # the sandbox is gone, and its commands
-
-    async def _poll_ends(
-        self, client: AgentClient, w: _CommandWatch, cmd_ids: Sequence[str], wait: float = 0
-    ) -> None:
-        """Ask the agent about each of these commands (one connection at a time)."""
-        await asyncio.sleep(wait)
-        for cmd_id in cmd_ids:
-            try:
-                info = (await client.call({"op": "exec.info", "cmd_id": cmd_id}))["command"]
-            except AgentOpError:
-                w.pending.pop(cmd_id, None)  # gone from the agent's memory: nothing to audit
-                continue
-            except (AgentUnavailable, KeyError, TypeError):
-                return
-            if isinstance(info, dict) and info.get("running") is False and cmd_id in w.pending:
-                code = info.get("exit_code")
-                signal = -code if isinstance(code, int) and code < 0 else None
-                self._ended(w, cmd_id, {**info, "type": "end", "signal": signal})
-
-    def _ended(self, w: _CommandWatch, cmd_id: str, end: dict[str, Any]) -> bool:
-        """Audit a watched command's end; False if it is not watched (yet: kept a while)."""
-        watched = w.pending.pop(cmd_id, None)
-        if watched is None:
-            tail = str(end.get("stderr_tail") or "")[-1024:]  # enough for the hints it holds
-            w.unclaimed[cmd_id] = {**end, "stderr_tail": tail}
-            while len(w.unclaimed) > UNCLAIMED_ENDS:
-                w.unclaimed.pop(next(iter(w.unclaimed)))
-            return False
-        row = watched.row
-        final = self.finish(row.sandbox_id, cmd_id, end)
-        self._audit_command(watched.caller, row, cmd_id, watched.cmd, watched.started, final)
-        return True
-
-    def finish(self, sandbox_id: str, cmd_id: str, end: dict[str, Any]) -> dict[str, Any]:
-        """Turn the agent's end event into the API's, with the violation that explains it."""
-        key = (sandbox_id, cmd_id)
-        if key not in self._violations:
-            baseline, timeout, started = self._baselines.pop(key, ({}, 0.0, None))
-            after = self.runtime.limit_counters(sandbox_id) if baseline else {}
-            blocked = self.network.proxy.denials_since(sandbox_id, started) if started else []
-            found = violations.explain_command_end(end, baseline, after, timeout)
-            if blocked and (found is None or found["code"] == "network_disabled"):
-                if end.get("exit_code") not in (0, None) or found is not None:
-                    found = violations.network_blocked(blocked)
-            self._violations[key] = {"violation": found, "network_blocked": blocked}
-            if len(self._violations) > 10_000:
-                self._violations.pop(next(iter(self._violations)))
-        return {
-            "type": "end",
-            "exit_code": end.get("exit_code"),
-            "timed_out": bool(end.get("timed_out")),
-            "killed": bool(end.get("killed")),
-            "signal": end.get("signal"),
-            **self._violations[key],
-        }
+        return await self.commands.run_command(caller, sandbox_id, req)
 
     async def command_events(
         self, caller: Caller, sandbox_id: str, cmd_id: str, offset: int = 0
     ) -> AsyncIterator[dict[str, Any]]:
-        """API events for a command from `offset`: output as text, then `end`."""
-        row = self._reachable(caller, sandbox_id)
-        request = {"op": "exec.events", "cmd_id": cmd_id, "offset": offset}
-        try:
-            _, stream = await self._client(row).command_stream(request)
-        except (AgentOpError, AgentUnavailable) as e:
-            raise self._agent_error(row, e) from None
-        return self._event_stream(row, cmd_id, stream, None)
-
-    async def _event_stream(
-        self,
-        row: SandboxRow,
-        cmd_id: str,
-        stream: AsyncIterator[Any],
-        ended: Callable[[dict[str, Any] | None], None] | None,
-    ) -> AsyncIterator[dict[str, Any]]:
-        decoders = {
-            "stdout": codecs.getincrementaldecoder("utf-8")("replace"),
-            "stderr": codecs.getincrementaldecoder("utf-8")("replace"),
-        }
-        end: dict[str, Any] | None = None
-        try:
-            async for item in stream:
-                if isinstance(item, OutputChunk):
-                    text = decoders[item.stream].decode(item.data)
-                    if text:
-                        yield {"type": item.stream, "data": text, "offset": item.offset}
-                elif item.get("type") == "truncated":
-                    yield _truncated_event(item)
-                elif item.get("type") == "end":
-                    for name, dec in decoders.items():
-                        tail = dec.decode(b"", final=True)
-                        if tail:
-                            yield {"type": name, "data": tail, "offset": -1}
-                    end = self.finish(row.sandbox_id, cmd_id, item)
-                    yield end
-                    return
-        except (AgentOpError, AgentUnavailable) as e:
-            err = self._agent_error(row, e)
-            if isinstance(err, SandboxNotRunning):
-                yield {
-                    "type": "end",
-                    "exit_code": None,
-                    "timed_out": False,
-                    "killed": True,
-                    "signal": None,
-                    "violation": violations.violation(
-                        "sandbox_ended",
-                        "timeout",
-                        "the sandbox was killed or reached its timeout while the command "
-                        "ran; extend it with set_timeout or create a new one",
-                    ),
-                }
-            else:
-                yield {"type": "error", "code": err.code, "message": err.message}
-        finally:
-            if ended is not None:
-                ended(end)
+        return await self.commands.command_events(caller, sandbox_id, cmd_id, offset)
 
     async def command_stdin(
         self, caller: Caller, sandbox_id: str, cmd_id: str, data: str, eof: bool
     ) -> None:
-        await self.agent_call(
-            caller,
-            sandbox_id,
-            {"op": "exec.stdin", "cmd_id": cmd_id, "data": data, "eof": eof},
-            "command.stdin",
-            cmd_id=cmd_id,
-            size=len(data),
-            eof=eof,
-        )
+        await self.commands.command_stdin(caller, sandbox_id, cmd_id, data, eof)
 
     async def command_kill(self, caller: Caller, sandbox_id: str, cmd_id: str, sig: int) -> None:
-        await self.agent_call(
-            caller,
-            sandbox_id,
-            {"op": "exec.kill", "cmd_id": cmd_id, "signal": sig},
-            "command.kill",
-            cmd_id=cmd_id,
-            signal=sig,
-        )
-
-    # ------------------------------------------------------------------ code interpreter
+        await self.commands.command_kill(caller, sandbox_id, cmd_id, sig)
 
     async def run_code(
         self, caller: Caller, sandbox_id: str, req: CodeRequest
     ) -> AsyncIterator[dict[str, Any]]:
-        """Run code in a context; events: stdout, stderr, result, error, execution_count, end."""
-        if "\0" in req.code:
-            raise InvalidRequest("code contains a NUL byte")
-        if req.language is not None and req.language not in LANGUAGES:
-            raise InvalidRequest(
-                f"unsupported language {req.language!r}; use one of {', '.join(LANGUAGES)}"
-            )
-        if req.language is not None and req.context_id is not None:
-            raise InvalidRequest("give either language or context_id, not both")
-        if req.timeout is not None and req.timeout < 0:
-            raise InvalidRequest("timeout must be >= 0 (0 = no timeout)")
-        _check_envs(req.envs)
-        body: dict[str, Any] = {"op": "code.execute", "code": req.code, "envs": req.envs}
-        if req.context_id is not None:
-            body["context_id"] = req.context_id
-        else:
-            body["language"] = req.language or "python"
-        if req.timeout:
-            body["timeout"] = req.timeout
-        started = time.monotonic()
-        row = self._reachable(caller, sandbox_id)
-        detail = {"language": req.language, "context_id": req.context_id, "size": len(req.code)}
-        # What the memory limit had killed before the cell: a kernel death beyond it is an OOM.
-        baseline = self.runtime.limit_counters(row.sandbox_id)
-        try:
-            events = await self._client(row).event_stream(body)
-        except (AgentOpError, AgentUnavailable) as e:
-            raise self._failed(caller, row, "code.run", started, e, **detail) from None
-        return self._code_events(caller, row, events, started, detail, baseline)
-
-    async def _code_events(
-        self,
-        caller: Caller,
-        row: SandboxRow,
-        events: AsyncIterator[dict[str, Any]],
-        started: float,
-        detail: dict[str, Any],
-        baseline: dict[str, int],
-    ) -> AsyncIterator[dict[str, Any]]:
-        error_name: str | None = None
-        end: dict[str, Any] | None = None
-        died: dict[str, Any] | None = None  # {"violation": ...} once the kernel died
-
-        def death() -> dict[str, Any]:
-            nonlocal died
-            if died is None:
-                after = self.runtime.limit_counters(row.sandbox_id)
-                found = violations.explain_kernel_death(baseline, after)
-                died = {"violation": found} if found else {}
-            return died
-
-        try:
-            async for ev in events:
-                kind = ev.get("type")
-                if kind in ("stdout", "stderr"):
-                    yield {
-                        "type": kind,
-                        "text": str(ev.get("text", "")),
-                        "timestamp": ev.get("timestamp"),
-                    }
-                elif kind == "result" and isinstance(ev.get("result"), dict):
-                    yield {"type": "result", "result": _code_result(ev["result"])}
-                elif kind == "error" and isinstance(ev.get("error"), dict):
-                    err = ev["error"]
-                    error_name = str(err.get("name", ""))
-                    yield {
-                        "type": "error",
-                        "error": {
-                            "name": error_name,
-                            "value": str(err.get("value", "")),
-                            "traceback": str(err.get("traceback", "")),
-                        },
-                        **(death() if error_name == "KernelDied" else {}),
-                    }
-                elif kind == "execution_count":
-                    yield {"type": "execution_count", "execution_count": ev.get("execution_count")}
-                elif kind == "done":
-                    end = {
-                        "type": "end",
-                        "execution_count": ev.get("execution_count"),
-                        "timed_out": bool(ev.get("timed_out")),
-                    }
-                    yield end
-                elif kind == "failed":
-                    err = from_agent(str(ev.get("code")), str(ev.get("message", "")), {})
-                    error_name = err.code
-                    end = {"type": "end", "execution_count": None, "timed_out": False}
-                    why = death() if err.code == "kernel_dead" else {}
-                    yield {"type": "failed", "code": err.code, "message": err.message, **why}
-        except (AgentOpError, AgentUnavailable) as e:
-            err = self._agent_error(row, e)
-            error_name = err.code
-            yield {"type": "failed", "code": err.code, "message": err.message}
-        finally:
-            self.audit(
-                caller,
-                "code.run",
-                row.sandbox_id,
-                started=started,
-                error=error_name,
-                timed_out=(end or {}).get("timed_out"),
-                completed=end is not None,
-                **detail,
-            )
+        return await self.code.run_code(caller, sandbox_id, req)
 
     async def code_call(
         self, caller: Caller, sandbox_id: str, call: str, action: str, **args: Any
     ) -> dict[str, Any]:
-        """Context management: create_context, list_contexts, restart_context, remove_context."""
-        if "language" in args and args["language"] not in LANGUAGES:
-            raise InvalidRequest(
-                f"unsupported language {args['language']!r}; use one of {', '.join(LANGUAGES)}"
-            )
-        return await self.agent_call(
-            caller,
-            sandbox_id,
-            {"op": "code.call", "call": call, **args},
-            action,
-            timeout=120,
-            **args,
-        )
+        return await self.code.code_call(caller, sandbox_id, call, action, **args)
 
 
-__all__ = ["SandboxManager", "CreateRequest", "CommandRequest", "DEFAULT_QUOTA", "Conflict"]
-
-
-def _truncated_event(item: dict[str, Any]) -> dict[str, Any]:
-    """The agent's note that output nobody read was dropped, said for whoever reads now."""
-    dropped, offset = int(item.get("dropped", 0)), int(item.get("offset", 0))
-    cap, budget = int(item.get("command_cap", 0)), int(item.get("sandbox_budget", 0))
-    return {
-        "type": "truncated",
-        "offset": offset,
-        "dropped": dropped,
-        "message": (
-            f"{dropped} bytes of this command's output, from byte {offset}, were dropped: "
-            f"nobody was reading it, and a sandbox keeps at most {cap >> 20} MiB of unread "
-            f"output per command and {budget >> 20} MiB in all; follow the output as it "
-            "comes (on_stdout, or the command's stream), or send it to a file"
-        ),
-    }
+__all__ = [
+    "SandboxManager",
+    "CreateRequest",
+    "CommandRequest",
+    "CodeRequest",
+    "DEFAULT_QUOTA",
+    "Conflict",
+    "LANGUAGES",
+]
