@@ -14,7 +14,7 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -52,44 +52,34 @@ from agentbox.core.requests import (
     check_metadata,
 )
 from agentbox.core.states import LIVE_FILTER, UNHEALTHY, SandboxState
+from agentbox.core.supervision import Supervisor
+from agentbox.core.template_service import (
+    DEFAULT_TEMPLATE,
+    TEMPLATE_ROOTFS,
+    TemplateCheck,
+    TemplateService,
+)
 from agentbox.core.workspaces import KeptWorkspaces
 from agentbox.egress.policy import EgressPolicy
 from agentbox.egress.proxy import HTTP_PORT, SOCKS_PORT
 from agentbox.runtimes.base import Resources, Runtime, RuntimeError_, SandboxSpec
 from agentbox.store.db import DETAIL_STRING_CHARS, LIVE_STATES, SandboxRow, Store
 from agentbox.templates import (
-    BuildError,
     TemplateInfo,
     TemplateSpec,
     TemplateStore,
     builtin_spec_path,
-    load_spec,
 )
 
 log = logging.getLogger("agentbox.manager")
 
-DEFAULT_TEMPLATE = "default"  # the host's own userland, read-only
-POOL_LIFETIME_S = 10 * 365 * 86_400
-# Key under which the manager notes, in a sandbox's stored state, the template tree it runs from.
-TEMPLATE_ROOTFS = "template_rootfs"  # members never expire; a claim sets the real deadline
+POOL_LIFETIME_S = 10 * 365 * 86_400  # members never expire; a claim sets the real deadline
 DEFAULT_QUOTA: dict[str, Any] = quotas.default_quota()  # derived from this host (core/quotas.py)
 HEALTH_CHECK_S = 2.0  # how often every running sandbox's agent is pinged
 AGENT_PING_TIMEOUT_S = 5.0  # no answer in this long: the sandbox is `unhealthy`
-HEALTH_CONCURRENCY = 32  # pings in flight at once (a wedged agent holds one for the timeout)
-CHECK_TENANT = "~check"  # start-up checks of templates (like POOL_TENANT: no key can own it)
-TEMPLATE_CHECK_S = 120.0  # a template whose check sandbox takes longer to start has failed
 BUILDING = SandboxState.BUILDING  # a create waiting for the first-use build of its template
 BUILD_ALLOWANCE_S = 3600.0  # a `building` sandbox ends (timeout) if its build takes longer
 LIVE = LIVE_FILTER  # a list filter: every state of a sandbox not ended
-
-
-@dataclass(frozen=True)
-class TemplateCheck:
-    """What the start-up check found: `checking`, `ok` or `failed` (with why)."""
-
-    status: str
-    error: str | None = None
-    seconds: float | None = None
 
 
 class _KilledWhileStarting(Exception):
@@ -131,12 +121,7 @@ class SandboxManager:
         self.disk.add_source(self.workspaces.usage)
         self.templates = templates
         self.network = network
-        self._template_locks: dict[str, asyncio.Lock] = {}
-        # First-use builds of shipped templates -> how far they got (shown on `building` rows).
-        self._builds: dict[str, dict[str, Any]] = {}
-        # Whether each template started a sandbox at start-up (check_templates).
-        self.template_checks: dict[str, TemplateCheck] = {}
-        self.check_templates_at_start = check_templates
+        self.template_service = TemplateService(self, check_templates)
         self.pools = WarmPools(pool_sizes or {}, self._make_member, self._end_member)
         self._tenant_locks: dict[str, asyncio.Lock] = {}
         self._sandbox_locks: dict[str, asyncio.Lock] = {}
@@ -160,6 +145,7 @@ class SandboxManager:
         # The services by job, over the agent access this object gives them.
         self.commands = CommandService(self)
         self.code = CodeService(self)
+        self.supervisor = Supervisor(self)
 
     # ------------------------------------------------------------------ audit
 
@@ -205,69 +191,6 @@ class SandboxManager:
 
     def _lock(self, sandbox_id: str) -> asyncio.Lock:
         return self._sandbox_locks.setdefault(sandbox_id, asyncio.Lock())
-
-    async def template(self, name: str) -> TemplateInfo | None:
-        """The built template `name` (None for the host userland); a shipped template that
-        was never built is built now, once, however many creates wait for it."""
-        if name == DEFAULT_TEMPLATE:
-            return None
-        info = self.templates.get(name)
-        if info is not None:
-            return info
-        spec_path = builtin_spec_path(name)
-        if spec_path is None:
-            names = [DEFAULT_TEMPLATE, *sorted(t.name for t in self.templates.list())]
-            raise NotFound(
-                f"unknown template {name!r}; built: {', '.join(names)}; build one with "
-                "`agentbox template build SPEC`",
-                template=name,
-            )
-        async with self._template_locks.setdefault(name, asyncio.Lock()):
-            info = self.templates.get(name)
-            if info is None:
-                log.info("building shipped template %s on first use", name)
-                spec = load_spec(spec_path.read_text(), spec_path.parent)
-                progress = self._builds[name] = {"template": name, "started_at": time.time()}
-
-                def step(event: dict[str, Any]) -> None:  # in the build's thread
-                    if event.get("type") == "step":
-                        progress["step"] = event["index"] + 1
-                        progress["steps"] = event["total"]
-                        progress["step_name"] = event["name"]
-
-                try:
-                    info = await asyncio.to_thread(self.templates.build, spec, step)
-                except (BuildError, OSError) as e:  # OSError: the template store's own disk
-                    if not isinstance(e, BuildError):
-                        log.exception("building template %s failed", name)
-                    raise SandboxUnavailable(f"template {name} could not be built: {e}") from None
-                finally:
-                    self._builds.pop(name, None)
-        return info
-
-    def needs_build(self, template: str) -> bool:
-        """Whether a create of `template` waits for a first-use build of a shipped template."""
-        return (
-            template != DEFAULT_TEMPLATE
-            and self.templates.get(template) is None
-            and builtin_spec_path(template) is not None
-        )
-
-    def build_progress(self, row: SandboxRow) -> dict[str, Any] | None:
-        """How far the build a `building` sandbox waits for got."""
-        if row.state != BUILDING:
-            return None
-        progress = dict(self._builds.get(row.template) or {"template": row.template})
-        if "started_at" in progress:
-            progress["seconds"] = round(time.time() - progress.pop("started_at"), 1)
-        return progress
-
-    def rootfs_in_use(self, rootfs: Path) -> bool:
-        """Whether a live sandbox runs from this template tree (a rebuild must keep it)."""
-        return any(
-            (row.runtime_state or {}).get(TEMPLATE_ROOTFS) == str(rootfs)
-            for row in self.store.live_sandboxes()
-        )
 
     async def _check_capacity(
         self, caller: Caller, quota: dict[str, Any], started: float, resources: Resources
@@ -713,120 +636,10 @@ class SandboxManager:
         self.audit(None, "pool.refill", sandbox_id, tenant=POOL_TENANT, template=template)
         return sandbox_id
 
-    async def check_templates(self) -> None:
-        """At start-up: start one sandbox of each ready template (the host userland included)
-        and run a command in it, so that a template that cannot start is known, and why, before
-        a client finds out (the log, /v1/health and the template's `check` say it)."""
-        names = [DEFAULT_TEMPLATE, *sorted(t.name for t in self.templates.list())]
-        for name in names:
-            self.template_checks[name] = TemplateCheck("checking")
-        limit = asyncio.Semaphore(2)
-
-        async def check(name: str) -> None:
-            async with limit:
-                started = time.monotonic()
-                try:
-                    await asyncio.wait_for(self._check_template(name), TEMPLATE_CHECK_S)
-                except (AgentboxError, TimeoutError) as e:
-                    why = (
-                        e.message
-                        if isinstance(e, AgentboxError)
-                        else f"no sandbox started within {TEMPLATE_CHECK_S:g} s"
-                    )
-                    self.template_checks[name] = TemplateCheck("failed", why)
-                    log.error(
-                        "template %s cannot start a sandbox: %s (creates from it will fail "
-                        "the same way; fix it, or rebuild or remove it: agentbox template)",
-                        name,
-                        why,
-                    )
-                else:
-                    took = round(time.monotonic() - started, 2)
-                    self.template_checks[name] = TemplateCheck("ok", seconds=took)
-
-        await asyncio.gather(*(check(n) for n in names))
-
-    async def _check_template(self, template: str) -> None:
-        tpl = await self.template(template)
-        sandbox_id = "sbx_" + secrets.token_hex(8)
-        req = CreateRequest(template=template, timeout=TEMPLATE_CHECK_S)
-        net = SandboxNetwork(EgressPolicy())
-        egress = self.network.setup(CHECK_TENANT, sandbox_id, [], None)
-        self._insert(sandbox_id, CHECK_TENANT, template, req, Resources(), net, egress)
-        row = await self._start(
-            sandbox_id, tpl, template, Resources(), {}, TEMPLATE_CHECK_S, egress, net, CHECK_TENANT
-        )
-        try:
-            _, events = await self._client(row).command_stream(
-                {"op": "exec.run", "cmd": "true", "timeout": 30, "hidden": True}
-            )
-            async for event in events:
-                if event.get("type") == "end" and event.get("exit_code") != 0:
-                    raise SandboxUnavailable(f"`true` ended with {event.get('exit_code')}")
-        except (AgentOpError, AgentUnavailable) as e:
-            raise SandboxUnavailable(f"the started sandbox did not run a command: {e}") from None
-        finally:
-            await self._end(row, SandboxState.KILLED, "checked")
-
     async def _end_member(self, sandbox_id: str) -> None:
         row = self.store.get_sandbox(sandbox_id)
         if row is not None and row.tenant == POOL_TENANT:
             await self._end(row, SandboxState.KILLED, "pool_shrunk")
-
-    async def build_template(
-        self, caller: Caller, spec: TemplateSpec
-    ) -> AsyncIterator[dict[str, Any]]:
-        """Build a template in a worker thread; yields its log events as they come.
-
-        The build goes on if the client leaves: its layers land in the cache either way."""
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
-        started = time.monotonic()
-
-        def log_event(event: dict[str, Any]) -> None:
-            loop.call_soon_threadsafe(events.put_nowait, event)
-
-        async def run() -> None:
-            lock = self._template_locks.setdefault(spec.name, asyncio.Lock())
-            try:
-                async with lock:
-                    info = await asyncio.to_thread(self.templates.build, spec, log_event)
-                self.audit(
-                    caller, "template.build", started=started, template=spec.name, key=info.key
-                )
-            except Exception as e:  # noqa: BLE001 - reported to the client as the last event
-                if not isinstance(e, BuildError):
-                    log.exception("template build %s failed", spec.name)
-                self.audit(
-                    caller,
-                    "template.build",
-                    status=422,
-                    started=started,
-                    template=spec.name,
-                    error=str(e)[:500],
-                )
-                events.put_nowait({"type": "error", "code": "build_failed", "message": str(e)})
-            finally:
-                events.put_nowait(None)
-
-        task = asyncio.create_task(run())
-        self._watchers.add(task)
-        task.add_done_callback(self._watchers.discard)
-        while (event := await events.get()) is not None:
-            yield event
-
-    async def remove_template(self, caller: Caller, name: str) -> None:
-        users = [r.sandbox_id for r in self.store.live_sandboxes() if r.template == name]
-        if users:
-            pooled = name in self.pools.pools and self.pools.pools[name].size > 0
-            raise Conflict(
-                f"template {name} is in use by {len(users)} live sandbox(es)"
-                + ("; set its warm pool to 0 first" if pooled else "; kill them first"),
-                template=name,
-            )
-        if not await asyncio.to_thread(self.templates.remove, name):
-            raise NotFound(f"template {name!r} is not built", template=name)
-        self.audit(caller, "template.remove", template=name)
 
     def _usable_member(self, sandbox_id: str) -> bool:
         return sandbox_id in self._running and sandbox_id not in self._unhealthy
@@ -1048,12 +861,12 @@ class SandboxManager:
     # ------------------------------------------------------------------ background loops
 
     async def start(self) -> None:
-        await self.reconcile()
-        if self.check_templates_at_start:
-            await self.check_templates()
+        await self.supervisor.reconcile()
+        if self.template_service.check_at_start:
+            await self.template_service.check_templates()
         self._tasks = [
-            asyncio.create_task(self._reaper()),
-            asyncio.create_task(self._health()),
+            asyncio.create_task(self.supervisor.reaper()),
+            asyncio.create_task(self.supervisor.health()),
             asyncio.create_task(self.workspaces.run_expiry()),
         ]
         self.pools.start()
@@ -1065,70 +878,6 @@ class SandboxManager:
         await asyncio.gather(*self._tasks, *self._watchers, return_exceptions=True)
         await self.commands.stop()
 
-    async def _reaper(self) -> None:
-        """End sandboxes at their deadline: never before it, and within a few ms after it."""
-        while True:
-            now = time.time()
-            for row in self.store.expired(now):
-                try:
-                    if await self._end(row, SandboxState.EXPIRED, "timeout", only_if_expired=True):
-                        self.audit(None, "sandbox.expire", row.sandbox_id, tenant=row.tenant)
-                except AgentboxError:
-                    pass
-            nxt = self.store.next_deadline()
-            delay = 1.0 if nxt is None else min(1.0, max(0.0, nxt - time.time()))
-            self._wake.clear()
-            # Not wait_for: in Python 3.11 it loses a cancellation that arrives as the event
-            # is set (a create wakes the reaper as the server stops), and stop() would hang.
-            try:
-                async with asyncio.timeout(delay + 0.001):
-                    await self._wake.wait()
-            except TimeoutError:
-                pass
-
-    async def _health(self) -> None:
-        """Notice sandboxes whose processes died underneath us (and clean up after them), and
-        agents that stopped answering (the sandbox is `unhealthy` until they answer again)."""
-        limit = asyncio.Semaphore(HEALTH_CONCURRENCY)
-        while True:
-            await asyncio.sleep(self.health_interval)
-            rows = [r for r in self._running.values() if r.runtime_state is not None]
-            await asyncio.gather(*(self._check_health(row, limit) for row in rows))
-
-    async def _check_health(self, row: SandboxRow, limit: asyncio.Semaphore) -> None:
-        sid = row.sandbox_id
-        assert row.runtime_state is not None
-        async with limit:
-            if sid in self._ending:
-                return
-            if not await self.runtime.is_alive(sid, row.runtime_state):
-                try:
-                    await self._end(row, SandboxState.KILLED, "vanished")
-                except AgentboxError:
-                    pass
-                return
-            # Its own connection, like every request: an agent blocked sending a stream to a
-            # slow reader still answers this.
-            path = self.runtime.agent_address(sid, row.runtime_state).socket_path
-            client = AgentClient(path, connect_timeout=self.ping_timeout)
-            try:
-                await client.ping(self.ping_timeout)
-            except AgentOpError:
-                pass  # it answered
-            except AgentUnavailable as e:
-                if sid in self._running and sid not in self._ending:
-                    self._mark_unhealthy(
-                        sid, f"no answer to a health check within {self.ping_timeout:g} s: {e}"
-                    )
-                    if row.tenant == POOL_TENANT:  # nobody's yet: replace it
-                        try:
-                            await self._end(row, SandboxState.FAILED, "failed")
-                        except AgentboxError:
-                            pass
-                return
-            if self._unhealthy.pop(sid, None) is not None:
-                log.warning("sandbox %s: its agent answers again", sid)
-
     def _mark_unhealthy(self, sandbox_id: str, reason: str) -> None:
         if sandbox_id not in self._unhealthy:
             log.warning("sandbox %s is unhealthy: %s", sandbox_id, reason)
@@ -1139,72 +888,6 @@ class SandboxManager:
     def _abort_requests(self, sandbox_id: str) -> None:
         for conn in list(self._inflight.get(sandbox_id, ())):
             conn.abort()
-
-    async def reconcile(self) -> dict[str, int]:
-        """After a (re)start: re-adopt live sandboxes, reap expired ones, remove strays."""
-        counts = {
-            "adopted": 0,
-            "expired": 0,
-            "vanished": 0,
-            "failed": 0,
-            "strays": 0,
-            "pool_removed": 0,
-        }
-        now = time.time()
-        known: set[str] = set()
-        for row in self.store.live_sandboxes():
-            if row.state in (SandboxState.STARTING, BUILDING) or row.runtime_state is None:
-                await self._end(row, SandboxState.FAILED, "failed")
-                counts["failed"] += 1
-            elif row.tenant == CHECK_TENANT:  # a start-up check the last server left
-                await self._end(row, SandboxState.KILLED, "checked")
-            elif row.end_at <= now:
-                await self._end(row, SandboxState.EXPIRED, "timeout")
-                self.audit(None, "sandbox.expire", row.sandbox_id, tenant=row.tenant)
-                counts["expired"] += 1
-            elif not await self.runtime.is_alive(row.sandbox_id, row.runtime_state):
-                await self._end(row, SandboxState.KILLED, "vanished")
-                counts["vanished"] += 1
-            else:
-                self.runtime.adopt(row.sandbox_id, row.runtime_state)
-                known.add(row.sandbox_id)
-                await self._serve_egress(
-                    row.sandbox_id,
-                    row.runtime_state,
-                    row.tenant,
-                    SandboxNetwork.from_dict(row.network),
-                    self.network.restore(row.sandbox_id, row.secrets or {}),
-                )
-                self._running[row.sandbox_id] = row
-                if row.tenant == POOL_TENANT and not self.pools.adopt(row.template, row.sandbox_id):
-                    await self._end(row, SandboxState.KILLED, "pool_shrunk")
-                    counts["pool_removed"] += 1
-                    continue
-                counts["adopted"] += 1
-                try:
-                    commands = (await self._client(row).call({"op": "exec.list"}))["commands"]
-                    audited: set[str] | None = None
-                    for info in commands:
-                        if not info.get("running"):
-                            # Ended while no server ran (or before a crash let it be
-                            # audited): audit it now, once.
-                            if audited is None:
-                                audited = self._audited_commands(row.sandbox_id)
-                            if info["cmd_id"] in audited:
-                                continue
-                        self.commands.watch(row, info["cmd_id"], info.get("cmd", ""), None, 0)
-                except (AgentUnavailable, AgentOpError, KeyError, TypeError):
-                    pass
-        for stray in await self.runtime.list_sandboxes() - known:
-            log.warning("removing stray sandbox %s that no record explains", stray)
-            await self.runtime.destroy(stray, None, keep_workspace=False)
-            counts["strays"] += 1
-        log.info("reconciled: %s", counts)
-        return counts
-
-    def _audited_commands(self, sandbox_id: str) -> set[str]:
-        events = self.store.list_audit(None, sandbox_id, "command.run", None, 100_000)
-        return {str((e["detail"] or {}).get("cmd_id")) for e in events}
 
     # ------------------------------------------------------------------ agent access
 
@@ -1339,6 +1022,31 @@ class SandboxManager:
         self, caller: Caller, sandbox_id: str, call: str, action: str, **args: Any
     ) -> dict[str, Any]:
         return await self.code.code_call(caller, sandbox_id, call, action, **args)
+
+    async def template(self, name: str) -> TemplateInfo | None:
+        return await self.template_service.template(name)
+
+    def needs_build(self, template: str) -> bool:
+        return self.template_service.needs_build(template)
+
+    def build_progress(self, row: SandboxRow) -> dict[str, Any] | None:
+        return self.template_service.build_progress(row)
+
+    def rootfs_in_use(self, rootfs: Path) -> bool:
+        return self.template_service.rootfs_in_use(rootfs)
+
+    @property
+    def template_checks(self) -> dict[str, TemplateCheck]:
+        return self.template_service.template_checks
+
+    async def check_templates(self) -> None:
+        await self.template_service.check_templates()
+
+    def build_template(self, caller: Caller, spec: TemplateSpec) -> AsyncIterator[dict[str, Any]]:
+        return self.template_service.build_template(caller, spec)
+
+    async def remove_template(self, caller: Caller, name: str) -> None:
+        await self.template_service.remove_template(caller, name)
 
 
 __all__ = [

@@ -22,6 +22,7 @@ from typing import Any
 log = logging.getLogger("agentbox.pools")
 
 POOL_TENANT = "~pool"  # not a valid tenant name (auth._TENANT_RE): no key can own it
+CHECK_TENANT = "~check"  # start-up checks of templates (like POOL_TENANT: no key can own it)
 MAX_POOL_SIZE = 64
 RETRY_AFTER_FAILURE_S = 5.0
 # A claim is usually followed at once by the claimer's first commands; a refill started in the

@@ -1,0 +1,169 @@
+"""Supervision: sandboxes end at their deadline, dead ones are noticed and cleaned up, silent
+agents are shown `unhealthy`, and after a (re)start of the server every record is reconciled
+with what runs on the host (re-adopted, expired, failed, or a stray removed).
+
+A service of the core (see core/manager.py, the front object).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from agentbox.agent.client import AgentClient, AgentOpError, AgentUnavailable
+from agentbox.core.errors import AgentboxError
+from agentbox.core.network import SandboxNetwork
+from agentbox.core.pools import CHECK_TENANT, POOL_TENANT
+from agentbox.core.states import SandboxState
+from agentbox.store.db import SandboxRow
+
+if TYPE_CHECKING:
+    from agentbox.core.manager import SandboxManager
+
+log = logging.getLogger("agentbox.manager")
+
+HEALTH_CONCURRENCY = 32  # pings in flight at once (a wedged agent holds one for the timeout)
+
+
+class Supervisor:
+    def __init__(self, core: SandboxManager) -> None:
+        self.core = core
+
+    async def reaper(self) -> None:
+        """End sandboxes at their deadline: never before it, and within a few ms after it."""
+        while True:
+            now = time.time()
+            for row in self.core.store.expired(now):
+                try:
+                    if await self.core._end(
+                        row, SandboxState.EXPIRED, "timeout", only_if_expired=True
+                    ):
+                        self.core.audit(None, "sandbox.expire", row.sandbox_id, tenant=row.tenant)
+                except AgentboxError:
+                    pass
+            nxt = self.core.store.next_deadline()
+            delay = 1.0 if nxt is None else min(1.0, max(0.0, nxt - time.time()))
+            self.core._wake.clear()
+            # Not wait_for: in Python 3.11 it loses a cancellation that arrives as the event
+            # is set (a create wakes the reaper as the server stops), and stop() would hang.
+            try:
+                async with asyncio.timeout(delay + 0.001):
+                    await self.core._wake.wait()
+            except TimeoutError:
+                pass
+
+    async def health(self) -> None:
+        """Notice sandboxes whose processes died underneath us (and clean up after them), and
+        agents that stopped answering (the sandbox is `unhealthy` until they answer again)."""
+        limit = asyncio.Semaphore(HEALTH_CONCURRENCY)
+        while True:
+            await asyncio.sleep(self.core.health_interval)
+            rows = [r for r in self.core._running.values() if r.runtime_state is not None]
+            await asyncio.gather(*(self._check_health(row, limit) for row in rows))
+
+    async def _check_health(self, row: SandboxRow, limit: asyncio.Semaphore) -> None:
+        sid = row.sandbox_id
+        assert row.runtime_state is not None
+        async with limit:
+            if sid in self.core._ending:
+                return
+            if not await self.core.runtime.is_alive(sid, row.runtime_state):
+                try:
+                    await self.core._end(row, SandboxState.KILLED, "vanished")
+                except AgentboxError:
+                    pass
+                return
+            # Its own connection, like every request: an agent blocked sending a stream to a
+            # slow reader still answers this.
+            path = self.core.runtime.agent_address(sid, row.runtime_state).socket_path
+            client = AgentClient(path, connect_timeout=self.core.ping_timeout)
+            try:
+                await client.ping(self.core.ping_timeout)
+            except AgentOpError:
+                pass  # it answered
+            except AgentUnavailable as e:
+                if sid in self.core._running and sid not in self.core._ending:
+                    self.core._mark_unhealthy(
+                        sid, f"no answer to a health check within {self.core.ping_timeout:g} s: {e}"
+                    )
+                    if row.tenant == POOL_TENANT:  # nobody's yet: replace it
+                        try:
+                            await self.core._end(row, SandboxState.FAILED, "failed")
+                        except AgentboxError:
+                            pass
+                return
+            if self.core._unhealthy.pop(sid, None) is not None:
+                log.warning("sandbox %s: its agent answers again", sid)
+
+    async def reconcile(self) -> dict[str, int]:
+        """After a (re)start: re-adopt live sandboxes, reap expired ones, remove strays."""
+        counts = {
+            "adopted": 0,
+            "expired": 0,
+            "vanished": 0,
+            "failed": 0,
+            "strays": 0,
+            "pool_removed": 0,
+        }
+        now = time.time()
+        known: set[str] = set()
+        for row in self.core.store.live_sandboxes():
+            if (
+                row.state in (SandboxState.STARTING, SandboxState.BUILDING)
+                or row.runtime_state is None
+            ):
+                await self.core._end(row, SandboxState.FAILED, "failed")
+                counts["failed"] += 1
+            elif row.tenant == CHECK_TENANT:  # a start-up check the last server left
+                await self.core._end(row, SandboxState.KILLED, "checked")
+            elif row.end_at <= now:
+                await self.core._end(row, SandboxState.EXPIRED, "timeout")
+                self.core.audit(None, "sandbox.expire", row.sandbox_id, tenant=row.tenant)
+                counts["expired"] += 1
+            elif not await self.core.runtime.is_alive(row.sandbox_id, row.runtime_state):
+                await self.core._end(row, SandboxState.KILLED, "vanished")
+                counts["vanished"] += 1
+            else:
+                self.core.runtime.adopt(row.sandbox_id, row.runtime_state)
+                known.add(row.sandbox_id)
+                await self.core._serve_egress(
+                    row.sandbox_id,
+                    row.runtime_state,
+                    row.tenant,
+                    SandboxNetwork.from_dict(row.network),
+                    self.core.network.restore(row.sandbox_id, row.secrets or {}),
+                )
+                self.core._running[row.sandbox_id] = row
+                if row.tenant == POOL_TENANT and not self.core.pools.adopt(
+                    row.template, row.sandbox_id
+                ):
+                    await self.core._end(row, SandboxState.KILLED, "pool_shrunk")
+                    counts["pool_removed"] += 1
+                    continue
+                counts["adopted"] += 1
+                try:
+                    commands = (await self.core._client(row).call({"op": "exec.list"}))["commands"]
+                    audited: set[str] | None = None
+                    for info in commands:
+                        if not info.get("running"):
+                            # Ended while no server ran (or before a crash let it be
+                            # audited): audit it now, once.
+                            if audited is None:
+                                audited = self._audited_commands(row.sandbox_id)
+                            if info["cmd_id"] in audited:
+                                continue
+                        self.core.commands.watch(row, info["cmd_id"], info.get("cmd", ""), None, 0)
+                except (AgentUnavailable, AgentOpError, KeyError, TypeError):
+                    pass
+        for stray in await self.core.runtime.list_sandboxes() - known:
+            log.warning("removing stray sandbox %s that no record explains", stray)
+            await self.core.runtime.destroy(stray, None, keep_workspace=False)
+            counts["strays"] += 1
+        log.info("reconciled: %s", counts)
+        return counts
+
+    def _audited_commands(self, sandbox_id: str) -> set[str]:
+        events = self.core.store.list_audit(None, sandbox_id, "command.run", None, 100_000)
+        return {str((e["detail"] or {}).get("cmd_id")) for e in events}

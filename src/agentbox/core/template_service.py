@@ -1,0 +1,237 @@
+"""Templates as the control plane serves them: built on first use (once, however many creates
+wait), built and removed on request, checked at start-up by starting a sandbox of each.
+
+A service of the core (see core/manager.py, the front object).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from agentbox.agent.client import AgentOpError, AgentUnavailable
+from agentbox.core.auth import Caller
+from agentbox.core.errors import AgentboxError, Conflict, NotFound, SandboxUnavailable
+from agentbox.core.network import SandboxNetwork
+from agentbox.core.pools import CHECK_TENANT
+from agentbox.core.requests import CreateRequest
+from agentbox.core.states import SandboxState
+from agentbox.egress.policy import EgressPolicy
+from agentbox.runtimes.base import Resources
+from agentbox.store.db import SandboxRow
+from agentbox.templates import (
+    BuildError,
+    TemplateInfo,
+    TemplateSpec,
+    builtin_spec_path,
+    load_spec,
+)
+
+if TYPE_CHECKING:
+    from agentbox.core.manager import SandboxManager
+
+log = logging.getLogger("agentbox.manager")
+
+DEFAULT_TEMPLATE = "default"  # the host's own userland, read-only
+# Where the control plane notes a sandbox's template tree in its runtime state (rootfs_in_use).
+TEMPLATE_ROOTFS = "template_rootfs"
+TEMPLATE_CHECK_S = 120.0  # a template whose check sandbox takes longer to start has failed
+
+
+@dataclass(frozen=True)
+class TemplateCheck:
+    """What the start-up check found: `checking`, `ok` or `failed` (with why)."""
+
+    status: str
+    error: str | None = None
+    seconds: float | None = None
+
+
+class TemplateService:
+    def __init__(self, core: SandboxManager, check_at_start: bool) -> None:
+        self.core = core
+        self._template_locks: dict[str, asyncio.Lock] = {}
+        # First-use builds of shipped templates -> how far they got (shown on `building` rows).
+        self._builds: dict[str, dict[str, Any]] = {}
+        # Whether each template started a sandbox at start-up (check_templates).
+        self.template_checks: dict[str, TemplateCheck] = {}
+        self.check_at_start = check_at_start
+
+    async def template(self, name: str) -> TemplateInfo | None:
+        """The built template `name` (None for the host userland); a shipped template that
+        was never built is built now, once, however many creates wait for it."""
+        if name == DEFAULT_TEMPLATE:
+            return None
+        info = self.core.templates.get(name)
+        if info is not None:
+            return info
+        spec_path = builtin_spec_path(name)
+        if spec_path is None:
+            names = [DEFAULT_TEMPLATE, *sorted(t.name for t in self.core.templates.list())]
+            raise NotFound(
+                f"unknown template {name!r}; built: {', '.join(names)}; build one with "
+                "`agentbox template build SPEC`",
+                template=name,
+            )
+        async with self._template_locks.setdefault(name, asyncio.Lock()):
+            info = self.core.templates.get(name)
+            if info is None:
+                log.info("building shipped template %s on first use", name)
+                spec = load_spec(spec_path.read_text(), spec_path.parent)
+                progress = self._builds[name] = {"template": name, "started_at": time.time()}
+
+                def step(event: dict[str, Any]) -> None:  # in the build's thread
+                    if event.get("type") == "step":
+                        progress["step"] = event["index"] + 1
+                        progress["steps"] = event["total"]
+                        progress["step_name"] = event["name"]
+
+                try:
+                    info = await asyncio.to_thread(self.core.templates.build, spec, step)
+                except (BuildError, OSError) as e:  # OSError: the template store's own disk
+                    if not isinstance(e, BuildError):
+                        log.exception("building template %s failed", name)
+                    raise SandboxUnavailable(f"template {name} could not be built: {e}") from None
+                finally:
+                    self._builds.pop(name, None)
+        return info
+
+    def needs_build(self, template: str) -> bool:
+        """Whether a create of `template` waits for a first-use build of a shipped template."""
+        return (
+            template != DEFAULT_TEMPLATE
+            and self.core.templates.get(template) is None
+            and builtin_spec_path(template) is not None
+        )
+
+    def build_progress(self, row: SandboxRow) -> dict[str, Any] | None:
+        """How far the build a `building` sandbox waits for got."""
+        if row.state != SandboxState.BUILDING:
+            return None
+        progress = dict(self._builds.get(row.template) or {"template": row.template})
+        if "started_at" in progress:
+            progress["seconds"] = round(time.time() - progress.pop("started_at"), 1)
+        return progress
+
+    def rootfs_in_use(self, rootfs: Path) -> bool:
+        """Whether a live sandbox runs from this template tree (a rebuild must keep it)."""
+        return any(
+            (row.runtime_state or {}).get(TEMPLATE_ROOTFS) == str(rootfs)
+            for row in self.core.store.live_sandboxes()
+        )
+
+    async def check_templates(self) -> None:
+        """At start-up: start one sandbox of each ready template (the host userland included)
+        and run a command in it, so that a template that cannot start is known, and why, before
+        a client finds out (the log, /v1/health and the template's `check` say it)."""
+        names = [DEFAULT_TEMPLATE, *sorted(t.name for t in self.core.templates.list())]
+        for name in names:
+            self.template_checks[name] = TemplateCheck("checking")
+        limit = asyncio.Semaphore(2)
+
+        async def check(name: str) -> None:
+            async with limit:
+                started = time.monotonic()
+                try:
+                    await asyncio.wait_for(self._check_template(name), TEMPLATE_CHECK_S)
+                except (AgentboxError, TimeoutError) as e:
+                    why = (
+                        e.message
+                        if isinstance(e, AgentboxError)
+                        else f"no sandbox started within {TEMPLATE_CHECK_S:g} s"
+                    )
+                    self.template_checks[name] = TemplateCheck("failed", why)
+                    log.error(
+                        "template %s cannot start a sandbox: %s (creates from it will fail "
+                        "the same way; fix it, or rebuild or remove it: agentbox template)",
+                        name,
+                        why,
+                    )
+                else:
+                    took = round(time.monotonic() - started, 2)
+                    self.template_checks[name] = TemplateCheck("ok", seconds=took)
+
+        await asyncio.gather(*(check(n) for n in names))
+
+    async def _check_template(self, template: str) -> None:
+        tpl = await self.template(template)
+        sandbox_id = "sbx_" + secrets.token_hex(8)
+        req = CreateRequest(template=template, timeout=TEMPLATE_CHECK_S)
+        net = SandboxNetwork(EgressPolicy())
+        egress = self.core.network.setup(CHECK_TENANT, sandbox_id, [], None)
+        self.core._insert(sandbox_id, CHECK_TENANT, template, req, Resources(), net, egress)
+        row = await self.core._start(
+            sandbox_id, tpl, template, Resources(), {}, TEMPLATE_CHECK_S, egress, net, CHECK_TENANT
+        )
+        try:
+            _, events = await self.core._client(row).command_stream(
+                {"op": "exec.run", "cmd": "true", "timeout": 30, "hidden": True}
+            )
+            async for event in events:
+                if event.get("type") == "end" and event.get("exit_code") != 0:
+                    raise SandboxUnavailable(f"`true` ended with {event.get('exit_code')}")
+        except (AgentOpError, AgentUnavailable) as e:
+            raise SandboxUnavailable(f"the started sandbox did not run a command: {e}") from None
+        finally:
+            await self.core._end(row, SandboxState.KILLED, "checked")
+
+    async def build_template(
+        self, caller: Caller, spec: TemplateSpec
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Build a template in a worker thread; yields its log events as they come.
+
+        The build goes on if the client leaves: its layers land in the cache either way."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+        started = time.monotonic()
+
+        def log_event(event: dict[str, Any]) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+        async def run() -> None:
+            lock = self._template_locks.setdefault(spec.name, asyncio.Lock())
+            try:
+                async with lock:
+                    info = await asyncio.to_thread(self.core.templates.build, spec, log_event)
+                self.core.audit(
+                    caller, "template.build", started=started, template=spec.name, key=info.key
+                )
+            except Exception as e:  # noqa: BLE001 - reported to the client as the last event
+                if not isinstance(e, BuildError):
+                    log.exception("template build %s failed", spec.name)
+                self.core.audit(
+                    caller,
+                    "template.build",
+                    status=422,
+                    started=started,
+                    template=spec.name,
+                    error=str(e)[:500],
+                )
+                events.put_nowait({"type": "error", "code": "build_failed", "message": str(e)})
+            finally:
+                events.put_nowait(None)
+
+        task = asyncio.create_task(run())
+        self.core._watchers.add(task)
+        task.add_done_callback(self.core._watchers.discard)
+        while (event := await events.get()) is not None:
+            yield event
+
+    async def remove_template(self, caller: Caller, name: str) -> None:
+        users = [r.sandbox_id for r in self.core.store.live_sandboxes() if r.template == name]
+        if users:
+            pooled = name in self.core.pools.pools and self.core.pools.pools[name].size > 0
+            raise Conflict(
+                f"template {name} is in use by {len(users)} live sandbox(es)"
+                + ("; set its warm pool to 0 first" if pooled else "; kill them first"),
+                template=name,
+            )
+        if not await asyncio.to_thread(self.core.templates.remove, name):
+            raise NotFound(f"template {name!r} is not built", template=name)
+        self.core.audit(caller, "template.remove", template=name)
