@@ -9,6 +9,7 @@ sandboxes after a restart and removes everything no record explains.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import dataclasses
 import logging
 import secrets
@@ -20,6 +21,8 @@ from typing import Any
 
 from agentbox.agent.client import AgentClient, AgentOpError, AgentUnavailable
 from agentbox.core import quotas
+from agentbox.core.admission import Admission
+from agentbox.core.audit import Audit
 from agentbox.core.auth import Caller
 from agentbox.core.code import CodeService
 from agentbox.core.commands import CommandService
@@ -42,7 +45,8 @@ from agentbox.core.network import (
     SandboxNetwork,
     new_access_token,
 )
-from agentbox.core.pools import MAX_POOL_SIZE, POOL_TENANT, WarmPools
+from agentbox.core.pool_service import PoolService
+from agentbox.core.pools import POOL_TENANT, WarmPools
 from agentbox.core.requests import (
     LANGUAGES,
     CodeRequest,
@@ -60,7 +64,6 @@ from agentbox.core.template_service import (
     TemplateService,
 )
 from agentbox.core.workspaces import KeptWorkspaces
-from agentbox.egress.policy import EgressPolicy
 from agentbox.egress.proxy import HTTP_PORT, SOCKS_PORT
 from agentbox.runtimes.base import Resources, Runtime, RuntimeError_, SandboxSpec
 from agentbox.store.db import DETAIL_STRING_CHARS, LIVE_STATES, SandboxRow, Store
@@ -68,12 +71,10 @@ from agentbox.templates import (
     TemplateInfo,
     TemplateSpec,
     TemplateStore,
-    builtin_spec_path,
 )
 
 log = logging.getLogger("agentbox.manager")
 
-POOL_LIFETIME_S = 10 * 365 * 86_400  # members never expire; a claim sets the real deadline
 DEFAULT_QUOTA: dict[str, Any] = quotas.default_quota()  # derived from this host (core/quotas.py)
 HEALTH_CHECK_S = 2.0  # how often every running sandbox's agent is pinged
 AGENT_PING_TIMEOUT_S = 5.0  # no answer in this long: the sandbox is `unhealthy`
@@ -112,6 +113,7 @@ class SandboxManager:
         self.store = store
         self.states = SandboxStates(store)  # the one writer of sandbox states
         self.runtime = runtime
+        self.audit = Audit(store)
         self.default_quota = {**DEFAULT_QUOTA, **(default_quota or {})}
         disk = DiskSettings.from_env()
         # Disk is accounted in one place: live workspaces and kept ones, by real usage.
@@ -119,10 +121,14 @@ class SandboxManager:
         self.workspaces = KeptWorkspaces(store, runtime, disk.kept_retention_s, self.audit)
         self.disk.add_source(live_workspaces(store, runtime))
         self.disk.add_source(self.workspaces.usage)
+        self.admission = Admission(store, runtime, self.disk, self.default_quota, self.audit)
         self.templates = templates
         self.network = network
         self.template_service = TemplateService(self, check_templates)
-        self.pools = WarmPools(pool_sizes or {}, self._make_member, self._end_member)
+        self.pool_service = PoolService(self)
+        self.pools = WarmPools(
+            pool_sizes or {}, self.pool_service.make_member, self.pool_service.end_member
+        )
         self._tenant_locks: dict[str, asyncio.Lock] = {}
         self._sandbox_locks: dict[str, asyncio.Lock] = {}
         self._watchers: set[asyncio.Task] = set()  # first-use builds
@@ -147,71 +153,18 @@ class SandboxManager:
         self.code = CodeService(self)
         self.supervisor = Supervisor(self)
 
-    # ------------------------------------------------------------------ audit
-
-    def audit(
-        self,
-        caller: Caller | None,
-        action: str,
-        sandbox_id: str | None = None,
-        status: int = 200,
-        started: float | None = None,
-        tenant: str | None = None,
-        **detail: Any,
-    ) -> None:
-        try:
-            self.store.add_audit(
-                time=time.time(),
-                tenant=tenant or (caller.tenant if caller else None),
-                key_id=caller.key_id if caller else None,
-                action=action,
-                sandbox_id=sandbox_id,
-                status=status,
-                duration_ms=round((time.monotonic() - started) * 1000, 3) if started else None,
-                detail=detail or None,
-            )
-        except Exception:  # noqa: BLE001 - auditing must never break the action itself
-            log.exception("could not write audit event %s", action)
-
     # ------------------------------------------------------------------ quotas
 
     def quota(self, tenant: str) -> dict[str, Any]:
-        return {**self.default_quota, **self.store.get_quota(tenant)}
+        return self.admission.quota(tenant)
 
     def set_quota(self, caller: Caller, tenant: str, values: dict[str, Any]) -> dict[str, Any]:
-        merged = {**self.store.get_quota(tenant), **values}
-        self.store.set_quota(tenant, merged)
-        self.audit(caller, "quota.set", tenant=tenant, quota=values)
-        return self.quota(tenant)
-
-    def _resources(self, requested: dict[str, Any], quota: dict[str, Any]) -> Resources:
-        return quotas.sandbox_resources(requested, quota, self.runtime.resource_ceilings())
+        return self.admission.set_quota(caller, tenant, values)
 
     # ------------------------------------------------------------------ lifecycle
 
     def _lock(self, sandbox_id: str) -> asyncio.Lock:
         return self._sandbox_locks.setdefault(sandbox_id, asyncio.Lock())
-
-    async def _check_capacity(
-        self, caller: Caller, quota: dict[str, Any], started: float, resources: Resources
-    ) -> None:
-        """Under the tenant's lock: room for one more sandbox of `resources` (sandbox count,
-        descriptors and disk summed over the tenant's live sandboxes)."""
-        live = [r.resources for r in self.store.live_sandboxes() if r.tenant == caller.tenant]
-        try:
-            quotas.check_tenant_room(caller.tenant, quota, live, resources)
-            await asyncio.to_thread(self.disk.check_room, caller.tenant, quota, resources.disk_mb)
-        except AgentboxError as e:
-            self.audit(caller, "sandbox.create", status=e.status, started=started, error=e.code)
-            raise
-
-    def _check_free_space(self, caller: Caller | None, started: float) -> None:
-        try:
-            self.disk.check_free_space()
-        except AgentboxError as e:
-            if caller is not None:
-                self.audit(caller, "sandbox.create", status=e.status, started=started, error=e.code)
-            raise
 
     async def create(self, caller: Caller, req: CreateRequest) -> SandboxRow:
         started = time.monotonic()
@@ -225,12 +178,12 @@ class SandboxManager:
                 setting="quota.max_timeout",
                 limit=quota["max_timeout"],
             )
-        resources = self._resources(req.resources, quota)
-        self._check_free_space(caller, started)
+        resources = self.admission.resources(req.resources, quota)
+        self.admission.check_free_space(caller, started)
         net = self.network.sandbox_network(caller.tenant, req.network)
         # Secrets need their placeholders and the CA in place from the start: no pool.
         if resources == Resources() and not req.keep_workspace and not req.secrets:
-            row = await self._claim(caller, template, req, quota, started, net)
+            row = await self.pool_service.claim(caller, template, req, quota, started, net)
             if row is not None:
                 return row
         if self.needs_build(template):
@@ -243,7 +196,7 @@ class SandboxManager:
         lock = self._tenant_locks.setdefault(caller.tenant, asyncio.Lock())
         try:
             async with lock:
-                await self._check_capacity(caller, quota, started, resources)
+                await self.admission.check_capacity(caller, quota, started, resources)
                 self._insert(sandbox_id, caller.tenant, template, req, resources, net, egress)
         except BaseException:
             if egress.ca is not None:
@@ -301,7 +254,7 @@ class SandboxManager:
         started = time.monotonic()
         sandbox_id = "sbx_" + secrets.token_hex(8)
         async with self._tenant_locks.setdefault(caller.tenant, asyncio.Lock()):
-            await self._check_capacity(caller, quota, started, resources)
+            await self.admission.check_capacity(caller, quota, started, resources)
             # Its deadline counts from when it runs; until then the build has an hour.
             self._insert(
                 sandbox_id, caller.tenant, template, req, resources, net, None, BUILDING,
@@ -556,108 +509,6 @@ class SandboxManager:
                 ) from None
 
     # ------------------------------------------------------------------ warm pools
-
-    async def _claim(
-        self,
-        caller: Caller,
-        template: str,
-        req: CreateRequest,
-        quota: dict[str, Any],
-        started: float,
-        net: SandboxNetwork,
-    ) -> SandboxRow | None:
-        """Hand a ready pool member to the caller; None when there is none (a cold create)."""
-        if template not in self.pools.pools:
-            return None
-        lock = self._tenant_locks.setdefault(caller.tenant, asyncio.Lock())
-        async with lock:
-            await self._check_capacity(caller, quota, started, Resources())
-            sid = self.pools.take(template, self._usable_member, caller.tenant)
-            if sid is None:
-                return None
-            now = time.time()
-            self.store.update_sandbox(
-                sid,
-                tenant=caller.tenant,
-                metadata=req.metadata,
-                created_at=now,
-                end_at=now + req.timeout,
-                network=net.to_dict(),
-                access_token=new_access_token(),
-            )
-            row = self.store.get_sandbox(sid)
-            assert row is not None
-            self._running[sid] = row
-            self.network.proxy.update(sid, net.policy, caller.tenant)
-        self._wake.set()
-        if req.envs:
-            try:
-                await self._client(row).call({"op": "env.set", "envs": req.envs})
-            except (AgentOpError, AgentUnavailable) as e:
-                await self._end(row, SandboxState.FAILED, "failed")
-                log.warning("claimed pool member %s failed its hand-over: %s", sid, e)
-                return None
-        self.audit(
-            caller,
-            "sandbox.create",
-            sid,
-            status=201,
-            started=started,
-            template=template,
-            timeout=req.timeout,
-            resources=row.resources,
-            pool="hit",
-            network=net.to_dict(),
-        )
-        return row
-
-    async def _make_member(self, template: str) -> str:
-        self._check_free_space(None, time.monotonic())
-        tpl = await self.template(template)
-        sandbox_id = "sbx_" + secrets.token_hex(8)
-        req = CreateRequest(template=template, timeout=POOL_LIFETIME_S)
-        net = SandboxNetwork(EgressPolicy())
-        egress = self.network.setup(POOL_TENANT, sandbox_id, [], str(tpl.rootfs) if tpl else None)
-        self._insert(sandbox_id, POOL_TENANT, template, req, Resources(), net, egress)
-        row = await self._start(
-            sandbox_id, tpl, template, Resources(), {}, POOL_LIFETIME_S, egress, net, POOL_TENANT
-        )
-        # One command before the hand-over: proves the member works end to end, and the first
-        # command a user runs no longer pays for the agent's lazy imports and cold pages.
-        try:
-            _, events = await self._client(row).command_stream(
-                {"op": "exec.run", "cmd": "true", "timeout": 30, "hidden": True}
-            )
-            async for _ in events:
-                pass
-        except (AgentOpError, AgentUnavailable) as e:
-            await self._end(row, SandboxState.FAILED, "failed")
-            raise SandboxUnavailable(f"the new pool member did not run a command: {e}") from None
-        self.audit(None, "pool.refill", sandbox_id, tenant=POOL_TENANT, template=template)
-        return sandbox_id
-
-    async def _end_member(self, sandbox_id: str) -> None:
-        row = self.store.get_sandbox(sandbox_id)
-        if row is not None and row.tenant == POOL_TENANT:
-            await self._end(row, SandboxState.KILLED, "pool_shrunk")
-
-    def _usable_member(self, sandbox_id: str) -> bool:
-        return sandbox_id in self._running and sandbox_id not in self._unhealthy
-
-    def pool_stats(self, caller: Caller) -> list[dict[str, Any]]:
-        """Every pool; an admin sees all of its numbers, a tenant its own hits and misses."""
-        return self.pools.stats(None if caller.admin else caller.tenant)
-
-    async def set_pool_size(self, caller: Caller, template: str, size: int) -> dict[str, Any]:
-        if not 0 <= size <= MAX_POOL_SIZE:
-            raise InvalidRequest(f"pool size must be between 0 and {MAX_POOL_SIZE}")
-        if template != DEFAULT_TEMPLATE and (
-            self.templates.get(template) is None and builtin_spec_path(template) is None
-        ):
-            raise NotFound(f"unknown template {template!r}; build it first", template=template)
-        pool = await self.pools.set_size(template, size)
-        self.audit(caller, "pool.set", template=template, size=size)
-        return pool.stats()
 
     def get(self, caller: Caller, sandbox_id: str) -> SandboxRow:
         """The caller's sandbox as the API shows it (`unhealthy` while its agent is silent)."""
@@ -1047,6 +898,12 @@ class SandboxManager:
 
     async def remove_template(self, caller: Caller, name: str) -> None:
         await self.template_service.remove_template(caller, name)
+
+    def pool_stats(self, caller: Caller) -> builtins.list[dict[str, Any]]:
+        return self.pool_service.pool_stats(caller)
+
+    async def set_pool_size(self, caller: Caller, template: str, size: int) -> dict[str, Any]:
+        return await self.pool_service.set_pool_size(caller, template, size)
 
 
 __all__ = [

@@ -1,0 +1,65 @@
+"""Admission: what a tenant may have (its quota over the host's defaults), what a sandbox gets
+(its resources within the quota and the runtime's ceilings), and whether there is room for one
+more (the tenant's live sandboxes, descriptors and disk; the host's free space)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from agentbox.core import quotas
+from agentbox.core.auth import Caller
+from agentbox.core.disk import DiskAccounting
+from agentbox.core.errors import AgentboxError
+from agentbox.runtimes.base import Resources, Runtime
+from agentbox.store.db import Store
+
+
+class Admission:
+    def __init__(
+        self,
+        store: Store,
+        runtime: Runtime,
+        disk: DiskAccounting,
+        default_quota: dict[str, Any],
+        audit: Callable[..., None],
+    ) -> None:
+        self.store = store
+        self.runtime = runtime
+        self.disk = disk
+        self.default_quota = default_quota
+        self.audit = audit
+
+    def quota(self, tenant: str) -> dict[str, Any]:
+        return {**self.default_quota, **self.store.get_quota(tenant)}
+
+    def set_quota(self, caller: Caller, tenant: str, values: dict[str, Any]) -> dict[str, Any]:
+        merged = {**self.store.get_quota(tenant), **values}
+        self.store.set_quota(tenant, merged)
+        self.audit(caller, "quota.set", tenant=tenant, quota=values)
+        return self.quota(tenant)
+
+    def resources(self, requested: dict[str, Any], quota: dict[str, Any]) -> Resources:
+        return quotas.sandbox_resources(requested, quota, self.runtime.resource_ceilings())
+
+    async def check_capacity(
+        self, caller: Caller, quota: dict[str, Any], started: float, resources: Resources
+    ) -> None:
+        """Under the tenant's lock: room for one more sandbox of `resources` (sandbox count,
+        descriptors and disk summed over the tenant's live sandboxes)."""
+        live = [r.resources for r in self.store.live_sandboxes() if r.tenant == caller.tenant]
+        try:
+            quotas.check_tenant_room(caller.tenant, quota, live, resources)
+            await asyncio.to_thread(self.disk.check_room, caller.tenant, quota, resources.disk_mb)
+        except AgentboxError as e:
+            self.audit(caller, "sandbox.create", status=e.status, started=started, error=e.code)
+            raise
+
+    def check_free_space(self, caller: Caller | None, started: float) -> None:
+        try:
+            self.disk.check_free_space()
+        except AgentboxError as e:
+            if caller is not None:
+                self.audit(caller, "sandbox.create", status=e.status, started=started, error=e.code)
+            raise

@@ -1,0 +1,142 @@
+"""Warm pools as the control plane runs them: members made and ended, a ready member handed to
+a create (a claim), and pool sizes shown and set. The refill mechanics are core/pools.py's.
+
+A service of the core (see core/manager.py, the front object).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from typing import TYPE_CHECKING, Any
+
+from agentbox.agent.client import AgentOpError, AgentUnavailable
+from agentbox.core.auth import Caller
+from agentbox.core.errors import InvalidRequest, NotFound, SandboxUnavailable
+from agentbox.core.network import SandboxNetwork, new_access_token
+from agentbox.core.pools import MAX_POOL_SIZE, POOL_TENANT
+from agentbox.core.requests import CreateRequest
+from agentbox.core.states import SandboxState
+from agentbox.core.template_service import DEFAULT_TEMPLATE
+from agentbox.egress.policy import EgressPolicy
+from agentbox.runtimes.base import Resources
+from agentbox.store.db import SandboxRow
+from agentbox.templates import builtin_spec_path
+
+if TYPE_CHECKING:
+    from agentbox.core.manager import SandboxManager
+
+log = logging.getLogger("agentbox.manager")
+
+POOL_LIFETIME_S = 10 * 365 * 86_400  # members never expire; a claim sets the real deadline
+
+
+class PoolService:
+    def __init__(self, core: SandboxManager) -> None:
+        self.core = core
+
+    async def claim(
+        self,
+        caller: Caller,
+        template: str,
+        req: CreateRequest,
+        quota: dict[str, Any],
+        started: float,
+        net: SandboxNetwork,
+    ) -> SandboxRow | None:
+        """Hand a ready pool member to the caller; None when there is none (a cold create)."""
+        if template not in self.core.pools.pools:
+            return None
+        lock = self.core._tenant_locks.setdefault(caller.tenant, asyncio.Lock())
+        async with lock:
+            await self.core.admission.check_capacity(caller, quota, started, Resources())
+            sid = self.core.pools.take(template, self.usable_member, caller.tenant)
+            if sid is None:
+                return None
+            now = time.time()
+            self.core.store.update_sandbox(
+                sid,
+                tenant=caller.tenant,
+                metadata=req.metadata,
+                created_at=now,
+                end_at=now + req.timeout,
+                network=net.to_dict(),
+                access_token=new_access_token(),
+            )
+            row = self.core.store.get_sandbox(sid)
+            assert row is not None
+            self.core._running[sid] = row
+            self.core.network.proxy.update(sid, net.policy, caller.tenant)
+        self.core._wake.set()
+        if req.envs:
+            try:
+                await self.core._client(row).call({"op": "env.set", "envs": req.envs})
+            except (AgentOpError, AgentUnavailable) as e:
+                await self.core._end(row, SandboxState.FAILED, "failed")
+                log.warning("claimed pool member %s failed its hand-over: %s", sid, e)
+                return None
+        self.core.audit(
+            caller,
+            "sandbox.create",
+            sid,
+            status=201,
+            started=started,
+            template=template,
+            timeout=req.timeout,
+            resources=row.resources,
+            pool="hit",
+            network=net.to_dict(),
+        )
+        return row
+
+    async def make_member(self, template: str) -> str:
+        self.core.admission.check_free_space(None, time.monotonic())
+        tpl = await self.core.template(template)
+        sandbox_id = "sbx_" + secrets.token_hex(8)
+        req = CreateRequest(template=template, timeout=POOL_LIFETIME_S)
+        net = SandboxNetwork(EgressPolicy())
+        egress = self.core.network.setup(
+            POOL_TENANT, sandbox_id, [], str(tpl.rootfs) if tpl else None
+        )
+        self.core._insert(sandbox_id, POOL_TENANT, template, req, Resources(), net, egress)
+        row = await self.core._start(
+            sandbox_id, tpl, template, Resources(), {}, POOL_LIFETIME_S, egress, net, POOL_TENANT
+        )
+        # One command before the hand-over: proves the member works end to end, and the first
+        # command a user runs no longer pays for the agent's lazy imports and cold pages.
+        try:
+            _, events = await self.core._client(row).command_stream(
+                {"op": "exec.run", "cmd": "true", "timeout": 30, "hidden": True}
+            )
+            async for _ in events:
+                pass
+        except (AgentOpError, AgentUnavailable) as e:
+            await self.core._end(row, SandboxState.FAILED, "failed")
+            raise SandboxUnavailable(f"the new pool member did not run a command: {e}") from None
+        self.core.audit(None, "pool.refill", sandbox_id, tenant=POOL_TENANT, template=template)
+        return sandbox_id
+
+    async def end_member(self, sandbox_id: str) -> None:
+        row = self.core.store.get_sandbox(sandbox_id)
+        if row is not None and row.tenant == POOL_TENANT:
+            await self.core._end(row, SandboxState.KILLED, "pool_shrunk")
+
+    def usable_member(self, sandbox_id: str) -> bool:
+        return sandbox_id in self.core._running and sandbox_id not in self.core._unhealthy
+
+    def pool_stats(self, caller: Caller) -> list[dict[str, Any]]:
+        """Every pool; an admin sees all of its numbers, a tenant its own hits and misses."""
+        return self.core.pools.stats(None if caller.admin else caller.tenant)
+
+    async def set_pool_size(self, caller: Caller, template: str, size: int) -> dict[str, Any]:
+        if not 0 <= size <= MAX_POOL_SIZE:
+            raise InvalidRequest(f"pool size must be between 0 and {MAX_POOL_SIZE}")
+        if template != DEFAULT_TEMPLATE and (
+            self.core.templates.get(template) is None and builtin_spec_path(template) is None
+        ):
+            raise NotFound(f"unknown template {template!r}; build it first", template=template)
+        pool = await self.core.pools.set_size(template, size)
+        self.core.audit(caller, "pool.set", template=template, size=size)
+        return pool.stats()
