@@ -12,10 +12,8 @@ import asyncio
 import builtins
 import dataclasses
 import logging
-import secrets
 import time
 from collections.abc import AsyncIterator
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +24,7 @@ from agentbox.core.audit import Audit
 from agentbox.core.auth import Caller
 from agentbox.core.code import CodeService
 from agentbox.core.commands import CommandService
+from agentbox.core.creation import Creation
 from agentbox.core.disk import DiskAccounting, DiskSettings, live_workspaces
 from agentbox.core.errors import (
     AgentboxError,
@@ -41,8 +40,6 @@ from agentbox.core.errors import (
 from agentbox.core.lifecycle import SandboxStates
 from agentbox.core.network import (
     NetworkService,
-    SandboxEgressSetup,
-    SandboxNetwork,
     new_access_token,
 )
 from agentbox.core.pool_service import PoolService
@@ -52,21 +49,16 @@ from agentbox.core.requests import (
     CodeRequest,
     CommandRequest,
     CreateRequest,
-    check_envs,
-    check_metadata,
 )
 from agentbox.core.states import LIVE_FILTER, UNHEALTHY, SandboxState
 from agentbox.core.supervision import Supervisor
 from agentbox.core.template_service import (
-    DEFAULT_TEMPLATE,
-    TEMPLATE_ROOTFS,
     TemplateCheck,
     TemplateService,
 )
 from agentbox.core.workspaces import KeptWorkspaces
-from agentbox.egress.proxy import HTTP_PORT, SOCKS_PORT
-from agentbox.runtimes.base import Resources, Runtime, RuntimeError_, SandboxSpec
-from agentbox.store.db import DETAIL_STRING_CHARS, LIVE_STATES, SandboxRow, Store
+from agentbox.runtimes.base import Runtime, RuntimeError_
+from agentbox.store.db import LIVE_STATES, SandboxRow, Store
 from agentbox.templates import (
     TemplateInfo,
     TemplateSpec,
@@ -78,13 +70,7 @@ log = logging.getLogger("agentbox.manager")
 DEFAULT_QUOTA: dict[str, Any] = quotas.default_quota()  # derived from this host (core/quotas.py)
 HEALTH_CHECK_S = 2.0  # how often every running sandbox's agent is pinged
 AGENT_PING_TIMEOUT_S = 5.0  # no answer in this long: the sandbox is `unhealthy`
-BUILDING = SandboxState.BUILDING  # a create waiting for the first-use build of its template
-BUILD_ALLOWANCE_S = 3600.0  # a `building` sandbox ends (timeout) if its build takes longer
 LIVE = LIVE_FILTER  # a list filter: every state of a sandbox not ended
-
-
-class _KilledWhileStarting(Exception):
-    """A kill arrived while the sandbox was starting: the start stops and tears it down."""
 
 
 def builtin_spec_names() -> list[str]:
@@ -149,6 +135,7 @@ class SandboxManager:
         self._unhealthy: dict[str, str] = {}
         self._inflight: dict[str, set[Any]] = {}
         # The services by job, over the agent access this object gives them.
+        self.creation = Creation(self)
         self.commands = CommandService(self)
         self.code = CodeService(self)
         self.supervisor = Supervisor(self)
@@ -165,348 +152,6 @@ class SandboxManager:
 
     def _lock(self, sandbox_id: str) -> asyncio.Lock:
         return self._sandbox_locks.setdefault(sandbox_id, asyncio.Lock())
-
-    async def create(self, caller: Caller, req: CreateRequest) -> SandboxRow:
-        started = time.monotonic()
-        template = req.template or DEFAULT_TEMPLATE
-        check_envs(req.envs)
-        check_metadata(req.metadata)
-        quota = self.quota(caller.tenant)
-        if not 0 < req.timeout <= quota["max_timeout"]:
-            raise LimitExceeded(
-                f"timeout must be between 0 and {quota['max_timeout']} seconds",
-                setting="quota.max_timeout",
-                limit=quota["max_timeout"],
-            )
-        resources = self.admission.resources(req.resources, quota)
-        self.admission.check_free_space(caller, started)
-        net = self.network.sandbox_network(caller.tenant, req.network)
-        # Secrets need their placeholders and the CA in place from the start: no pool.
-        if resources == Resources() and not req.keep_workspace and not req.secrets:
-            row = await self.pool_service.claim(caller, template, req, quota, started, net)
-            if row is not None:
-                return row
-        if self.needs_build(template):
-            return await self._create_building(caller, template, req, quota, resources, net)
-        tpl = await self.template(template)
-        sandbox_id = "sbx_" + secrets.token_hex(8)
-        egress = self.network.setup(
-            caller.tenant, sandbox_id, req.secrets, str(tpl.rootfs) if tpl else None
-        )
-        lock = self._tenant_locks.setdefault(caller.tenant, asyncio.Lock())
-        try:
-            async with lock:
-                await self.admission.check_capacity(caller, quota, started, resources)
-                self._insert(sandbox_id, caller.tenant, template, req, resources, net, egress)
-        except BaseException:
-            if egress.ca is not None:
-                egress.ca.close()
-            raise
-        try:
-            row = await self._start(
-                sandbox_id,
-                tpl,
-                template,
-                resources,
-                req.envs,
-                req.timeout,
-                egress,
-                net,
-                caller.tenant,
-            )
-        except AgentboxError as e:
-            self.audit(
-                caller,
-                "sandbox.create",
-                sandbox_id,
-                status=e.status,
-                started=started,
-                error=e.message,
-            )
-            raise
-        self.audit(
-            caller,
-            "sandbox.create",
-            sandbox_id,
-            status=201,
-            started=started,
-            template=template,
-            timeout=req.timeout,
-            resources=asdict(resources),
-            pool="miss" if template in self.pools.pools else None,
-            network=net.to_dict(),
-            secrets=req.secrets or None,
-        )
-        return row
-
-    async def _create_building(
-        self,
-        caller: Caller,
-        template: str,
-        req: CreateRequest,
-        quota: dict[str, Any],
-        resources: Resources,
-        net: SandboxNetwork,
-    ) -> SandboxRow:
-        """A create that must wait for a first-use build answers at once with a `building`
-        sandbox (no client waits minutes on one request); the build, then the start, go on
-        here, and the row tells how they went."""
-        started = time.monotonic()
-        sandbox_id = "sbx_" + secrets.token_hex(8)
-        async with self._tenant_locks.setdefault(caller.tenant, asyncio.Lock()):
-            await self.admission.check_capacity(caller, quota, started, resources)
-            # Its deadline counts from when it runs; until then the build has an hour.
-            self._insert(
-                sandbox_id, caller.tenant, template, req, resources, net, None, BUILDING,
-                BUILD_ALLOWANCE_S,
-            )  # fmt: skip
-        task = asyncio.create_task(self._build_then_start(caller, sandbox_id, req, resources, net))
-        self._watchers.add(task)
-        task.add_done_callback(self._watchers.discard)
-        self.audit(
-            caller, "sandbox.create", sandbox_id, status=202, started=started, template=template,
-            building=True,
-        )  # fmt: skip
-        row = self.store.get_sandbox(sandbox_id)
-        assert row is not None
-        return row
-
-    async def _build_then_start(
-        self,
-        caller: Caller,
-        sandbox_id: str,
-        req: CreateRequest,
-        resources: Resources,
-        net: SandboxNetwork,
-    ) -> None:
-        row = self.store.get_sandbox(sandbox_id)
-        assert row is not None
-        try:
-            tpl = await self.template(row.template)
-            assert tpl is not None  # only a template that needs a build gets here
-            row = self.store.get_sandbox(sandbox_id)
-            if row is None or row.state != BUILDING:
-                return  # killed while it waited
-            egress = self.network.setup(row.tenant, sandbox_id, req.secrets, str(tpl.rootfs))
-        except Exception as e:  # noqa: BLE001 - whatever it was, the row must say it
-            if not isinstance(e, AgentboxError):
-                log.exception("the first-use build for %s failed", sandbox_id)
-            self._fail_building(caller, sandbox_id, getattr(e, "message", None) or str(e))
-            return
-        # No await from the check above to here: a kill sees `building` or `starting`.
-        moved = self.states.move(
-            sandbox_id, SandboxState.STARTING, only_from=frozenset({BUILDING}),
-            secrets=egress.placeholders or None,
-        )  # fmt: skip
-        if moved is None:
-            await self.network.forget(sandbox_id)
-            return  # killed while it was building
-        try:
-            await self._start(
-                sandbox_id, tpl, row.template, resources, req.envs, req.timeout,
-                egress, net, row.tenant,
-            )  # fmt: skip
-        except Exception as e:  # noqa: BLE001 - _start recorded how it ended; add why
-            message = e.message if isinstance(e, AgentboxError) else str(e)
-            self.store.update_sandbox(sandbox_id, error=message[:DETAIL_STRING_CHARS])
-            self.audit(caller, "sandbox.start", sandbox_id, status=503, error=message)
-            return
-        self.audit(caller, "sandbox.start", sandbox_id, status=200, template=row.template)
-
-    def _fail_building(self, caller: Caller, sandbox_id: str, message: str) -> None:
-        moved = self.states.move(
-            sandbox_id,
-            SandboxState.FAILED,
-            only_from=frozenset({BUILDING}),
-            end_reason="build_failed",
-            ended_at=time.time(),
-            error=message[:DETAIL_STRING_CHARS],
-        )
-        if moved is None:
-            return  # killed (or timed out) while it was building
-        self.audit(caller, "sandbox.start", sandbox_id, status=503, error=message)
-
-    def _insert(
-        self,
-        sandbox_id: str,
-        tenant: str,
-        template: str,
-        req: CreateRequest,
-        resources: Resources,
-        net: SandboxNetwork,
-        egress: SandboxEgressSetup | None,
-        state: SandboxState = SandboxState.STARTING,
-        grace: float = 0.0,
-    ) -> None:
-        now = time.time()
-        self.states.create(
-            state,
-            sandbox_id=sandbox_id,
-            tenant=tenant,
-            template=template,
-            runtime=self.runtime.name,
-            metadata=req.metadata,
-            resources=asdict(resources),
-            runtime_state=None,
-            keep_workspace=req.keep_workspace,
-            created_at=now,
-            end_at=now + grace + req.timeout,
-            network=net.to_dict(),
-            access_token=new_access_token(),
-            secrets=(egress.placeholders or None) if egress else None,
-        )
-
-    async def _start(
-        self,
-        sandbox_id: str,
-        tpl: TemplateInfo | None,
-        template: str,
-        resources: Resources,
-        envs: dict[str, str],
-        timeout: float,
-        egress: SandboxEgressSetup,
-        net: SandboxNetwork,
-        tenant: str,
-    ) -> SandboxRow:
-        """Bring an inserted `starting` sandbox up: runtime, egress proxy, template start
-        command, warm code contexts; its row says running (or failed) when this returns."""
-        spec = SandboxSpec(
-            sandbox_id=sandbox_id,
-            template=template,
-            resources=resources,
-            envs={**egress.envs, **(tpl.env if tpl else {}), **envs},
-            rootfs=str(tpl.rootfs) if tpl else None,
-            workdir=tpl.workdir if tpl else "/workspace",
-            user=tpl.user if tpl else "user",
-            files=egress.files,
-        )
-        # The sandbox's lock is held until its record says running (or failed, or killed): a
-        # kill that arrives while it starts (the API lists `starting` sandboxes) asks the start
-        # to give up at its next step, then waits here for a whole sandbox to tear down.
-        async with self._lock(sandbox_id):
-            state: dict[str, Any] | None = None
-            try:
-                state = await self.runtime.create(spec)
-                self._check_kill(sandbox_id)
-                await self._serve_egress(sandbox_id, state, tenant, net, egress)
-                if tpl is not None:
-                    await self._template_ready(sandbox_id, state, tpl)
-                # No await from this check to the record saying running: a kill that saw
-                # `starting` is always noticed.
-                self._check_kill(sandbox_id)
-            except Exception as e:
-                # After a kill, whatever broke the start (its agent calls are aborted) is the kill.
-                killed = sandbox_id in self._kill_pending
-                if not killed:
-                    log.exception("create %s failed", sandbox_id)
-                await self._abandon_start(sandbox_id, state, killed)
-                if killed:
-                    raise SandboxNotRunning(
-                        f"sandbox {sandbox_id} was killed while it was starting; create a new "
-                        "sandbox",
-                        state=SandboxState.KILLED.value,
-                        end_reason="killed",
-                    ) from None
-                msg = e.message if isinstance(e, AgentboxError) else str(e)
-                raise SandboxUnavailable(f"the sandbox could not be started: {msg}") from None
-            finally:
-                self._kill_pending.discard(sandbox_id)
-            # The deadline counts from when the sandbox is usable, not from when it was asked.
-            now = time.time()
-            if spec.rootfs:  # the control plane's note, kept with the runtime's (see rootfs_in_use)
-                state = {**state, TEMPLATE_ROOTFS: spec.rootfs}
-            moved = self.states.move(
-                sandbox_id, SandboxState.RUNNING, only_from=frozenset({SandboxState.STARTING}),
-                runtime_state=state, end_at=now + timeout,
-            )  # fmt: skip
-            row = self.store.get_sandbox(sandbox_id)
-            # Its lock is held, so nothing else ends it meanwhile; a record gone is a bug.
-            assert moved is not None and row is not None, f"{sandbox_id} left `starting`"
-            self._running[sandbox_id] = row
-        self._wake.set()
-        return row
-
-    def _check_kill(self, sandbox_id: str) -> None:
-        if sandbox_id in self._kill_pending:
-            raise _KilledWhileStarting
-
-    async def _abandon_start(
-        self, sandbox_id: str, state: dict[str, Any] | None, killed: bool
-    ) -> None:
-        """Remove what a start that failed (or was killed) made; record how it ended."""
-        await self.network.forget(sandbox_id)
-        if state is not None:
-            try:
-                await self.runtime.destroy(sandbox_id, state, keep_workspace=False)
-            except Exception:  # noqa: BLE001 - reconcile removes what is left
-                log.exception("could not remove the unstarted sandbox %s", sandbox_id)
-        end = SandboxState.KILLED if killed else SandboxState.FAILED
-        self.states.move(sandbox_id, end, end_reason=end.value, ended_at=time.time())
-        self._sandbox_locks.pop(sandbox_id, None)  # nothing left to serialize
-
-    async def _serve_egress(
-        self,
-        sandbox_id: str,
-        state: dict[str, Any],
-        tenant: str,
-        net: SandboxNetwork,
-        egress: SandboxEgressSetup,
-    ) -> None:
-        """Put the egress proxy on the sandbox's loopback. A runtime that cannot leaves the
-        sandbox without egress (closed, never open)."""
-        try:
-            listeners = {
-                port: await self.runtime.listen_inside(sandbox_id, state, port)
-                for port in (HTTP_PORT, SOCKS_PORT)
-            }
-        except RuntimeError_ as e:
-            log.warning("sandbox %s runs without an egress proxy: %s", sandbox_id, e)
-            return
-        placeholders = {p: name for name, p in egress.placeholders.items()}
-        await self.network.proxy.attach(
-            sandbox_id, tenant, net.policy, listeners, placeholders, egress.ca
-        )
-
-    async def _template_ready(
-        self, sandbox_id: str, state: dict[str, Any], tpl: TemplateInfo
-    ) -> None:
-        """Run the template's start command until its readiness check passes; warm the code
-        contexts it names."""
-        # Tracked: a kill while the sandbox starts aborts a long readiness check or warm-up.
-        client = AgentClient(
-            self.runtime.agent_address(sandbox_id, state).socket_path,
-            inflight=self._inflight.setdefault(sandbox_id, set()),
-        )
-        if tpl.start_cmd:
-            await client.call({"op": "exec.start", "cmd": tpl.start_cmd, "cmd_id": "start"})
-            if tpl.ready_cmd:
-                deadline = time.monotonic() + tpl.ready_timeout
-                while True:
-                    self._check_kill(sandbox_id)
-                    info, events = await client.command_stream(
-                        {"op": "exec.run", "cmd": tpl.ready_cmd, "timeout": 10, "hidden": True}
-                    )
-                    end: dict[str, Any] = {}
-                    async for ev in events:
-                        if isinstance(ev, dict) and ev.get("type") == "end":
-                            end = ev
-                    if end.get("exit_code") == 0:
-                        break
-                    if time.monotonic() > deadline:
-                        raise SandboxUnavailable(
-                            f"template {tpl.name}: the start command was not ready after "
-                            f"{tpl.ready_timeout} s (readiness check: {tpl.ready_cmd})"
-                        )
-                    await asyncio.sleep(0.1)
-        if tpl.warm:
-            try:
-                await client.call(
-                    {"op": "code.call", "call": "warm", "languages": list(tpl.warm)}, timeout=120
-                )
-            except AgentOpError as e:
-                raise SandboxUnavailable(
-                    f"template {tpl.name}: the code interpreter did not start: {e.message}"
-                ) from None
 
     # ------------------------------------------------------------------ warm pools
 
@@ -904,6 +549,9 @@ class SandboxManager:
 
     async def set_pool_size(self, caller: Caller, template: str, size: int) -> dict[str, Any]:
         return await self.pool_service.set_pool_size(caller, template, size)
+
+    async def create(self, caller: Caller, req: CreateRequest) -> SandboxRow:
+        return await self.creation.create(caller, req)
 
 
 __all__ = [

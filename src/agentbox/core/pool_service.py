@@ -100,8 +100,8 @@ class PoolService:
         egress = self.core.network.setup(
             POOL_TENANT, sandbox_id, [], str(tpl.rootfs) if tpl else None
         )
-        self.core._insert(sandbox_id, POOL_TENANT, template, req, Resources(), net, egress)
-        row = await self.core._start(
+        self.core.creation.insert(sandbox_id, POOL_TENANT, template, req, Resources(), net, egress)
+        row = await self.core.creation.start(
             sandbox_id, tpl, template, Resources(), {}, POOL_LIFETIME_S, egress, net, POOL_TENANT
         )
         # One command before the hand-over: proves the member works end to end, and the first

@@ -128,7 +128,7 @@ class Supervisor:
             else:
                 self.core.runtime.adopt(row.sandbox_id, row.runtime_state)
                 known.add(row.sandbox_id)
-                await self.core._serve_egress(
+                await self.core.creation.serve_egress(
                     row.sandbox_id,
                     row.runtime_state,
                     row.tenant,

@@ -165,8 +165,8 @@ class TemplateService:
         req = CreateRequest(template=template, timeout=TEMPLATE_CHECK_S)
         net = SandboxNetwork(EgressPolicy())
         egress = self.core.network.setup(CHECK_TENANT, sandbox_id, [], None)
-        self.core._insert(sandbox_id, CHECK_TENANT, template, req, Resources(), net, egress)
-        row = await self.core._start(
+        self.core.creation.insert(sandbox_id, CHECK_TENANT, template, req, Resources(), net, egress)
+        row = await self.core.creation.start(
             sandbox_id, tpl, template, Resources(), {}, TEMPLATE_CHECK_S, egress, net, CHECK_TENANT
         )
         try:
