@@ -355,6 +355,16 @@ class CommandService:
             if ended is not None:
                 ended(end)
 
+    async def list(self, caller: Caller, sandbox_id: str) -> list[dict[str, Any]]:
+        """The sandbox's commands (running ones and the last finished), as the agent holds."""
+        reply = await self.core.agent_call(caller, sandbox_id, {"op": "exec.list"}, "command.list")
+        return list(reply.get("commands", []))
+
+    async def info(self, caller: Caller, sandbox_id: str, cmd_id: str) -> dict[str, Any]:
+        req = {"op": "exec.info", "cmd_id": cmd_id}
+        reply = await self.core.agent_call(caller, sandbox_id, req, "command.info", cmd_id=cmd_id)
+        return dict(reply["command"])
+
     async def command_stdin(
         self, caller: Caller, sandbox_id: str, cmd_id: str, data: str, eof: bool
     ) -> None:

@@ -1,4 +1,5 @@
-"""The one writer of sandbox states.
+"""The lifecycle of sandboxes after their creation (core/creation.py): kill, timeout, network
+settings, the end and its clean-up; and the one writer of sandbox states.
 
 Every change of a sandbox's state goes through `SandboxStates`: it checks the move against the
 transition table (core/states.py), writes it with a compare-and-set on the stored state (so two
@@ -13,10 +14,16 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from agentbox.core.auth import Caller
+from agentbox.core.errors import LimitExceeded, SandboxUnavailable
+from agentbox.core.network import new_access_token
 from agentbox.core.states import INITIAL, SandboxState, allowed
 from agentbox.store.db import SandboxRow, Store
+
+if TYPE_CHECKING:
+    from agentbox.core.manager import SandboxManager
 
 log = logging.getLogger("agentbox.lifecycle")
 
@@ -97,3 +104,108 @@ class SandboxStates:
     @staticmethod
     def state_of(row: SandboxRow) -> SandboxState:
         return SandboxState(row.state)
+
+
+class Lifecycle:
+    """Ending sandboxes (a kill, a timeout, a vanished or failed one), moving their deadline,
+    replacing their network settings and access token. A service of the core (see
+    core/manager.py, the front object)."""
+
+    def __init__(self, core: SandboxManager) -> None:
+        self.core = core
+
+    async def set_network(
+        self, caller: Caller, sandbox_id: str, network: dict[str, Any]
+    ) -> SandboxRow:
+        """Replace a running sandbox's network settings; the next egress attempt obeys them."""
+        self.core.running(caller, sandbox_id)
+        net = self.core.network.sandbox_network(caller.tenant, network)
+        async with self.core._lock(sandbox_id):
+            self.core.running(caller, sandbox_id)
+            self.core.store.update_sandbox(sandbox_id, network=net.to_dict())
+            fresh = self.core.store.get_sandbox(sandbox_id)
+            if fresh is not None and fresh.state == SandboxState.RUNNING:
+                self.core._running[sandbox_id] = fresh
+            self.core.network.proxy.update(sandbox_id, net.policy)
+        self.core.audit(caller, "sandbox.network", sandbox_id, network=net.to_dict())
+        return self.core.get(caller, sandbox_id)
+
+    async def rotate_access_token(self, caller: Caller, sandbox_id: str) -> SandboxRow:
+        """Give a running sandbox a new access token; the gateway checks the new one from the
+        next request on, so the old token and every URL or cookie signed with it are void."""
+        self.core.running(caller, sandbox_id)
+        async with self.core._lock(sandbox_id):
+            self.core.running(caller, sandbox_id)
+            self.core.store.update_sandbox(sandbox_id, access_token=new_access_token())
+            fresh = self.core.store.get_sandbox(sandbox_id)
+            if fresh is not None and sandbox_id in self.core._running:
+                self.core._running[sandbox_id] = fresh
+        self.core.audit(caller, "sandbox.access_token", sandbox_id)
+        return self.core.get(caller, sandbox_id)
+
+    async def kill(self, caller: Caller, sandbox_id: str) -> None:
+        started = time.monotonic()
+        row = self.core._owned(caller, sandbox_id)
+        if row.state == SandboxState.STARTING:
+            # The start gives up at its next step, or now if it waits on the agent.
+            self.core._kill_pending.add(sandbox_id)
+            self.core._abort_requests(sandbox_id)
+        await self.end(row, state=SandboxState.KILLED, reason="killed")
+        self.core.audit(caller, "sandbox.kill", sandbox_id, status=204, started=started)
+
+    async def set_timeout(self, caller: Caller, sandbox_id: str, timeout: float) -> SandboxRow:
+        row = self.core.running(caller, sandbox_id)
+        quota = self.core.quota(caller.tenant)
+        if not 0 < timeout <= quota["max_timeout"]:
+            raise LimitExceeded(
+                f"timeout must be between 0 and {quota['max_timeout']} seconds",
+                setting="quota.max_timeout",
+                limit=quota["max_timeout"],
+            )
+        # Under the sandbox's lock: `_end` holds it while tearing the sandbox down, and a
+        # deadline moved (and the row re-cached as running) meanwhile would resurrect it.
+        async with self.core._lock(row.sandbox_id):
+            row = self.core.running(caller, sandbox_id)
+            self.core.store.update_sandbox(row.sandbox_id, end_at=time.time() + timeout)
+            self.core._running.pop(row.sandbox_id, None)
+            fresh = self.core.store.get_sandbox(row.sandbox_id)
+            if fresh is not None and fresh.state == SandboxState.RUNNING:
+                self.core._running[row.sandbox_id] = fresh
+        self.core._wake.set()
+        self.core.audit(caller, "sandbox.timeout", sandbox_id, timeout=timeout)
+        return self.core.get(caller, sandbox_id)
+
+    async def end(
+        self, row: SandboxRow, state: SandboxState, reason: str, only_if_expired: bool = False
+    ) -> bool:
+        """Destroy a sandbox and record how it ended; False if it had already ended."""
+        async with self.core._lock(row.sandbox_id):
+            self.core._running.pop(row.sandbox_id, None)
+            self.core.pools.forget(row.sandbox_id)
+            fresh = self.core.store.get_sandbox(row.sandbox_id)
+            if fresh is None or not fresh.live:
+                return False
+            if only_if_expired and fresh.end_at > time.time():
+                if fresh.state == SandboxState.RUNNING:
+                    self.core._running[fresh.sandbox_id] = fresh
+                return False  # the deadline moved while we waited for the lock
+            self.core._ending[fresh.sandbox_id] = state
+            await self.core.network.forget(fresh.sandbox_id)
+            try:
+                await self.core.runtime.destroy(
+                    fresh.sandbox_id, fresh.runtime_state, fresh.keep_workspace
+                )
+            except Exception:
+                log.exception("destroy %s failed; will retry", fresh.sandbox_id)
+                raise SandboxUnavailable(
+                    f"sandbox {fresh.sandbox_id} could not be torn down completely yet; "
+                    "retry the kill"
+                ) from None
+            finally:
+                self.core._ending.pop(fresh.sandbox_id, None)
+            self.core.states.move(fresh.sandbox_id, state, end_reason=reason, ended_at=time.time())
+        self.core._sandbox_locks.pop(row.sandbox_id, None)
+        self.core._unhealthy.pop(row.sandbox_id, None)
+        self.core._inflight.pop(row.sandbox_id, None)
+        self.core.commands.forget(row.sandbox_id)
+        return True

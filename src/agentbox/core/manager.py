@@ -30,17 +30,16 @@ from agentbox.core.errors import (
     AgentboxError,
     Conflict,
     InvalidRequest,
-    LimitExceeded,
     NotFound,
     SandboxNotRunning,
     SandboxUnavailable,
     SandboxUnhealthy,
     from_agent,
 )
-from agentbox.core.lifecycle import SandboxStates
+from agentbox.core.files import FileService
+from agentbox.core.lifecycle import Lifecycle, SandboxStates
 from agentbox.core.network import (
     NetworkService,
-    new_access_token,
 )
 from agentbox.core.pool_service import PoolService
 from agentbox.core.pools import POOL_TENANT, WarmPools
@@ -135,7 +134,9 @@ class SandboxManager:
         self._unhealthy: dict[str, str] = {}
         self._inflight: dict[str, set[Any]] = {}
         # The services by job, over the agent access this object gives them.
+        self.lifecycle = Lifecycle(self)
         self.creation = Creation(self)
+        self.files = FileService(self)
         self.commands = CommandService(self)
         self.code = CodeService(self)
         self.supervisor = Supervisor(self)
@@ -213,35 +214,6 @@ class SandboxManager:
         except RuntimeError_ as e:
             raise ConnectionRefusedError(str(e)) from None
 
-    async def set_network(
-        self, caller: Caller, sandbox_id: str, network: dict[str, Any]
-    ) -> SandboxRow:
-        """Replace a running sandbox's network settings; the next egress attempt obeys them."""
-        self.running(caller, sandbox_id)
-        net = self.network.sandbox_network(caller.tenant, network)
-        async with self._lock(sandbox_id):
-            self.running(caller, sandbox_id)
-            self.store.update_sandbox(sandbox_id, network=net.to_dict())
-            fresh = self.store.get_sandbox(sandbox_id)
-            if fresh is not None and fresh.state == SandboxState.RUNNING:
-                self._running[sandbox_id] = fresh
-            self.network.proxy.update(sandbox_id, net.policy)
-        self.audit(caller, "sandbox.network", sandbox_id, network=net.to_dict())
-        return self.get(caller, sandbox_id)
-
-    async def rotate_access_token(self, caller: Caller, sandbox_id: str) -> SandboxRow:
-        """Give a running sandbox a new access token; the gateway checks the new one from the
-        next request on, so the old token and every URL or cookie signed with it are void."""
-        self.running(caller, sandbox_id)
-        async with self._lock(sandbox_id):
-            self.running(caller, sandbox_id)
-            self.store.update_sandbox(sandbox_id, access_token=new_access_token())
-            fresh = self.store.get_sandbox(sandbox_id)
-            if fresh is not None and sandbox_id in self._running:
-                self._running[sandbox_id] = fresh
-        self.audit(caller, "sandbox.access_token", sandbox_id)
-        return self.get(caller, sandbox_id)
-
     def list(
         self,
         caller: Caller,
@@ -286,73 +258,6 @@ class SandboxManager:
             and bool(self.store.list_sandboxes(caller.tenant, states, before, 1))
         )
         return out, (str(before) if more else None)
-
-    async def kill(self, caller: Caller, sandbox_id: str) -> None:
-        started = time.monotonic()
-        row = self._owned(caller, sandbox_id)
-        if row.state == SandboxState.STARTING:
-            # The start gives up at its next step, or now if it waits on the agent.
-            self._kill_pending.add(sandbox_id)
-            self._abort_requests(sandbox_id)
-        await self._end(row, state=SandboxState.KILLED, reason="killed")
-        self.audit(caller, "sandbox.kill", sandbox_id, status=204, started=started)
-
-    async def set_timeout(self, caller: Caller, sandbox_id: str, timeout: float) -> SandboxRow:
-        row = self.running(caller, sandbox_id)
-        quota = self.quota(caller.tenant)
-        if not 0 < timeout <= quota["max_timeout"]:
-            raise LimitExceeded(
-                f"timeout must be between 0 and {quota['max_timeout']} seconds",
-                setting="quota.max_timeout",
-                limit=quota["max_timeout"],
-            )
-        # Under the sandbox's lock: `_end` holds it while tearing the sandbox down, and a
-        # deadline moved (and the row re-cached as running) meanwhile would resurrect it.
-        async with self._lock(row.sandbox_id):
-            row = self.running(caller, sandbox_id)
-            self.store.update_sandbox(row.sandbox_id, end_at=time.time() + timeout)
-            self._running.pop(row.sandbox_id, None)
-            fresh = self.store.get_sandbox(row.sandbox_id)
-            if fresh is not None and fresh.state == SandboxState.RUNNING:
-                self._running[row.sandbox_id] = fresh
-        self._wake.set()
-        self.audit(caller, "sandbox.timeout", sandbox_id, timeout=timeout)
-        return self.get(caller, sandbox_id)
-
-    async def _end(
-        self, row: SandboxRow, state: SandboxState, reason: str, only_if_expired: bool = False
-    ) -> bool:
-        """Destroy a sandbox and record how it ended; False if it had already ended."""
-        async with self._lock(row.sandbox_id):
-            self._running.pop(row.sandbox_id, None)
-            self.pools.forget(row.sandbox_id)
-            fresh = self.store.get_sandbox(row.sandbox_id)
-            if fresh is None or not fresh.live:
-                return False
-            if only_if_expired and fresh.end_at > time.time():
-                if fresh.state == SandboxState.RUNNING:
-                    self._running[fresh.sandbox_id] = fresh
-                return False  # the deadline moved while we waited for the lock
-            self._ending[fresh.sandbox_id] = state
-            await self.network.forget(fresh.sandbox_id)
-            try:
-                await self.runtime.destroy(
-                    fresh.sandbox_id, fresh.runtime_state, fresh.keep_workspace
-                )
-            except Exception:
-                log.exception("destroy %s failed; will retry", fresh.sandbox_id)
-                raise SandboxUnavailable(
-                    f"sandbox {fresh.sandbox_id} could not be torn down completely yet; "
-                    "retry the kill"
-                ) from None
-            finally:
-                self._ending.pop(fresh.sandbox_id, None)
-            self.states.move(fresh.sandbox_id, state, end_reason=reason, ended_at=time.time())
-        self._sandbox_locks.pop(row.sandbox_id, None)
-        self._unhealthy.pop(row.sandbox_id, None)
-        self._inflight.pop(row.sandbox_id, None)
-        self.commands.forget(row.sandbox_id)
-        return True
 
     # ------------------------------------------------------------------ background loops
 
@@ -451,38 +356,6 @@ class SandboxManager:
         self.audit(caller, action, sandbox_id, started=started, **audit_detail)
         return reply
 
-    # ------------------------------------------------------------------ files
-
-    async def read_file(
-        self, caller: Caller, sandbox_id: str, path: str
-    ) -> tuple[int, AsyncIterator[bytes]]:
-        started = time.monotonic()
-        row = self._reachable(caller, sandbox_id)
-        try:
-            size, chunks = await self._client(row).read_file(path)
-        except (AgentOpError, AgentUnavailable) as e:
-            raise self._failed(caller, row, "file.read", started, e, path=path) from None
-        self.audit(caller, "file.read", sandbox_id, started=started, path=path, size=size)
-        return size, chunks
-
-    async def write_file(
-        self, caller: Caller, sandbox_id: str, path: str, chunks: AsyncIterator[bytes]
-    ) -> dict[str, Any]:
-        started = time.monotonic()
-        row = self._reachable(caller, sandbox_id)
-        try:
-            reply = await self._client(row).write_file(path, chunks)
-        except (AgentOpError, AgentUnavailable) as e:
-            raise self._failed(caller, row, "file.write", started, e, path=path) from None
-        except OSError as e:  # the agent hung up mid-upload: its reply, if any, is lost
-            lost = AgentUnavailable(f"lost the sandbox agent during the upload: {e}")
-            raise self._failed(caller, row, "file.write", started, lost, path=path) from None
-        entry = reply["entry"]
-        self.audit(
-            caller, "file.write", sandbox_id, started=started, path=path, size=entry.get("size")
-        )
-        return entry
-
     # ------------------------------------------------------------------ the services' faces
     # The surfaces call these; each is one call into the service that does the job.
 
@@ -552,6 +425,30 @@ class SandboxManager:
 
     async def create(self, caller: Caller, req: CreateRequest) -> SandboxRow:
         return await self.creation.create(caller, req)
+
+    async def read_file(
+        self, caller: Caller, sandbox_id: str, path: str
+    ) -> tuple[int, AsyncIterator[bytes]]:
+        return await self.files.read(caller, sandbox_id, path)
+
+    async def write_file(
+        self, caller: Caller, sandbox_id: str, path: str, chunks: AsyncIterator[bytes]
+    ) -> dict[str, Any]:
+        return await self.files.write(caller, sandbox_id, path, chunks)
+
+    async def kill(self, caller: Caller, sandbox_id: str) -> None:
+        await self.lifecycle.kill(caller, sandbox_id)
+
+    async def set_timeout(self, caller: Caller, sandbox_id: str, timeout: float) -> SandboxRow:
+        return await self.lifecycle.set_timeout(caller, sandbox_id, timeout)
+
+    async def set_network(
+        self, caller: Caller, sandbox_id: str, network: dict[str, Any]
+    ) -> SandboxRow:
+        return await self.lifecycle.set_network(caller, sandbox_id, network)
+
+    async def rotate_access_token(self, caller: Caller, sandbox_id: str) -> SandboxRow:
+        return await self.lifecycle.rotate_access_token(caller, sandbox_id)
 
 
 __all__ = [

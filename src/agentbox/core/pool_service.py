@@ -74,7 +74,7 @@ class PoolService:
             try:
                 await self.core._client(row).call({"op": "env.set", "envs": req.envs})
             except (AgentOpError, AgentUnavailable) as e:
-                await self.core._end(row, SandboxState.FAILED, "failed")
+                await self.core.lifecycle.end(row, SandboxState.FAILED, "failed")
                 log.warning("claimed pool member %s failed its hand-over: %s", sid, e)
                 return None
         self.core.audit(
@@ -113,7 +113,7 @@ class PoolService:
             async for _ in events:
                 pass
         except (AgentOpError, AgentUnavailable) as e:
-            await self.core._end(row, SandboxState.FAILED, "failed")
+            await self.core.lifecycle.end(row, SandboxState.FAILED, "failed")
             raise SandboxUnavailable(f"the new pool member did not run a command: {e}") from None
         self.core.audit(None, "pool.refill", sandbox_id, tenant=POOL_TENANT, template=template)
         return sandbox_id
@@ -121,7 +121,7 @@ class PoolService:
     async def end_member(self, sandbox_id: str) -> None:
         row = self.core.store.get_sandbox(sandbox_id)
         if row is not None and row.tenant == POOL_TENANT:
-            await self.core._end(row, SandboxState.KILLED, "pool_shrunk")
+            await self.core.lifecycle.end(row, SandboxState.KILLED, "pool_shrunk")
 
     def usable_member(self, sandbox_id: str) -> bool:
         return sandbox_id in self.core._running and sandbox_id not in self.core._unhealthy

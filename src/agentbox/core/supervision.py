@@ -37,7 +37,7 @@ class Supervisor:
             now = time.time()
             for row in self.core.store.expired(now):
                 try:
-                    if await self.core._end(
+                    if await self.core.lifecycle.end(
                         row, SandboxState.EXPIRED, "timeout", only_if_expired=True
                     ):
                         self.core.audit(None, "sandbox.expire", row.sandbox_id, tenant=row.tenant)
@@ -71,7 +71,7 @@ class Supervisor:
                 return
             if not await self.core.runtime.is_alive(sid, row.runtime_state):
                 try:
-                    await self.core._end(row, SandboxState.KILLED, "vanished")
+                    await self.core.lifecycle.end(row, SandboxState.KILLED, "vanished")
                 except AgentboxError:
                     pass
                 return
@@ -90,7 +90,7 @@ class Supervisor:
                     )
                     if row.tenant == POOL_TENANT:  # nobody's yet: replace it
                         try:
-                            await self.core._end(row, SandboxState.FAILED, "failed")
+                            await self.core.lifecycle.end(row, SandboxState.FAILED, "failed")
                         except AgentboxError:
                             pass
                 return
@@ -114,16 +114,16 @@ class Supervisor:
                 row.state in (SandboxState.STARTING, SandboxState.BUILDING)
                 or row.runtime_state is None
             ):
-                await self.core._end(row, SandboxState.FAILED, "failed")
+                await self.core.lifecycle.end(row, SandboxState.FAILED, "failed")
                 counts["failed"] += 1
             elif row.tenant == CHECK_TENANT:  # a start-up check the last server left
-                await self.core._end(row, SandboxState.KILLED, "checked")
+                await self.core.lifecycle.end(row, SandboxState.KILLED, "checked")
             elif row.end_at <= now:
-                await self.core._end(row, SandboxState.EXPIRED, "timeout")
+                await self.core.lifecycle.end(row, SandboxState.EXPIRED, "timeout")
                 self.core.audit(None, "sandbox.expire", row.sandbox_id, tenant=row.tenant)
                 counts["expired"] += 1
             elif not await self.core.runtime.is_alive(row.sandbox_id, row.runtime_state):
-                await self.core._end(row, SandboxState.KILLED, "vanished")
+                await self.core.lifecycle.end(row, SandboxState.KILLED, "vanished")
                 counts["vanished"] += 1
             else:
                 self.core.runtime.adopt(row.sandbox_id, row.runtime_state)
@@ -139,7 +139,7 @@ class Supervisor:
                 if row.tenant == POOL_TENANT and not self.core.pools.adopt(
                     row.template, row.sandbox_id
                 ):
-                    await self.core._end(row, SandboxState.KILLED, "pool_shrunk")
+                    await self.core.lifecycle.end(row, SandboxState.KILLED, "pool_shrunk")
                     counts["pool_removed"] += 1
                     continue
                 counts["adopted"] += 1

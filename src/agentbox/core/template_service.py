@@ -179,7 +179,7 @@ class TemplateService:
         except (AgentOpError, AgentUnavailable) as e:
             raise SandboxUnavailable(f"the started sandbox did not run a command: {e}") from None
         finally:
-            await self.core._end(row, SandboxState.KILLED, "checked")
+            await self.core.lifecycle.end(row, SandboxState.KILLED, "checked")
 
     async def build_template(
         self, caller: Caller, spec: TemplateSpec
