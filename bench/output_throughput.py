@@ -280,17 +280,25 @@ def main() -> None:
             "http-bytes": lambda cmd: via_http_bytes(c, sid, cmd),
             "agent": lambda cmd: via_agent(sock, cmd),
         }
-        for rep in range(args.reps):
-            print(f"rep {rep + 1}:")
-            for producer in producers:
-                cmd = PRODUCERS[producer].format(n=nbytes)
-                record(producer, "host: | cat", host_cat(cmd, pin=False))
-                record(producer, "host: | cat, 1 CPU", host_cat(cmd, pin=True))
-                record(producer, "host: pipe read by Python", host_python_pipe(cmd))
-                for path in paths:
-                    record(producer, path, measured(partial(ways[path], cmd), srv.pid, apid))
+        prof = H.Profiler(
+            srv.pid, H.ROOT / "bench/results/output_throughput.pyspy.txt", args.profile
+        )
+        with prof:
+            for rep in range(args.reps):
+                print(f"rep {rep + 1}:")
+                for producer in producers:
+                    cmd = PRODUCERS[producer].format(n=nbytes)
+                    record(producer, "host: | cat", host_cat(cmd, pin=False))
+                    record(producer, "host: | cat, 1 CPU", host_cat(cmd, pin=True))
+                    record(producer, "host: pipe read by Python", host_python_pipe(cmd))
+                    for path in paths:
+                        record(producer, path, measured(partial(ways[path], cmd), srv.pid, apid))
         sbx.close()
     rows = report(runs, producers, paths, nbytes)
+    if prof_rows := prof.top(20):
+        print("\npy-spy on the server, all paths (inclusive %, self %):")
+        for frame, inc, own in prof_rows:
+            print(f"  {inc:5.1f}% {own:5.1f}%  {frame}")
     maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(
         f"\nbenchmark process peak RSS: {maxrss:.0f} MiB (the SDK keeps a foreground "
