@@ -64,9 +64,6 @@ class Run:
     wire: int = 0  # bytes on the HTTP response (NDJSON), when known
     cpu: dict[str, float] | None = None
 
-    def mbps(self) -> float:
-        return self.got / MB / self.seconds
-
 
 # ---------------------------------------------------------------- floors
 
@@ -126,9 +123,10 @@ def via_http(c: httpx.Client, sid: str, cmd: str) -> Run:
                 ev = json.loads(line)
                 if ev["type"] == "stdout":
                     got += len(ev["data"])
-                elif ev["type"] in ("end", "error", "truncated"):
-                    end = ev if ev["type"] == "end" else end
-                    assert ev["type"] == "end", ev
+                elif ev["type"] == "end":
+                    end = ev
+                elif ev["type"] in ("error", "truncated"):
+                    raise AssertionError(f"output lost: {ev}")
     dt = time.perf_counter() - t0
     assert end is not None and end["exit_code"] == 0, end
     return Run(got, dt, wire)
