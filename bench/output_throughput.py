@@ -347,16 +347,17 @@ def report(
             print(line)
         main_path = paths[0]
         floor, pinned = med(producer, "host: | cat"), med(producer, "host: | cat, 1 CPU")
+        # Rows are cells of run_all's Markdown table: a bare `|` would split them.
+        shown = PRODUCERS[producer].format(n=nbytes).replace("|", "\\|")
         rows.append(
             {
-                "metric": f"`{PRODUCERS[producer].format(n=nbytes)}` to a client via {main_path} "
-                "(all bytes checked)",
+                "metric": f"`{shown}` to a client via {main_path} (all bytes checked)",
                 "goal": "-",
                 "p50": med(producer, main_path),
                 "p99": worst(producer, main_path),
                 "unit": "MB/s",
                 "met": True,
-                "floor": f"host `producer | cat > /dev/null`: {floor:.0f} MB/s "
+                "floor": f"host `producer \\| cat > /dev/null`: {floor:.0f} MB/s "
                 f"(1 CPU: {pinned:.0f})",
                 "ratio": f"{med(producer, main_path) / floor:.3f}x floor",
             }
