@@ -18,8 +18,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness as H  # noqa: E402
 
-BENCHMARKS = ["create_latency", "exec_latency", "file_throughput", "churn", "idle_memory",
-              "egress_latency", "gateway"]
+BENCHMARKS = ["create_latency", "exec_latency", "file_throughput", "output_throughput", "churn",
+              "idle_memory", "egress_latency", "gateway"]
 
 
 def fmt(v: object, unit: str) -> str:
