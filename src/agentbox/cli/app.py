@@ -1188,7 +1188,8 @@ def files_ls(
         "--all", help="Every page (else the first, and a note on stderr if there is more).")]
     = False,
     cursor: Annotated[str | None, typer.Option(
-        help="Start after this path: the cursor the page before printed.")] = None,
+        help="Start after this path: the cursor the page before printed.",
+        show_default="the first entry")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """List a directory of a running sandbox, in path order."""
