@@ -44,6 +44,7 @@ from agentbox.sdk.models import (
     SecretInfo,
     TemplateInfo,
 )
+from agentbox.vocab import DEFAULT_LANGUAGE, LIVE_FILTER, ErrorCode, SandboxState
 
 T = TypeVar("T")
 
@@ -118,7 +119,7 @@ class AsyncTransport:
                     if progress.done:
                         return
                 error = p.ConnectionFailedError(
-                    "the command stream ended before the command", code="connection_failed"
+                    "the command stream ended before the command", code=ErrorCode.CONNECTION_FAILED
                 )
             except AgentboxError as e:
                 if not p.may_reconnect(e) or progress.cmd_id is None:
@@ -402,11 +403,13 @@ class AsyncTemplates:
         async for event in self._transport.events(p.build_template(spec, builtin, files), None):
             await async_deliver(on_event, event)
             if event.get("type") == "error":
-                raise p.error_from_code("build_failed", str(event.get("message", "")))
+                raise p.error_from_code(ErrorCode.BUILD_FAILED, str(event.get("message", "")))
             if event.get("type") == "done":
                 name = str((event.get("template") or {}).get("name", ""))
         if not name:
-            raise AgentboxError("the build stream ended before the build did", code="stream_ended")
+            raise AgentboxError(
+                "the build stream ended before the build did", code=ErrorCode.STREAM_ENDED
+            )
         return await self.get(name)
 
     async def remove(self, name: str) -> None:
@@ -597,7 +600,7 @@ class AsyncSandbox:
                     await asyncio.sleep(p.BUILD_POLL_S)
                     info = await transport.call(p.get_sandbox(info.sandbox_id))
             except BaseException:
-                if info.state in ("building", "starting"):  # given up on: not left to run
+                if info.state in (SandboxState.BUILDING, SandboxState.STARTING):  # not left to run
                     with contextlib.suppress(AgentboxError):
                         await transport.call(p.kill_sandbox(info.sandbox_id))
                 raise
@@ -626,7 +629,7 @@ class AsyncSandbox:
     @classmethod
     async def list(
         cls,
-        state: str | list[str] | None = "live",
+        state: str | list[str] | None = LIVE_FILTER,
         metadata: Mapping[str, str] | None = None,
         limit: int | None = None,
         api_key: str | None = None,
@@ -755,7 +758,7 @@ class AsyncSandbox:
         return builder.result()
 
     async def create_code_context(
-        self, language: str = "python", cwd: str | None = None
+        self, language: str = DEFAULT_LANGUAGE, cwd: str | None = None
     ) -> Context:
         """A new context with its own state (its own kernel, for python)."""
         return await self._transport.call(p.create_code_context(self.sandbox_id, language, cwd))
@@ -775,7 +778,7 @@ class AsyncSandbox:
             info = await self.get_info()
         except NotFoundError:
             return False
-        return info.state == "running"
+        return info.state == SandboxState.RUNNING
 
     async def set_timeout(self, timeout: float) -> SandboxInfo:
         """The sandbox now ends `timeout` seconds from now."""

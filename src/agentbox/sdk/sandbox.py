@@ -39,6 +39,7 @@ from agentbox.sdk.models import (
     SecretInfo,
     TemplateInfo,
 )
+from agentbox.vocab import DEFAULT_LANGUAGE, LIVE_FILTER, ErrorCode, SandboxState
 
 T = TypeVar("T")
 
@@ -111,7 +112,7 @@ class Transport:
                     if progress.done:
                         return
                 error = p.ConnectionFailedError(
-                    "the command stream ended before the command", code="connection_failed"
+                    "the command stream ended before the command", code=ErrorCode.CONNECTION_FAILED
                 )
             except AgentboxError as e:
                 if not p.may_reconnect(e) or progress.cmd_id is None:
@@ -389,11 +390,13 @@ class Templates:
         for event in self._transport.events(p.build_template(spec, builtin, files), None):
             deliver(on_event, event)
             if event.get("type") == "error":
-                raise p.error_from_code("build_failed", str(event.get("message", "")))
+                raise p.error_from_code(ErrorCode.BUILD_FAILED, str(event.get("message", "")))
             if event.get("type") == "done":
                 name = str((event.get("template") or {}).get("name", ""))
         if not name:
-            raise AgentboxError("the build stream ended before the build did", code="stream_ended")
+            raise AgentboxError(
+                "the build stream ended before the build did", code=ErrorCode.STREAM_ENDED
+            )
         return self.get(name)
 
     def remove(self, name: str) -> None:
@@ -582,7 +585,7 @@ class Sandbox:
                     time.sleep(p.BUILD_POLL_S)
                     info = transport.call(p.get_sandbox(info.sandbox_id))
             except BaseException:
-                if info.state in ("building", "starting"):  # given up on: not left to run
+                if info.state in (SandboxState.BUILDING, SandboxState.STARTING):  # not left to run
                     with contextlib.suppress(AgentboxError):
                         transport.call(p.kill_sandbox(info.sandbox_id))
                 raise
@@ -611,7 +614,7 @@ class Sandbox:
     @classmethod
     def list(
         cls,
-        state: str | list[str] | None = "live",
+        state: str | list[str] | None = LIVE_FILTER,
         metadata: Mapping[str, str] | None = None,
         limit: int | None = None,
         api_key: str | None = None,
@@ -737,7 +740,9 @@ class Sandbox:
                 deliver(callbacks[fired[0]], fired[1])
         return builder.result()
 
-    def create_code_context(self, language: str = "python", cwd: str | None = None) -> Context:
+    def create_code_context(
+        self, language: str = DEFAULT_LANGUAGE, cwd: str | None = None
+    ) -> Context:
         """A new context with its own state (its own kernel, for python)."""
         return self._transport.call(p.create_code_context(self.sandbox_id, language, cwd))
 
@@ -756,7 +761,7 @@ class Sandbox:
             info = self.get_info()
         except NotFoundError:
             return False
-        return info.state == "running"
+        return info.state == SandboxState.RUNNING
 
     def set_timeout(self, timeout: float) -> SandboxInfo:
         """The sandbox now ends `timeout` seconds from now."""
