@@ -10,9 +10,14 @@ from typing import Any
 
 __version__ = "0.1.0"
 
+_SDK_NAMES = frozenset(
+    {"Sandbox", "Templates", "Secrets", "Workspaces"}
+    | {"AsyncSandbox", "AsyncTemplates", "AsyncSecrets", "AsyncWorkspaces"}
+)
+
 
 def __getattr__(name: str) -> Any:
-    if name in ("Sandbox", "AsyncSandbox", "Templates", "Secrets", "Workspaces", "AsyncWorkspaces"):
+    if name in _SDK_NAMES:
         from agentbox import sdk
 
         return getattr(sdk, name)

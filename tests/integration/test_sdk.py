@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from agentbox import AsyncSandbox, Sandbox
+from agentbox import AsyncSandbox, AsyncSecrets, AsyncTemplates, Sandbox, Secrets, Templates
 from agentbox.sdk import (
     AgentboxError,
     AuthenticationError,
@@ -454,5 +454,35 @@ def test_async_sandbox_flow(conn: dict[str, Any]) -> None:
         again = await AsyncSandbox.connect(sandbox_id, **conn)
         assert not await again.is_running()
         await again.close()
+
+    asyncio.run(flow())
+
+
+def test_async_templates_and_secrets_match_the_sync_ones(server: Any,
+                                                         conn: dict[str, Any]) -> None:
+    admin = {"api_key": server.admin_key, "api_url": server.url}
+
+    async def flow() -> None:
+        async with AsyncSecrets(**conn) as secrets:
+            made = await secrets.set("ASYNC_TOKEN", "s3cret-value", "api.example.com")
+            assert (made.name, made.hosts) == ("ASYNC_TOKEN", ["api.example.com"])
+            assert [s.name for s in await secrets.list()] == ["ASYNC_TOKEN"]
+            with Secrets(**conn) as sync_secrets:
+                assert sync_secrets.list() == await secrets.list()
+            await secrets.remove("ASYNC_TOKEN")
+            with pytest.raises(NotFoundError):
+                await secrets.remove("ASYNC_TOKEN")
+            assert await secrets.list() == []
+
+        async with AsyncTemplates(**conn) as templates, AsyncTemplates(**admin) as admin_t:
+            with Templates(**conn) as sync_templates:
+                assert await templates.list() == sync_templates.list()
+                shipped = await templates.builtin()
+                assert shipped and shipped == sync_templates.builtin()
+                with pytest.raises(NotFoundError):
+                    await templates.get("no-such-template")
+            with pytest.raises(AuthenticationError):  # sizing pools needs an admin key
+                await templates.set_pool_size("default", 0)
+            assert isinstance(await admin_t.pools(), list)
 
     asyncio.run(flow())

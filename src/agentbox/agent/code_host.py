@@ -78,6 +78,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+# agentbox.vocab.LANGUAGES, copied: this file runs alone inside the sandbox (test_vocab checks).
 LANGUAGES = ("python", "bash", "javascript")
 START_TIMEOUT_S = 60.0
 INTERRUPT_GRACE_S = 5.0

@@ -8,10 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentbox.core.errors import InvalidRequest
+from agentbox.vocab import LANGUAGES as LANGUAGES  # re-exported: its users import it from here
 
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-
-LANGUAGES = ("python", "bash", "javascript")
 
 
 @dataclass

@@ -12,17 +12,20 @@ instead of `running` while the sandbox's agent does not answer, and never stored
 
 from __future__ import annotations
 
-from enum import StrEnum
+# The states themselves are shared with the SDK, so they are written down in agentbox.vocab.
+from agentbox.vocab import LIVE_FILTER, UNHEALTHY, SandboxState
 
-
-class SandboxState(StrEnum):
-    BUILDING = "building"
-    STARTING = "starting"
-    RUNNING = "running"
-    KILLED = "killed"  # asked to end (a kill, a vanished sandbox, a pool or check member)
-    FAILED = "failed"  # could not start, or its build failed, or it broke beyond repair
-    EXPIRED = "expired"  # its timeout passed
-
+__all__ = [
+    "SandboxState",
+    "UNHEALTHY",
+    "LIVE_FILTER",
+    "INITIAL",
+    "LIVE",
+    "ENDED",
+    "TRANSITIONS",
+    "allowed",
+    "sources",
+]
 
 # What a sandbox is first stored as.
 INITIAL = frozenset({SandboxState.BUILDING, SandboxState.STARTING})
@@ -38,11 +41,6 @@ TRANSITIONS: dict[SandboxState, frozenset[SandboxState]] = {
     SandboxState.FAILED: frozenset(),
     SandboxState.EXPIRED: frozenset(),
 }
-
-# Shown instead of `running` while the agent does not answer; never stored.
-UNHEALTHY = "unhealthy"
-# A list filter meaning every live state.
-LIVE_FILTER = "live"
 
 
 def allowed(old: str, new: str) -> bool:

@@ -7,7 +7,13 @@
         sbx.files.write("notes.txt", "hello")
 """
 
-from agentbox.sdk.async_sandbox import AsyncCommandHandle, AsyncSandbox, AsyncWorkspaces
+from agentbox.sdk.async_sandbox import (
+    AsyncCommandHandle,
+    AsyncSandbox,
+    AsyncSecrets,
+    AsyncTemplates,
+    AsyncWorkspaces,
+)
 from agentbox.sdk.exceptions import *  # noqa: F403
 from agentbox.sdk.exceptions import __all__ as _exception_names
 from agentbox.sdk.models import (
@@ -52,7 +58,9 @@ __all__ = [
     "Violation",
     "AuditEvent",
     "Templates",
+    "AsyncTemplates",
     "Secrets",
+    "AsyncSecrets",
     "SecretInfo",
     "NetworkInfo",
     "BlockedAttempt",

@@ -2,6 +2,10 @@
 
 Same API as `Sandbox` with `await`; streams are async iterators and output callbacks may be
 plain functions or coroutine functions.
+
+This file is the source of both faces: `scripts/unasync.py` generates `sandbox.py` from it, so
+write docstrings that read right for both once `await`/`async` are dropped and `AsyncX` is `X`
+(see that script for every rewrite). What cannot be generated lives in `faces.py`.
 """
 
 from __future__ import annotations
@@ -9,22 +13,19 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
-import inspect
-from collections.abc import (
-    AsyncIterable,
-    AsyncIterator,
-    Awaitable,
-    Callable,
-    Iterable,
-    Mapping,
-    Sequence,
-)
-from typing import IO, Any, Literal, TypeVar, overload
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from typing import Any, Literal, TypeVar, overload
 
 import httpx
 
 from agentbox.sdk import protocol as p
 from agentbox.sdk.exceptions import AgentboxError, NotFoundError
+from agentbox.sdk.faces import (
+    AsyncOutputCallback,
+    AsyncWriteData,
+    async_deliver,
+    async_upload_body,
+)
 from agentbox.sdk.models import (
     BuildProgress,
     CommandInfo,
@@ -33,27 +34,23 @@ from agentbox.sdk.models import (
     EntryInfo,
     EntryList,
     Execution,
+    ExecutionError,
     KeptWorkspace,
+    OutputMessage,
+    PoolStats,
     Resources,
+    Result,
     SandboxInfo,
+    SecretInfo,
+    TemplateInfo,
 )
+from agentbox.vocab import DEFAULT_LANGUAGE, LIVE_FILTER, ErrorCode, SandboxState
 
 T = TypeVar("T")
-OutputCallback = Callable[[str], Any] | Callable[[str], Awaitable[Any]]
-AsyncWriteData = (str | bytes | bytearray | memoryview | IO[bytes] | Iterable[bytes]
-                  | AsyncIterable[bytes])
-
-
-async def _deliver(callback: Callable[[Any], Any] | None, data: Any) -> None:
-    if callback is None:
-        return
-    result = callback(data)
-    if inspect.isawaitable(result):
-        await result
 
 
 class AsyncTransport:
-    """One httpx.AsyncClient bound to a server and key; maps transport failures."""
+    """One httpx.AsyncClient for a server and key; maps every transport failure to the SDK's."""
 
     def __init__(self, config: p.ClientConfig) -> None:
         self.config = config
@@ -61,8 +58,9 @@ class AsyncTransport:
 
     async def call(self, call: p.Call[T], content: Any = None) -> T:
         try:
-            response = await self.client.request(call.method, call.path, params=call.params,
-                                                 json=call.json, content=content)
+            response = await self.client.request(
+                call.method, call.path, params=call.params, json=call.json, content=content
+            )
         except httpx.HTTPError as e:
             raise p.transport_error(e, self.config.api_url) from None
         return p.finish(call, response)
@@ -70,8 +68,12 @@ class AsyncTransport:
     async def open(self, call: p.Call[Any], read_timeout: float | None) -> httpx.Response:
         """Send and return the response with its body unread; the caller must close it."""
         request = self.client.build_request(
-            call.method, call.path, params=call.params, json=call.json,
-            timeout=p.stream_timeout(self.config, read_timeout))
+            call.method,
+            call.path,
+            params=call.params,
+            json=call.json,
+            timeout=p.stream_timeout(self.config, read_timeout),
+        )
         try:
             response = await self.client.send(request, stream=True)
         except httpx.HTTPError as e:
@@ -86,8 +88,9 @@ class AsyncTransport:
             raise p.error_from_response(response)
         return response
 
-    async def events(self, call: p.Call[Any],
-                     read_timeout: float | None) -> AsyncIterator[dict[str, Any]]:
+    async def events(
+        self, call: p.Call[Any], read_timeout: float | None
+    ) -> AsyncIterator[dict[str, Any]]:
         response = await self.open(call, read_timeout)
         try:
             async for line in response.aiter_lines():
@@ -99,8 +102,9 @@ class AsyncTransport:
         finally:
             await response.aclose()
 
-    async def follow(self, progress: p.CommandProgress, first: p.Call[Any] | None,
-                     read_timeout: float | None) -> AsyncIterator[tuple[str, str]]:
+    async def follow(
+        self, progress: p.CommandProgress, first: p.Call[Any] | None, read_timeout: float | None
+    ) -> AsyncIterator[tuple[str, str]]:
         """Output of a command until its `end` event, resuming dropped streams at the offset."""
         call = first or progress.resume()
         failures = 0
@@ -114,8 +118,9 @@ class AsyncTransport:
                         yield out
                     if progress.done:
                         return
-                error = p.ConnectionFailedError("the command stream ended before the command",
-                                                code="connection_failed")
+                error = p.ConnectionFailedError(
+                    "the command stream ended before the command", code=ErrorCode.CONNECTION_FAILED
+                )
             except AgentboxError as e:
                 if not p.may_reconnect(e) or progress.cmd_id is None:
                     raise
@@ -127,7 +132,7 @@ class AsyncTransport:
             call = progress.resume()
 
     async def bytes_stream(self, call: p.Call[Any]) -> AsyncIterator[bytes]:
-        # Opened now, so a missing file raises here rather than on the first __anext__().
+        # Opened now, so a missing file raises here rather than when the first chunk is asked.
         response = await self.open(call, self.config.request_timeout)
 
         async def chunks() -> AsyncIterator[bytes]:
@@ -145,56 +150,43 @@ class AsyncTransport:
         await self.client.aclose()
 
 
-def _upload_body(data: AsyncWriteData) -> bytes | AsyncIterator[bytes]:
-    if isinstance(data, str | bytes | bytearray | memoryview):
-        return p.upload_parts(bytes(data) if not isinstance(data, str) else data)
-    return _chunks(data)
-
-
-async def _chunks(data: Any) -> AsyncIterator[bytes]:
-    # Chunked upload: a file object is never read into memory as a whole.
-    read = getattr(data, "read", None)
-    if callable(read):
-        while True:
-            chunk = read(p.CHUNK_SIZE)
-            if inspect.isawaitable(chunk):  # an async file object (aiofiles and the like)
-                chunk = await chunk
-            if not chunk:
-                return
-            yield p.upload_parts(chunk)
-    elif hasattr(data, "__aiter__"):
-        async for chunk in data:
-            yield p.upload_parts(chunk)
-    else:
-        for chunk in data:
-            yield p.upload_parts(chunk)
-
-
 class AsyncCommandHandle(p.CommandHandleBase):
-    """A background command: `await wait()`, `async for stdout, stderr in handle`, kill, stdin."""
+    """A command running in the background: wait for it, stream it, feed it stdin, kill it."""
 
-    def __init__(self, commands: AsyncCommands, cmd_id: str, pid: int | None,
-                 on_stdout: OutputCallback | None = None,
-                 on_stderr: OutputCallback | None = None) -> None:
+    def __init__(
+        self,
+        commands: AsyncCommands,
+        cmd_id: str,
+        pid: int | None,
+        on_stdout: AsyncOutputCallback | None = None,
+        on_stderr: AsyncOutputCallback | None = None,
+    ) -> None:
         self._commands = commands
         self._progress = p.CommandProgress(commands._sandbox_id, cmd_id, pid)
         self._on_stdout = on_stdout
         self._on_stderr = on_stderr
 
     async def __aiter__(self) -> AsyncIterator[tuple[str | None, str | None]]:
-        if self._progress.done:
-            return
-        async for stream, data in self._commands._transport.follow(self._progress, None, None):
+        """Yields (stdout, stderr) pairs with one side set, until the command ends."""
+        async for stream, data in self._follow():
             yield (data, None) if stream == "stdout" else (None, data)
 
-    async def wait(self, on_stdout: OutputCallback | None = None,
-                   on_stderr: OutputCallback | None = None) -> CommandResult:
+    async def _follow(self) -> AsyncIterator[tuple[str, str]]:
+        if self._progress.done:
+            return
+        async for out in self._commands._transport.follow(self._progress, None, None):
+            yield out
+
+    async def wait(
+        self,
+        on_stdout: AsyncOutputCallback | None = None,
+        on_stderr: AsyncOutputCallback | None = None,
+    ) -> CommandResult:
+        """Block until the command ends; raises CommandExitException unless it exited 0."""
         on_stdout = on_stdout or self._on_stdout
         on_stderr = on_stderr or self._on_stderr
-        if not self._progress.done:
-            async for stream, data in self._commands._transport.follow(self._progress, None,
-                                                                        None):
-                await _deliver(on_stdout if stream == "stdout" else on_stderr, data)
+        async for stream, data in self._follow():
+            await async_deliver(on_stdout if stream == "stdout" else on_stderr, data)
         return self._progress.outcome()
 
     async def kill(self) -> bool:
@@ -208,44 +200,74 @@ class AsyncCommandHandle(p.CommandHandleBase):
 
 
 class AsyncCommands:
+    """`sbx.commands`: run shell commands (`bash -l -c`) in the sandbox."""
+
     def __init__(self, sandbox_id: str, transport: AsyncTransport) -> None:
         self._sandbox_id = sandbox_id
         self._transport = transport
 
     @overload
-    async def run(self, cmd: str, background: Literal[False] = False,
-                  envs: Mapping[str, str] | None = None, cwd: str | None = None,
-                  timeout: float = 60, on_stdout: OutputCallback | None = None,
-                  on_stderr: OutputCallback | None = None,
-                  stdin: bool = False,
-                  on_start: Callable[[str], Any] | None = None) -> CommandResult: ...
+    async def run(
+        self,
+        cmd: str,
+        background: Literal[False] = False,
+        envs: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        timeout: float = 60,
+        on_stdout: AsyncOutputCallback | None = None,
+        on_stderr: AsyncOutputCallback | None = None,
+        stdin: bool = False,
+        on_start: Callable[[str], Any] | None = None,
+    ) -> CommandResult: ...
 
     @overload
-    async def run(self, cmd: str, background: Literal[True],
-                  envs: Mapping[str, str] | None = None, cwd: str | None = None,
-                  timeout: float = 60, on_stdout: OutputCallback | None = None,
-                  on_stderr: OutputCallback | None = None,
-                  stdin: bool = False,
-                  on_start: Callable[[str], Any] | None = None) -> AsyncCommandHandle: ...
+    async def run(
+        self,
+        cmd: str,
+        background: Literal[True],
+        envs: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        timeout: float = 60,
+        on_stdout: AsyncOutputCallback | None = None,
+        on_stderr: AsyncOutputCallback | None = None,
+        stdin: bool = False,
+        on_start: Callable[[str], Any] | None = None,
+    ) -> AsyncCommandHandle: ...
 
-    async def run(self, cmd: str, background: bool = False,
-                  envs: Mapping[str, str] | None = None, cwd: str | None = None,
-                  timeout: float = 60, on_stdout: OutputCallback | None = None,
-                  on_stderr: OutputCallback | None = None,
-                  stdin: bool = False, on_start: Callable[[str], Any] | None = None,
-                  ) -> CommandResult | AsyncCommandHandle:
-        """See `Commands.run`."""
+    async def run(
+        self,
+        cmd: str,
+        background: bool = False,
+        envs: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        timeout: float = 60,
+        on_stdout: AsyncOutputCallback | None = None,
+        on_stderr: AsyncOutputCallback | None = None,
+        stdin: bool = False,
+        on_start: Callable[[str], Any] | None = None,
+    ) -> CommandResult | AsyncCommandHandle:
+        """Run `cmd`; `timeout` seconds (0 = none) is enforced by the server.
+
+        Foreground: streams output to the callbacks as it arrives, returns the result, and
+        raises CommandExitException (CommandTimeoutError on timeout) unless it exited 0.
+        `on_start` is called with the command's id as soon as it started (from the task
+        running it: it must not block), e.g. to `send_stdin` (with `stdin=True`) or `kill` it
+        from another task.
+        Background: returns a CommandHandle at once.
+        """
         if background:
             info = await self._transport.call(
-                p.start_command(self._sandbox_id, cmd, envs, cwd, timeout, stdin))
+                p.start_command(self._sandbox_id, cmd, envs, cwd, timeout, stdin)
+            )
             if on_start is not None:
                 on_start(info.cmd_id)
             return AsyncCommandHandle(self, info.cmd_id, info.pid, on_stdout, on_stderr)
         progress = p.CommandProgress(self._sandbox_id, cmd=cmd, on_start=on_start)
         first = p.run_command(self._sandbox_id, cmd, envs, cwd, timeout, stdin)
-        async for stream, data in self._transport.follow(progress, first,
-                                                         p.command_read_timeout(timeout)):
-            await _deliver(on_stdout if stream == "stdout" else on_stderr, data)
+        async for stream, data in self._transport.follow(
+            progress, first, p.command_read_timeout(timeout)
+        ):
+            await async_deliver(on_stdout if stream == "stdout" else on_stderr, data)
         return progress.outcome()
 
     async def list(self) -> list[CommandInfo]:
@@ -255,10 +277,12 @@ class AsyncCommands:
         return await self._transport.call(p.get_command(self._sandbox_id, cmd_id))
 
     async def connect(self, cmd_id: str) -> AsyncCommandHandle:
+        """A handle on a command started earlier (its buffered output is replayed)."""
         info = await self.get_info(cmd_id)
         return AsyncCommandHandle(self, info.cmd_id, info.pid)
 
     async def kill(self, cmd_id: str, signal: str | int = "SIGKILL") -> bool:
+        """Kill the command's process tree; False when there is no such command."""
         try:
             await self._transport.call(p.kill_command(self._sandbox_id, cmd_id, signal))
         except NotFoundError:
@@ -273,6 +297,8 @@ class AsyncCommands:
 
 
 class AsyncFiles:
+    """`sbx.files`: the sandbox file system. Paths are absolute or relative to /workspace."""
+
     def __init__(self, sandbox_id: str, transport: AsyncTransport) -> None:
         self._sandbox_id = sandbox_id
         self._transport = transport
@@ -286,26 +312,36 @@ class AsyncFiles:
     @overload
     async def read(self, path: str, format: Literal["stream"]) -> AsyncIterator[bytes]: ...
 
-    async def read(self, path: str, format: Literal["text", "bytes", "stream"] = "text",
-                   ) -> str | bytes | AsyncIterator[bytes]:
-        call = p.read_file(self._sandbox_id, path)
-        stream = await self._transport.bytes_stream(call)
+    async def read(
+        self, path: str, format: Literal["text", "bytes", "stream"] = "text"
+    ) -> str | bytes | AsyncIterator[bytes]:
+        """The file's content; `stream` yields chunks as they arrive (iterate it to the end)."""
+        stream = await self._transport.bytes_stream(p.read_file(self._sandbox_id, path))
         if format == "stream":
             return stream
         data = b"".join([chunk async for chunk in stream])
         return data if format == "bytes" else p.decode_text(data)
 
     async def write(self, path: str, data: AsyncWriteData) -> EntryInfo:
-        return await self._transport.call(p.write_file(self._sandbox_id, path),
-                                          _upload_body(data))
+        """Write (atomically) from str, bytes, a binary file object or an iterable of chunks."""
+        return await self._transport.call(
+            p.write_file(self._sandbox_id, path), async_upload_body(data)
+        )
 
-    async def list(self, path: str = "/workspace", depth: int = 1, *, limit: int | None = None,
-             cursor: str | None = None) -> EntryList:
+    async def list(
+        self,
+        path: str = "/workspace",
+        depth: int = 1,
+        *,
+        limit: int | None = None,
+        cursor: str | None = None,
+    ) -> EntryList:
         """Entries under `path` to `depth` levels, in path order. A listing stops at `limit`
         entries (the server's page size, 10,000, by default): then `.truncated` is True and
         `list(path, depth, cursor=page.next_cursor)` gives the next page."""
         return await self._transport.call(
-            p.list_files(self._sandbox_id, path, depth, limit, cursor))
+            p.list_files(self._sandbox_id, path, depth, limit, cursor)
+        )
 
     async def exists(self, path: str) -> bool:
         try:
@@ -320,6 +356,7 @@ class AsyncFiles:
         return await self._transport.call(p.stat_file(self._sandbox_id, path))
 
     async def make_dir(self, path: str) -> bool:
+        """Create the directory and its parents; False if it already existed."""
         return await self._transport.call(p.make_dir(self._sandbox_id, path))
 
     async def remove(self, path: str) -> None:
@@ -329,30 +366,147 @@ class AsyncFiles:
         return await self._transport.call(p.rename_file(self._sandbox_id, src, dst))
 
 
-class AsyncWorkspaces:
-    """See `Workspaces`: `async with AsyncWorkspaces() as kept:`."""
+class AsyncTemplates:
+    """Templates (root filesystems built offline) and warm pools: `AsyncTemplates()` with a key.
 
-    def __init__(self, api_key: str | None = None, api_url: str | None = None,
-                 request_timeout: float = 60) -> None:
+    Building, removing and sizing pools need an admin key; listing needs any key."""
+
+    def __init__(
+        self, api_key: str | None = None, api_url: str | None = None, request_timeout: float = 60
+    ) -> None:
+        self._transport = AsyncTransport(p.resolve_config(api_key, api_url, request_timeout))
+
+    async def list(self) -> list[TemplateInfo]:
+        templates, _ = await self._transport.call(p.list_templates())
+        return templates
+
+    async def builtin(self) -> builtins.list[str]:
+        """Names of the specs agentbox ships (built on first use)."""
+        _, shipped = await self._transport.call(p.list_templates())
+        return shipped
+
+    async def get(self, name: str) -> TemplateInfo:
+        return await self._transport.call(p.get_template(name))
+
+    async def build(
+        self,
+        spec: str | None = None,
+        builtin: str | None = None,
+        on_event: Callable[[dict[str, Any]], Any] | None = None,
+        spec_dir: str | None = None,
+    ) -> TemplateInfo:
+        """Build from a spec's TOML text or a shipped spec's name; build log events go to
+        `on_event` as they come. Files the spec names by `src` are read from `spec_dir` and
+        sent along. Unchanged steps come from the cache."""
+        name: str | None = None
+        files = p.spec_files(spec, spec_dir) if spec is not None and spec_dir else None
+        async for event in self._transport.events(p.build_template(spec, builtin, files), None):
+            await async_deliver(on_event, event)
+            if event.get("type") == "error":
+                raise p.error_from_code(ErrorCode.BUILD_FAILED, str(event.get("message", "")))
+            if event.get("type") == "done":
+                name = str((event.get("template") or {}).get("name", ""))
+        if not name:
+            raise AgentboxError(
+                "the build stream ended before the build did", code=ErrorCode.STREAM_ENDED
+            )
+        return await self.get(name)
+
+    async def remove(self, name: str) -> None:
+        await self._transport.call(p.remove_template(name))
+
+    async def pools(self) -> builtins.list[PoolStats]:
+        return await self._transport.call(p.list_pools())
+
+    async def set_pool_size(self, template: str, size: int) -> PoolStats:
+        return await self._transport.call(p.set_pool_size(template, size))
+
+    async def close(self) -> None:
+        await self._transport.close()
+
+    async def __aenter__(self) -> AsyncTemplates:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+class AsyncSecrets:
+    """The tenant's secrets: `AsyncSecrets()` with a key. Values go in and never come back out.
+
+    A sandbox created with `secrets=["NAME"]` sees only a placeholder in $NAME; the egress
+    proxy swaps in the value on requests to the secret's `hosts`, in its `headers` only
+    (default Authorization, Basic credentials included; the URL too when `in_url`), over TLS
+    it verified (plain HTTP only with `allow_plaintext`), and scrubs the value out of those
+    hosts' responses, so the sandbox can use a credential it cannot read."""
+
+    def __init__(
+        self, api_key: str | None = None, api_url: str | None = None, request_timeout: float = 60
+    ) -> None:
+        self._transport = AsyncTransport(p.resolve_config(api_key, api_url, request_timeout))
+
+    async def set(
+        self,
+        name: str,
+        value: str,
+        hosts: str | Sequence[str],
+        in_url: bool = False,
+        headers: str | Sequence[str] | None = None,
+        allow_plaintext: bool = False,
+    ) -> SecretInfo:
+        """Create or replace a secret; `hosts` (example.com, *.example.com) are the only
+        destinations its value is ever sent to, `headers` (default Authorization) the only
+        headers it goes in. `name` is an environment variable name."""
+        return await self._transport.call(
+            p.set_secret(name, value, hosts, in_url, headers, allow_plaintext)
+        )
+
+    async def list(self) -> builtins.list[SecretInfo]:
+        return await self._transport.call(p.list_secrets())
+
+    async def remove(self, name: str) -> None:
+        """NotFoundError if there is no such secret. Running sandboxes lose it at once."""
+        await self._transport.call(p.remove_secret(name))
+
+    async def close(self) -> None:
+        await self._transport.close()
+
+    async def __aenter__(self) -> AsyncSecrets:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+class AsyncWorkspaces:
+    """Kept workspaces: the /workspace of your ended sandboxes created with
+    `keep_workspace=True`, until you remove them or the server's retention does (7 days by
+    default). They count against your tenant's disk quota. `AsyncWorkspaces()` with a key."""
+
+    def __init__(
+        self, api_key: str | None = None, api_url: str | None = None, request_timeout: float = 60
+    ) -> None:
         self._transport = AsyncTransport(p.resolve_config(api_key, api_url, request_timeout))
 
     async def list(self) -> list[KeptWorkspace]:
+        """Your kept workspaces, most recently kept first."""
         return await self._transport.call(p.list_workspaces())
 
     @overload
-    async def read(self, sandbox_id: str, path: str,
-                   format: Literal["text"] = "text") -> str: ...
+    async def read(self, sandbox_id: str, path: str, format: Literal["text"] = "text") -> str: ...
 
     @overload
     async def read(self, sandbox_id: str, path: str, format: Literal["bytes"]) -> bytes: ...
 
     @overload
-    async def read(self, sandbox_id: str, path: str,
-                   format: Literal["stream"]) -> AsyncIterator[bytes]: ...
+    async def read(
+        self, sandbox_id: str, path: str, format: Literal["stream"]
+    ) -> AsyncIterator[bytes]: ...
 
-    async def read(self, sandbox_id: str, path: str,
-                   format: Literal["text", "bytes", "stream"] = "text",
-                   ) -> str | bytes | AsyncIterator[bytes]:
+    async def read(
+        self, sandbox_id: str, path: str, format: Literal["text", "bytes", "stream"] = "text"
+    ) -> str | bytes | AsyncIterator[bytes]:
+        """One file (`/workspace/...` or relative to it); symlinks are never followed."""
         stream = await self._transport.bytes_stream(p.read_workspace_file(sandbox_id, path))
         if format == "stream":
             return stream
@@ -360,9 +514,12 @@ class AsyncWorkspaces:
         return data if format == "bytes" else p.decode_text(data)
 
     async def archive(self, sandbox_id: str) -> AsyncIterator[bytes]:
+        """The whole workspace as a tar stream (GNU tar; symlinks as links), in chunks:
+        iterate it to the end, e.g. into a file or `tarfile.open(fileobj=..., mode="r|")`."""
         return await self._transport.bytes_stream(p.workspace_archive(sandbox_id))
 
     async def remove(self, sandbox_id: str) -> None:
+        """NotFoundError if there is no such kept workspace (of your tenant)."""
         await self._transport.call(p.remove_workspace(sandbox_id))
 
     async def close(self) -> None:
@@ -376,10 +533,14 @@ class AsyncWorkspaces:
 
 
 class AsyncSandbox:
-    """`sbx = await AsyncSandbox.create()`; `async with sbx:` kills it when the block ends."""
+    """An agentbox sandbox. Make one with `AsyncSandbox.create()` or `AsyncSandbox.connect(id)`.
 
-    def __init__(self, sandbox_id: str, transport: AsyncTransport,
-                 info: SandboxInfo | None = None) -> None:
+    `async with await AsyncSandbox.create() as sbx:` kills the sandbox when the block ends.
+    """
+
+    def __init__(
+        self, sandbox_id: str, transport: AsyncTransport, info: SandboxInfo | None = None
+    ) -> None:
         self.sandbox_id = sandbox_id
         self._transport = transport
         self._info = info
@@ -390,22 +551,48 @@ class AsyncSandbox:
         return f"AsyncSandbox(sandbox_id={self.sandbox_id!r})"
 
     @classmethod
-    async def create(cls, template: str | None = None, timeout: float = 300,
-                     metadata: Mapping[str, str] | None = None,
-                     envs: Mapping[str, str] | None = None,
-                     resources: Resources | Mapping[str, Any] | None = None,
-                     keep_workspace: bool = False, network: p.NetworkSpec | None = None,
-                     secrets: Sequence[str] | None = None,
-                     allow_internet_access: bool | None = None, api_key: str | None = None,
-                     api_url: str | None = None, request_timeout: float = 60,
-                     on_progress: Callable[[BuildProgress], None] | None = None,
-                     ) -> AsyncSandbox:
-        """See `Sandbox.create`."""
+    async def create(
+        cls,
+        template: str | None = None,
+        timeout: float = 300,
+        metadata: Mapping[str, str] | None = None,
+        envs: Mapping[str, str] | None = None,
+        resources: Resources | Mapping[str, Any] | None = None,
+        keep_workspace: bool = False,
+        network: p.NetworkSpec | None = None,
+        secrets: Sequence[str] | None = None,
+        allow_internet_access: bool | None = None,
+        api_key: str | None = None,
+        api_url: str | None = None,
+        request_timeout: float = 60,
+        on_progress: Callable[[BuildProgress], None] | None = None,
+    ) -> AsyncSandbox:
+        """Start a sandbox that lives `timeout` seconds unless extended with set_timeout.
+
+        `network` is its policy ({"allow_out": [...], "deny_out": [...],
+        "allow_internet_access": bool, "allow_public_traffic": bool}; None = the tenant's
+        default); `allow_internet_access` overrides that one field. `secrets` names tenant
+        secrets (see `Secrets`) the sandbox gets as placeholder environment variables.
+
+        A shipped template used for the first time is built first (a minute or two): the
+        server answers at once with a `building` sandbox and this waits until it runs, passing
+        each change of the build's progress to `on_progress` (default: the `agentbox` logger,
+        at INFO)."""
         transport = AsyncTransport(p.resolve_config(api_key, api_url, request_timeout))
         try:
-            info = await transport.call(p.create_sandbox(template, timeout, metadata, envs,
-                                                         resources, keep_workspace, network,
-                                                         secrets, allow_internet_access))
+            info = await transport.call(
+                p.create_sandbox(
+                    template,
+                    timeout,
+                    metadata,
+                    envs,
+                    resources,
+                    keep_workspace,
+                    network,
+                    secrets,
+                    allow_internet_access,
+                )
+            )
             try:
                 report = p.ProgressReporter(on_progress)
                 while not p.create_finished(info):
@@ -413,7 +600,7 @@ class AsyncSandbox:
                     await asyncio.sleep(p.BUILD_POLL_S)
                     info = await transport.call(p.get_sandbox(info.sandbox_id))
             except BaseException:
-                if info.state in ("building", "starting"):  # given up on: not left to run
+                if info.state in (SandboxState.BUILDING, SandboxState.STARTING):  # not left to run
                     with contextlib.suppress(AgentboxError):
                         await transport.call(p.kill_sandbox(info.sandbox_id))
                 raise
@@ -423,8 +610,14 @@ class AsyncSandbox:
         return cls(info.sandbox_id, transport, info)
 
     @classmethod
-    async def connect(cls, sandbox_id: str, api_key: str | None = None,
-                      api_url: str | None = None, request_timeout: float = 60) -> AsyncSandbox:
+    async def connect(
+        cls,
+        sandbox_id: str,
+        api_key: str | None = None,
+        api_url: str | None = None,
+        request_timeout: float = 60,
+    ) -> AsyncSandbox:
+        """Attach to an existing sandbox; NotFoundError if it is not yours or does not exist."""
         transport = AsyncTransport(p.resolve_config(api_key, api_url, request_timeout))
         try:
             info = await transport.call(p.get_sandbox(sandbox_id))
@@ -434,18 +627,27 @@ class AsyncSandbox:
         return cls(info.sandbox_id, transport, info)
 
     @classmethod
-    async def list(cls, state: str | list[str] | None = "live",
-                   metadata: Mapping[str, str] | None = None, limit: int | None = None,
-                   api_key: str | None = None, api_url: str | None = None,
-                   request_timeout: float = 60) -> list[SandboxInfo]:
-        """See `Sandbox.list`: the live ones by default, `state="all"` for every state."""
+    async def list(
+        cls,
+        state: str | list[str] | None = LIVE_FILTER,
+        metadata: Mapping[str, str] | None = None,
+        limit: int | None = None,
+        api_key: str | None = None,
+        api_url: str | None = None,
+        request_timeout: float = 60,
+    ) -> list[SandboxInfo]:
+        """Your sandboxes, newest first, following pages until `limit` (None = all).
+
+        By default the live ones (starting, running, unhealthy), as E2B's `list` gives running
+        ones; `state="all"` gives every state, or name states ("killed", ["expired", ...])."""
         transport = AsyncTransport(p.resolve_config(api_key, api_url, request_timeout))
         found: list[SandboxInfo] = []
         token: str | None = None
         try:
             while limit is None or len(found) < limit:
                 page = await transport.call(
-                    p.list_sandboxes(state, metadata, p.page_size(limit, len(found)), token))
+                    p.list_sandboxes(state, metadata, p.page_size(limit, len(found)), token)
+                )
                 found += page.sandboxes
                 token = page.next_token
                 if not token or not page.sandboxes:
@@ -465,66 +667,107 @@ class AsyncSandbox:
 
     @property
     def access_token(self) -> str | None:
-        """See `Sandbox.access_token`."""
+        """Opens the sandbox's private exposed ports (header X-Access-Token); None once it
+        ended. As of the last answer about this sandbox."""
         return self._info.access_token if self._info is not None else None
 
     def get_host(self, port: int) -> str:
-        """{port}-{sandbox_id}.{domain}; see `Sandbox.get_host` (no request: not awaited)."""
+        """Host name of `port` inside the sandbox: {port}-{sandbox_id}.{domain} (E2B's shape).
+
+        Unless the sandbox allows public traffic, send X-Access-Token: `access_token`, or use
+        `get_url` for a signed URL that needs no headers."""
         return p.sandbox_host(self._info, port)
 
-    async def get_url(self, port: int, expires_in: float | None = None, path: str = "/",
-                      routing: p.Routing = "path") -> str:
-        """A signed URL to `port` that needs no headers; see `Sandbox.get_url`."""
-        return await self._transport.call(p.port_url(self.sandbox_id, port, expires_in, path,
-                                                     routing))
+    async def get_url(
+        self,
+        port: int,
+        expires_in: float | None = None,
+        path: str = "/",
+        routing: p.Routing = "path",
+    ) -> str:
+        """A signed URL to `port` that any HTTP client can open with no headers, valid
+        `expires_in` seconds (None = one hour; at most a day) or until `rotate_access_token`.
+        `routing="host"` gives a URL on get_host's name instead of under the API's
+        /v1/sandboxes/{id}/ports/{port}."""
+        return await self._transport.call(
+            p.port_url(self.sandbox_id, port, expires_in, path, routing)
+        )
 
     async def rotate_access_token(self) -> str:
-        """A new access token; see `Sandbox.rotate_access_token`."""
+        """Give the sandbox a new access token and return it: the old one and every URL
+        `get_url` signed with it stop working at once."""
         info = self._keep(await self._transport.call(p.rotate_access_token(self.sandbox_id)))
         assert info.access_token is not None
         return info.access_token
 
-    async def update_network(self, network: p.NetworkSpec | None = None, *,
-                             allow_out: str | Sequence[str] | None = None,
-                             deny_out: str | Sequence[str] | None = None,
-                             allow_internet_access: bool | None = None,
-                             allow_public_traffic: bool | None = None) -> SandboxInfo:
-        """Replace the sandbox's whole network policy; see `Sandbox.update_network` (fields
-        not given take their defaults, they are not kept)."""
-        body = p.network_body(network, allow_out=allow_out, deny_out=deny_out,
-                              allow_internet_access=allow_internet_access,
-                              allow_public_traffic=allow_public_traffic)
+    async def update_network(
+        self,
+        network: p.NetworkSpec | None = None,
+        *,
+        allow_out: str | Sequence[str] | None = None,
+        deny_out: str | Sequence[str] | None = None,
+        allow_internet_access: bool | None = None,
+        allow_public_traffic: bool | None = None,
+    ) -> SandboxInfo:
+        """Replace the sandbox's whole network policy, effective for new connections at once.
+
+        The policy sent is `network` (a dict or a NetworkInfo) with the keywords given put over
+        it; anything neither names takes its default (nothing allowed, ports private), so
+        `update_network(allow_out=["pypi.org"])` also turns internet access and public ports
+        off. To change one field, start from `get_info().network`."""
+        body = p.network_body(
+            network,
+            allow_out=allow_out,
+            deny_out=deny_out,
+            allow_internet_access=allow_internet_access,
+            allow_public_traffic=allow_public_traffic,
+        )
         return self._keep(await self._transport.call(p.set_network(self.sandbox_id, body)))
 
     # -------------------------------------------------------------------- code interpreter
 
-    async def run_code(self, code: str, language: str | None = None,
-                       context: Context | str | None = None,
-                       on_stdout: Callable[[Any], Any] | None = None,
-                       on_stderr: Callable[[Any], Any] | None = None,
-                       on_result: Callable[[Any], Any] | None = None,
-                       on_error: Callable[[Any], Any] | None = None,
-                       envs: Mapping[str, str] | None = None,
-                       timeout: float | None = None) -> Execution:
-        """Run code in a stateful context; see `Sandbox.run_code`. Callbacks may be async."""
-        callbacks = {"on_stdout": on_stdout, "on_stderr": on_stderr, "on_result": on_result,
-                     "on_error": on_error}
+    async def run_code(
+        self,
+        code: str,
+        language: str | None = None,
+        context: Context | str | None = None,
+        on_stdout: Callable[[OutputMessage], Any] | None = None,
+        on_stderr: Callable[[OutputMessage], Any] | None = None,
+        on_result: Callable[[Result], Any] | None = None,
+        on_error: Callable[[ExecutionError], Any] | None = None,
+        envs: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> Execution:
+        """Run code in a stateful context (python by default: a Jupyter kernel).
+
+        Without `context`, the language's default context is used. Results stream to the
+        callbacks as they appear. An exception in the code is `execution.error`, not raised;
+        at `timeout` (default 300 s, 0 = none) the cell is interrupted and the context kept."""
+        callbacks: dict[str, Callable[[Any], Any] | None] = {
+            "on_stdout": on_stdout,
+            "on_stderr": on_stderr,
+            "on_result": on_result,
+            "on_error": on_error,
+        }
         builder = p.ExecutionBuilder()
         call = p.run_code(self.sandbox_id, code, language, context, envs, timeout)
         async for event in self._transport.events(call, p.code_read_timeout(timeout)):
             fired = builder.feed(event)
             if fired is not None:
-                await _deliver(callbacks[fired[0]], fired[1])
+                await async_deliver(callbacks[fired[0]], fired[1])
         return builder.result()
 
-    async def create_code_context(self, language: str = "python",
-                                  cwd: str | None = None) -> Context:
+    async def create_code_context(
+        self, language: str = DEFAULT_LANGUAGE, cwd: str | None = None
+    ) -> Context:
+        """A new context with its own state (its own kernel, for python)."""
         return await self._transport.call(p.create_code_context(self.sandbox_id, language, cwd))
 
     async def list_code_contexts(self) -> builtins.list[Context]:
         return await self._transport.call(p.list_code_contexts(self.sandbox_id))
 
     async def restart_code_context(self, context: Context | str) -> Context:
+        """Restart the context's kernel: its state is gone, its id stays."""
         return await self._transport.call(p.restart_code_context(self.sandbox_id, context))
 
     async def remove_code_context(self, context: Context | str) -> None:
@@ -532,17 +775,21 @@ class AsyncSandbox:
 
     async def is_running(self) -> bool:
         try:
-            return (await self.get_info()).state == "running"
+            info = await self.get_info()
         except NotFoundError:
             return False
+        return info.state == SandboxState.RUNNING
 
     async def set_timeout(self, timeout: float) -> SandboxInfo:
+        """The sandbox now ends `timeout` seconds from now."""
         return self._keep(await self._transport.call(p.set_timeout(self.sandbox_id, timeout)))
 
     async def kill(self) -> None:
+        """Kill the sandbox (killing a dead one is fine)."""
         await self._transport.call(p.kill_sandbox(self.sandbox_id))
 
     async def close(self) -> None:
+        """Release the HTTP connection; the sandbox keeps running."""
         await self._transport.close()
 
     async def __aenter__(self) -> AsyncSandbox:

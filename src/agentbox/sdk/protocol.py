@@ -60,6 +60,7 @@ from agentbox.sdk.models import (
     TemplateInfo,
     Violation,
 )
+from agentbox.vocab import UNHEALTHY, ErrorCode, SandboxState
 
 T = TypeVar("T")
 Params = list[tuple[str, str | int | float | bool | None]]
@@ -95,7 +96,7 @@ def resolve_config(api_key: str | None = None, api_url: str | None = None,
     if not key:
         raise AuthenticationError(
             "no API key: pass api_key=, set AGENTBOX_API_KEY, or run where the local server's "
-            "admin.key is readable", code="unauthorized")
+            "admin.key is readable", code=ErrorCode.UNAUTHORIZED)
     return ClientConfig(api_url=url.rstrip("/"), api_key=key, request_timeout=request_timeout)
 
 
@@ -231,11 +232,12 @@ class ProgressReporter:
 def create_finished(info: SandboxInfo) -> bool:
     """After a create answered: whether the sandbox runs (False while its template is built
     or it starts); raises why it failed if it did."""
-    if info.state in ("building", "starting"):
+    if info.state in (SandboxState.BUILDING, SandboxState.STARTING):
         return False
-    if info.state in ("running", "unhealthy"):
+    if info.state in (SandboxState.RUNNING, UNHEALTHY):
         return True
-    code = "build_failed" if info.end_reason == "build_failed" else "sandbox_unavailable"
+    failed = info.end_reason == "build_failed"  # an end reason, named like the error code
+    code = ErrorCode.BUILD_FAILED if failed else ErrorCode.SANDBOX_UNAVAILABLE
     why = info.error or f"it is {info.state} ({info.end_reason})"
     raise AgentboxError(f"sandbox {info.sandbox_id} did not start: {why}", status=503,
                         code=code, detail={"sandbox_id": info.sandbox_id})
@@ -291,7 +293,7 @@ def _names(values: str | Sequence[str], what: str) -> list[str]:
     if isinstance(values, str):
         return [values]
     if not all(isinstance(v, str) for v in values):
-        raise InvalidArgumentError(f"{what} must be strings", code="invalid_request")
+        raise InvalidArgumentError(f"{what} must be strings", code=ErrorCode.INVALID_REQUEST)
     return list(values)
 
 
@@ -333,7 +335,7 @@ def port_url(sandbox_id: str, port: int, expires_in: float | None = None, path: 
     ({api}/v1/sandboxes/{id}/ports/{port}{path}) or host-routed ({port}-{id}.{domain})."""
     if routing not in ("path", "host"):
         raise InvalidArgumentError(f"routing must be 'path' or 'host', not {routing!r}",
-                                   code="invalid_request")
+                                   code=ErrorCode.INVALID_REQUEST)
     return Call("POST", f"{_sbx(sandbox_id)}/port-url", lambda r: str(r.json()["url"]),
                 json={"port": port, "expires_in": expires_in, "path": path,
                       "routing": routing})
@@ -347,9 +349,10 @@ def sandbox_host(info: SandboxInfo | None, port: int) -> str:
     if info is None or not info.domain:
         raise AgentboxError("the server did not say which domain exposed ports use (a server "
                             "older than exposed ports?); use get_url instead",
-                            code="unsupported")
+                            code=ErrorCode.UNSUPPORTED)
     if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
-        raise InvalidArgumentError(f"port must be 1-65535, not {port!r}", code="invalid_request")
+        raise InvalidArgumentError(f"port must be 1-65535, not {port!r}",
+                                   code=ErrorCode.INVALID_REQUEST)
     return f"{port}-{info.sandbox_id}.{info.domain}"
 
 
@@ -544,7 +547,7 @@ def run_code(sandbox_id: str, code: str, language: str | None, context: Context 
              envs: Mapping[str, str] | None, timeout: float | None) -> Call[None]:
     if language is not None and context is not None:
         raise InvalidArgumentError("give either language or context, not both",
-                                   code="invalid_request")
+                                   code=ErrorCode.INVALID_REQUEST)
     body: dict[str, Any] = {"code": code, "envs": dict(envs or {})}
     if context is not None:
         body["context_id"] = context.id if isinstance(context, Context) else str(context)
@@ -636,7 +639,7 @@ class ExecutionBuilder:
     def result(self) -> Execution:
         if not self.ended:
             raise AgentboxError("the run_code stream ended before the execution did",
-                                code="stream_ended")
+                                code=ErrorCode.STREAM_ENDED)
         return self.execution
 
 
@@ -677,7 +680,7 @@ def spec_files(spec_text: str, spec_dir: str) -> dict[str, bytes]:
         entries = tomllib.loads(spec_text).get("files") or []
     except tomllib.TOMLDecodeError as e:
         raise InvalidArgumentError(f"the spec is not valid TOML: {e}",
-                                   code="invalid_request") from None
+                                   code=ErrorCode.INVALID_REQUEST) from None
     out: dict[str, bytes] = {}
     for entry in entries if isinstance(entries, list) else []:
         src = entry.get("src") if isinstance(entry, dict) else None
@@ -686,7 +689,7 @@ def spec_files(spec_text: str, spec_dir: str) -> dict[str, bytes]:
                 out[src] = (Path(spec_dir) / src).read_bytes()
             except OSError as e:
                 raise InvalidArgumentError(f"files: cannot read {src!r}: {e.strerror}",
-                                           code="invalid_request") from None
+                                           code=ErrorCode.INVALID_REQUEST) from None
     return out
 
 
@@ -745,13 +748,19 @@ _BY_STATUS: dict[int, type[AgentboxError]] = {
 
 # For errors that arrive inside an NDJSON stream, where only the code is known.
 _BY_CODE: dict[str, type[AgentboxError]] = {
-    "unauthorized": AuthenticationError, "forbidden": AuthenticationError,
-    "not_found": NotFoundError, "path_not_found": NotFoundError,
-    "invalid_request": InvalidArgumentError, "invalid_path": InvalidArgumentError,
-    "limit_exceeded": InvalidArgumentError, "quota_exceeded": QuotaExceededError,
-    "conflict": ConflictError, "sandbox_not_running": ConflictError,
-    "context_not_found": NotFoundError, "kernel_dead": ConflictError,
-    "unsupported": InvalidArgumentError,
+    ErrorCode.UNAUTHORIZED: AuthenticationError,
+    ErrorCode.FORBIDDEN: AuthenticationError,
+    ErrorCode.NOT_FOUND: NotFoundError,
+    ErrorCode.PATH_NOT_FOUND: NotFoundError,
+    ErrorCode.CONTEXT_NOT_FOUND: NotFoundError,
+    ErrorCode.INVALID_REQUEST: InvalidArgumentError,
+    ErrorCode.INVALID_PATH: InvalidArgumentError,
+    ErrorCode.LIMIT_EXCEEDED: InvalidArgumentError,
+    ErrorCode.UNSUPPORTED: InvalidArgumentError,
+    ErrorCode.QUOTA_EXCEEDED: QuotaExceededError,
+    ErrorCode.CONFLICT: ConflictError,
+    ErrorCode.SANDBOX_NOT_RUNNING: ConflictError,
+    ErrorCode.KERNEL_DEAD: ConflictError,
 }
 
 
@@ -785,10 +794,10 @@ def transport_error(exc: httpx.HTTPError, api_url: str) -> AgentboxError:
     if isinstance(exc, httpx.TimeoutException):
         return SandboxTimeoutError(
             f"the agentbox server at {api_url} did not answer in time ({type(exc).__name__}); "
-            "raise request_timeout or check the server", code="request_timeout")
+            "raise request_timeout or check the server", code=ErrorCode.REQUEST_TIMEOUT)
     return ConnectionFailedError(
         f"cannot talk to the agentbox server at {api_url}: {exc or type(exc).__name__}; "
-        "is `agentbox serve` running and AGENTBOX_API_URL right?", code="connection_failed")
+        "is `agentbox serve` running and AGENTBOX_API_URL right?", code=ErrorCode.CONNECTION_FAILED)
 
 
 def may_reconnect(exc: AgentboxError) -> bool:
@@ -811,7 +820,7 @@ def parse_event_line(line: str) -> dict[str, Any] | None:
         event = json.loads(line)
     except ValueError:
         raise AgentboxError(f"malformed event from server: {line[:200]!r}",
-                            code="bad_response") from None
+                            code=ErrorCode.BAD_RESPONSE) from None
     return event if isinstance(event, dict) else None
 
 
@@ -845,7 +854,7 @@ class CommandProgress:
     def resume(self) -> Call[None]:
         if self.cmd_id is None:
             raise ConnectionFailedError("the command stream dropped before the command started",
-                                        code="connection_failed")
+                                        code=ErrorCode.CONNECTION_FAILED)
         return command_events(self.sandbox_id, self.cmd_id, self.offset)
 
     def feed(self, event: dict[str, Any]) -> tuple[str, str] | None:
@@ -904,7 +913,7 @@ class CommandProgress:
         raise cls(message, stdout=result.stdout, stderr=result.stderr,
                   exit_code=result.exit_code, error=result.error, timed_out=result.timed_out,
                   violation=result.violation, cmd_id=result.cmd_id,
-                  code="command_timeout" if result.timed_out else "command_exit",
+                  code=ErrorCode.COMMAND_TIMEOUT if result.timed_out else ErrorCode.COMMAND_EXIT,
                   network_blocked=result.network_blocked, dropped_bytes=result.dropped_bytes)
 
 

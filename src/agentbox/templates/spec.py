@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agentbox.vocab import LANGUAGES
+
 SPECS_DIR = Path(__file__).resolve().parent / "specs"
 
 NAME_RE = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
@@ -37,9 +39,9 @@ _PIP_RE = re.compile(
     rf"({_PIP_VERSION}(,{_PIP_VERSION})*)?"
 )
 _ENV_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
-# The code host's languages (agent/code_host.py LANGUAGES): a context it cannot start would
-# fail every sandbox start, so an unknown one is refused when the spec is loaded.
-WARM_LANGUAGES = ("python", "bash", "javascript")
+# The code host's languages: a context it cannot start would fail every sandbox start, so an
+# unknown one is refused when the spec is loaded.
+WARM_LANGUAGES = LANGUAGES
 # File destinations under these are mounted over (or are kernel filesystems) in every sandbox,
 # so a file placed there would never be seen; /etc/passwd and /etc/group are overlaid too.
 FORBIDDEN_DEST_ROOTS = ("/proc", "/dev", "/sys", "/workspace", "/opt/agentbox", "/tmp", "/run")

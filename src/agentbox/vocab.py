@@ -1,0 +1,77 @@
+"""Words the server and the SDK share, each written down once: sandbox states, the code
+interpreter's languages and error codes.
+
+Standard library only: the SDK imports this without the server's dependencies. The in-sandbox
+agent keeps its own copy of LANGUAGES (it runs alone inside every sandbox, stdlib only), and
+the server's error classes keep their code beside them; tests/unit/test_vocab.py checks both
+agree with what is here.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class SandboxState(StrEnum):
+    """A sandbox's stored state; the moves between them are in core/states.py."""
+
+    BUILDING = "building"
+    STARTING = "starting"
+    RUNNING = "running"
+    KILLED = "killed"  # asked to end (a kill, a vanished sandbox, a pool or check member)
+    FAILED = "failed"  # could not start, or its build failed, or it broke beyond repair
+    EXPIRED = "expired"  # its timeout passed
+
+
+# Shown instead of `running` while the agent does not answer; never stored.
+UNHEALTHY = "unhealthy"
+# A list filter meaning every live state.
+LIVE_FILTER = "live"
+
+# The code interpreter's languages; the first is the default.
+LANGUAGES = ("python", "bash", "javascript")
+DEFAULT_LANGUAGE = LANGUAGES[0]
+
+
+class ErrorCode(StrEnum):
+    """The reason codes of `{"code", "message", "detail"}` error answers and stream errors,
+    and the ones the SDK gives errors that never reached the server."""
+
+    # the control plane
+    INTERNAL_ERROR = "internal_error"
+    UNAUTHORIZED = "unauthorized"
+    FORBIDDEN = "forbidden"
+    NOT_FOUND = "not_found"
+    INVALID_REQUEST = "invalid_request"
+    CONFLICT = "conflict"
+    QUOTA_EXCEEDED = "quota_exceeded"
+    LIMIT_EXCEEDED = "limit_exceeded"
+    INSUFFICIENT_STORAGE = "insufficient_storage"
+    SANDBOX_NOT_RUNNING = "sandbox_not_running"
+    SANDBOX_UNAVAILABLE = "sandbox_unavailable"
+    SANDBOX_UNHEALTHY = "sandbox_unhealthy"
+    BUILD_FAILED = "build_failed"
+    # the in-sandbox agent (files)
+    INVALID_PATH = "invalid_path"
+    SYMLINK_REFUSED = "symlink_refused"
+    NOT_A_DIRECTORY = "not_a_directory"
+    IS_A_DIRECTORY = "is_a_directory"
+    NOT_A_REGULAR_FILE = "not_a_regular_file"
+    PATH_NOT_FOUND = "path_not_found"
+    PATH_EXISTS = "path_exists"
+    PERMISSION_DENIED = "permission_denied"
+    READ_ONLY_PATH = "read_only_path"
+    IO_ERROR = "io_error"
+    # the in-sandbox agent (code interpreter)
+    CONTEXT_NOT_FOUND = "context_not_found"
+    UNSUPPORTED = "unsupported"
+    KERNEL_DEAD = "kernel_dead"
+    CODE_HOST_UNAVAILABLE = "code_host_unavailable"
+    CODE_HOST_ERROR = "code_host_error"
+    # the SDK, for what went wrong on its side of the wire
+    CONNECTION_FAILED = "connection_failed"
+    REQUEST_TIMEOUT = "request_timeout"
+    STREAM_ENDED = "stream_ended"
+    BAD_RESPONSE = "bad_response"
+    COMMAND_EXIT = "command_exit"
+    COMMAND_TIMEOUT = "command_timeout"
