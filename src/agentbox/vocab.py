@@ -47,6 +47,7 @@ class ErrorCode(StrEnum):
     QUOTA_EXCEEDED = "quota_exceeded"
     LIMIT_EXCEEDED = "limit_exceeded"
     INSUFFICIENT_STORAGE = "insufficient_storage"
+    BODY_TOO_LARGE = "body_too_large"
     SANDBOX_NOT_RUNNING = "sandbox_not_running"
     SANDBOX_UNAVAILABLE = "sandbox_unavailable"
     SANDBOX_UNHEALTHY = "sandbox_unhealthy"
