@@ -15,7 +15,7 @@ import time
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-from agentbox.agent.client import AgentClient, AgentOpError
+from agentbox.agent.client import AgentClient, AgentOpError, AgentUnavailable
 from agentbox.core.auth import Caller
 from agentbox.core.errors import (
     AgentboxError,
@@ -27,6 +27,7 @@ from agentbox.core.network import SandboxEgressSetup, SandboxNetwork, new_access
 from agentbox.core.requests import CreateRequest, check_envs, check_metadata
 from agentbox.core.states import SandboxState
 from agentbox.core.template_service import DEFAULT_TEMPLATE, TEMPLATE_ROOTFS
+from agentbox.egress.policy import EgressPolicy
 from agentbox.egress.proxy import HTTP_PORT, SOCKS_PORT
 from agentbox.runtimes.base import Resources, RuntimeError_, SandboxSpec
 from agentbox.store.db import DETAIL_STRING_CHARS, SandboxRow
@@ -390,3 +391,30 @@ class Creation:
                 raise SandboxUnavailable(
                     f"template {tpl.name}: the code interpreter did not start: {e.message}"
                 ) from None
+
+    async def start_reserved(self, tenant: str, template: str, lifetime: float) -> SandboxRow:
+        """Start a sandbox for the control plane's own use (a pool member, a start-up check):
+        default resources, no network, no secrets, owned by a reserved tenant no key can be."""
+        tpl = await self.core.template(template)
+        sandbox_id = "sbx_" + secrets.token_hex(8)
+        req = CreateRequest(template=template, timeout=lifetime)
+        net = SandboxNetwork(EgressPolicy())
+        egress = self.core.network.setup(tenant, sandbox_id, [], str(tpl.rootfs) if tpl else None)
+        self.insert(sandbox_id, tenant, template, req, Resources(), net, egress)
+        return await self.start(
+            sandbox_id, tpl, template, Resources(), {}, lifetime, egress, net, tenant
+        )
+
+    async def run_true(self, row: SandboxRow) -> None:
+        """Run `true` in the sandbox (hidden from its command list): it works end to end, and
+        the agent's lazy imports and cold pages are paid for. SandboxUnavailable if not."""
+        try:
+            _, events = await self.core._client(row).command_stream(
+                {"op": "exec.run", "cmd": "true", "timeout": 30, "hidden": True}
+            )
+            async for event in events:
+                if isinstance(event, dict) and event.get("type") == "end":
+                    if event.get("exit_code") != 0:
+                        raise SandboxUnavailable(f"`true` ended with {event.get('exit_code')}")
+        except (AgentOpError, AgentUnavailable) as e:
+            raise SandboxUnavailable(f"the started sandbox did not run a command: {e}") from None

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +19,6 @@ from agentbox.core.pools import MAX_POOL_SIZE, POOL_TENANT
 from agentbox.core.requests import CreateRequest
 from agentbox.core.states import SandboxState
 from agentbox.core.template_service import DEFAULT_TEMPLATE
-from agentbox.egress.policy import EgressPolicy
 from agentbox.runtimes.base import Resources
 from agentbox.store.db import SandboxRow
 from agentbox.templates import builtin_spec_path
@@ -93,28 +91,13 @@ class PoolService:
 
     async def make_member(self, template: str) -> str:
         self.core.admission.check_free_space(None, time.monotonic())
-        tpl = await self.core.template(template)
-        sandbox_id = "sbx_" + secrets.token_hex(8)
-        req = CreateRequest(template=template, timeout=POOL_LIFETIME_S)
-        net = SandboxNetwork(EgressPolicy())
-        egress = self.core.network.setup(
-            POOL_TENANT, sandbox_id, [], str(tpl.rootfs) if tpl else None
-        )
-        self.core.creation.insert(sandbox_id, POOL_TENANT, template, req, Resources(), net, egress)
-        row = await self.core.creation.start(
-            sandbox_id, tpl, template, Resources(), {}, POOL_LIFETIME_S, egress, net, POOL_TENANT
-        )
-        # One command before the hand-over: proves the member works end to end, and the first
-        # command a user runs no longer pays for the agent's lazy imports and cold pages.
+        row = await self.core.creation.start_reserved(POOL_TENANT, template, POOL_LIFETIME_S)
+        sandbox_id = row.sandbox_id
         try:
-            _, events = await self.core._client(row).command_stream(
-                {"op": "exec.run", "cmd": "true", "timeout": 30, "hidden": True}
-            )
-            async for _ in events:
-                pass
-        except (AgentOpError, AgentUnavailable) as e:
+            await self.core.creation.run_true(row)
+        except SandboxUnavailable as e:
             await self.core.lifecycle.end(row, SandboxState.FAILED, "failed")
-            raise SandboxUnavailable(f"the new pool member did not run a command: {e}") from None
+            raise SandboxUnavailable(f"the new pool member did not work: {e.message}") from None
         self.core.audit(None, "pool.refill", sandbox_id, tenant=POOL_TENANT, template=template)
         return sandbox_id
 

@@ -8,22 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from agentbox.agent.client import AgentOpError, AgentUnavailable
 from agentbox.core.auth import Caller
 from agentbox.core.errors import AgentboxError, Conflict, NotFound, SandboxUnavailable
-from agentbox.core.network import SandboxNetwork
 from agentbox.core.pools import CHECK_TENANT
-from agentbox.core.requests import CreateRequest
 from agentbox.core.states import SandboxState
-from agentbox.egress.policy import EgressPolicy
-from agentbox.runtimes.base import Resources
 from agentbox.store.db import SandboxRow
 from agentbox.templates import (
     BuildError,
@@ -160,24 +154,9 @@ class TemplateService:
         await asyncio.gather(*(check(n) for n in names))
 
     async def _check_template(self, template: str) -> None:
-        tpl = await self.template(template)
-        sandbox_id = "sbx_" + secrets.token_hex(8)
-        req = CreateRequest(template=template, timeout=TEMPLATE_CHECK_S)
-        net = SandboxNetwork(EgressPolicy())
-        egress = self.core.network.setup(CHECK_TENANT, sandbox_id, [], None)
-        self.core.creation.insert(sandbox_id, CHECK_TENANT, template, req, Resources(), net, egress)
-        row = await self.core.creation.start(
-            sandbox_id, tpl, template, Resources(), {}, TEMPLATE_CHECK_S, egress, net, CHECK_TENANT
-        )
+        row = await self.core.creation.start_reserved(CHECK_TENANT, template, TEMPLATE_CHECK_S)
         try:
-            _, events = await self.core._client(row).command_stream(
-                {"op": "exec.run", "cmd": "true", "timeout": 30, "hidden": True}
-            )
-            async for event in events:
-                if event.get("type") == "end" and event.get("exit_code") != 0:
-                    raise SandboxUnavailable(f"`true` ended with {event.get('exit_code')}")
-        except (AgentOpError, AgentUnavailable) as e:
-            raise SandboxUnavailable(f"the started sandbox did not run a command: {e}") from None
+            await self.core.creation.run_true(row)
         finally:
             await self.core.lifecycle.end(row, SandboxState.KILLED, "checked")
 
