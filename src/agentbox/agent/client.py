@@ -146,6 +146,79 @@ class AgentClient:
     async def ping(self, timeout: float = 2.0) -> dict[str, Any]:
         return await self.call({"op": "ping"}, timeout)
 
+    # ------------------------------------------------------------------ typed operations
+    # One method per agent operation: the control plane never words a request itself.
+
+    async def list_dir(
+        self, path: str, depth: int = 1, limit: int | None = None, cursor: str | None = None
+    ) -> dict[str, Any]:
+        """A page of entries under `path`: {entries, truncated, next_cursor?}."""
+        req: dict[str, Any] = {"op": "fs.list", "path": path, "depth": depth}
+        if limit is not None:
+            req["limit"] = limit
+        if cursor is not None:
+            req["cursor"] = cursor
+        return await self.call(req)
+
+    async def stat(self, path: str) -> dict[str, Any]:
+        return dict((await self.call({"op": "fs.stat", "path": path}))["entry"])
+
+    async def make_dir(self, path: str) -> dict[str, Any]:
+        """{entry, created}: created is false when it was a directory already."""
+        return await self.call({"op": "fs.mkdir", "path": path})
+
+    async def remove(self, path: str) -> None:
+        await self.call({"op": "fs.remove", "path": path})
+
+    async def rename(self, src: str, dst: str) -> dict[str, Any]:
+        return dict((await self.call({"op": "fs.rename", "src": src, "dst": dst}))["entry"])
+
+    async def list_commands(self) -> list[dict[str, Any]]:
+        return list((await self.call({"op": "exec.list"})).get("commands", []))
+
+    async def command_info(self, cmd_id: str) -> dict[str, Any]:
+        return dict((await self.call({"op": "exec.info", "cmd_id": cmd_id}))["command"])
+
+    async def start_command(self, **spec: Any) -> dict[str, Any]:
+        """Start a background command (`cmd`, `cwd`, `envs`, `timeout`, `stdin`, `cmd_id`,
+        `hidden`); its info."""
+        return dict((await self.call({"op": "exec.start", **spec}))["command"])
+
+    async def run_command(self, **spec: Any) -> tuple[dict[str, Any], AsyncIterator[Any]]:
+        """Start a foreground command (as `start_command`); its info and its event stream."""
+        return await self.command_stream({"op": "exec.run", **spec})
+
+    async def command_events(self, cmd_id: str, offset: int) -> AsyncIterator[Any]:
+        """A command's output from `offset`, then its end."""
+        _, stream = await self.command_stream(
+            {"op": "exec.events", "cmd_id": cmd_id, "offset": offset}
+        )
+        return stream
+
+    async def send_stdin(self, cmd_id: str, data: str, eof: bool) -> None:
+        await self.call({"op": "exec.stdin", "cmd_id": cmd_id, "data": data, "eof": eof})
+
+    async def kill_command(self, cmd_id: str, signal: int) -> None:
+        await self.call({"op": "exec.kill", "cmd_id": cmd_id, "signal": signal})
+
+    async def ended_commands(self, after: int) -> dict[str, Any]:
+        """Ends of commands numbered past `after`, once there is one: {seq, ends, complete}."""
+        return await self.call({"op": "exec.ended", "after": after}, timeout=None)
+
+    async def set_env(self, envs: dict[str, str]) -> None:
+        """Environment for every later command and code context (a pool member's new owner)."""
+        await self.call({"op": "env.set", "envs": envs})
+
+    async def code_call(
+        self, call: str, timeout: float | None = 120, **args: Any
+    ) -> dict[str, Any]:
+        """Code contexts: create_context, list_contexts, restart_context, remove_context, warm."""
+        return await self.call({"op": "code.call", "call": call, **args}, timeout)
+
+    async def execute_code(self, **spec: Any) -> AsyncIterator[dict[str, Any]]:
+        """Run code (`code`, `envs`, `language` or `context_id`, `timeout`): its events."""
+        return await self.event_stream({"op": "code.execute", **spec})
+
     # ------------------------------------------------------------------ files
 
     async def read_file(self, path: str) -> tuple[int, AsyncIterator[bytes]]:

@@ -41,20 +41,20 @@ class CodeService:
         if req.timeout is not None and req.timeout < 0:
             raise InvalidRequest("timeout must be >= 0 (0 = no timeout)")
         check_envs(req.envs)
-        body: dict[str, Any] = {"op": "code.execute", "code": req.code, "envs": req.envs}
+        spec: dict[str, Any] = {"code": req.code, "envs": req.envs}
         if req.context_id is not None:
-            body["context_id"] = req.context_id
+            spec["context_id"] = req.context_id
         else:
-            body["language"] = req.language or "python"
+            spec["language"] = req.language or "python"
         if req.timeout:
-            body["timeout"] = req.timeout
+            spec["timeout"] = req.timeout
         started = time.monotonic()
         row = self.core._reachable(caller, sandbox_id)
         detail = {"language": req.language, "context_id": req.context_id, "size": len(req.code)}
         # What the memory limit had killed before the cell: a kernel death beyond it is an OOM.
         baseline = self.runtime.limit_counters(row.sandbox_id)
         try:
-            events = await self.core._client(row).event_stream(body)
+            events = await self.core._client(row).execute_code(**spec)
         except (AgentOpError, AgentUnavailable) as e:
             raise self.core._failed(caller, row, "code.run", started, e, **detail) from None
         return self._code_events(caller, row, events, started, detail, baseline)
@@ -142,11 +142,6 @@ class CodeService:
             raise InvalidRequest(
                 f"unsupported language {args['language']!r}; use one of {', '.join(LANGUAGES)}"
             )
-        return await self.core.agent_call(
-            caller,
-            sandbox_id,
-            {"op": "code.call", "call": call, **args},
-            action,
-            timeout=120,
-            **args,
+        return await self.core.agent_do(
+            caller, sandbox_id, action, lambda c: c.code_call(call, **args), **args
         )

@@ -82,7 +82,7 @@ class CommandService:
             t.cancel()
         await asyncio.gather(*self._watchers, return_exceptions=True)
 
-    def _exec_request(self, req: CommandRequest, op: str) -> dict[str, Any]:
+    def _exec_spec(self, req: CommandRequest) -> dict[str, Any]:
         if not req.cmd.strip():
             raise InvalidRequest("cmd must not be empty")
         if "\0" in req.cmd:
@@ -91,7 +91,6 @@ class CommandService:
             raise InvalidRequest("timeout must be >= 0 (0 = no timeout)")
         check_envs(req.envs)
         return {
-            "op": op,
             "cmd": req.cmd,
             "cwd": req.cwd,
             "envs": req.envs,
@@ -103,13 +102,13 @@ class CommandService:
         self, caller: Caller, sandbox_id: str, req: CommandRequest
     ) -> dict[str, Any]:
         """Start a background command; an audit watcher records how it ends."""
-        body = self._exec_request(req, "exec.start")
+        spec = self._exec_spec(req)
         started = time.monotonic()
         row = self.core._reachable(caller, sandbox_id)
         self._check_watch_room(sandbox_id)
         baseline = self.runtime.limit_counters(sandbox_id)
         try:
-            info = (await self.core._client(row).call(body))["command"]
+            info = await self.core._client(row).start_command(**spec)
         except (AgentOpError, AgentUnavailable) as e:
             raise self.core._failed(caller, row, "command.run", started, e, cmd=req.cmd) from None
         self._baselines[(sandbox_id, info["cmd_id"])] = (baseline, req.timeout, started)
@@ -120,13 +119,13 @@ class CommandService:
         self, caller: Caller, sandbox_id: str, req: CommandRequest
     ) -> tuple[dict[str, Any], AsyncIterator[dict[str, Any]]]:
         """Start a foreground command; its events stream on the same agent connection."""
-        body = self._exec_request(req, "exec.run")
+        spec = self._exec_spec(req)
         started = time.monotonic()
         row = self.core._reachable(caller, sandbox_id)
         self._check_watch_room(sandbox_id)  # its client may leave before the end
         baseline = self.runtime.limit_counters(sandbox_id)
         try:
-            info, stream = await self.core._client(row).command_stream(body)
+            info, stream = await self.core._client(row).run_command(**spec)
         except (AgentOpError, AgentUnavailable) as e:
             raise self.core._failed(caller, row, "command.run", started, e, cmd=req.cmd) from None
         cmd_id = info["cmd_id"]
@@ -212,7 +211,7 @@ class CommandService:
         client = self.core._client(row, tracked=False)
         while w.pending:
             try:
-                reply = await client.call({"op": "exec.ended", "after": w.after}, timeout=None)
+                reply = await client.ended_commands(w.after)
             except AgentOpError as e:
                 if e.code == "invalid_request":  # an agent from before exec.ended
                     await self._poll_ends(client, w, list(w.pending), ENDS_POLL_S)
@@ -245,7 +244,7 @@ class CommandService:
         await asyncio.sleep(wait)
         for cmd_id in cmd_ids:
             try:
-                info = (await client.call({"op": "exec.info", "cmd_id": cmd_id}))["command"]
+                info = await client.command_info(cmd_id)
             except AgentOpError:
                 w.pending.pop(cmd_id, None)  # gone from the agent's memory: nothing to audit
                 continue
@@ -298,9 +297,8 @@ class CommandService:
     ) -> AsyncIterator[dict[str, Any]]:
         """API events for a command from `offset`: output as text, then `end`."""
         row = self.core._reachable(caller, sandbox_id)
-        request = {"op": "exec.events", "cmd_id": cmd_id, "offset": offset}
         try:
-            _, stream = await self.core._client(row).command_stream(request)
+            stream = await self.core._client(row).command_events(cmd_id, offset)
         except (AgentOpError, AgentUnavailable) as e:
             raise self.core._agent_error(row, e) from None
         return self._event_stream(row, cmd_id, stream, None)
@@ -357,33 +355,34 @@ class CommandService:
 
     async def list(self, caller: Caller, sandbox_id: str) -> list[dict[str, Any]]:
         """The sandbox's commands (running ones and the last finished), as the agent holds."""
-        reply = await self.core.agent_call(caller, sandbox_id, {"op": "exec.list"}, "command.list")
-        return list(reply.get("commands", []))
+        return await self.core.agent_do(
+            caller, sandbox_id, "command.list", lambda c: c.list_commands()
+        )
 
     async def info(self, caller: Caller, sandbox_id: str, cmd_id: str) -> dict[str, Any]:
-        req = {"op": "exec.info", "cmd_id": cmd_id}
-        reply = await self.core.agent_call(caller, sandbox_id, req, "command.info", cmd_id=cmd_id)
-        return dict(reply["command"])
+        return await self.core.agent_do(
+            caller, sandbox_id, "command.info", lambda c: c.command_info(cmd_id), cmd_id=cmd_id
+        )
 
     async def command_stdin(
         self, caller: Caller, sandbox_id: str, cmd_id: str, data: str, eof: bool
     ) -> None:
-        await self.core.agent_call(
+        await self.core.agent_do(
             caller,
             sandbox_id,
-            {"op": "exec.stdin", "cmd_id": cmd_id, "data": data, "eof": eof},
             "command.stdin",
+            lambda c: c.send_stdin(cmd_id, data, eof),
             cmd_id=cmd_id,
             size=len(data),
             eof=eof,
         )
 
     async def command_kill(self, caller: Caller, sandbox_id: str, cmd_id: str, sig: int) -> None:
-        await self.core.agent_call(
+        await self.core.agent_do(
             caller,
             sandbox_id,
-            {"op": "exec.kill", "cmd_id": cmd_id, "signal": sig},
             "command.kill",
+            lambda c: c.kill_command(cmd_id, sig),
             cmd_id=cmd_id,
             signal=sig,
         )

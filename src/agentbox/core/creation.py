@@ -362,14 +362,12 @@ class Creation:
             inflight=self.core._inflight.setdefault(sandbox_id, set()),
         )
         if tpl.start_cmd:
-            await client.call({"op": "exec.start", "cmd": tpl.start_cmd, "cmd_id": "start"})
+            await client.start_command(cmd=tpl.start_cmd, cmd_id="start")
             if tpl.ready_cmd:
                 deadline = time.monotonic() + tpl.ready_timeout
                 while True:
                     self._check_kill(sandbox_id)
-                    info, events = await client.command_stream(
-                        {"op": "exec.run", "cmd": tpl.ready_cmd, "timeout": 10, "hidden": True}
-                    )
+                    _, events = await client.run_command(cmd=tpl.ready_cmd, timeout=10, hidden=True)
                     end: dict[str, Any] = {}
                     async for ev in events:
                         if isinstance(ev, dict) and ev.get("type") == "end":
@@ -384,9 +382,7 @@ class Creation:
                     await asyncio.sleep(0.1)
         if tpl.warm:
             try:
-                await client.call(
-                    {"op": "code.call", "call": "warm", "languages": list(tpl.warm)}, timeout=120
-                )
+                await client.code_call("warm", languages=list(tpl.warm))
             except AgentOpError as e:
                 raise SandboxUnavailable(
                     f"template {tpl.name}: the code interpreter did not start: {e.message}"
@@ -409,8 +405,8 @@ class Creation:
         """Run `true` in the sandbox (hidden from its command list): it works end to end, and
         the agent's lazy imports and cold pages are paid for. SandboxUnavailable if not."""
         try:
-            _, events = await self.core._client(row).command_stream(
-                {"op": "exec.run", "cmd": "true", "timeout": 30, "hidden": True}
+            _, events = await self.core._client(row).run_command(
+                cmd="true", timeout=30, hidden=True
             )
             async for event in events:
                 if isinstance(event, dict) and event.get("type") == "end":

@@ -63,12 +63,10 @@ class FileService:
         cursor: str | None = None,
     ) -> dict[str, Any]:
         """A page of entries under `path`: {entries, truncated, next_cursor}."""
-        req: dict[str, Any] = {"op": "fs.list", "path": path, "depth": depth}
-        if limit is not None:
-            req["limit"] = limit
-        if cursor is not None:
-            req["cursor"] = cursor
-        reply = await self.core.agent_call(caller, sandbox_id, req, "file.list", path=path)
+        reply = await self.core.agent_do(
+            caller, sandbox_id, "file.list", lambda c: c.list_dir(path, depth, limit, cursor),
+            path=path,
+        )  # fmt: skip
         return {
             "entries": reply.get("entries", []),
             "truncated": bool(reply.get("truncated")),
@@ -76,20 +74,22 @@ class FileService:
         }
 
     async def stat(self, caller: Caller, sandbox_id: str, path: str) -> dict[str, Any]:
-        req = {"op": "fs.stat", "path": path}
-        reply = await self.core.agent_call(caller, sandbox_id, req, "file.stat", path=path)
-        return dict(reply["entry"])
+        return await self.core.agent_do(
+            caller, sandbox_id, "file.stat", lambda c: c.stat(path), path=path
+        )
 
     async def make_dir(self, caller: Caller, sandbox_id: str, path: str) -> dict[str, Any]:
         """The agent's reply: {entry, created}."""
-        req = {"op": "fs.mkdir", "path": path}
-        return await self.core.agent_call(caller, sandbox_id, req, "file.mkdir", path=path)
+        return await self.core.agent_do(
+            caller, sandbox_id, "file.mkdir", lambda c: c.make_dir(path), path=path
+        )
 
     async def remove(self, caller: Caller, sandbox_id: str, path: str) -> None:
-        req = {"op": "fs.remove", "path": path}
-        await self.core.agent_call(caller, sandbox_id, req, "file.remove", path=path)
+        await self.core.agent_do(
+            caller, sandbox_id, "file.remove", lambda c: c.remove(path), path=path
+        )
 
     async def rename(self, caller: Caller, sandbox_id: str, src: str, dst: str) -> dict[str, Any]:
-        req = {"op": "fs.rename", "src": src, "dst": dst}
-        reply = await self.core.agent_call(caller, sandbox_id, req, "file.rename", src=src, dst=dst)
-        return dict(reply["entry"])
+        return await self.core.agent_do(
+            caller, sandbox_id, "file.rename", lambda c: c.rename(src, dst), src=src, dst=dst
+        )

@@ -13,9 +13,9 @@ import builtins
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from agentbox.agent.client import AgentClient, AgentOpError, AgentUnavailable
 from agentbox.core import quotas
@@ -65,6 +65,7 @@ from agentbox.templates import (
 )
 
 log = logging.getLogger("agentbox.manager")
+T = TypeVar("T")
 
 DEFAULT_QUOTA: dict[str, Any] = quotas.default_quota()  # derived from this host (core/quotas.py)
 HEALTH_CHECK_S = 2.0  # how often every running sandbox's agent is pinged
@@ -338,6 +339,25 @@ class SandboxManager:
         )
         return err
 
+    async def agent_do(
+        self,
+        caller: Caller,
+        sandbox_id: str,
+        action: str,
+        operation: Callable[[AgentClient], Awaitable[T]],
+        **audit_detail: Any,
+    ) -> T:
+        """One operation on the caller's running sandbox through its agent (a typed method of
+        AgentClient), audited as `action`; agent failures become core errors."""
+        started = time.monotonic()
+        row = self._reachable(caller, sandbox_id)
+        try:
+            result = await operation(self._client(row))
+        except (AgentOpError, AgentUnavailable) as e:
+            raise self._failed(caller, row, action, started, e, **audit_detail) from None
+        self.audit(caller, action, sandbox_id, started=started, **audit_detail)
+        return result
+
     async def agent_call(
         self,
         caller: Caller,
@@ -347,14 +367,11 @@ class SandboxManager:
         timeout: float | None = 60.0,
         **audit_detail: Any,
     ) -> dict[str, Any]:
-        started = time.monotonic()
-        row = self._reachable(caller, sandbox_id)
-        try:
-            reply = await self._client(row).call(request, timeout)
-        except (AgentOpError, AgentUnavailable) as e:
-            raise self._failed(caller, row, action, started, e, **audit_detail) from None
-        self.audit(caller, action, sandbox_id, started=started, **audit_detail)
-        return reply
+        """A raw agent request. Deprecated: for surfaces not yet moved to the services' typed
+        methods (core/files.py, core/commands.py); the core itself never uses it."""
+        return await self.agent_do(
+            caller, sandbox_id, action, lambda c: c.call(request, timeout), **audit_detail
+        )
 
     # ------------------------------------------------------------------ the services' faces
     # The surfaces call these; each is one call into the service that does the job.

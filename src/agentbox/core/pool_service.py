@@ -70,7 +70,7 @@ class PoolService:
         self.core._wake.set()
         if req.envs:
             try:
-                await self.core._client(row).call({"op": "env.set", "envs": req.envs})
+                await self.core._client(row).set_env(req.envs)
             except (AgentOpError, AgentUnavailable) as e:
                 await self.core.lifecycle.end(row, SandboxState.FAILED, "failed")
                 log.warning("claimed pool member %s failed its hand-over: %s", sid, e)

@@ -144,7 +144,7 @@ class Supervisor:
                     continue
                 counts["adopted"] += 1
                 try:
-                    commands = (await self.core._client(row).call({"op": "exec.list"}))["commands"]
+                    commands = await self.core._client(row).list_commands()
                     audited: set[str] | None = None
                     for info in commands:
                         if not info.get("running"):
