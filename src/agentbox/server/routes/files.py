@@ -1,0 +1,135 @@
+"""Files in a running sandbox: read and write (streamed), list, stat, mkdir, remove, rename."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query, Request, Response
+from fastapi.responses import JSONResponse
+
+from agentbox.agent.protocol import LIST_LIMIT
+from agentbox.server import models as m
+from agentbox.server.routes.deps import RESPONSES, Mgr, Who
+from agentbox.server.streaming import Streamed
+
+PathQ = Annotated[str, Query(max_length=8192, description="sandbox path")]
+
+
+def router() -> APIRouter:
+    r = APIRouter()
+
+    @r.get(
+        "/v1/sandboxes/{sandbox_id}/files",
+        responses={**RESPONSES, 200: {"content": {"application/octet-stream": {}}}},
+        tags=["files"],
+    )
+    async def read_file(sandbox_id: str, path: PathQ, mgr: Mgr, who: Who) -> Response:
+        size, chunks = await mgr.read_file(who, sandbox_id, path)
+        return Streamed(
+            chunks, media_type="application/octet-stream", headers={"Content-Length": str(size)}
+        )
+
+    @r.put(
+        "/v1/sandboxes/{sandbox_id}/files",
+        response_model=m.EntryInfo,
+        responses=RESPONSES,
+        tags=["files"],
+        openapi_extra={
+            "requestBody": {
+                "content": {
+                    "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}
+                },
+                "required": True,
+            }
+        },
+    )
+    async def write_file(
+        sandbox_id: str, path: PathQ, request: Request, mgr: Mgr, who: Who
+    ) -> m.EntryInfo:
+        return m.EntryInfo.of(await mgr.write_file(who, sandbox_id, path, request.stream()))
+
+    @r.get(
+        "/v1/sandboxes/{sandbox_id}/files/list",
+        response_model=m.EntryList,
+        responses=RESPONSES,
+        tags=["files"],
+    )
+    async def list_files(
+        sandbox_id: str,
+        path: PathQ,
+        mgr: Mgr,
+        who: Who,
+        depth: Annotated[int, Query(ge=1, le=64)] = 1,
+        limit: Annotated[
+            int, Query(ge=1, le=LIST_LIMIT, description="entries per page at most")
+        ] = LIST_LIMIT,
+        cursor: Annotated[
+            str | None,
+            Query(max_length=8192, description="next_cursor of the previous page"),
+        ] = None,
+    ) -> m.EntryList:
+        req: dict[str, Any] = {"op": "fs.list", "path": path, "depth": depth, "limit": limit}
+        if cursor is not None:
+            req["cursor"] = cursor
+        reply = await mgr.agent_call(who, sandbox_id, req, "file.list", path=path)
+        return m.EntryList(
+            entries=[m.EntryInfo.of(e) for e in reply["entries"]],
+            truncated=bool(reply.get("truncated")),
+            next_cursor=reply.get("next_cursor"),
+        )
+
+    @r.get(
+        "/v1/sandboxes/{sandbox_id}/files/stat",
+        response_model=m.EntryInfo,
+        responses=RESPONSES,
+        tags=["files"],
+    )
+    async def stat_file(sandbox_id: str, path: PathQ, mgr: Mgr, who: Who) -> m.EntryInfo:
+        reply = await mgr.agent_call(
+            who, sandbox_id, {"op": "fs.stat", "path": path}, "file.stat", path=path
+        )
+        return m.EntryInfo.of(reply["entry"])
+
+    @r.post(
+        "/v1/sandboxes/{sandbox_id}/files/mkdir",
+        response_model=m.EntryInfo,
+        status_code=201,
+        responses=RESPONSES,
+        tags=["files"],
+    )
+    async def make_dir(sandbox_id: str, body: m.PathBody, mgr: Mgr, who: Who) -> Response:
+        reply = await mgr.agent_call(
+            who, sandbox_id, {"op": "fs.mkdir", "path": body.path}, "file.mkdir", path=body.path
+        )
+        return JSONResponse(
+            status_code=201 if reply.get("created") else 200,
+            content=m.EntryInfo.of(reply["entry"]).model_dump(),
+        )
+
+    @r.delete(
+        "/v1/sandboxes/{sandbox_id}/files", status_code=204, responses=RESPONSES, tags=["files"]
+    )
+    async def remove_file(sandbox_id: str, path: PathQ, mgr: Mgr, who: Who) -> Response:
+        await mgr.agent_call(
+            who, sandbox_id, {"op": "fs.remove", "path": path}, "file.remove", path=path
+        )
+        return Response(status_code=204)
+
+    @r.post(
+        "/v1/sandboxes/{sandbox_id}/files/rename",
+        response_model=m.EntryInfo,
+        responses=RESPONSES,
+        tags=["files"],
+    )
+    async def rename_file(sandbox_id: str, body: m.RenameBody, mgr: Mgr, who: Who) -> m.EntryInfo:
+        reply = await mgr.agent_call(
+            who,
+            sandbox_id,
+            {"op": "fs.rename", "src": body.src, "dst": body.dst},
+            "file.rename",
+            src=body.src,
+            dst=body.dst,
+        )
+        return m.EntryInfo.of(reply["entry"])
+
+    return r

@@ -1,0 +1,30 @@
+"""Liveness: served without an API key."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+
+from agentbox import __version__
+from agentbox.server.routes.deps import CoreDep
+
+OPEN_PATHS = frozenset({"/v1/health"})
+
+
+def router() -> APIRouter:
+    r = APIRouter()
+
+    @r.get("/v1/health", tags=["health"])
+    async def health(core: CoreDep) -> dict[str, Any]:
+        # Whether each template could start a sandbox at start-up (why not: the log, and the
+        # template's `check` for API keys).
+        checks = {n: c.status for n, c in core.manager.template_checks.items()}
+        return {
+            "status": "degraded" if "failed" in checks.values() else "ok",
+            "version": __version__,
+            "runtime": core.runtime.capabilities(),
+            "templates": checks,
+        }
+
+    return r
