@@ -56,6 +56,7 @@ from agentbox.core.errors import (
     NotFound,
     Unauthorized,
 )
+from agentbox.server.errors import http_status
 
 log = logging.getLogger("agentbox.gateway")
 
@@ -628,7 +629,7 @@ _JSON = [(b"content-type", b"application/json"), (b"cache-control", b"no-store")
 async def _send_http_error(send: Send, e: AgentboxError) -> None:
     body = _error_body(e)
     headers = [*_JSON, (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": e.status, "headers": headers})
+    await send({"type": "http.response.start", "status": http_status(e), "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
 
@@ -779,10 +780,10 @@ class PortGateway:
         if scope["type"] == "websocket":
             message = await receive()  # websocket.connect
             if message["type"] == "websocket.connect":
-                await _deny_websocket(scope, send, e.status, _JSON, _error_body(e))
+                await _deny_websocket(scope, send, http_status(e), _JSON, _error_body(e))
         else:
             await _send_http_error(send, e)
-        return e.status
+        return http_status(e)
 
     def _audit(self, route: _Route, method: str, status: int) -> None:
         if self._on_access is None:
@@ -1115,7 +1116,7 @@ class PortGateway:
             await _send_http_error(send, mapped)
         except _Stalled:
             return 499
-        return mapped.status
+        return http_status(mapped)
 
     # ------------------------------------------------------------------ WebSocket
 
@@ -1159,8 +1160,8 @@ class PortGateway:
             mapped = _upstream_error(route, e, self.limits)
             if mapped is None:
                 raise
-            await _deny_websocket(scope, send, mapped.status, _JSON, _error_body(mapped))
-            return mapped.status
+            await _deny_websocket(scope, send, http_status(mapped), _JSON, _error_body(mapped))
+            return http_status(mapped)
         try:
             handshake = upstream.response
             accept_headers = (

@@ -31,6 +31,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from agentbox.core.errors import AgentboxError, Unauthorized
 from agentbox.core.logs import LogLimits
+from agentbox.server.errors import http_status
 from agentbox.server.gateway import RelayLimits
 
 log = logging.getLogger("agentbox.server")
@@ -383,9 +384,10 @@ async def _refuse(send: Send, e: AgentboxError) -> None:
         # The body is left unread: the connection cannot carry another request.
         (b"connection", b"close"),
     ]
-    if e.status in (408, 429, 503):
+    status = http_status(e)
+    if status in (408, 429, 503):
         headers.append((b"retry-after", b"1"))
-    await send({"type": "http.response.start", "status": e.status, "headers": headers})
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
 
