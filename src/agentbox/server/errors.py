@@ -20,44 +20,47 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agentbox.core.errors import AgentboxError
 from agentbox.server import models as m
+from agentbox.vocab import ErrorCode
 
 log = logging.getLogger("agentbox.server")
 
+E = ErrorCode
+
 HTTP_STATUS: dict[str, int] = {
     # the control plane's own errors (core/errors.py)
-    "internal_error": 500,
-    "unauthorized": 401,
-    "forbidden": 403,
-    "not_found": 404,
-    "invalid_request": 400,
-    "conflict": 409,
-    "quota_exceeded": 429,
-    "limit_exceeded": 400,
-    "insufficient_storage": 507,
-    "sandbox_not_running": 409,
-    "sandbox_unavailable": 503,
-    "sandbox_unhealthy": 503,
+    E.INTERNAL_ERROR: 500,
+    E.UNAUTHORIZED: 401,
+    E.FORBIDDEN: 403,
+    E.NOT_FOUND: 404,
+    E.INVALID_REQUEST: 400,
+    E.CONFLICT: 409,
+    E.QUOTA_EXCEEDED: 429,
+    E.LIMIT_EXCEEDED: 400,
+    E.INSUFFICIENT_STORAGE: 507,
+    E.SANDBOX_NOT_RUNNING: 409,
+    E.SANDBOX_UNAVAILABLE: 503,
+    E.SANDBOX_UNHEALTHY: 503,
     "too_many_commands": 429,
-    # the in-sandbox agent's reasons (files, commands)
-    "invalid_path": 400,
-    "symlink_refused": 400,
-    "not_a_directory": 400,
-    "is_a_directory": 400,
-    "not_a_regular_file": 400,
-    "path_not_found": 404,
-    "path_exists": 409,
-    "permission_denied": 403,
-    "read_only_path": 403,
-    "io_error": 400,
+    # the in-sandbox agent's reasons (files)
+    E.INVALID_PATH: 400,
+    E.SYMLINK_REFUSED: 400,
+    E.NOT_A_DIRECTORY: 400,
+    E.IS_A_DIRECTORY: 400,
+    E.NOT_A_REGULAR_FILE: 400,
+    E.PATH_NOT_FOUND: 404,
+    E.PATH_EXISTS: 409,
+    E.PERMISSION_DENIED: 403,
+    E.READ_ONLY_PATH: 403,
+    E.IO_ERROR: 400,
     # the code interpreter, through the agent
-    "context_not_found": 404,
-    "unsupported": 400,
-    "kernel_dead": 409,
-    "code_host_unavailable": 503,
-    "code_host_error": 502,
+    E.CONTEXT_NOT_FOUND: 404,
+    E.UNSUPPORTED: 400,
+    E.KERNEL_DEAD: 409,
+    E.CODE_HOST_UNAVAILABLE: 503,
+    E.CODE_HOST_ERROR: 502,
     # this server's own guards (limits.py, gateway.py)
-    "body_too_large": 413,
-    "request_timeout": 408,
+    E.BODY_TOO_LARGE: 413,
+    E.REQUEST_TIMEOUT: 408,
     "port_not_open": 502,
     "gateway_busy": 503,
     "upstream_timeout": 504,
