@@ -109,10 +109,3 @@ def test_a_predicate_surface_claims_its_requests_and_leaves_the_rest(url: str) -
     assert v1["status"] == "ok" and "surface" not in v1
     paths = httpx.get(f"{url}/openapi.json").json()["paths"]
     assert "/hello-surface" in paths and "/v1/sandboxes" in paths
-
-
-def test_the_v1_surface_is_always_available_and_first() -> None:
-    found = surfaces.available()
-    assert next(iter(found)) == "v1"
-    with pytest.raises(ValueError, match="already registered"):
-        surfaces.register("v1", hello_surface)
