@@ -48,6 +48,13 @@ class ErrorCode(StrEnum):
     LIMIT_EXCEEDED = "limit_exceeded"
     INSUFFICIENT_STORAGE = "insufficient_storage"
     BODY_TOO_LARGE = "body_too_large"
+    TOO_MANY_COMMANDS = "too_many_commands"
+    # the port gateway
+    PORT_NOT_OPEN = "port_not_open"
+    GATEWAY_BUSY = "gateway_busy"
+    UPSTREAM_TIMEOUT = "upstream_timeout"
+    UPSTREAM_ERROR = "upstream_error"
+    CLIENT_STALLED = "client_stalled"
     SANDBOX_NOT_RUNNING = "sandbox_not_running"
     SANDBOX_UNAVAILABLE = "sandbox_unavailable"
     SANDBOX_UNHEALTHY = "sandbox_unhealthy"

@@ -21,6 +21,7 @@ from agentbox.core.auth import Caller
 from agentbox.core.errors import AgentboxError, InvalidRequest, SandboxNotRunning
 from agentbox.core.requests import CommandRequest, check_envs
 from agentbox.store.db import DETAIL_STRING_CHARS, SandboxRow
+from agentbox.vocab import ErrorCode
 
 if TYPE_CHECKING:
     from agentbox.core.manager import SandboxManager
@@ -168,7 +169,7 @@ class CommandService:
                 f"sandbox {sandbox_id} has {MAX_WATCHED_COMMANDS} commands running in the "
                 "background (or left running by their clients), the most the server follows "
                 "per sandbox; wait for some to end or kill them, then retry",
-                code="too_many_commands",
+                code=ErrorCode.TOO_MANY_COMMANDS,
                 status=429,
                 limit=MAX_WATCHED_COMMANDS,
             )

@@ -358,21 +358,6 @@ class SandboxManager:
         self.audit(caller, action, sandbox_id, started=started, **audit_detail)
         return result
 
-    async def agent_call(
-        self,
-        caller: Caller,
-        sandbox_id: str,
-        request: dict[str, Any],
-        action: str,
-        timeout: float | None = 60.0,
-        **audit_detail: Any,
-    ) -> dict[str, Any]:
-        """A raw agent request. Deprecated: for surfaces not yet moved to the services' typed
-        methods (core/files.py, core/commands.py); the core itself never uses it."""
-        return await self.agent_do(
-            caller, sandbox_id, action, lambda c: c.call(request, timeout), **audit_detail
-        )
-
     # ------------------------------------------------------------------ the services' faces
     # The surfaces call these; each is one call into the service that does the job.
 

@@ -40,7 +40,7 @@ HTTP_STATUS: dict[str, int] = {
     E.SANDBOX_NOT_RUNNING: 409,
     E.SANDBOX_UNAVAILABLE: 503,
     E.SANDBOX_UNHEALTHY: 503,
-    "too_many_commands": 429,
+    E.TOO_MANY_COMMANDS: 429,
     # the in-sandbox agent's reasons (files)
     E.INVALID_PATH: 400,
     E.SYMLINK_REFUSED: 400,
@@ -61,11 +61,11 @@ HTTP_STATUS: dict[str, int] = {
     # this server's own guards (limits.py, gateway.py)
     E.BODY_TOO_LARGE: 413,
     E.REQUEST_TIMEOUT: 408,
-    "port_not_open": 502,
-    "gateway_busy": 503,
-    "upstream_timeout": 504,
-    "upstream_error": 502,
-    "client_stalled": 499,
+    E.PORT_NOT_OPEN: 502,
+    E.GATEWAY_BUSY: 503,
+    E.UPSTREAM_TIMEOUT: 504,
+    E.UPSTREAM_ERROR: 502,
+    E.CLIENT_STALLED: 499,
 }
 
 

@@ -53,8 +53,8 @@ def router() -> APIRouter:
         tags=["commands"],
     )
     async def list_commands(sandbox_id: str, mgr: Mgr, who: Who) -> m.CommandList:
-        reply = await mgr.agent_call(who, sandbox_id, {"op": "exec.list"}, "command.list")
-        return m.CommandList(commands=[m.CommandInfo.of(c) for c in reply.get("commands", [])])
+        found = await mgr.commands.list(who, sandbox_id)
+        return m.CommandList(commands=[m.CommandInfo.of(c) for c in found])
 
     @r.get(
         "/v1/sandboxes/{sandbox_id}/commands/{cmd_id}",
@@ -63,10 +63,7 @@ def router() -> APIRouter:
         tags=["commands"],
     )
     async def get_command(sandbox_id: str, cmd_id: str, mgr: Mgr, who: Who) -> m.CommandInfo:
-        reply = await mgr.agent_call(
-            who, sandbox_id, {"op": "exec.info", "cmd_id": cmd_id}, "command.info", cmd_id=cmd_id
-        )
-        return m.CommandInfo.of(reply["command"])
+        return m.CommandInfo.of(await mgr.commands.info(who, sandbox_id, cmd_id))
 
     @r.get(
         "/v1/sandboxes/{sandbox_id}/commands/{cmd_id}/events",

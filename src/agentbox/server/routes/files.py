@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import JSONResponse
@@ -68,10 +68,7 @@ def router() -> APIRouter:
             Query(max_length=8192, description="next_cursor of the previous page"),
         ] = None,
     ) -> m.EntryList:
-        req: dict[str, Any] = {"op": "fs.list", "path": path, "depth": depth, "limit": limit}
-        if cursor is not None:
-            req["cursor"] = cursor
-        reply = await mgr.agent_call(who, sandbox_id, req, "file.list", path=path)
+        reply = await mgr.files.list(who, sandbox_id, path, depth, limit, cursor)
         return m.EntryList(
             entries=[m.EntryInfo.of(e) for e in reply["entries"]],
             truncated=bool(reply.get("truncated")),
@@ -85,10 +82,7 @@ def router() -> APIRouter:
         tags=["files"],
     )
     async def stat_file(sandbox_id: str, path: PathQ, mgr: Mgr, who: Who) -> m.EntryInfo:
-        reply = await mgr.agent_call(
-            who, sandbox_id, {"op": "fs.stat", "path": path}, "file.stat", path=path
-        )
-        return m.EntryInfo.of(reply["entry"])
+        return m.EntryInfo.of(await mgr.files.stat(who, sandbox_id, path))
 
     @r.post(
         "/v1/sandboxes/{sandbox_id}/files/mkdir",
@@ -98,9 +92,7 @@ def router() -> APIRouter:
         tags=["files"],
     )
     async def make_dir(sandbox_id: str, body: m.PathBody, mgr: Mgr, who: Who) -> Response:
-        reply = await mgr.agent_call(
-            who, sandbox_id, {"op": "fs.mkdir", "path": body.path}, "file.mkdir", path=body.path
-        )
+        reply = await mgr.files.make_dir(who, sandbox_id, body.path)
         return JSONResponse(
             status_code=201 if reply.get("created") else 200,
             content=m.EntryInfo.of(reply["entry"]).model_dump(),
@@ -110,9 +102,7 @@ def router() -> APIRouter:
         "/v1/sandboxes/{sandbox_id}/files", status_code=204, responses=RESPONSES, tags=["files"]
     )
     async def remove_file(sandbox_id: str, path: PathQ, mgr: Mgr, who: Who) -> Response:
-        await mgr.agent_call(
-            who, sandbox_id, {"op": "fs.remove", "path": path}, "file.remove", path=path
-        )
+        await mgr.files.remove(who, sandbox_id, path)
         return Response(status_code=204)
 
     @r.post(
@@ -122,14 +112,6 @@ def router() -> APIRouter:
         tags=["files"],
     )
     async def rename_file(sandbox_id: str, body: m.RenameBody, mgr: Mgr, who: Who) -> m.EntryInfo:
-        reply = await mgr.agent_call(
-            who,
-            sandbox_id,
-            {"op": "fs.rename", "src": body.src, "dst": body.dst},
-            "file.rename",
-            src=body.src,
-            dst=body.dst,
-        )
-        return m.EntryInfo.of(reply["entry"])
+        return m.EntryInfo.of(await mgr.files.rename(who, sandbox_id, body.src, body.dst))
 
     return r
