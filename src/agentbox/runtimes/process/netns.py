@@ -143,7 +143,10 @@ class NamespaceSockets:
         ) from refused
 
     def shutdown(self) -> None:
+        """Close every handle; idempotent (a runtime may be closed twice)."""
         for sid in list(self._fds):
             self.close(sid)
         self._worker.shutdown(wait=False)
-        os.close(self._host_fd)
+        if self._host_fd >= 0:
+            os.close(self._host_fd)
+            self._host_fd = -1

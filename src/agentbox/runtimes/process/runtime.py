@@ -795,9 +795,11 @@ class ProcessRuntime(Runtime):
                 shutil.rmtree(d, ignore_errors=True)
 
     async def list_sandboxes(self) -> set[str]:
+        # A root may be gone: /run is emptied by a reboot, and close() removes an unused one.
         ids = {
             p.name
             for root in (self.root, self.bind_root)
+            if root.is_dir()
             for p in root.iterdir()
             if p.is_dir() and p.name.startswith("sbx_")
         }

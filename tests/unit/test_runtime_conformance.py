@@ -1,0 +1,105 @@
+"""The runtime contract (runtimes/base.py), held by every runtime this machine has: the real
+`process` runtime (bubblewrap) and the fake one the core's tests use. A new runtime is added to
+RUNTIMES and must pass the same checks.
+
+- create gives a live sandbox whose agent answers;
+- it is found by list_sandboxes (how reconcile finds leftovers), also by a new instance over
+  the same data dir (a restarted server), which can adopt it, reach its agent and end it;
+- destroy is complete (not alive, not listed) and idempotent, also with no state (a leftover).
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from agentbox.agent.client import AgentClient
+from agentbox.runtimes.base import Resources, Runtime, SandboxSpec
+from agentbox.runtimes.fake import FakeRuntime
+
+pytestmark = pytest.mark.anyio
+
+
+def _process(data_dir: Path) -> Runtime:
+    from agentbox.runtimes.process.runtime import ProcessRuntime
+
+    return ProcessRuntime(data_dir=data_dir)
+
+
+_shared_fakes: dict[Path, FakeRuntime] = {}
+
+
+def _fake(data_dir: Path) -> Runtime:
+    # The fake's sandboxes live in its memory: a "new instance" over the same data dir is the
+    # same object, as the host is the same for a restarted server.
+    return _shared_fakes.setdefault(data_dir, FakeRuntime(data_dir))
+
+
+RUNTIMES: dict[str, Callable[[Path], Runtime]] = {"fake": _fake, "process": _process}
+SID = "sbx_c0nf0rmance0001"
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(params=sorted(RUNTIMES))
+def make(request: pytest.FixtureRequest) -> Callable[[Path], Runtime]:
+    if request.param == "process" and shutil.which("bwrap") is None:
+        pytest.skip("bubblewrap is not installed")
+    return RUNTIMES[request.param]
+
+
+@pytest.fixture
+def data_dir() -> object:
+    # Not under /tmp: the process runtime's sandboxes get a private /tmp of their own, and its
+    # data dir must not be inside a path sandboxes see.
+    path = Path("/var/tmp") / f"agentbox-conformance-{id(object())}"
+    path.mkdir(mode=0o700)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+async def _answers(runtime: Runtime, state: dict) -> bool:
+    client = AgentClient(runtime.agent_address(SID, state).socket_path, connect_timeout=5)
+    return (await client.ping(5)).get("ok") is True
+
+
+async def test_create_adopt_destroy(make: Callable[[Path], Runtime], data_dir: Path) -> None:
+    runtime = make(data_dir)
+    state = await runtime.create(SandboxSpec(SID, "default", Resources(disk_mb=64)))
+    try:
+        assert await runtime.is_alive(SID, state)
+        assert await _answers(runtime, state)
+        assert SID in await runtime.list_sandboxes()
+        await runtime.close()  # the server stops; the sandbox must outlive it
+        again = make(data_dir)
+        assert SID in await again.list_sandboxes()
+        again.adopt(SID, state)
+        assert await again.is_alive(SID, state)
+        assert await _answers(again, state)
+        await again.destroy(SID, state, keep_workspace=False)
+        assert not await again.is_alive(SID, state)
+        assert SID not in await again.list_sandboxes()
+        await again.destroy(SID, state, keep_workspace=False)  # idempotent
+        await again.destroy(SID, None, keep_workspace=False)  # a leftover with no state
+        await again.close()
+        await again.close()  # closing twice, or with nothing left, is fine
+    finally:
+        await make(data_dir).destroy(SID, None, keep_workspace=False)
+
+
+async def test_a_leftover_without_state_is_removed(
+    make: Callable[[Path], Runtime], data_dir: Path
+) -> None:
+    runtime = make(data_dir)
+    await runtime.create(SandboxSpec(SID, "default", Resources(disk_mb=64)))
+    # The record is lost (a crash before it was written): only the host knows the sandbox.
+    assert SID in await runtime.list_sandboxes()
+    await runtime.destroy(SID, None, keep_workspace=False)
+    assert SID not in await runtime.list_sandboxes()
+    await runtime.close()
