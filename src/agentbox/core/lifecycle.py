@@ -101,10 +101,6 @@ class SandboxStates:
             except Exception:  # noqa: BLE001 - one bad subscriber must not stop a state change
                 log.exception("a state listener failed on %s", change)
 
-    @staticmethod
-    def state_of(row: SandboxRow) -> SandboxState:
-        return SandboxState(row.state)
-
 
 class Lifecycle:
     """Ending sandboxes (a kill, a timeout, a vanished or failed one), moving their deadline,

@@ -24,7 +24,6 @@ __all__ = [
     "ENDED",
     "TRANSITIONS",
     "allowed",
-    "sources",
 ]
 
 # What a sandbox is first stored as.
@@ -49,8 +48,3 @@ def allowed(old: str, new: str) -> bool:
         return SandboxState(new) in TRANSITIONS[SandboxState(old)]
     except ValueError:
         return False
-
-
-def sources(new: SandboxState) -> frozenset[SandboxState]:
-    """The states a sandbox may be in to move to `new`."""
-    return frozenset(old for old, targets in TRANSITIONS.items() if new in targets)
