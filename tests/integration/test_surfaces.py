@@ -50,7 +50,7 @@ def claiming_surface(core: Core) -> SurfaceRoutes:
 
     @router.get("/v1/health")
     async def claimed() -> dict[str, Any]:
-        return {"surface": "hello", "runtime": core.runtime.capabilities()["runtime"]}
+        return {"surface": "hello", "runtime": core.runtimes.default}
 
     return SurfaceRoutes(router=router, predicate=_claims, open_paths=frozenset({"/v1/health"}))
 

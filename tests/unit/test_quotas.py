@@ -24,7 +24,9 @@ def test_every_resource_a_sandbox_can_ask_for_has_a_quota_cap() -> None:
     default = quotas.default_quota()
     caps = set(quotas.RESOURCE_CAPS.values()) | {"max_descriptors", "max_total_descriptors"}
     caps |= {"max_total_disk_mb", "max_sandboxes", "max_timeout"}
-    assert caps == set(default) == set(QuotaBody.model_fields)
+    assert caps == set(default)
+    # Besides the caps, which runtimes its sandboxes use (unset: the server's, any).
+    assert set(QuotaBody.model_fields) == caps | {"default_runtime", "runtimes"}
     # The defaults let a sandbox with default resources be created.
     assert quotas.sandbox_resources({}, default, {}) == Resources()
 

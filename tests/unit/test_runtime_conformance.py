@@ -17,7 +17,15 @@ from pathlib import Path
 import pytest
 
 from agentbox.agent.client import AgentClient
-from agentbox.runtimes.base import Resources, Runtime, SandboxSpec
+from agentbox.battery import inventory
+from agentbox.runtimes.base import (
+    RESOURCE_NAMES,
+    HostFootprint,
+    Resources,
+    Runtime,
+    RuntimeError_,
+    SandboxSpec,
+)
 from agentbox.runtimes.fake import FakeRuntime
 
 pytestmark = pytest.mark.anyio
@@ -103,3 +111,53 @@ async def test_a_leftover_without_state_is_removed(
     await runtime.destroy(SID, None, keep_workspace=False)
     assert SID not in await runtime.list_sandboxes()
     await runtime.close()
+
+
+async def test_features_are_honest(make: Callable[[Path], Runtime], data_dir: Path) -> None:
+    """What a runtime declares it can do, it does; what it declares it cannot, it refuses."""
+    runtime = make(data_dir)
+    feats = runtime.features()
+    assert feats.enforces <= RESOURCE_NAMES, feats.enforces - RESOURCE_NAMES
+    state = await runtime.create(SandboxSpec(SID, "default", Resources(disk_mb=64)))
+    try:
+        if feats.network:
+            # Reaching in works without the sandbox having a network: nothing listens on
+            # this port inside, so the refusal comes from the sandbox's own loopback.
+            with pytest.raises(ConnectionRefusedError):
+                await runtime.connect_inside(SID, state, 1)
+            listener = await runtime.listen_inside(SID, state, 3129)
+            listener.close()
+        else:
+            with pytest.raises(RuntimeError_):
+                await runtime.listen_inside(SID, state, 3129)
+        await runtime.destroy(SID, state, keep_workspace=feats.kept_workspaces)
+        kept = {k.sandbox_id for k in runtime.kept_workspaces()}
+        assert (SID in kept) == feats.kept_workspaces
+        if feats.kept_workspaces:
+            assert await runtime.remove_kept_workspace(SID)
+            assert SID not in {k.sandbox_id for k in runtime.kept_workspaces()}
+    finally:
+        await runtime.destroy(SID, None, keep_workspace=False)
+        await runtime.close()
+
+
+async def test_the_host_footprint_shows_a_sandbox_and_its_removal(
+    make: Callable[[Path], Runtime], data_dir: Path
+) -> None:
+    """Leak checks look where `host_footprint` says: a live sandbox is seen there, and once
+    destroyed nothing of it is."""
+    runtime = make(data_dir)
+    at = type(runtime).host_footprint(data_dir)
+    if at == HostFootprint():
+        # Nothing on the host (the fake keeps its sandboxes in memory): then there must be
+        # nothing to find, which the process runtime's footprint would show.
+        assert not inventory.take(data_dir, at=at).sandbox_ids()
+        return
+    before = inventory.take(data_dir, at=at)
+    state = await runtime.create(SandboxSpec(SID, "default", Resources(disk_mb=64)))
+    try:
+        assert SID in inventory.take(data_dir, at=at).sandbox_ids()
+    finally:
+        await runtime.destroy(SID, state, keep_workspace=False)
+        await runtime.close()
+    assert inventory.leaks(before, inventory.take(data_dir, at=at)) == []

@@ -1,21 +1,22 @@
 """What agentbox could leave behind on the host for one data dir, and how two snapshots differ.
 
-`take(data_dir)` records everything of the host that the process runtime creates for the
-sandboxes of the server using `data_dir`, read straight from the kernel and the filesystem (not
-from agentbox's own records, which are what is being checked):
+`take(data_dir)` records everything of the host that a runtime creates for the sandboxes of the
+server using `data_dir`, read straight from the kernel and the filesystem (not from agentbox's
+own records, which are what is being checked). Where to look is each installed runtime's
+`HostFootprint` (runtimes/base.py: its directories, roots, cgroup scope and uid range); this
+module knows the kinds of things a Linux host holds, not any runtime's layout:
 
-- processes: bwrap and helper processes (mkfs, mount, ...) whose argv names the data dir's
-  sandbox trees or its bind root `/run/agentbox/<digest>`; processes in a cgroup below
-  `agentbox*/<digest>`; and every process running as a uid of the sandbox range that no *other*
-  agentbox data dir's cgroup accounts for (a sandbox process that left its cgroup can only be
-  recognised by its uid);
-- mounts at or below the data dir and the bind root (`/proc/self/mountinfo`);
-- cgroup directories `agentbox/<digest>` and below, in every mounted hierarchy (v1 controllers,
-  the hybrid `unified` tree, or a pure v2 root);
-- loop devices whose backing file lies below the data dir or the bind root;
+- processes: helper processes (bwrap, mkfs, mount, ...) whose argv names a directory of the
+  footprint or a path below its roots; processes in a cgroup below `<cgroup_group>*/<scope>`;
+  and every process running as a uid of the sandbox range that no *other* data dir's cgroup
+  accounts for (a sandbox process that left its cgroup can only be recognised by its uid);
+- mounts at or below the footprint's roots (`/proc/self/mountinfo`);
+- cgroup directories `<cgroup_group>/<scope>` and below, in every mounted hierarchy (v1
+  controllers, the hybrid `unified` tree, or a pure v2 root);
+- loop devices whose backing file lies below the roots;
 - network namespaces (other than the host's) held by those processes;
-- entries of `<data>/sandboxes`, `<data>/kept-workspaces` and the bind root (plus the bind root
-  itself).
+- entries of the footprint's directories (and those directories themselves, but for the data
+  dir's own), and the uid leases of the data dir.
 
 `diff(before, after)` lists what appeared ("leaked ...") and what disappeared ("removed ...") as
 human-readable lines; an empty list means the host is as it was. Standard library only and no
@@ -24,6 +25,7 @@ test framework: the escape battery and the benchmarks use it too.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -34,8 +36,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agentbox.runtimes.process.cgroups import CGROUP_ROOT, GROUP
-from agentbox.runtimes.process.runtime import RUN_ROOT, UID_RANGE
+from agentbox import runtimes
+from agentbox.runtimes.base import HostFootprint
+from agentbox.runtimes.uids import UidLeases
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 CATEGORIES = ("processes", "mounts", "cgroups", "loop_devices", "netns", "entries")
 _LABELS = {
@@ -46,13 +51,38 @@ _LABELS = {
     "entries": "entry",
 }
 _SANDBOX_ID = re.compile(r"sbx_[0-9A-Za-z]+")
-# A cgroup path naming some data dir's scope: .../agentbox[-suffix]/<12 hex digest>[/...]
-_SCOPE = re.compile(r"/" + re.escape(GROUP) + r"[^/]*/([0-9a-f]{12})(?:/|$)")
+
+
+def footprint(data_dir: Path) -> HostFootprint:
+    """Where the installed runtimes leave things for `data_dir`'s sandboxes, as one footprint
+    (today one runtime has one; a second merges its paths into these)."""
+    found = [
+        fp
+        for name in runtimes.available()
+        if (fp := _footprint_of(name, Path(data_dir))) != HostFootprint()
+    ]
+    if len(found) > 1:
+        dirs = tuple(dict.fromkeys(d for fp in found for d in fp.dirs))
+        roots = tuple(dict.fromkeys(r for fp in found for r in fp.roots))
+        return dataclasses.replace(found[0], dirs=dirs, roots=roots)
+    return found[0] if found else HostFootprint()
+
+
+def _footprint_of(name: str, data_dir: Path) -> HostFootprint:
+    hook = getattr(runtimes.factory(name), "host_footprint", None)
+    return hook(data_dir) if hook is not None else HostFootprint()
 
 
 def digest_of(data_dir: Path) -> str:
-    """The id the process runtime gives a data dir (its cgroup scope and bind-root name)."""
-    return hashlib.sha256(str(Path(data_dir).resolve()).encode()).hexdigest()[:12]
+    """The scope the runtimes give a data dir (its cgroup scope, bind-root and lease owner)."""
+    return footprint(data_dir).scope or hashlib.sha256(
+        str(Path(data_dir).resolve()).encode()
+    ).hexdigest()[:12]
+
+
+def _scope_re(group: str | None) -> re.Pattern[str]:
+    """A cgroup path naming some data dir's scope: .../<group>[-suffix]/<12 hex digest>[/...]"""
+    return re.compile(r"/" + re.escape(group or "agentbox") + r"[^/]*/([0-9a-f]{12})(?:/|$)")
 
 
 @dataclass
@@ -175,14 +205,24 @@ def _unescape(s: str) -> str:
 
 
 def _processes(
-    digest: str, needles: list[str], host_netns: set[str], run_root: Path
+    fp: HostFootprint, needles: list[str], host_netns: set[str]
 ) -> tuple[list[ProcessInfo], list[str]]:
     procs: list[ProcessInfo] = []
     me = os.getpid()
+    digest = fp.scope or ""
+    uid_lo, uid_hi = fp.uid_range or (0, 0)
+    scope_re = _scope_re(fp.cgroup_group)
     # Every process's parent and the data dir (digest) its cgroup or argv names, if any: a
-    # sandbox-uid process outside every scope's cgroup is told apart by its ancestors.
+    # sandbox-uid process outside every scope's cgroup is told apart by its ancestors. A root
+    # named after the scope (a per-data-dir tree such as /run/agentbox/<digest>) names the
+    # owner of any process whose argv has a path below a sibling of it.
     family: dict[int, tuple[int, str | None]] = {}
-    bind_re = re.compile(re.escape(str(run_root)) + r"/([0-9a-f]{12})/")
+    parents = [str(r.parent) for r in fp.roots if r.name == digest]
+    bind_re = re.compile(
+        "(?:" + "|".join(re.escape(p) for p in parents) + r")/([0-9a-f]{12})/"
+        if parents
+        else r"(?!)"
+    )
     unattributed: list[ProcessInfo] = []
     for name in os.listdir("/proc"):
         if not name.isdigit() or int(name) == me:
@@ -206,7 +246,7 @@ def _processes(
         for line in status.splitlines():
             if line.startswith("Uid:"):
                 uids = [int(x) for x in line.split()[1:]]
-                inside = [u for u in uids if UID_RANGE[0] <= u < UID_RANGE[1]]
+                inside = [u for u in uids if uid_lo <= u < uid_hi]
                 uid = inside[0] if inside else uids[0]
                 break
         raw = _read(f"/proc/{pid}/cmdline") or ""
@@ -219,7 +259,7 @@ def _processes(
         owner: str | None = None
         for line in cgroups.splitlines():
             path = line.split(":", 2)[-1]
-            m = _SCOPE.search(path)
+            m = scope_re.search(path)
             if m is None:
                 continue
             owner = owner or m.group(1)
@@ -241,7 +281,7 @@ def _processes(
             if sandbox is None:
                 ids = _SANDBOX_ID.findall(cmdline)
                 sandbox = ids[0] if ids else None
-        in_range = UID_RANGE[0] <= uid < UID_RANGE[1]
+        in_range = uid_lo <= uid < uid_hi
         if in_range and not other_scope:
             why.append("sandbox-uid")
         if not why:
@@ -312,10 +352,13 @@ def _mounts(roots: list[str], mountinfo: str) -> list[str]:
     return sorted(out)
 
 
-def _cgroup_dirs(digest: str, root: Path) -> list[str]:
-    bases = [root / GROUP / digest]
+def _cgroup_dirs(fp: HostFootprint, root: Path) -> list[str]:
+    if fp.cgroup_group is None or fp.scope is None:
+        return []
+    group, digest = fp.cgroup_group, fp.scope
+    bases = [root / group / digest]
     try:
-        bases += [root / c / GROUP / digest for c in sorted(os.listdir(root))]
+        bases += [root / c / group / digest for c in sorted(os.listdir(root))]
     except OSError:
         pass
     out: set[str] = set()
@@ -348,49 +391,54 @@ def _loop_devices(roots: list[str]) -> list[str]:
     return out
 
 
-def _entries(data_dir: Path, bind_root: Path) -> list[str]:
+def _entries(data_dir: Path, fp: HostFootprint) -> list[str]:
     out = []
-    if bind_root.exists():
-        out.append(f"{bind_root}/")
-    for base in (data_dir / "sandboxes", data_dir / "kept-workspaces", bind_root):
+    for base in fp.dirs:
+        # A per-data-dir tree outside the data dir is itself something left behind.
+        if base.exists() and not base.is_relative_to(data_dir):
+            out.append(f"{base}/")
         try:
             out += [str(base / n) for n in sorted(os.listdir(base))]
         except OSError:
             pass
+    if fp.uid_leases is not None and fp.scope is not None:
+        leases = UidLeases(fp.scope, fp.uid_leases)
+        out += [f"uid lease {uid} -> {sid}" for uid, sid in sorted(leases.held().items())]
     return sorted(set(out))
 
 
 def take(
     data_dir: Path,
     *,
-    run_root: Path = RUN_ROOT,
+    at: HostFootprint | None = None,
     cgroup_root: Path = CGROUP_ROOT,
     mountinfo: str = "/proc/self/mountinfo",
 ) -> Inventory:
-    """Snapshot what the host holds for the agentbox server using `data_dir`."""
+    """Snapshot what the host holds for the agentbox server using `data_dir` (looking where
+    `at` says, by default where the installed runtimes say they leave things)."""
     data_dir = Path(data_dir).resolve()
-    digest = digest_of(data_dir)
-    bind_root = run_root / digest
-    roots = [str(data_dir), str(bind_root)]
-    needles = [f"{data_dir}/sandboxes/", f"{data_dir}/kept-workspaces/", f"{bind_root}/"]
+    fp = at or footprint(data_dir)
+    roots = [str(r) for r in fp.roots]
+    needles = [f"{d}/" for d in fp.dirs]
     host_netns: set[str] = set()
     for holder in ("/proc/1/ns/net", "/proc/self/ns/net"):
         try:
             host_netns.add(os.readlink(holder))
         except OSError:
             pass
-    procs, netns = _processes(digest, needles, host_netns, run_root)
+    procs, netns = _processes(fp, needles, host_netns)
+    outside = [r for r in fp.roots if not r.is_relative_to(data_dir)]
     return Inventory(
         data_dir=str(data_dir),
-        bind_root=str(bind_root),
-        digest=digest,
+        bind_root=str(outside[0]) if outside else "",
+        digest=fp.scope or "",
         taken_at=time.time(),
         processes=procs,
         mounts=_mounts(roots, mountinfo),
-        cgroups=_cgroup_dirs(digest, cgroup_root),
+        cgroups=_cgroup_dirs(fp, cgroup_root),
         loop_devices=_loop_devices(roots),
         netns=netns,
-        entries=_entries(data_dir, bind_root),
+        entries=_entries(data_dir, fp),
     )
 
 

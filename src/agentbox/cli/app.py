@@ -174,12 +174,22 @@ def serve(
     log_max_rows: Annotated[int, typer.Option(
         min=1000, help="Rows the audit log and the egress log each keep at most (the newest)."
         )] = 1_000_000,
+    runtime: Annotated[str, typer.Option(
+        help="Isolation runtimes to serve, comma-separated; the first is the default for "
+        "sandboxes that name none.")] = "process",
 ) -> None:
     """Run the agentbox server in the foreground."""
+    from agentbox import runtimes
     from agentbox.core.logs import LogLimits
     from agentbox.core.network import NetworkSettings
     from agentbox.server.app import serve as run_server  # the server is heavy: load on use
     from agentbox.server.limits import ServerLimits
+
+    for name in (n.strip() for n in runtime.split(",")):
+        if name not in runtimes.available():
+            raise typer.BadParameter(
+                f"unknown runtime {name!r}; installed: {', '.join(runtimes.available())}",
+                param_hint="--runtime")
 
     try:
         pools = {**config.default_pool_sizes(), **config.parse_pool_sizes(warm_pool or [])}
@@ -213,6 +223,7 @@ def serve(
                network=network, limits=ServerLimits(
                    max_connections=max_connections,
                    logs=LogLimits(retention_days=log_retention_days, max_rows=log_max_rows)),
+               runtime_name=runtime,
                runtime_config={"host_paths": host_path} if host_path else None)
 
 
@@ -364,6 +375,9 @@ def create(
     secret: Annotated[list[str] | None, typer.Option(
         "--secret", help="NAME of a secret to hand in as a placeholder $NAME "
         "(repeatable).")] = None,
+    runtime: Annotated[str | None, typer.Option(
+        help="Isolation runtime (GET /v1/health lists those served).",
+        show_default="the tenant's default, else the server's")] = None,
 ) -> None:
     """Create a sandbox and print its id.
 
@@ -378,7 +392,7 @@ def create(
     sbx = Sandbox.create(
         template=template, timeout=timeout, metadata=_pairs(metadata, "--metadata"),
         envs=_pairs(env, "--env"), resources=Resources(cpu_count=cpu, memory_mb=memory_mb),
-        keep_workspace=keep_workspace, network=network, secrets=secret,
+        keep_workspace=keep_workspace, network=network, secrets=secret, runtime=runtime,
         on_progress=lambda progress: print(f"{progress} ...", file=sys.stderr, flush=True),
         **_conn(ctx))
     sbx.close()
@@ -438,6 +452,7 @@ def info(
     ended = _full_time(found.ended_at)
     rows = [
         ("id", found.sandbox_id), ("state", found.state), ("template", found.template),
+        ("runtime", found.runtime),
         ("tenant", found.tenant), ("created", _full_time(found.created_at)),
         ("ends", _full_time(found.end_at)) if found.ended_at is None
         else ("ended", f"{ended} ({found.end_reason or '?'})"),

@@ -12,7 +12,8 @@ from agentbox.core import quotas
 from agentbox.core.auth import Caller
 from agentbox.core.disk import DiskAccounting
 from agentbox.core.errors import AgentboxError
-from agentbox.runtimes.base import Resources, Runtime
+from agentbox.core.runtimes import Runtimes
+from agentbox.runtimes.base import Resources
 from agentbox.store.db import Store
 
 
@@ -20,13 +21,13 @@ class Admission:
     def __init__(
         self,
         store: Store,
-        runtime: Runtime,
+        runtimes: Runtimes,
         disk: DiskAccounting,
         default_quota: dict[str, Any],
         audit: Callable[..., None],
     ) -> None:
         self.store = store
-        self.runtime = runtime
+        self.runtimes = runtimes
         self.disk = disk
         self.default_quota = default_quota
         self.audit = audit
@@ -40,8 +41,13 @@ class Admission:
         self.audit(caller, "quota.set", tenant=tenant, quota=values)
         return self.quota(tenant)
 
-    def resources(self, requested: dict[str, Any], quota: dict[str, Any]) -> Resources:
-        return quotas.sandbox_resources(requested, quota, self.runtime.resource_ceilings())
+    def resources(
+        self, requested: dict[str, Any], quota: dict[str, Any], runtime: str
+    ) -> Resources:
+        """What a sandbox on `runtime` gets: its request within the quota and what that runtime
+        can give on this host."""
+        ceilings = self.runtimes.get(runtime).resource_ceilings()
+        return quotas.sandbox_resources(requested, quota, ceilings)
 
     async def check_capacity(
         self, caller: Caller, quota: dict[str, Any], started: float, resources: Resources

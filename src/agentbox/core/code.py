@@ -23,7 +23,6 @@ if TYPE_CHECKING:
 class CodeService:
     def __init__(self, core: SandboxManager) -> None:
         self.core = core
-        self.runtime = core.runtime
         self.audit = core.audit
 
     async def run_code(
@@ -52,7 +51,7 @@ class CodeService:
         row = self.core._reachable(caller, sandbox_id)
         detail = {"language": req.language, "context_id": req.context_id, "size": len(req.code)}
         # What the memory limit had killed before the cell: a kernel death beyond it is an OOM.
-        baseline = self.runtime.limit_counters(row.sandbox_id)
+        baseline = self.core.limit_counters(row.sandbox_id)
         try:
             events = await self.core._client(row).execute_code(**spec)
         except (AgentOpError, AgentUnavailable) as e:
@@ -75,7 +74,7 @@ class CodeService:
         def death() -> dict[str, Any]:
             nonlocal died
             if died is None:
-                after = self.runtime.limit_counters(row.sandbox_id)
+                after = self.core.limit_counters(row.sandbox_id)
                 found = violations.explain_kernel_death(baseline, after)
                 died = {"violation": found} if found else {}
             return died

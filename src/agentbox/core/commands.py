@@ -60,7 +60,6 @@ class _CommandWatch:
 class CommandService:
     def __init__(self, core: SandboxManager) -> None:
         self.core = core
-        self.runtime = core.runtime
         self.network = core.network
         self.audit = core.audit
         # (sandbox, command) -> limit counters, timeout and monotonic start of the command.
@@ -107,7 +106,7 @@ class CommandService:
         started = time.monotonic()
         row = self.core._reachable(caller, sandbox_id)
         self._check_watch_room(sandbox_id)
-        baseline = self.runtime.limit_counters(sandbox_id)
+        baseline = self.core.limit_counters(sandbox_id)
         try:
             info = await self.core._client(row).start_command(**spec)
         except (AgentOpError, AgentUnavailable) as e:
@@ -124,7 +123,7 @@ class CommandService:
         started = time.monotonic()
         row = self.core._reachable(caller, sandbox_id)
         self._check_watch_room(sandbox_id)  # its client may leave before the end
-        baseline = self.runtime.limit_counters(sandbox_id)
+        baseline = self.core.limit_counters(sandbox_id)
         try:
             info, stream = await self.core._client(row).run_command(**spec)
         except (AgentOpError, AgentUnavailable) as e:
@@ -275,7 +274,7 @@ class CommandService:
         key = (sandbox_id, cmd_id)
         if key not in self._violations:
             baseline, timeout, started = self._baselines.pop(key, ({}, 0.0, None))
-            after = self.runtime.limit_counters(sandbox_id) if baseline else {}
+            after = self.core.limit_counters(sandbox_id) if baseline else {}
             blocked = self.network.proxy.denials_since(sandbox_id, started) if started else []
             found = violations.explain_command_end(end, baseline, after, timeout)
             if blocked and (found is None or found["code"] == "network_disabled"):

@@ -9,6 +9,7 @@ sandbox starts is honoured at the start's next step (`_check_kill`).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import secrets
 import time
@@ -29,7 +30,7 @@ from agentbox.core.states import SandboxState
 from agentbox.core.template_service import DEFAULT_TEMPLATE, TEMPLATE_ROOTFS
 from agentbox.egress.policy import EgressPolicy
 from agentbox.egress.proxy import HTTP_PORT, SOCKS_PORT
-from agentbox.runtimes.base import Resources, RuntimeError_, SandboxSpec
+from agentbox.runtimes.base import Resources, Runtime, RuntimeError_, SandboxSpec
 from agentbox.store.db import DETAIL_STRING_CHARS, SandboxRow
 from agentbox.templates import TemplateInfo
 
@@ -56,17 +57,31 @@ class Creation:
         check_envs(req.envs)
         check_metadata(req.metadata)
         quota = self.core.quota(caller.tenant)
+        req = dataclasses.replace(req, runtime=self.core.runtimes.choose(req.runtime, quota))
+        assert req.runtime is not None
         if not 0 < req.timeout <= quota["max_timeout"]:
             raise LimitExceeded(
                 f"timeout must be between 0 and {quota['max_timeout']} seconds",
                 setting="quota.max_timeout",
                 limit=quota["max_timeout"],
             )
-        resources = self.core.admission.resources(req.resources, quota)
+        resources = self.core.admission.resources(req.resources, quota, req.runtime)
         self.core.admission.check_free_space(caller, started)
         net = self.core.network.sandbox_network(caller.tenant, req.network)
-        # Secrets need their placeholders and the CA in place from the start: no pool.
-        if resources == Resources() and not req.keep_workspace and not req.secrets:
+        self.core.runtimes.check_request(
+            req.runtime,
+            req.resources,
+            wants_network=not net.policy.is_empty or net.public_ports,
+            keep_workspace=req.keep_workspace,
+        )
+        # Secrets need their placeholders and the CA in place from the start: no pool (and
+        # its members run on the server's default runtime).
+        if (
+            resources == Resources()
+            and not req.keep_workspace
+            and not req.secrets
+            and req.runtime == self.core.runtimes.default
+        ):
             row = await self.core.pool_service.claim(caller, template, req, quota, started, net)
             if row is not None:
                 return row
@@ -97,6 +112,7 @@ class Creation:
                 egress,
                 net,
                 caller.tenant,
+                req.runtime,
             )
         except AgentboxError as e:
             self.core.audit(
@@ -188,7 +204,7 @@ class Creation:
         try:
             await self.start(
                 sandbox_id, tpl, row.template, resources, req.envs, req.timeout,
-                egress, net, row.tenant,
+                egress, net, row.tenant, row.runtime,
             )  # fmt: skip
         except Exception as e:  # noqa: BLE001 - _start recorded how it ended; add why
             message = e.message if isinstance(e, AgentboxError) else str(e)
@@ -228,7 +244,7 @@ class Creation:
             sandbox_id=sandbox_id,
             tenant=tenant,
             template=template,
-            runtime=self.core.runtime.name,
+            runtime=req.runtime or self.core.runtimes.default,
             metadata=req.metadata,
             resources=asdict(resources),
             runtime_state=None,
@@ -251,9 +267,11 @@ class Creation:
         egress: SandboxEgressSetup,
         net: SandboxNetwork,
         tenant: str,
+        runtime_name: str,
     ) -> SandboxRow:
         """Bring an inserted `starting` sandbox up: runtime, egress proxy, template start
         command, warm code contexts; its row says running (or failed) when this returns."""
+        runtime = self.core.runtimes.get(runtime_name)
         spec = SandboxSpec(
             sandbox_id=sandbox_id,
             template=template,
@@ -270,11 +288,11 @@ class Creation:
         async with self.core._lock(sandbox_id):
             state: dict[str, Any] | None = None
             try:
-                state = await self.core.runtime.create(spec)
+                state = await runtime.create(spec)
                 self._check_kill(sandbox_id)
-                await self.serve_egress(sandbox_id, state, tenant, net, egress)
+                await self.serve_egress(sandbox_id, state, tenant, net, egress, runtime)
                 if tpl is not None:
-                    await self._template_ready(sandbox_id, state, tpl)
+                    await self._template_ready(sandbox_id, state, tpl, runtime)
                 # No await from this check to the record saying running: a kill that saw
                 # `starting` is always noticed.
                 self._check_kill(sandbox_id)
@@ -283,7 +301,7 @@ class Creation:
                 killed = sandbox_id in self.core._kill_pending
                 if not killed:
                     log.exception("create %s failed", sandbox_id)
-                await self._abandon_start(sandbox_id, state, killed)
+                await self._abandon_start(sandbox_id, state, killed, runtime)
                 if killed:
                     raise SandboxNotRunning(
                         f"sandbox {sandbox_id} was killed while it was starting; create a new "
@@ -315,13 +333,13 @@ class Creation:
             raise _KilledWhileStarting
 
     async def _abandon_start(
-        self, sandbox_id: str, state: dict[str, Any] | None, killed: bool
+        self, sandbox_id: str, state: dict[str, Any] | None, killed: bool, runtime: Runtime
     ) -> None:
         """Remove what a start that failed (or was killed) made; record how it ended."""
         await self.core.network.forget(sandbox_id)
         if state is not None:
             try:
-                await self.core.runtime.destroy(sandbox_id, state, keep_workspace=False)
+                await runtime.destroy(sandbox_id, state, keep_workspace=False)
             except Exception:  # noqa: BLE001 - reconcile removes what is left
                 log.exception("could not remove the unstarted sandbox %s", sandbox_id)
         end = SandboxState.KILLED if killed else SandboxState.FAILED
@@ -335,12 +353,15 @@ class Creation:
         tenant: str,
         net: SandboxNetwork,
         egress: SandboxEgressSetup,
+        runtime: Runtime,
     ) -> None:
         """Put the egress proxy on the sandbox's loopback. A runtime that cannot leaves the
-        sandbox without egress (closed, never open)."""
+        sandbox without egress (closed, never open; a create that asked for some was refused)."""
+        if not self.core.runtimes.features(runtime.name).network:
+            return
         try:
             listeners = {
-                port: await self.core.runtime.listen_inside(sandbox_id, state, port)
+                port: await runtime.listen_inside(sandbox_id, state, port)
                 for port in (HTTP_PORT, SOCKS_PORT)
             }
         except RuntimeError_ as e:
@@ -352,13 +373,13 @@ class Creation:
         )
 
     async def _template_ready(
-        self, sandbox_id: str, state: dict[str, Any], tpl: TemplateInfo
+        self, sandbox_id: str, state: dict[str, Any], tpl: TemplateInfo, runtime: Runtime
     ) -> None:
         """Run the template's start command until its readiness check passes; warm the code
         contexts it names."""
         # Tracked: a kill while the sandbox starts aborts a long readiness check or warm-up.
         client = AgentClient(
-            self.core.runtime.agent_address(sandbox_id, state).socket_path,
+            runtime.agent_address(sandbox_id, state).socket_path,
             inflight=self.core._inflight.setdefault(sandbox_id, set()),
         )
         if tpl.start_cmd:
@@ -398,8 +419,9 @@ class Creation:
         egress = self.core.network.setup(tenant, sandbox_id, [], str(tpl.rootfs) if tpl else None)
         self.insert(sandbox_id, tenant, template, req, Resources(), net, egress)
         return await self.start(
-            sandbox_id, tpl, template, Resources(), {}, lifetime, egress, net, tenant
-        )
+            sandbox_id, tpl, template, Resources(), {}, lifetime, egress, net, tenant,
+            self.core.runtimes.default,
+        )  # fmt: skip
 
     async def run_true(self, row: SandboxRow) -> None:
         """Run `true` in the sandbox (hidden from its command list): it works end to end, and

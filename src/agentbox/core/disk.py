@@ -15,11 +15,14 @@ import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentbox.core.errors import InsufficientStorage, QuotaExceeded
-from agentbox.runtimes.base import Resources, Runtime
+from agentbox.runtimes.base import Resources
 from agentbox.store.db import Store
+
+if TYPE_CHECKING:
+    from agentbox.core.runtimes import Runtimes
 
 MiB = 2**20
 
@@ -129,7 +132,7 @@ class DiskAccounting:
         )
 
 
-def live_workspaces(store: Store, runtime: Runtime) -> UsageSource:
+def live_workspaces(store: Store, runtimes: Runtimes) -> UsageSource:
     """The workspaces of a tenant's live sandboxes: their real usage once running, the size
     they asked for while starting (or when the runtime cannot tell)."""
 
@@ -139,7 +142,8 @@ def live_workspaces(store: Store, runtime: Runtime) -> UsageSource:
             if row.tenant != tenant:
                 continue
             used = None
-            if row.runtime_state is not None:
+            if row.runtime_state is not None and runtimes.serves(row):
+                runtime = runtimes.for_row(row)
                 used = runtime.workspace_bytes(row.sandbox_id, row.runtime_state)
             if used is None:
                 used = int(row.resources.get("disk_mb", Resources().disk_mb)) * MiB

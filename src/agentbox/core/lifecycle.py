@@ -175,6 +175,7 @@ class Lifecycle:
         self, row: SandboxRow, state: SandboxState, reason: str, only_if_expired: bool = False
     ) -> bool:
         """Destroy a sandbox and record how it ended; False if it had already ended."""
+        runtime = self.core.runtimes.for_row(row)  # one it cannot reach stays as it is
         async with self.core._lock(row.sandbox_id):
             self.core._running.pop(row.sandbox_id, None)
             self.core.pools.forget(row.sandbox_id)
@@ -188,7 +189,7 @@ class Lifecycle:
             self.core._ending[fresh.sandbox_id] = state
             await self.core.network.forget(fresh.sandbox_id)
             try:
-                await self.core.runtime.destroy(
+                await runtime.destroy(
                     fresh.sandbox_id, fresh.runtime_state, fresh.keep_workspace
                 )
             except Exception:

@@ -49,6 +49,7 @@ from agentbox.core.requests import (
     CommandRequest,
     CreateRequest,
 )
+from agentbox.core.runtimes import Runtimes
 from agentbox.core.states import LIVE_FILTER, UNHEALTHY, SandboxState
 from agentbox.core.supervision import Supervisor
 from agentbox.core.template_service import (
@@ -85,7 +86,7 @@ class SandboxManager:
     def __init__(
         self,
         store: Store,
-        runtime: Runtime,
+        runtime: Runtime | Runtimes,
         templates: TemplateStore,
         network: NetworkService,
         pool_sizes: dict[str, int] | None = None,
@@ -98,16 +99,18 @@ class SandboxManager:
         those derived from this host. The disk settings come from the environment."""
         self.store = store
         self.states = SandboxStates(store)  # the one writer of sandbox states
-        self.runtime = runtime
+        # The runtimes it serves with; each sandbox's is on its record (core/runtimes.py).
+        self.runtimes = runtime if isinstance(runtime, Runtimes) else Runtimes.of(runtime)
+        default = self.runtimes.get(self.runtimes.default)
         self.audit = Audit(store)
         self.default_quota = {**DEFAULT_QUOTA, **(default_quota or {})}
         disk = DiskSettings.from_env()
         # Disk is accounted in one place: live workspaces and kept ones, by real usage.
-        self.disk = DiskAccounting(disk, runtime.storage_path())
-        self.workspaces = KeptWorkspaces(store, runtime, disk.kept_retention_s, self.audit)
-        self.disk.add_source(live_workspaces(store, runtime))
+        self.disk = DiskAccounting(disk, default.storage_path())
+        self.workspaces = KeptWorkspaces(store, self.runtimes, disk.kept_retention_s, self.audit)
+        self.disk.add_source(live_workspaces(store, self.runtimes))
         self.disk.add_source(self.workspaces.usage)
-        self.admission = Admission(store, runtime, self.disk, self.default_quota, self.audit)
+        self.admission = Admission(store, self.runtimes, self.disk, self.default_quota, self.audit)
         self.templates = templates
         self.network = network
         self.template_service = TemplateService(self, check_templates)
@@ -211,8 +214,11 @@ class SandboxManager:
         if row is None or row.runtime_state is None:
             raise ConnectionRefusedError(f"sandbox {sandbox_id} is not running")
         try:
-            return await self.runtime.connect_inside(sandbox_id, row.runtime_state, port)
-        except RuntimeError_ as e:
+            runtime = self.runtimes.for_row(row)
+            if not self.runtimes.features(runtime.name).network:
+                raise RuntimeError_(f"the {runtime.name} runtime cannot reach a sandbox's ports")
+            return await runtime.connect_inside(sandbox_id, row.runtime_state, port)
+        except (RuntimeError_, AgentboxError) as e:
             raise ConnectionRefusedError(str(e)) from None
 
     def list(
@@ -291,6 +297,13 @@ class SandboxManager:
         for conn in list(self._inflight.get(sandbox_id, ())):
             conn.abort()
 
+    def limit_counters(self, sandbox_id: str) -> dict[str, int]:
+        """The limits its runtime saw it hit so far (to explain an end); {} if unknown."""
+        row = self._running.get(sandbox_id) or self.store.get_sandbox(sandbox_id)
+        if row is None or not self.runtimes.serves(row):
+            return {}
+        return self.runtimes.for_row(row).limit_counters(sandbox_id)
+
     # ------------------------------------------------------------------ agent access
 
     def _client(self, row: SandboxRow, tracked: bool = True) -> AgentClient:
@@ -299,7 +312,7 @@ class SandboxManager:
         assert row.runtime_state is not None
         inflight = self._inflight.setdefault(row.sandbox_id, set()) if tracked else None
         return AgentClient(
-            self.runtime.agent_address(row.sandbox_id, row.runtime_state).socket_path,
+            self.runtimes.for_row(row).agent_address(row.sandbox_id, row.runtime_state).socket_path,
             inflight=inflight,
         )
 

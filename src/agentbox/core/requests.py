@@ -23,6 +23,7 @@ class CreateRequest:
     keep_workspace: bool = False
     network: dict[str, Any] | None = None  # None: the tenant's default (else no egress)
     secrets: list[str] = field(default_factory=list)
+    runtime: str | None = None  # None: the tenant's default, else the server's
 
 
 @dataclass

@@ -69,7 +69,8 @@ class Supervisor:
         async with limit:
             if sid in self.core._ending:
                 return
-            if not await self.core.runtime.is_alive(sid, row.runtime_state):
+            runtime = self.core.runtimes.for_row(row)
+            if not await runtime.is_alive(sid, row.runtime_state):
                 try:
                     await self.core.lifecycle.end(row, SandboxState.KILLED, "vanished")
                 except AgentboxError:
@@ -77,7 +78,7 @@ class Supervisor:
                 return
             # Its own connection, like every request: an agent blocked sending a stream to a
             # slow reader still answers this.
-            path = self.core.runtime.agent_address(sid, row.runtime_state).socket_path
+            path = runtime.agent_address(sid, row.runtime_state).socket_path
             client = AgentClient(path, connect_timeout=self.core.ping_timeout)
             try:
                 await client.ping(self.core.ping_timeout)
@@ -106,10 +107,20 @@ class Supervisor:
             "failed": 0,
             "strays": 0,
             "pool_removed": 0,
+            "unserved": 0,
         }
         now = time.time()
         known: set[str] = set()
         for row in self.core.store.live_sandboxes():
+            if not self.core.runtimes.serves(row):
+                # Its runtime is not served now: left as it is, for a server that serves it.
+                log.warning(
+                    "sandbox %s runs on the %s runtime, which this server does not serve; "
+                    "left alone", row.sandbox_id, row.runtime,
+                )  # fmt: skip
+                counts["unserved"] += 1
+                continue
+            runtime = self.core.runtimes.for_row(row)
             if (
                 row.state in (SandboxState.STARTING, SandboxState.BUILDING)
                 or row.runtime_state is None
@@ -122,11 +133,11 @@ class Supervisor:
                 await self.core.lifecycle.end(row, SandboxState.EXPIRED, "timeout")
                 self.core.audit(None, "sandbox.expire", row.sandbox_id, tenant=row.tenant)
                 counts["expired"] += 1
-            elif not await self.core.runtime.is_alive(row.sandbox_id, row.runtime_state):
+            elif not await runtime.is_alive(row.sandbox_id, row.runtime_state):
                 await self.core.lifecycle.end(row, SandboxState.KILLED, "vanished")
                 counts["vanished"] += 1
             else:
-                self.core.runtime.adopt(row.sandbox_id, row.runtime_state)
+                runtime.adopt(row.sandbox_id, row.runtime_state)
                 known.add(row.sandbox_id)
                 await self.core.creation.serve_egress(
                     row.sandbox_id,
@@ -134,6 +145,7 @@ class Supervisor:
                     row.tenant,
                     SandboxNetwork.from_dict(row.network),
                     self.core.network.restore(row.sandbox_id, row.secrets or {}),
+                    runtime,
                 )
                 self.core._running[row.sandbox_id] = row
                 if row.tenant == POOL_TENANT and not self.core.pools.adopt(
@@ -157,10 +169,11 @@ class Supervisor:
                         self.core.commands.watch(row, info["cmd_id"], info.get("cmd", ""), None, 0)
                 except (AgentUnavailable, AgentOpError, KeyError, TypeError):
                     pass
-        for stray in await self.core.runtime.list_sandboxes() - known:
-            log.warning("removing stray sandbox %s that no record explains", stray)
-            await self.core.runtime.destroy(stray, None, keep_workspace=False)
-            counts["strays"] += 1
+        for each in self.core.runtimes:
+            for stray in await each.list_sandboxes() - known:
+                log.warning("removing stray sandbox %s (%s) no record explains", stray, each.name)
+                await each.destroy(stray, None, keep_workspace=False)
+                counts["strays"] += 1
         log.info("reconciled: %s", counts)
         return counts
 

@@ -24,6 +24,7 @@ from typing import Any
 from agentbox.core.auth import Caller
 from agentbox.core.disk import DiskUse
 from agentbox.core.errors import AgentboxError, NotFound, SandboxUnavailable, from_agent
+from agentbox.core.runtimes import Runtimes
 from agentbox.runtimes.base import KeptWorkspace, Runtime, RuntimeError_
 from agentbox.store.db import SandboxRow, Store
 
@@ -149,12 +150,12 @@ class KeptWorkspaces:
     def __init__(
         self,
         store: Store,
-        runtime: Runtime,
+        runtimes: Runtimes,
         retention_s: float,
         audit: Callable[..., None],
     ) -> None:
         self.store = store
-        self.runtime = runtime
+        self.runtimes = runtimes
         self.retention_s = retention_s
         self.audit = audit
         # Records of ended sandboxes never change again: kept here, not read on every create.
@@ -182,8 +183,24 @@ class KeptWorkspaces:
             expires_at=kept_at + self.retention_s,
         )
 
+    def _keepers(self) -> list[Runtime]:
+        return [rt for rt in self.runtimes if self.runtimes.features(rt.name).kept_workspaces]
+
     def _all(self) -> list[tuple[KeptWorkspace, SandboxRow | None]]:
-        return [(k, self._row(k.sandbox_id)) for k in self.runtime.kept_workspaces()]
+        return [
+            (k, self._row(k.sandbox_id)) for rt in self._keepers() for k in rt.kept_workspaces()
+        ]
+
+    def _runtime(self, sandbox_id: str) -> Runtime:
+        """The runtime that holds a kept workspace: its sandbox's, or (no record left) the
+        first that lists it."""
+        row = self._row(sandbox_id)
+        if row is not None:
+            return self.runtimes.for_row(row)
+        for rt in self._keepers():
+            if any(k.sandbox_id == sandbox_id for k in rt.kept_workspaces()):
+                return rt
+        raise NotFound(f"no kept workspace of sandbox {sandbox_id}", sandbox_id=sandbox_id)
 
     def of_tenant(self, tenant: str) -> list[KeptInfo]:
         """The tenant's kept workspaces, most recently kept first (reads the host: a thread)."""
@@ -209,8 +226,9 @@ class KeptWorkspaces:
         """The workspace's files, held open until the stack is closed."""
         stack = contextlib.AsyncExitStack()
         try:
-            root = await stack.enter_async_context(self.runtime.kept_workspace_files(sandbox_id))
-        except RuntimeError_ as e:
+            runtime = self._runtime(sandbox_id)
+            root = await stack.enter_async_context(runtime.kept_workspace_files(sandbox_id))
+        except (RuntimeError_, AgentboxError) as e:
             await stack.aclose()
             raise SandboxUnavailable(str(e)) from None
         return stack, root
@@ -316,7 +334,7 @@ class KeptWorkspaces:
     async def remove(self, caller: Caller, sandbox_id: str) -> None:
         started = time.monotonic()
         info = await self._owned(caller, sandbox_id)
-        await self.runtime.remove_kept_workspace(sandbox_id)
+        await self._runtime(sandbox_id).remove_kept_workspace(sandbox_id)
         self._rows.pop(sandbox_id, None)
         self.audit(
             caller,
@@ -337,7 +355,7 @@ class KeptWorkspaces:
             kept_at = (row.ended_at if row else None) or kept.kept_at
             if kept_at + self.retention_s > now:
                 continue
-            if await self.runtime.remove_kept_workspace(kept.sandbox_id):
+            if await self._runtime(kept.sandbox_id).remove_kept_workspace(kept.sandbox_id):
                 removed += 1
                 self.audit(
                     None,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import socket
 from abc import ABC, abstractmethod
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -62,6 +62,58 @@ class KeptWorkspace:
     sandbox_id: str
     used_bytes: int  # what it really takes on the host's disk (blocks, not apparent size)
     kept_at: float  # unix time it was kept
+
+
+# Resources fields a runtime may enforce (see RuntimeFeatures.enforces).
+RESOURCE_NAMES = frozenset(f.name for f in fields(Resources))
+
+
+@dataclass(frozen=True)
+class RuntimeFeatures:
+    """What a runtime can do on this host, declared rather than assumed: the core branches on
+    these and on nothing else about a runtime (no `if runtime.name == ...` outside it). The
+    conformance suite (tests/unit/test_runtime_conformance.py) checks each one is honest.
+    Everything defaults to "cannot": a runtime that declares nothing gets no traffic, no kept
+    workspaces and no limit requests, so it fails closed."""
+
+    # `Resources` fields it enforces on this host. A create that asks for a limit outside this
+    # set is refused: a limit that would silently not hold is worse than none asked.
+    enforces: frozenset[str] = frozenset()
+    # It reaches a sandbox's loopback (`listen_inside`/`connect_inside`) without giving it an
+    # interface: the egress proxy and exposed ports need it. Without it a sandbox has no
+    # network at all, and a create that asks for egress is refused.
+    network: bool = False
+    # It keeps a sandbox's workspace after it ends (`keep_workspace`) and serves it back.
+    kept_workspaces: bool = False
+    # Every sandbox runs under host uids of its own, from the host-wide allocator (uids.py).
+    own_uids: bool = False
+    # Later issues: pause/resume and snapshots (a disk image and memory the core can copy).
+    pause: bool = False
+    snapshot: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["enforces"] = sorted(self.enforces)
+        return out
+
+
+@dataclass(frozen=True)
+class HostFootprint:
+    """Where a runtime leaves things on the host for the sandboxes of one data dir, so leak
+    checks (the battery's inventory, the benchmarks) look there instead of knowing any
+    runtime's layout. Paths are absolute; every field may be empty."""
+
+    # Directories whose entries are the runtime's (one per sandbox or kept workspace), and
+    # which are themselves its when they exist.
+    dirs: tuple[Path, ...] = ()
+    # Trees below which mounts, loop-device backing files and process arguments are its.
+    roots: tuple[Path, ...] = ()
+    # cgroup directories are `<controller root>/<cgroup_group>/<scope>`.
+    cgroup_group: str | None = None
+    scope: str | None = None
+    # Host uids its sandboxes run as ([start, end)), and where their leases live (uids.py).
+    uid_range: tuple[int, int] | None = None
+    uid_leases: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -123,6 +175,16 @@ class Runtime(ABC):
 
         Raises ConnectionRefusedError when nothing listens there."""
         raise RuntimeError_(f"the {self.name} runtime cannot reach into a sandbox's network")
+
+    def features(self) -> RuntimeFeatures:
+        """What it can do on this host (see RuntimeFeatures); the default declares nothing."""
+        return RuntimeFeatures()
+
+    @classmethod
+    def host_footprint(cls, data_dir: Path) -> HostFootprint:
+        """Where its sandboxes of `data_dir` leave things on this host; callable without an
+        instance (a leak check runs beside the server, not in it)."""
+        return HostFootprint()
 
     def adopt(self, sandbox_id: str, state: dict[str, Any]) -> None:  # noqa: B027
         """Take over a live sandbox found after a restart (state this process must rebuild)."""

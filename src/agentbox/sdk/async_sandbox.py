@@ -566,6 +566,7 @@ class AsyncSandbox:
         api_url: str | None = None,
         request_timeout: float = 60,
         on_progress: Callable[[BuildProgress], None] | None = None,
+        runtime: str | None = None,
     ) -> AsyncSandbox:
         """Start a sandbox that lives `timeout` seconds unless extended with set_timeout.
 
@@ -573,6 +574,7 @@ class AsyncSandbox:
         "allow_internet_access": bool, "allow_public_traffic": bool}; None = the tenant's
         default); `allow_internet_access` overrides that one field. `secrets` names tenant
         secrets (see `Secrets`) the sandbox gets as placeholder environment variables.
+        `runtime` picks the isolation runtime (None: the tenant's default, else the server's).
 
         A shipped template used for the first time is built first (a minute or two): the
         server answers at once with a `building` sandbox and this waits until it runs, passing
@@ -591,6 +593,7 @@ class AsyncSandbox:
                     network,
                     secrets,
                     allow_internet_access,
+                    runtime,
                 )
             )
             try:

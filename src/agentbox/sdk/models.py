@@ -111,6 +111,7 @@ class SandboxInfo:
     # Why it failed after the create answered; while `building`, how far its template's build got.
     error: str | None = None
     build: BuildProgress | None = None
+    runtime: str = ""  # the isolation runtime it runs on
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> SandboxInfo:
@@ -124,7 +125,7 @@ class SandboxInfo:
             keep_workspace=bool(data.get("keep_workspace")),
             network=NetworkInfo.from_json(data.get("network")),
             secrets=_strings(data.get("secrets")), access_token=data.get("access_token") or None,
-            domain=data.get("domain") or None,
+            domain=data.get("domain") or None, runtime=str(data.get("runtime") or ""),
         )
 
 

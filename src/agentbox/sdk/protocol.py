@@ -177,9 +177,11 @@ def create_sandbox(template: str | None, timeout: float, metadata: Mapping[str, 
                    resources: Resources | Mapping[str, Any] | None,
                    keep_workspace: bool, network: NetworkSpec | None = None,
                    secrets: Sequence[str] | None = None,
-                   allow_internet_access: bool | None = None) -> Call[SandboxInfo]:
+                   allow_internet_access: bool | None = None,
+                   runtime: str | None = None) -> Call[SandboxInfo]:
     """`network` None takes the tenant's default policy; `allow_internet_access` is E2B's
-    shorthand, applied over `network` by the server; `secrets` are names of tenant secrets."""
+    shorthand, applied over `network` by the server; `secrets` are names of tenant secrets;
+    `runtime` None takes the tenant's default runtime, else the server's."""
     if isinstance(resources, Resources):
         res = resources.to_json()
     else:
@@ -196,6 +198,8 @@ def create_sandbox(template: str | None, timeout: float, metadata: Mapping[str, 
         body["allow_internet_access"] = allow_internet_access
     if secrets:
         body["secrets"] = _names(secrets, "secrets")
+    if runtime is not None:
+        body["runtime"] = runtime
     return Call("POST", "/v1/sandboxes", _sandbox, json=body)
 
 

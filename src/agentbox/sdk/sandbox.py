@@ -551,6 +551,7 @@ class Sandbox:
         api_url: str | None = None,
         request_timeout: float = 60,
         on_progress: Callable[[BuildProgress], None] | None = None,
+        runtime: str | None = None,
     ) -> Sandbox:
         """Start a sandbox that lives `timeout` seconds unless extended with set_timeout.
 
@@ -558,6 +559,7 @@ class Sandbox:
         "allow_internet_access": bool, "allow_public_traffic": bool}; None = the tenant's
         default); `allow_internet_access` overrides that one field. `secrets` names tenant
         secrets (see `Secrets`) the sandbox gets as placeholder environment variables.
+        `runtime` picks the isolation runtime (None: the tenant's default, else the server's).
 
         A shipped template used for the first time is built first (a minute or two): the
         server answers at once with a `building` sandbox and this waits until it runs, passing
@@ -576,6 +578,7 @@ class Sandbox:
                     network,
                     secrets,
                     allow_internet_access,
+                    runtime,
                 )
             )
             try:

@@ -23,6 +23,7 @@ from agentbox.core.errors import AgentboxError
 from agentbox.core.logs import LogKeeper
 from agentbox.core.manager import SandboxManager
 from agentbox.core.network import NetworkService, NetworkSettings
+from agentbox.core.runtimes import Runtimes
 from agentbox.server import logfilter, surfaces
 from agentbox.server.errors import install_handlers
 from agentbox.server.gateway import PortGateway, PortTarget
@@ -48,7 +49,8 @@ def create_app(
     limits: ServerLimits | None = None,
     with_surfaces: Sequence[Surface] | None = None,
 ) -> FastAPI:
-    """The HTTP API over one data dir and one runtime (`runtime_config` goes to its constructor).
+    """The HTTP API over one data dir and its runtimes (`runtime_name`: comma-separated names,
+    the first the default for new sandboxes; `runtime_config` goes to its constructor).
 
     Templates live in `template_dir` (default `<data_dir>/templates`; servers may share one);
     `warm_pools` maps template names to pool sizes; `network` holds the operator's egress and
@@ -63,8 +65,6 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         import fcntl
-
-        from agentbox.runtimes import get_runtime
 
         data_dir.mkdir(parents=True, exist_ok=True)
         # One server per data dir, decided before anything is read or touched: a second one
@@ -93,7 +93,7 @@ def create_app(
                 file=sys.stderr,
                 flush=True,
             )
-        runtime = get_runtime(runtime_name, data_dir=data_dir, **(runtime_config or {}))
+        runtime = open_runtimes(runtime_name, data_dir, runtime_config)
         # A rebuilt or removed template keeps the tree its live sandboxes run from.
         templates = TemplateStore(
             template_dir or data_dir / "templates",
@@ -199,6 +199,21 @@ def create_app(
 
     install_handlers(app)
     return app
+
+
+def open_runtimes(
+    names: str, data_dir: Path, default_config: dict[str, Any] | None
+) -> Runtimes:
+    """The runtimes named (comma-separated, the first the default), each over the data dir;
+    `default_config` goes to the default one's constructor."""
+    from agentbox.runtimes import get_runtime
+
+    wanted = list(dict.fromkeys(n.strip() for n in names.split(",") if n.strip()))
+    if not wanted:
+        raise ValueError("no runtime named: give at least one, e.g. --runtime process")
+    opened = {wanted[0]: get_runtime(wanted[0], data_dir=data_dir, **(default_config or {}))}
+    opened |= {name: get_runtime(name, data_dir=data_dir) for name in wanted[1:]}
+    return Runtimes(opened, wanted[0])
 
 
 def _chosen(given: Sequence[Surface] | None) -> list[Surface]:

@@ -69,6 +69,9 @@ class NetworkBody(Strict):
     allow_public_traffic: bool = Field(False, description="exposed ports need no access token")
 
 
+RuntimeName = Annotated[str, Field(max_length=32, pattern=r"^[a-z][a-z0-9_-]*$")]
+
+
 class CreateSandboxBody(Strict):
     template: str | None = Field("default", max_length=128)
     timeout: float = Field(300, gt=0, le=10**9, description="seconds until the sandbox is killed")
@@ -86,6 +89,11 @@ class CreateSandboxBody(Strict):
         default_factory=list,
         max_length=64,
         description="names of the tenant's secrets; the sandbox sees only placeholders",
+    )
+    runtime: RuntimeName | None = Field(
+        None,
+        description="the isolation runtime (GET /v1/health lists those served); default: the "
+        "tenant's default_runtime, else the server's",
     )
 
 
@@ -130,6 +138,7 @@ class SandboxInfo(BaseModel):
     sandbox_id: str
     tenant: str
     template: str
+    runtime: str
     state: str
     metadata: dict[str, str]
     created_at: str
@@ -161,6 +170,7 @@ class SandboxInfo(BaseModel):
             sandbox_id=row.sandbox_id,
             tenant=row.tenant,
             template=row.template,
+            runtime=row.runtime,
             state=row.state,
             metadata=row.metadata,
             created_at=rfc3339(row.created_at) or "",
@@ -298,6 +308,12 @@ class QuotaBody(Strict):
     )
     max_total_disk_mb: int | None = Field(
         None, gt=0, le=1 << 40, description="live and kept workspaces, by real usage"
+    )
+    default_runtime: RuntimeName | None = Field(
+        None, description="the runtime of its sandboxes that name none (default: the server's)"
+    )
+    runtimes: list[RuntimeName] | None = Field(
+        None, max_length=16, description="the runtimes its sandboxes may use (default: all)"
     )
 
 

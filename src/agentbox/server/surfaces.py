@@ -21,7 +21,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from agentbox.core.auth import Authenticator
 from agentbox.core.manager import SandboxManager
 from agentbox.core.network import NetworkService, NetworkSettings
-from agentbox.runtimes.base import Runtime
+from agentbox.core.runtimes import Runtimes
 from agentbox.server.errors import install_handlers
 from agentbox.store.db import Store
 
@@ -37,7 +37,7 @@ class Services:
     manager: SandboxManager
     store: Store
     auth: Authenticator
-    runtime: Runtime
+    runtimes: Runtimes
     network: NetworkService
 
 
@@ -74,8 +74,8 @@ class Core:
         return self.services.auth
 
     @property
-    def runtime(self) -> Runtime:
-        return self.services.runtime
+    def runtimes(self) -> Runtimes:
+        return self.services.runtimes
 
     @property
     def network(self) -> NetworkService:

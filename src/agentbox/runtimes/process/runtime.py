@@ -21,7 +21,6 @@ import hashlib
 import json
 import logging
 import os
-import random
 import resource
 import shutil
 import signal
@@ -38,16 +37,19 @@ from typing import Any, ClassVar
 from agentbox.runtimes.base import (
     AgentAddress,
     Ceiling,
+    HostFootprint,
     KeptWorkspace,
     Runtime,
     RuntimeError_,
+    RuntimeFeatures,
     SandboxSpec,
 )
 from agentbox.runtimes.process import hostview, workspace
-from agentbox.runtimes.process.cgroups import CgroupLimits, Cgroups
+from agentbox.runtimes.process.cgroups import GROUP, CgroupLimits, Cgroups
 from agentbox.runtimes.process.netns import NamespaceSockets, NetnsError
 from agentbox.runtimes.process.seccomp import build_filter
 from agentbox.runtimes.process.weaken import Weakening
+from agentbox.runtimes.uids import LEASES, UID_RANGE, NoFreeUid, UidLeases
 
 RUN_ROOT = Path("/run/agentbox")
 TEMPLATE_BINDS = "templates"  # below the bind root: template trees a sandbox uid can resolve
@@ -63,7 +65,6 @@ AGENT_FILES = (
 )
 AGENT_MOUNT = "/opt/agentbox"
 SANDBOX_PYTHON = "/usr/bin/python3"
-UID_RANGE = (200_000, 265_000)
 SOCKET_NAME = "agent.sock"
 STATE_FILE = "runtime.json"
 NPROC_SLACK = 16  # RLIMIT_NPROC is the sandbox's pids plus this (see _spawn)
@@ -159,7 +160,7 @@ class ProcessRuntime(Runtime):
         # bwrap already runs as the sandbox's uid when it resolves its bind sources, and the
         # data dir is private to root (and may sit below other private dirs). So what bwrap
         # binds lives in a root-owned, traverse-only tree of its own, one per data dir.
-        digest = hashlib.sha256(str(data_dir.resolve()).encode()).hexdigest()[:12]
+        digest = _digest(data_dir)
         if self.is_root:
             self.bind_root = RUN_ROOT / digest
             for d in (RUN_ROOT, self.bind_root):
@@ -193,7 +194,7 @@ class ProcessRuntime(Runtime):
         if "no-limits" in self.weak:
             self.use_loop = False
         self.children: dict[str, subprocess.Popen] = {}
-        self.uids_in_use: set[int] = set()
+        self.uids = UidLeases(owner=digest)
         self.netns = NamespaceSockets()
 
     # ------------------------------------------------------------------ setup
@@ -262,6 +263,34 @@ class ProcessRuntime(Runtime):
             "per_sandbox_uid": self.is_root,
         }
 
+    def features(self) -> RuntimeFeatures:
+        limits = "no-limits" not in self.weak
+        enforced = {"nofile", "file_size_mb", "tmp_mb"} if limits else set()
+        if limits and self.cgroups.available:
+            enforced |= {"cpu_count", "memory_mb", "pids"}
+        if limits and self.use_loop:
+            enforced.add("disk_mb")
+        return RuntimeFeatures(
+            enforces=frozenset(enforced),
+            network=True,
+            kept_workspaces=True,
+            own_uids=self.is_root and "same-uid" not in self.weak,
+        )
+
+    @classmethod
+    def host_footprint(cls, data_dir: Path) -> HostFootprint:
+        data_dir = Path(data_dir).resolve()
+        digest = _digest(data_dir)
+        bind_root = RUN_ROOT / digest
+        return HostFootprint(
+            dirs=(data_dir / "sandboxes", data_dir / "kept-workspaces", bind_root),
+            roots=(data_dir, bind_root),
+            cgroup_group=GROUP,
+            scope=digest,
+            uid_range=UID_RANGE,
+            uid_leases=LEASES,
+        )
+
     def resource_ceilings(self) -> dict[str, Ceiling]:
         """The rlimits `_spawn` sets cannot go above the server's own hard limits, unless it may
         raise them (CAP_SYS_RESOURCE); asking more must be a refusal, not a failed spawn."""
@@ -299,17 +328,15 @@ class ProcessRuntime(Runtime):
 
     # ------------------------------------------------------------------ create
 
-    def _allocate_uid(self) -> int:
+    def _allocate_uid(self, sandbox_id: str) -> int:
         if not self.is_root:
             return os.geteuid()
         if "same-uid" in self.weak:
             return UID_RANGE[0] - 1
-        for _ in range(1000):
-            uid = random.randrange(*UID_RANGE)
-            if uid not in self.uids_in_use:
-                self.uids_in_use.add(uid)
-                return uid
-        raise RuntimeError_("no free sandbox uid")
+        try:
+            return self.uids.take(sandbox_id)
+        except NoFreeUid as e:
+            raise RuntimeError_(str(e)) from None
 
     def _bwrap_argv(self, spec: SandboxSpec, ws: Path, fds: dict[str, int]) -> list[str]:
         r = spec.resources
@@ -448,7 +475,7 @@ class ProcessRuntime(Runtime):
     def _create_sync(self, spec: SandboxSpec) -> dict[str, Any]:
         sid = spec.sandbox_id
         sdir = self.root / sid
-        uid = self._allocate_uid()
+        uid = self._allocate_uid(sid)
         cpus = self._assign_cpus(sid, spec.resources.cpu_count)
         state: dict[str, Any] = {"uid": uid, "dir": str(sdir), "cpus": cpus}
         try:
@@ -804,13 +831,12 @@ class ProcessRuntime(Runtime):
             if p.is_dir() and p.name.startswith("sbx_")
         }
         ids |= self.cgroups.list_ids()
+        ids |= set(self.uids.held().values())  # a crash between lease and sandbox dir
         for root in (self.root, self.bind_root):
             ids |= {m.relative_to(root).parts[0] for m in workspace.mounted_under(root)}
         return {i for i in ids if i.startswith("sbx_")}  # not the shared trees' mounts
 
     def adopt(self, sandbox_id: str, state: dict[str, Any]) -> None:
-        if "uid" in state:
-            self.uids_in_use.add(state["uid"])
         if isinstance(state.get("cpus"), list):
             with self.cpu_lock:
                 self.cpus_of[sandbox_id] = state["cpus"]
@@ -895,9 +921,15 @@ class ProcessRuntime(Runtime):
             sdir.rename(kept)
         else:
             shutil.rmtree(sdir, ignore_errors=True)
-        self.uids_in_use.discard(state.get("uid", -1))
+        uid = state.get("uid")
+        self.uids.release(sid, uid if isinstance(uid, int) else None)
         with self.cpu_lock:
             self.cpus_of.pop(sid, None)
+
+
+def _digest(data_dir: Path) -> str:
+    """A data dir's name on the host: its cgroup scope, bind root and uid-lease owner."""
+    return hashlib.sha256(str(Path(data_dir).resolve()).encode()).hexdigest()[:12]
 
 
 def _others_can_reach(path: Path) -> bool:

@@ -23,7 +23,10 @@ def router() -> APIRouter:
         return {
             "status": "degraded" if "failed" in checks.values() else "ok",
             "version": __version__,
-            "runtime": core.runtime.capabilities(),
+            # The default runtime's report (as before more than one could be served), then
+            # every runtime served, with its declared features.
+            "runtime": core.runtimes.get(core.runtimes.default).capabilities(),
+            "runtimes": core.runtimes.info(),
             "templates": checks,
         }
 
