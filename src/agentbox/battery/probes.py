@@ -175,15 +175,18 @@ def probe_syscalls(names: list[str]) -> dict:
     return {"results": out}
 
 
-def probe_ns_create() -> dict:
+def probe_ns_create(names: list[str]) -> dict:
     """New namespaces through unshare(2) and clone(2) flags; the child exits at once."""
     col = 0 if platform.machine() == "x86_64" else 1
     out = {}
-    for label, flag in (("user", 0x10000000), ("mount", 0x00020000), ("net", 0x40000000)):
-        out[f"unshare_{label}"] = in_child(lambda f=flag: libc.syscall(NR["unshare"][col], f))
-    # clone(CLONE_NEWUSER|SIGCHLD) through fork-like raw clone: the child _exits immediately.
-    out["clone_newuser"] = in_child(lambda: _raw_clone(col, 0x10000000 | signal.SIGCHLD), reap=True)
-    out["unshare_cli"] = _run(["unshare", "-Ur", "true"])
+    if "unshare" in names:
+        for label, flag in (("user", 0x10000000), ("mount", 0x00020000), ("net", 0x40000000)):
+            out[f"unshare_{label}"] = in_child(lambda f=flag: libc.syscall(NR["unshare"][col], f))
+        out["unshare_cli"] = _run(["unshare", "-Ur", "true"])
+    if "clone" in names:
+        # clone(CLONE_NEWUSER|SIGCHLD) through fork-like raw clone: the child _exits at once.
+        flags = 0x10000000 | signal.SIGCHLD
+        out["clone_newuser"] = in_child(lambda: _raw_clone(col, flags), reap=True)
     return {"results": out}
 
 
@@ -595,14 +598,18 @@ def probe_tty() -> dict:
     return out
 
 
-def probe_identity(nonce: str) -> dict:
+def probe_identity(nonce: str, names: list[str]) -> dict:
+    """sethostname with a real name, as an attacker would; every other syscall in `names` with
+    bad arguments."""
     col = 0 if platform.machine() == "x86_64" else 1
     out = {}
-    host = f"abx-{nonce[:8]}".encode()
-    ret = libc.syscall(NR["sethostname"][col], host, len(host))
-    out["sethostname"] = "OK" if ret == 0 else ename(ctypes.get_errno())
-    for name in ("settimeofday", "clock_settime", "adjtimex"):
-        out[name] = try_syscall(name, BAD_ARGS[name] or ())
+    for name in names:
+        if name == "sethostname":
+            host = f"abx-{nonce[:8]}".encode()
+            ret = libc.syscall(NR["sethostname"][col], host, len(host))
+            out[name] = "OK" if ret == 0 else ename(ctypes.get_errno())
+        else:
+            out[name] = try_syscall(name, BAD_ARGS[name] or ())
     out["uname"] = " ".join(os.uname())
     return out
 
