@@ -24,7 +24,7 @@ from agentbox.battery.netns import EGRESS_ALLOWED, EGRESS_FORBIDDEN
 from agentbox.battery.oracle import CANARY_DOMAIN, Oracle
 from agentbox.battery.target import BATTERY_RESOURCES, Box, Server
 
-BLOCKED_ERRNOS = {"EPERM", "ENOSYS", "SIGSYS", "EACCES", "ABSENT", "SKIPPED"}
+BLOCKED_ERRNOS = {"EPERM", "ENOSYS", "SIGSYS", "EACCES", "ABSENT"}
 
 
 @dataclass
@@ -166,13 +166,21 @@ SYSCALL_PROBES: dict[str, tuple[str, ...]] = {
         "open_tree",
         "move_mount",
         "fsopen",
+        "fsconfig",
         "fsmount",
         "fspick",
         "mount_setattr",
     ),
     # with the namespace flags themselves (probe_ns_create), not bad arguments
     "fs-nested-userns": ("unshare", "clone"),
-    "priv-clock-hostname": ("sethostname", "settimeofday", "clock_settime", "adjtimex"),
+    "priv-clock-hostname": (
+        "sethostname",
+        "setdomainname",
+        "settimeofday",
+        "clock_settime",
+        "clock_adjtime",
+        "adjtimex",
+    ),
     "sys-keyring": ("keyctl", "add_key", "request_key"),
     "sys-bpf-perf": ("bpf", "perf_event_open"),
     "sys-uffd-io-uring": ("userfaultfd", "io_uring_setup", "io_uring_enter", "io_uring_register"),
@@ -189,11 +197,15 @@ SYSCALL_PROBES: dict[str, tuple[str, ...]] = {
         "swapoff",
         "acct",
         "quotactl",
+        "quotactl_fd",
         "syslog",
         "iopl",
         "ioperm",
         "fanotify_init",
+        "vhangup",
+        "uselib",
         "lookup_dcookie",
+        "nfsservctl",
     ),
     "sys-handles": ("open_by_handle_at", "name_to_handle_at"),
     "sys-cross-process": (
@@ -202,6 +214,7 @@ SYSCALL_PROBES: dict[str, tuple[str, ...]] = {
         "process_vm_writev",
         "kcmp",
         "pidfd_getfd",
+        "setns",
     ),
     "sys-personality-numa-clone3": ("personality", "move_pages", "migrate_pages", "clone3"),
 }
@@ -655,7 +668,7 @@ def _sys_modules(ctx: Ctx) -> Verdict:
 @check(
     "sys-admin-misc",
     "syscalls",
-    "swapon/off, acct, quotactl, syslog, iopl/ioperm, fanotify, lookup_dcookie",
+    "swap, acct, quotas, syslog, iopl/ioperm, fanotify, vhangup, uselib, nfsservctl, dcookie",
     ["host-root", "no-seccomp"],
 )
 def _sys_admin(ctx: Ctx) -> Verdict:
@@ -672,7 +685,7 @@ def _sys_handles(ctx: Ctx) -> Verdict:
 @check(
     "sys-cross-process",
     "syscalls",
-    "ptrace, process_vm_readv/writev, kcmp, pidfd_getfd",
+    "ptrace, process_vm_readv/writev, kcmp, pidfd_getfd, setns",
     ["host-root", "no-seccomp"],
 )
 def _sys_process(ctx: Ctx) -> Verdict:
@@ -745,7 +758,7 @@ def _priv_tty(ctx: Ctx) -> Verdict:
 @check(
     "priv-clock-hostname",
     "privilege",
-    "settimeofday, clock_settime, adjtimex, sethostname",
+    "settimeofday, clock_settime/adjtime, adjtimex, sethostname, setdomainname",
     ["host-root", "no-seccomp"],
 )
 def _priv_clock(ctx: Ctx) -> Verdict:
