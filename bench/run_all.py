@@ -4,6 +4,7 @@
 
 Each benchmark runs as its own process (own server, own cleanup); raw output and JSON go to
 bench/results/ (git-ignored). Exits non-zero if a benchmark crashed or left anything behind.
+To compare two commits in one run (before/after a change), use bench/compare.py.
 """
 
 from __future__ import annotations

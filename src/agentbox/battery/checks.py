@@ -24,7 +24,7 @@ from agentbox.battery.netns import EGRESS_ALLOWED, EGRESS_FORBIDDEN
 from agentbox.battery.oracle import CANARY_DOMAIN, Oracle
 from agentbox.battery.target import BATTERY_RESOURCES, Box, Server
 
-BLOCKED_ERRNOS = {"EPERM", "ENOSYS", "SIGSYS", "EACCES", "ABSENT", "SKIPPED"}
+BLOCKED_ERRNOS = {"EPERM", "ENOSYS", "SIGSYS", "EACCES", "ABSENT"}
 
 
 @dataclass
@@ -153,8 +153,83 @@ def verdict_from(broken: list[str], kind: str, results: dict[str, Any]) -> Verdi
     return v
 
 
-def syscall_check(ctx: Ctx, names: list[str]) -> Verdict:
-    res = results_of(ctx.box().probe("syscalls", names=names))
+# The syscalls each check calls inside the sandbox, by check id: the one place the battery says
+# which syscalls it probes. The seccomp deny-list and this table must agree
+# (tests/unit/test_seccomp_battery_agree.py): every DENIED syscall is probed by some check, and a
+# name DENIED lacks is probed only if NOT_DENIED says how seccomp stops it instead.
+SYSCALL_PROBES: dict[str, tuple[str, ...]] = {
+    "fs-mount-family": (
+        "mount",
+        "umount2",
+        "pivot_root",
+        "chroot",
+        "open_tree",
+        "move_mount",
+        "fsopen",
+        "fsconfig",
+        "fsmount",
+        "fspick",
+        "mount_setattr",
+    ),
+    # with the namespace flags themselves (probe_ns_create), not bad arguments
+    "fs-nested-userns": ("unshare", "clone"),
+    "priv-clock-hostname": (
+        "sethostname",
+        "setdomainname",
+        "settimeofday",
+        "clock_settime",
+        "clock_adjtime",
+        "adjtimex",
+    ),
+    "sys-keyring": ("keyctl", "add_key", "request_key"),
+    "sys-bpf-perf": ("bpf", "perf_event_open"),
+    "sys-uffd-io-uring": ("userfaultfd", "io_uring_setup", "io_uring_enter", "io_uring_register"),
+    "sys-modules-kexec": (
+        "init_module",
+        "finit_module",
+        "delete_module",
+        "kexec_load",
+        "kexec_file_load",
+        "reboot",
+    ),
+    "sys-admin-misc": (
+        "swapon",
+        "swapoff",
+        "acct",
+        "quotactl",
+        "quotactl_fd",
+        "syslog",
+        "iopl",
+        "ioperm",
+        "fanotify_init",
+        "vhangup",
+        "uselib",
+        "lookup_dcookie",
+        "nfsservctl",
+    ),
+    "sys-handles": ("open_by_handle_at", "name_to_handle_at"),
+    "sys-cross-process": (
+        "ptrace",
+        "process_vm_readv",
+        "process_vm_writev",
+        "kcmp",
+        "pidfd_getfd",
+        "setns",
+    ),
+    "sys-personality-numa-clone3": ("personality", "move_pages", "migrate_pages", "clone3"),
+}
+
+# Probed, though not in DENIED: the filter stops them another way (runtimes/process/seccomp.py).
+NOT_DENIED = {
+    "clone": "the filter refuses namespace flags (CLONE_NS_FLAGS) with EPERM",
+    "clone3": "the filter answers ENOSYS to every clone3, so libc falls back to clone",
+    "personality": "the filter allows only ALLOWED_PERSONAS, not ADDR_NO_RANDOMIZE",
+}
+
+
+def syscall_check(ctx: Ctx, check_id: str) -> Verdict:
+    """Call the check's syscalls with harmless bad arguments; any answer but a block breaks."""
+    res = results_of(ctx.box().probe("syscalls", names=list(SYSCALL_PROBES[check_id])))
     return verdict_from(reachable(res), "ESCAPE", res)
 
 
@@ -243,21 +318,7 @@ def _fs_write(ctx: Ctx) -> Verdict:
     ["host-root", "no-seccomp"],
 )
 def _fs_mount(ctx: Ctx) -> Verdict:
-    return syscall_check(
-        ctx,
-        [
-            "mount",
-            "umount2",
-            "pivot_root",
-            "chroot",
-            "open_tree",
-            "move_mount",
-            "fsopen",
-            "fsmount",
-            "fspick",
-            "mount_setattr",
-        ],
-    )
+    return syscall_check(ctx, "fs-mount-family")
 
 
 @check(
@@ -267,7 +328,7 @@ def _fs_mount(ctx: Ctx) -> Verdict:
     ["no-seccomp", "allow-userns"],
 )
 def _fs_userns(ctx: Ctx) -> Verdict:
-    res = results_of(ctx.box().probe("ns_create"))
+    res = results_of(ctx.box().probe("ns_create", names=SYSCALL_PROBES["fs-nested-userns"]))
     broken = [f"{k}={v}" for k, v in res.items() if str(v).startswith("OK")]
     return verdict_from(broken, "ESCAPE", res)
 
@@ -576,12 +637,12 @@ def _priv_uid(ctx: Ctx) -> Verdict:
 
 @check("sys-keyring", "syscalls", "keyctl, add_key, request_key", ["host-root", "no-seccomp"])
 def _sys_keys(ctx: Ctx) -> Verdict:
-    return syscall_check(ctx, ["keyctl", "add_key", "request_key"])
+    return syscall_check(ctx, "sys-keyring")
 
 
 @check("sys-bpf-perf", "syscalls", "bpf, perf_event_open", ["host-root", "no-seccomp"])
 def _sys_bpf(ctx: Ctx) -> Verdict:
-    return syscall_check(ctx, ["bpf", "perf_event_open"])
+    return syscall_check(ctx, "sys-bpf-perf")
 
 
 @check(
@@ -591,9 +652,7 @@ def _sys_bpf(ctx: Ctx) -> Verdict:
     ["host-root", "no-seccomp"],
 )
 def _sys_uring(ctx: Ctx) -> Verdict:
-    return syscall_check(
-        ctx, ["userfaultfd", "io_uring_setup", "io_uring_enter", "io_uring_register"]
-    )
+    return syscall_check(ctx, "sys-uffd-io-uring")
 
 
 @check(
@@ -603,52 +662,34 @@ def _sys_uring(ctx: Ctx) -> Verdict:
     ["host-root", "no-seccomp"],
 )
 def _sys_modules(ctx: Ctx) -> Verdict:
-    return syscall_check(
-        ctx,
-        ["init_module", "finit_module", "delete_module", "kexec_load", "kexec_file_load", "reboot"],
-    )
+    return syscall_check(ctx, "sys-modules-kexec")
 
 
 @check(
     "sys-admin-misc",
     "syscalls",
-    "swapon/off, acct, quotactl, syslog, iopl/ioperm, fanotify, lookup_dcookie",
+    "swap, acct, quotas, syslog, iopl/ioperm, fanotify, vhangup, uselib, nfsservctl, dcookie",
     ["host-root", "no-seccomp"],
 )
 def _sys_admin(ctx: Ctx) -> Verdict:
-    return syscall_check(
-        ctx,
-        [
-            "swapon",
-            "swapoff",
-            "acct",
-            "quotactl",
-            "syslog",
-            "iopl",
-            "ioperm",
-            "fanotify_init",
-            "lookup_dcookie",
-        ],
-    )
+    return syscall_check(ctx, "sys-admin-misc")
 
 
 @check(
     "sys-handles", "syscalls", "open_by_handle_at, name_to_handle_at", ["host-root", "no-seccomp"]
 )
 def _sys_handles(ctx: Ctx) -> Verdict:
-    return syscall_check(ctx, ["open_by_handle_at", "name_to_handle_at"])
+    return syscall_check(ctx, "sys-handles")
 
 
 @check(
     "sys-cross-process",
     "syscalls",
-    "ptrace, process_vm_readv/writev, kcmp, pidfd_getfd",
+    "ptrace, process_vm_readv/writev, kcmp, pidfd_getfd, setns",
     ["host-root", "no-seccomp"],
 )
 def _sys_process(ctx: Ctx) -> Verdict:
-    return syscall_check(
-        ctx, ["ptrace", "process_vm_readv", "process_vm_writev", "kcmp", "pidfd_getfd"]
-    )
+    return syscall_check(ctx, "sys-cross-process")
 
 
 @check(
@@ -658,7 +699,7 @@ def _sys_process(ctx: Ctx) -> Verdict:
     ["host-root", "no-seccomp"],
 )
 def _sys_misc(ctx: Ctx) -> Verdict:
-    return syscall_check(ctx, ["personality", "move_pages", "migrate_pages", "clone3"])
+    return syscall_check(ctx, "sys-personality-numa-clone3")
 
 
 @check(
@@ -717,11 +758,12 @@ def _priv_tty(ctx: Ctx) -> Verdict:
 @check(
     "priv-clock-hostname",
     "privilege",
-    "settimeofday, clock_settime, adjtimex, sethostname",
+    "settimeofday, clock_settime/adjtime, adjtimex, sethostname, setdomainname",
     ["host-root", "no-seccomp"],
 )
 def _priv_clock(ctx: Ctx) -> Verdict:
-    res = ctx.box().probe("identity", nonce=ctx.oracle.nonce)
+    names = SYSCALL_PROBES["priv-clock-hostname"]
+    res = ctx.box().probe("identity", nonce=ctx.oracle.nonce, names=names)
     res = {k: v for k, v in res.items() if not k.startswith("_")}
     broken = [f"{k}={v}" for k, v in res.items() if k != "uname" and v not in BLOCKED_ERRNOS]
     return verdict_from(broken, "ESCAPE", res)

@@ -49,6 +49,7 @@ NR = {
     "open_tree": (428, 428),
     "move_mount": (429, 429),
     "fsopen": (430, 430),
+    "fsconfig": (431, 431),
     "fsmount": (432, 432),
     "fspick": (433, 433),
     "mount_setattr": (442, 442),
@@ -80,6 +81,7 @@ NR = {
     "swapoff": (168, 225),
     "acct": (163, 89),
     "quotactl": (179, 60),
+    "quotactl_fd": (443, 443),
     "sethostname": (170, 161),
     "setdomainname": (171, 162),
     "settimeofday": (164, 170),
@@ -89,6 +91,8 @@ NR = {
     "syslog": (103, 116),
     "iopl": (172, None),
     "ioperm": (173, None),
+    "uselib": (134, None),
+    "nfsservctl": (180, 42),
     "fanotify_init": (300, 262),
     "personality": (135, 92),
     "move_pages": (279, 239),
@@ -102,7 +106,7 @@ NR = {
 
 # Bad arguments per syscall: each call fails early on a pointer or fd check when the kernel
 # lets it through, so a reachable syscall answers EFAULT/EBADF/EINVAL and changes nothing.
-BAD_ARGS: dict[str, tuple[int, ...] | None] = {
+BAD_ARGS: dict[str, tuple[int, ...]] = {
     "mount": (BAD, BAD, BAD, 0, 0),
     "umount2": (BAD, 0),
     "pivot_root": (BAD, BAD),
@@ -110,6 +114,7 @@ BAD_ARGS: dict[str, tuple[int, ...] | None] = {
     "open_tree": (-1, BAD, 0),
     "move_mount": (-1, BAD, -1, BAD, 0),
     "fsopen": (BAD, 0),
+    "fsconfig": (-1, 0, 0, 0, 0),  # fd -1: EINVAL before any filesystem context is looked up
     "fsmount": (-1, 0, 0),
     "fspick": (-1, BAD, 0),
     "mount_setattr": (-1, BAD, 0, BAD, 0),
@@ -140,23 +145,32 @@ BAD_ARGS: dict[str, tuple[int, ...] | None] = {
     "swapoff": (BAD,),
     "acct": (BAD,),
     "quotactl": (0, BAD, 0, 0),
+    "quotactl_fd": (-1, 0, 0, 0),  # fd -1: EBADF before any quota command runs
     "sethostname": (BAD, 8),
-    "setdomainname": (BAD, 8),
+    "setdomainname": (BAD, 8),  # EFAULT copying the name in, before the name changes
     "settimeofday": (BAD, 0),
     "clock_settime": (0, BAD),
-    "clock_adjtime": (0, BAD),
+    "clock_adjtime": (0, BAD),  # EFAULT reading the timex, before the clock is touched
     "adjtimex": (BAD,),
     "syslog": (10, 0, 0),  # SYSLOG_ACTION_SIZE_BUFFER: read-only
     "iopl": (9,),  # level > 3: EINVAL
     "ioperm": (0, 0, 0),
+    "uselib": (BAD,),  # EFAULT on the path; ENOSYS on kernels built without it
+    "nfsservctl": (0, BAD, BAD),  # ENOSYS on every kernel since 3.1; denied all the same
     "fanotify_init": (0xFFFFFFFF, 0),
     "personality": (0x0040000,),  # ADDR_NO_RANDOMIZE, in the throwaway child only
     "move_pages": (0, 1, BAD, BAD, BAD, 0xFFFFFFFF),
-    "vhangup": None,  # no argument can make it harmless: never called, only filtered
+    # No arguments: it hangs up the caller's controlling terminal, and NEW_SESSION calls it from
+    # a fresh session, which has none, so even where it is allowed it hangs up nothing.
+    "vhangup": (),
     "lookup_dcookie": (0, BAD, 0),
     "clone3": (BAD, 88),
     "migrate_pages": (0, 1, BAD, BAD),
 }
+
+
+# Syscalls that act on the caller's session, made from a new one (setsid in the throwaway child).
+NEW_SESSION = {"vhangup"}
 
 
 def try_syscall(name: str, args: tuple[int, ...]) -> str:
@@ -164,26 +178,31 @@ def try_syscall(name: str, args: tuple[int, ...]) -> str:
     nr = NR[name][col]
     if nr is None:
         return "ABSENT"
-    return in_child(lambda: libc.syscall(nr, *[ctypes.c_long(a) for a in args]))
+
+    def call() -> int:
+        if name in NEW_SESSION:
+            os.setsid()
+        return libc.syscall(nr, *[ctypes.c_long(a) for a in args])
+
+    return in_child(call)
 
 
 def probe_syscalls(names: list[str]) -> dict:
-    out = {}
-    for name in names:
-        args = BAD_ARGS.get(name)
-        out[name] = "SKIPPED" if args is None else try_syscall(name, args)
-    return {"results": out}
+    return {"results": {name: try_syscall(name, BAD_ARGS[name]) for name in names}}
 
 
-def probe_ns_create() -> dict:
+def probe_ns_create(names: list[str]) -> dict:
     """New namespaces through unshare(2) and clone(2) flags; the child exits at once."""
     col = 0 if platform.machine() == "x86_64" else 1
     out = {}
-    for label, flag in (("user", 0x10000000), ("mount", 0x00020000), ("net", 0x40000000)):
-        out[f"unshare_{label}"] = in_child(lambda f=flag: libc.syscall(NR["unshare"][col], f))
-    # clone(CLONE_NEWUSER|SIGCHLD) through fork-like raw clone: the child _exits immediately.
-    out["clone_newuser"] = in_child(lambda: _raw_clone(col, 0x10000000 | signal.SIGCHLD), reap=True)
-    out["unshare_cli"] = _run(["unshare", "-Ur", "true"])
+    if "unshare" in names:
+        for label, flag in (("user", 0x10000000), ("mount", 0x00020000), ("net", 0x40000000)):
+            out[f"unshare_{label}"] = in_child(lambda f=flag: libc.syscall(NR["unshare"][col], f))
+        out["unshare_cli"] = _run(["unshare", "-Ur", "true"])
+    if "clone" in names:
+        # clone(CLONE_NEWUSER|SIGCHLD) through fork-like raw clone: the child _exits at once.
+        flags = 0x10000000 | signal.SIGCHLD
+        out["clone_newuser"] = in_child(lambda: _raw_clone(col, flags), reap=True)
     return {"results": out}
 
 
@@ -595,14 +614,18 @@ def probe_tty() -> dict:
     return out
 
 
-def probe_identity(nonce: str) -> dict:
+def probe_identity(nonce: str, names: list[str]) -> dict:
+    """sethostname with a real name, as an attacker would; every other syscall in `names` with
+    bad arguments."""
     col = 0 if platform.machine() == "x86_64" else 1
     out = {}
-    host = f"abx-{nonce[:8]}".encode()
-    ret = libc.syscall(NR["sethostname"][col], host, len(host))
-    out["sethostname"] = "OK" if ret == 0 else ename(ctypes.get_errno())
-    for name in ("settimeofday", "clock_settime", "adjtimex"):
-        out[name] = try_syscall(name, BAD_ARGS[name] or ())
+    for name in names:
+        if name == "sethostname":
+            host = f"abx-{nonce[:8]}".encode()
+            ret = libc.syscall(NR["sethostname"][col], host, len(host))
+            out[name] = "OK" if ret == 0 else ename(ctypes.get_errno())
+        else:
+            out[name] = try_syscall(name, BAD_ARGS[name])
     out["uname"] = " ".join(os.uname())
     return out
 
