@@ -20,9 +20,11 @@ from typing import Any
 
 import httpx
 
+from agentbox.battery import inventory
 from agentbox.battery.netns import EGRESS_ALLOWED, EGRESS_FORBIDDEN
 from agentbox.battery.oracle import CANARY_DOMAIN, Oracle
 from agentbox.battery.target import BATTERY_RESOURCES, Box, Server
+from agentbox.runtimes.base import HostFootprint
 
 BLOCKED_ERRNOS = {"EPERM", "ENOSYS", "SIGSYS", "EACCES", "ABSENT"}
 
@@ -58,16 +60,28 @@ class Ctx:
     def box(self, tenant: str = "battery-a", **body: Any) -> Box:
         return self.server.box(tenant, **body)
 
+    # Where the runtime keeps things on the host: its HostFootprint, not a layout known here.
+
+    def footprint(self) -> HostFootprint:
+        return inventory.footprint(self.server.data_dir)
+
     def digest(self) -> str:
-        return hashlib.sha256(str(self.server.data_dir.resolve()).encode()).hexdigest()[:12]
+        return self.footprint().scope or ""
+
+    def bind_root(self) -> Path:
+        """The runtime's per-data-dir tree outside the data dir (what sandboxes are bound from)."""
+        data = self.server.data_dir.resolve()
+        outside = [r for r in self.footprint().roots if not r.is_relative_to(data)]
+        assert outside, "the runtime names no tree outside the data dir"
+        return outside[0]
 
     def host_workspace(self, box: Box) -> Path:
-        return Path("/run/agentbox") / self.digest() / box.id / "workspace"
+        return self.bind_root() / box.id / "workspace"
 
     def sandbox_pids(self, box: Box) -> list[int]:
         """Host pids of the sandbox's processes, found by their cgroup (the bwrap monitor,
         outside the sandbox's namespaces, excluded)."""
-        marker = f"/agentbox/{self.digest()}/{box.id}"
+        marker = f"/{self.footprint().cgroup_group}/{self.digest()}/{box.id}"
         state = self.runtime_state(box)
         pids = []
         for p in os.listdir("/proc"):
@@ -468,7 +482,7 @@ def _fs_exe(ctx: Ctx) -> Verdict:
         "/usr/bin/bwrap",
         "/usr/bin/bash",
         "/opt/agentbox/sandbox_agent.py",
-        f"/run/agentbox/{ctx.digest()}/agent/sandbox_agent.py",  # its host path
+        f"{ctx.bind_root()}/agent/sandbox_agent.py",  # its host path
     ]
     res = results_of(ctx.box().probe("open_wr", paths=paths))
     return verdict_from(matching(res, ["OPENED"]), "WRITE", res)
@@ -481,7 +495,7 @@ def _fs_exe(ctx: Ctx) -> Verdict:
     ["unsandboxed", "host-root"],
 )
 def _fs_template(ctx: Ctx) -> Verdict:
-    host_agent = f"/run/agentbox/{ctx.digest()}/agent/sandbox_agent.py"
+    host_agent = f"{ctx.bind_root()}/agent/sandbox_agent.py"
     before = hashlib.sha256(Path(host_agent).read_bytes()).hexdigest()
     a = ctx.box()
     res = results_of(
@@ -858,7 +872,7 @@ def _net_api(ctx: Ctx) -> Verdict:
             payload="GET /v1/health HTTP/1.0\r\n\r\n",
         )
     )
-    ls = box.run(f"ls -A /run/agentbox /run/agentbox/{ctx.digest()} 2>/dev/null | head -5")
+    ls = box.run(f"ls -A {ctx.bind_root().parent} {ctx.bind_root()} 2>/dev/null | head -5")
     v = verdict_from([k for k, v in res.items() if v == "CONNECTED"], "NET", res)
     if ls.stdout.strip():
         v.add_break("NET", f"agent sockets visible: {ls.stdout[:100]}")
@@ -1313,8 +1327,6 @@ def _persistence(ctx: Ctx) -> Verdict:
     ["share-pid", "no-cgroup-kill"],
 )
 def _leftovers(ctx: Ctx) -> Verdict:
-    from agentbox.battery import inventory
-
     before = inventory.take(ctx.server.data_dir)
     box = ctx.box()
     box.probe("daemon", path="/workspace/.abx-lock2", nonce=ctx.oracle.nonce)

@@ -228,7 +228,7 @@ def _info_mountinfo(ctx: Ctx) -> Verdict:
     box = ctx.box()
     out = _view(box, ["/proc/self/mountinfo", "/proc/1/mountinfo", "/proc/mounts"])
     needles = {
-        "the bind root": "/run/agentbox/",
+        "the bind root": f"{ctx.bind_root().parent}/",
         "the data dir's digest": ctx.digest(),
         "the data dir": str(ctx.server.data_dir.resolve()),
     }

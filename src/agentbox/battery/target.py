@@ -211,8 +211,8 @@ class Server:
         self.boxes: list[Box] = []
 
     def start(self) -> None:
-        if not self.weaken and self.runtime == "process":
-            argv = [sys.executable, "-m", "agentbox.cli.app", "serve"]
+        if not self.weaken:  # the product as shipped
+            argv = [sys.executable, "-m", "agentbox.cli.app", "serve", "--runtime", self.runtime]
         else:
             argv = [sys.executable, "-m", "agentbox.battery.server", "--runtime", self.runtime]
             argv += ["--weaken", ",".join(sorted(self.weaken))]
