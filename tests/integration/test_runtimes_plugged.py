@@ -134,6 +134,8 @@ def test_a_tenant_has_a_default_runtime_and_an_allowed_set(url: str) -> None:
     _, other = _clients(url, "process-only")
     admin.put("/v1/tenants/process-only/quota", json={"runtimes": ["process"]}).raise_for_status()
     _refused(other.post("/v1/sandboxes", json={"runtime": "fake"}), "not allowed", "process")
+    r = admin.put("/v1/tenants/process-only/quota", json={"default_runtime": "gvisor"})
+    _refused(r, "'gvisor' is not served here")
 
 
 def test_a_sandbox_keeps_its_runtime_across_restarts(tmp_path: Path) -> None:

@@ -36,6 +36,10 @@ class Admission:
         return {**self.default_quota, **self.store.get_quota(tenant)}
 
     def set_quota(self, caller: Caller, tenant: str, values: dict[str, Any]) -> dict[str, Any]:
+        # A runtime named must be one this server serves (a typo would refuse every create).
+        for name in [values.get("default_runtime"), *(values.get("runtimes") or [])]:
+            if name is not None:
+                self.runtimes.get(name)
         merged = {**self.store.get_quota(tenant), **values}
         self.store.set_quota(tenant, merged)
         self.audit(caller, "quota.set", tenant=tenant, quota=values)

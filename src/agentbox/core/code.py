@@ -48,14 +48,14 @@ class CodeService:
         if req.timeout:
             spec["timeout"] = req.timeout
         started = time.monotonic()
-        row = self.core._reachable(caller, sandbox_id)
+        row = self.core.reachable(caller, sandbox_id)
         detail = {"language": req.language, "context_id": req.context_id, "size": len(req.code)}
         # What the memory limit had killed before the cell: a kernel death beyond it is an OOM.
         baseline = self.core.limit_counters(row.sandbox_id)
         try:
-            events = await self.core._client(row).execute_code(**spec)
+            events = await self.core.client(row).execute_code(**spec)
         except (AgentOpError, AgentUnavailable) as e:
-            raise self.core._failed(caller, row, "code.run", started, e, **detail) from None
+            raise self.core.failed(caller, row, "code.run", started, e, **detail) from None
         return self._code_events(caller, row, events, started, detail, baseline)
 
     async def _code_events(
@@ -118,7 +118,7 @@ class CodeService:
                     why = death() if err.code == "kernel_dead" else {}
                     yield {"type": "failed", "code": err.code, "message": err.message, **why}
         except (AgentOpError, AgentUnavailable) as e:
-            err = self.core._agent_error(row, e)
+            err = self.core.agent_error(row, e)
             error_name = err.code
             yield {"type": "failed", "code": err.code, "message": err.message}
         finally:

@@ -66,7 +66,7 @@ class CommandService:
         self._baselines: dict[tuple[str, str], tuple[dict[str, int], float, float]] = {}
         # (sandbox, command) -> what explains its end: {"violation", "network_blocked"}.
         self._violations: dict[tuple[str, str], dict[str, Any]] = {}
-        self._watchers: set[asyncio.Task] = set()
+        self.watchers: set[asyncio.Task] = set()
         self._command_watches: dict[str, _CommandWatch] = {}
 
     def forget(self, sandbox_id: str) -> None:
@@ -78,9 +78,9 @@ class CommandService:
             self._violations.pop(key, None)
 
     async def stop(self) -> None:
-        for t in list(self._watchers):
+        for t in list(self.watchers):
             t.cancel()
-        await asyncio.gather(*self._watchers, return_exceptions=True)
+        await asyncio.gather(*self.watchers, return_exceptions=True)
 
     def _exec_spec(self, req: CommandRequest) -> dict[str, Any]:
         if not req.cmd.strip():
@@ -104,13 +104,13 @@ class CommandService:
         """Start a background command; an audit watcher records how it ends."""
         spec = self._exec_spec(req)
         started = time.monotonic()
-        row = self.core._reachable(caller, sandbox_id)
+        row = self.core.reachable(caller, sandbox_id)
         self._check_watch_room(sandbox_id)
         baseline = self.core.limit_counters(sandbox_id)
         try:
-            info = await self.core._client(row).start_command(**spec)
+            info = await self.core.client(row).start_command(**spec)
         except (AgentOpError, AgentUnavailable) as e:
-            raise self.core._failed(caller, row, "command.run", started, e, cmd=req.cmd) from None
+            raise self.core.failed(caller, row, "command.run", started, e, cmd=req.cmd) from None
         self._baselines[(sandbox_id, info["cmd_id"])] = (baseline, req.timeout, started)
         self.watch(row, info["cmd_id"], req.cmd, caller, started)
         return info
@@ -121,13 +121,13 @@ class CommandService:
         """Start a foreground command; its events stream on the same agent connection."""
         spec = self._exec_spec(req)
         started = time.monotonic()
-        row = self.core._reachable(caller, sandbox_id)
+        row = self.core.reachable(caller, sandbox_id)
         self._check_watch_room(sandbox_id)  # its client may leave before the end
         baseline = self.core.limit_counters(sandbox_id)
         try:
-            info, stream = await self.core._client(row).run_command(**spec)
+            info, stream = await self.core.client(row).run_command(**spec)
         except (AgentOpError, AgentUnavailable) as e:
-            raise self.core._failed(caller, row, "command.run", started, e, cmd=req.cmd) from None
+            raise self.core.failed(caller, row, "command.run", started, e, cmd=req.cmd) from None
         cmd_id = info["cmd_id"]
         self._baselines[(sandbox_id, cmd_id)] = (baseline, req.timeout, started)
 
@@ -197,18 +197,18 @@ class CommandService:
         if w.task is None or w.task.done():
             w.task = self._background(self._watch_ends(row, w))
         if verify:
-            self._background(self._poll_ends(self.core._client(row, tracked=False), w, [cmd_id]))
+            self._background(self._poll_ends(self.core.client(row, tracked=False), w, [cmd_id]))
 
     def _background(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.create_task(work)
-        self._watchers.add(task)
-        task.add_done_callback(self._watchers.discard)
+        self.watchers.add(task)
+        task.add_done_callback(self.watchers.discard)
         return task
 
     async def _watch_ends(self, row: SandboxRow, w: _CommandWatch) -> None:
         """Audit the sandbox's watched commands as the agent reports their ends, until none
         is left or the sandbox is gone."""
-        client = self.core._client(row, tracked=False)
+        client = self.core.client(row, tracked=False)
         while w.pending:
             try:
                 reply = await client.ended_commands(w.after)
@@ -221,7 +221,8 @@ class CommandService:
                 reply = {}
             seq, ends = reply.get("seq"), reply.get("ends")
             if not isinstance(seq, int) or not isinstance(ends, list):
-                if row.sandbox_id not in self.core._running or row.sandbox_id in self.core._ending:
+                table = self.core.table
+                if row.sandbox_id not in table.running or row.sandbox_id in table.ending:
                     break
                 # A wedged or broken agent (the health check decides) may not make us spin.
                 await asyncio.sleep(WATCH_RETRY_S)
@@ -296,11 +297,11 @@ class CommandService:
         self, caller: Caller, sandbox_id: str, cmd_id: str, offset: int = 0
     ) -> AsyncIterator[dict[str, Any]]:
         """API events for a command from `offset`: output as text, then `end`."""
-        row = self.core._reachable(caller, sandbox_id)
+        row = self.core.reachable(caller, sandbox_id)
         try:
-            stream = await self.core._client(row).command_events(cmd_id, offset)
+            stream = await self.core.client(row).command_events(cmd_id, offset)
         except (AgentOpError, AgentUnavailable) as e:
-            raise self.core._agent_error(row, e) from None
+            raise self.core.agent_error(row, e) from None
         return self._event_stream(row, cmd_id, stream, None)
 
     async def _event_stream(
@@ -332,7 +333,7 @@ class CommandService:
                     yield end
                     return
         except (AgentOpError, AgentUnavailable) as e:
-            err = self.core._agent_error(row, e)
+            err = self.core.agent_error(row, e)
             if isinstance(err, SandboxNotRunning):
                 yield {
                     "type": "end",

@@ -92,7 +92,7 @@ class Creation:
         egress = self.core.network.setup(
             caller.tenant, sandbox_id, req.secrets, str(tpl.rootfs) if tpl else None
         )
-        lock = self.core._tenant_locks.setdefault(caller.tenant, asyncio.Lock())
+        lock = self.core.table.tenant_lock(caller.tenant)
         try:
             async with lock:
                 await self.core.admission.check_capacity(caller, quota, started, resources)
@@ -153,7 +153,7 @@ class Creation:
         here, and the row tells how they went."""
         started = time.monotonic()
         sandbox_id = "sbx_" + secrets.token_hex(8)
-        async with self.core._tenant_locks.setdefault(caller.tenant, asyncio.Lock()):
+        async with self.core.table.tenant_lock(caller.tenant):
             await self.core.admission.check_capacity(caller, quota, started, resources)
             # Its deadline counts from when it runs; until then the build has an hour.
             self.insert(
@@ -161,8 +161,8 @@ class Creation:
                 BUILD_ALLOWANCE_S,
             )  # fmt: skip
         task = asyncio.create_task(self._build_then_start(caller, sandbox_id, req, resources, net))
-        self.core._watchers.add(task)
-        task.add_done_callback(self.core._watchers.discard)
+        self.core.watchers.add(task)
+        task.add_done_callback(self.core.watchers.discard)
         self.core.audit(
             caller, "sandbox.create", sandbox_id, status=202, started=started, template=template,
             building=True,
@@ -285,7 +285,7 @@ class Creation:
         # The sandbox's lock is held until its record says running (or failed, or killed): a
         # kill that arrives while it starts (the API lists `starting` sandboxes) asks the start
         # to give up at its next step, then waits here for a whole sandbox to tear down.
-        async with self.core._lock(sandbox_id):
+        async with self.core.table.lock(sandbox_id):
             state: dict[str, Any] | None = None
             try:
                 state = await runtime.create(spec)
@@ -298,7 +298,7 @@ class Creation:
                 self._check_kill(sandbox_id)
             except Exception as e:
                 # After a kill, whatever broke the start (its agent calls are aborted) is the kill.
-                killed = sandbox_id in self.core._kill_pending
+                killed = sandbox_id in self.core.table.kill_pending
                 if not killed:
                     log.exception("create %s failed", sandbox_id)
                 await self._abandon_start(sandbox_id, state, killed, runtime)
@@ -312,7 +312,7 @@ class Creation:
                 msg = e.message if isinstance(e, AgentboxError) else str(e)
                 raise SandboxUnavailable(f"the sandbox could not be started: {msg}") from None
             finally:
-                self.core._kill_pending.discard(sandbox_id)
+                self.core.table.kill_pending.discard(sandbox_id)
             # The deadline counts from when the sandbox is usable, not from when it was asked.
             now = time.time()
             if spec.rootfs:  # the control plane's note, kept with the runtime's (see rootfs_in_use)
@@ -324,12 +324,12 @@ class Creation:
             row = self.core.store.get_sandbox(sandbox_id)
             # Its lock is held, so nothing else ends it meanwhile; a record gone is a bug.
             assert moved is not None and row is not None, f"{sandbox_id} left `starting`"
-            self.core._running[sandbox_id] = row
-        self.core._wake.set()
+            self.core.table.running[sandbox_id] = row
+        self.core.wake.set()
         return row
 
     def _check_kill(self, sandbox_id: str) -> None:
-        if sandbox_id in self.core._kill_pending:
+        if sandbox_id in self.core.table.kill_pending:
             raise _KilledWhileStarting
 
     async def _abandon_start(
@@ -344,7 +344,7 @@ class Creation:
                 log.exception("could not remove the unstarted sandbox %s", sandbox_id)
         end = SandboxState.KILLED if killed else SandboxState.FAILED
         self.core.states.move(sandbox_id, end, end_reason=end.value, ended_at=time.time())
-        self.core._sandbox_locks.pop(sandbox_id, None)  # nothing left to serialize
+        self.core.table.forget(sandbox_id)  # nothing left to serialize
 
     async def serve_egress(
         self,
@@ -380,7 +380,7 @@ class Creation:
         # Tracked: a kill while the sandbox starts aborts a long readiness check or warm-up.
         client = AgentClient(
             runtime.agent_address(sandbox_id, state).socket_path,
-            inflight=self.core._inflight.setdefault(sandbox_id, set()),
+            inflight=self.core.table.track(sandbox_id),
         )
         if tpl.start_cmd:
             await client.start_command(cmd=tpl.start_cmd, cmd_id="start")
@@ -427,9 +427,7 @@ class Creation:
         """Run `true` in the sandbox (hidden from its command list): it works end to end, and
         the agent's lazy imports and cold pages are paid for. SandboxUnavailable if not."""
         try:
-            _, events = await self.core._client(row).run_command(
-                cmd="true", timeout=30, hidden=True
-            )
+            _, events = await self.core.client(row).run_command(cmd="true", timeout=30, hidden=True)
             async for event in events:
                 if isinstance(event, dict) and event.get("type") == "end":
                     if event.get("exit_code") != 0:

@@ -27,11 +27,11 @@ class FileService:
         self, caller: Caller, sandbox_id: str, path: str
     ) -> tuple[int, AsyncIterator[bytes]]:
         started = time.monotonic()
-        row = self.core._reachable(caller, sandbox_id)
+        row = self.core.reachable(caller, sandbox_id)
         try:
-            size, chunks = await self.core._client(row).read_file(path)
+            size, chunks = await self.core.client(row).read_file(path)
         except (AgentOpError, AgentUnavailable) as e:
-            raise self.core._failed(caller, row, "file.read", started, e, path=path) from None
+            raise self.core.failed(caller, row, "file.read", started, e, path=path) from None
         self.core.audit(caller, "file.read", sandbox_id, started=started, path=path, size=size)
         return size, chunks
 
@@ -39,14 +39,14 @@ class FileService:
         self, caller: Caller, sandbox_id: str, path: str, chunks: AsyncIterator[bytes]
     ) -> dict[str, Any]:
         started = time.monotonic()
-        row = self.core._reachable(caller, sandbox_id)
+        row = self.core.reachable(caller, sandbox_id)
         try:
-            reply = await self.core._client(row).write_file(path, chunks)
+            reply = await self.core.client(row).write_file(path, chunks)
         except (AgentOpError, AgentUnavailable) as e:
-            raise self.core._failed(caller, row, "file.write", started, e, path=path) from None
+            raise self.core.failed(caller, row, "file.write", started, e, path=path) from None
         except OSError as e:  # the agent hung up mid-upload: its reply, if any, is lost
             lost = AgentUnavailable(f"lost the sandbox agent during the upload: {e}")
-            raise self.core._failed(caller, row, "file.write", started, lost, path=path) from None
+            raise self.core.failed(caller, row, "file.write", started, lost, path=path) from None
         entry = reply["entry"]
         self.core.audit(
             caller, "file.write", sandbox_id, started=started, path=path, size=entry.get("size")

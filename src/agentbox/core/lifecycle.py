@@ -116,12 +116,12 @@ class Lifecycle:
         """Replace a running sandbox's network settings; the next egress attempt obeys them."""
         self.core.running(caller, sandbox_id)
         net = self.core.network.sandbox_network(caller.tenant, network)
-        async with self.core._lock(sandbox_id):
+        async with self.core.table.lock(sandbox_id):
             self.core.running(caller, sandbox_id)
             self.core.store.update_sandbox(sandbox_id, network=net.to_dict())
             fresh = self.core.store.get_sandbox(sandbox_id)
             if fresh is not None and fresh.state == SandboxState.RUNNING:
-                self.core._running[sandbox_id] = fresh
+                self.core.table.running[sandbox_id] = fresh
             self.core.network.proxy.update(sandbox_id, net.policy)
         self.core.audit(caller, "sandbox.network", sandbox_id, network=net.to_dict())
         return self.core.get(caller, sandbox_id)
@@ -130,22 +130,22 @@ class Lifecycle:
         """Give a running sandbox a new access token; the gateway checks the new one from the
         next request on, so the old token and every URL or cookie signed with it are void."""
         self.core.running(caller, sandbox_id)
-        async with self.core._lock(sandbox_id):
+        async with self.core.table.lock(sandbox_id):
             self.core.running(caller, sandbox_id)
             self.core.store.update_sandbox(sandbox_id, access_token=new_access_token())
             fresh = self.core.store.get_sandbox(sandbox_id)
-            if fresh is not None and sandbox_id in self.core._running:
-                self.core._running[sandbox_id] = fresh
+            if fresh is not None and sandbox_id in self.core.table.running:
+                self.core.table.running[sandbox_id] = fresh
         self.core.audit(caller, "sandbox.access_token", sandbox_id)
         return self.core.get(caller, sandbox_id)
 
     async def kill(self, caller: Caller, sandbox_id: str) -> None:
         started = time.monotonic()
-        row = self.core._owned(caller, sandbox_id)
+        row = self.core.owned(caller, sandbox_id)
         if row.state == SandboxState.STARTING:
             # The start gives up at its next step, or now if it waits on the agent.
-            self.core._kill_pending.add(sandbox_id)
-            self.core._abort_requests(sandbox_id)
+            self.core.table.kill_pending.add(sandbox_id)
+            self.core.table.abort_requests(sandbox_id)
         await self.end(row, state=SandboxState.KILLED, reason="killed")
         self.core.audit(caller, "sandbox.kill", sandbox_id, status=204, started=started)
 
@@ -160,14 +160,14 @@ class Lifecycle:
             )
         # Under the sandbox's lock: `_end` holds it while tearing the sandbox down, and a
         # deadline moved (and the row re-cached as running) meanwhile would resurrect it.
-        async with self.core._lock(row.sandbox_id):
+        async with self.core.table.lock(row.sandbox_id):
             row = self.core.running(caller, sandbox_id)
             self.core.store.update_sandbox(row.sandbox_id, end_at=time.time() + timeout)
-            self.core._running.pop(row.sandbox_id, None)
+            self.core.table.running.pop(row.sandbox_id, None)
             fresh = self.core.store.get_sandbox(row.sandbox_id)
             if fresh is not None and fresh.state == SandboxState.RUNNING:
-                self.core._running[row.sandbox_id] = fresh
-        self.core._wake.set()
+                self.core.table.running[row.sandbox_id] = fresh
+        self.core.wake.set()
         self.core.audit(caller, "sandbox.timeout", sandbox_id, timeout=timeout)
         return self.core.get(caller, sandbox_id)
 
@@ -176,22 +176,20 @@ class Lifecycle:
     ) -> bool:
         """Destroy a sandbox and record how it ended; False if it had already ended."""
         runtime = self.core.runtimes.for_row(row)  # one it cannot reach stays as it is
-        async with self.core._lock(row.sandbox_id):
-            self.core._running.pop(row.sandbox_id, None)
+        async with self.core.table.lock(row.sandbox_id):
+            self.core.table.running.pop(row.sandbox_id, None)
             self.core.pools.forget(row.sandbox_id)
             fresh = self.core.store.get_sandbox(row.sandbox_id)
             if fresh is None or not fresh.live:
                 return False
             if only_if_expired and fresh.end_at > time.time():
                 if fresh.state == SandboxState.RUNNING:
-                    self.core._running[fresh.sandbox_id] = fresh
+                    self.core.table.running[fresh.sandbox_id] = fresh
                 return False  # the deadline moved while we waited for the lock
-            self.core._ending[fresh.sandbox_id] = state
+            self.core.table.ending[fresh.sandbox_id] = state
             await self.core.network.forget(fresh.sandbox_id)
             try:
-                await runtime.destroy(
-                    fresh.sandbox_id, fresh.runtime_state, fresh.keep_workspace
-                )
+                await runtime.destroy(fresh.sandbox_id, fresh.runtime_state, fresh.keep_workspace)
             except Exception:
                 log.exception("destroy %s failed; will retry", fresh.sandbox_id)
                 raise SandboxUnavailable(
@@ -199,10 +197,8 @@ class Lifecycle:
                     "retry the kill"
                 ) from None
             finally:
-                self.core._ending.pop(fresh.sandbox_id, None)
+                self.core.table.ending.pop(fresh.sandbox_id, None)
             self.core.states.move(fresh.sandbox_id, state, end_reason=reason, ended_at=time.time())
-        self.core._sandbox_locks.pop(row.sandbox_id, None)
-        self.core._unhealthy.pop(row.sandbox_id, None)
-        self.core._inflight.pop(row.sandbox_id, None)
+        self.core.table.forget(row.sandbox_id)
         self.core.commands.forget(row.sandbox_id)
         return True

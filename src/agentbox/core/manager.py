@@ -52,6 +52,7 @@ from agentbox.core.requests import (
 from agentbox.core.runtimes import Runtimes
 from agentbox.core.states import LIVE_FILTER, UNHEALTHY, SandboxState
 from agentbox.core.supervision import Supervisor
+from agentbox.core.table import SandboxTable
 from agentbox.core.template_service import (
     TemplateCheck,
     TemplateService,
@@ -118,25 +119,13 @@ class SandboxManager:
         self.pools = WarmPools(
             pool_sizes or {}, self.pool_service.make_member, self.pool_service.end_member
         )
-        self._tenant_locks: dict[str, asyncio.Lock] = {}
-        self._sandbox_locks: dict[str, asyncio.Lock] = {}
-        self._watchers: set[asyncio.Task] = set()  # first-use builds
+        # What only this process knows of live sandboxes, shared by every service.
+        self.table = SandboxTable()
+        self.watchers: set[asyncio.Task] = set()  # first-use builds
         self._tasks: list[asyncio.Task] = []
-        self._wake = asyncio.Event()
-        # Running sandboxes, read on every command and file call. This process is the only
-        # writer of their rows (embedded mode), so the cache is kept exact on every change.
-        self._running: dict[str, SandboxRow] = {}
-        # Sandboxes being torn down -> the state they are ending in: their agent connections
-        # break before the record changes, and callers must hear "ended", not "unavailable".
-        self._ending: dict[str, str] = {}
-        # Starting sandboxes a kill is waiting for: the start gives up instead of finishing.
-        self._kill_pending: set[str] = set()
-        # Health: running sandboxes whose agent did not answer its last ping -> why, and the
-        # open agent connections of requests per sandbox (aborted when it turns unhealthy).
+        self.wake = asyncio.Event()  # the reaper looks again (a deadline moved)
         self.health_interval = health_interval
         self.ping_timeout = ping_timeout
-        self._unhealthy: dict[str, str] = {}
-        self._inflight: dict[str, set[Any]] = {}
         # The services by job, over the agent access this object gives them.
         self.lifecycle = Lifecycle(self)
         self.creation = Creation(self)
@@ -155,29 +144,26 @@ class SandboxManager:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def _lock(self, sandbox_id: str) -> asyncio.Lock:
-        return self._sandbox_locks.setdefault(sandbox_id, asyncio.Lock())
-
     # ------------------------------------------------------------------ warm pools
 
     def get(self, caller: Caller, sandbox_id: str) -> SandboxRow:
         """The caller's sandbox as the API shows it (`unhealthy` while its agent is silent)."""
-        return self._shown(self._owned(caller, sandbox_id))
+        return self._shown(self.owned(caller, sandbox_id))
 
-    def _owned(self, caller: Caller, sandbox_id: str) -> SandboxRow:
-        row = self._running.get(sandbox_id) or self.store.get_sandbox(sandbox_id)
+    def owned(self, caller: Caller, sandbox_id: str) -> SandboxRow:
+        row = self.table.running.get(sandbox_id) or self.store.get_sandbox(sandbox_id)
         # Another tenant's sandbox is indistinguishable from one that never existed.
         if row is None or row.tenant != caller.tenant:
             raise NotFound(f"sandbox {sandbox_id} not found")
         return row
 
     def _shown(self, row: SandboxRow) -> SandboxRow:
-        if row.state == SandboxState.RUNNING and row.sandbox_id in self._unhealthy:
+        if row.state == SandboxState.RUNNING and row.sandbox_id in self.table.unhealthy:
             return dataclasses.replace(row, state=UNHEALTHY)
         return row
 
     def running(self, caller: Caller, sandbox_id: str) -> SandboxRow:
-        row = self._owned(caller, sandbox_id)
+        row = self.owned(caller, sandbox_id)
         if row.state != SandboxState.RUNNING:
             reason = f" ({row.end_reason})" if row.end_reason else ""
             raise SandboxNotRunning(
@@ -187,17 +173,17 @@ class SandboxManager:
             )
         return row
 
-    def _reachable(self, caller: Caller, sandbox_id: str) -> SandboxRow:
+    def reachable(self, caller: Caller, sandbox_id: str) -> SandboxRow:
         """A running sandbox whose agent answers (requests to a silent one fail at once)."""
         row = self.running(caller, sandbox_id)
-        if sandbox_id in self._unhealthy:
+        if sandbox_id in self.table.unhealthy:
             raise self._unhealthy_error(sandbox_id)
         return row
 
     def _unhealthy_error(self, sandbox_id: str) -> SandboxUnhealthy:
         return SandboxUnhealthy(
             f"the agent of sandbox {sandbox_id} stopped answering "
-            f"({self._unhealthy.get(sandbox_id, 'no reply')}); kill the sandbox, or wait: it "
+            f"({self.table.unhealthy.get(sandbox_id, 'no reply')}); kill the sandbox, or wait: it "
             "is running again as soon as its agent answers",
             sandbox_id=sandbox_id,
         )
@@ -205,12 +191,12 @@ class SandboxManager:
     def running_row(self, sandbox_id: str) -> SandboxRow | None:
         """A running sandbox of any tenant (the ports gateway checks access itself); pool
         members are nobody's yet."""
-        row = self._running.get(sandbox_id)
+        row = self.table.running.get(sandbox_id)
         return row if row is not None and row.tenant != POOL_TENANT else None
 
     async def connect_port(self, sandbox_id: str, port: int) -> Any:
         """A connection to `port` on a running sandbox's loopback, for the ports gateway."""
-        row = self._running.get(sandbox_id)
+        row = self.table.running.get(sandbox_id)
         if row is None or row.runtime_state is None:
             raise ConnectionRefusedError(f"sandbox {sandbox_id} is not running")
         try:
@@ -281,56 +267,52 @@ class SandboxManager:
 
     async def stop(self) -> None:
         await self.pools.stop()
-        for t in [*self._tasks, *self._watchers]:
+        for t in [*self._tasks, *self.watchers]:
             t.cancel()
-        await asyncio.gather(*self._tasks, *self._watchers, return_exceptions=True)
+        await asyncio.gather(*self._tasks, *self.watchers, return_exceptions=True)
         await self.commands.stop()
 
-    def _mark_unhealthy(self, sandbox_id: str, reason: str) -> None:
-        if sandbox_id not in self._unhealthy:
+    def mark_unhealthy(self, sandbox_id: str, reason: str) -> None:
+        if sandbox_id not in self.table.unhealthy:
             log.warning("sandbox %s is unhealthy: %s", sandbox_id, reason)
-        self._unhealthy[sandbox_id] = reason
+        self.table.unhealthy[sandbox_id] = reason
         # Requests waiting on the silent agent end now, with the reason, not at the TTL.
-        self._abort_requests(sandbox_id)
-
-    def _abort_requests(self, sandbox_id: str) -> None:
-        for conn in list(self._inflight.get(sandbox_id, ())):
-            conn.abort()
+        self.table.abort_requests(sandbox_id)
 
     def limit_counters(self, sandbox_id: str) -> dict[str, int]:
         """The limits its runtime saw it hit so far (to explain an end); {} if unknown."""
-        row = self._running.get(sandbox_id) or self.store.get_sandbox(sandbox_id)
+        row = self.table.running.get(sandbox_id) or self.store.get_sandbox(sandbox_id)
         if row is None or not self.runtimes.serves(row):
             return {}
         return self.runtimes.for_row(row).limit_counters(sandbox_id)
 
     # ------------------------------------------------------------------ agent access
 
-    def _client(self, row: SandboxRow, tracked: bool = True) -> AgentClient:
+    def client(self, row: SandboxRow, tracked: bool = True) -> AgentClient:
         """A client for the sandbox's agent; `tracked` connections (a caller's requests) are
         aborted if the sandbox turns unhealthy."""
         assert row.runtime_state is not None
-        inflight = self._inflight.setdefault(row.sandbox_id, set()) if tracked else None
+        inflight = self.table.track(row.sandbox_id) if tracked else None
         return AgentClient(
             self.runtimes.for_row(row).agent_address(row.sandbox_id, row.runtime_state).socket_path,
             inflight=inflight,
         )
 
-    def _agent_error(self, row: SandboxRow, e: Exception) -> AgentboxError:
+    def agent_error(self, row: SandboxRow, e: Exception) -> AgentboxError:
         if isinstance(e, AgentOpError):
             return from_agent(e.code, e.message, e.detail)
         fresh = self.store.get_sandbox(row.sandbox_id)
-        ending = self._ending.get(row.sandbox_id)
+        ending = self.table.ending.get(row.sandbox_id)
         if fresh is None or fresh.state != SandboxState.RUNNING or ending:
             state = ending or (fresh.state if fresh else "gone")
             return SandboxNotRunning(
                 f"sandbox {row.sandbox_id} is {state}; create a new sandbox", state=state
             )
-        if row.sandbox_id in self._unhealthy:
+        if row.sandbox_id in self.table.unhealthy:
             return self._unhealthy_error(row.sandbox_id)
         return SandboxUnavailable(f"the sandbox agent is not answering: {e}")
 
-    def _failed(
+    def failed(
         self,
         caller: Caller,
         row: SandboxRow,
@@ -340,7 +322,7 @@ class SandboxManager:
         **detail: Any,
     ) -> AgentboxError:
         """Map an agent failure to an API error, audited with its status and reason."""
-        err = self._agent_error(row, e)
+        err = self.agent_error(row, e)
         self.audit(
             caller,
             action,
@@ -363,11 +345,11 @@ class SandboxManager:
         """One operation on the caller's running sandbox through its agent (a typed method of
         AgentClient), audited as `action`; agent failures become core errors."""
         started = time.monotonic()
-        row = self._reachable(caller, sandbox_id)
+        row = self.reachable(caller, sandbox_id)
         try:
-            result = await operation(self._client(row))
+            result = await operation(self.client(row))
         except (AgentOpError, AgentUnavailable) as e:
-            raise self._failed(caller, row, action, started, e, **audit_detail) from None
+            raise self.failed(caller, row, action, started, e, **audit_detail) from None
         self.audit(caller, action, sandbox_id, started=started, **audit_detail)
         return result
 

@@ -6,7 +6,6 @@ A service of the core (see core/manager.py, the front object).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -47,7 +46,7 @@ class PoolService:
         """Hand a ready pool member to the caller; None when there is none (a cold create)."""
         if template not in self.core.pools.pools:
             return None
-        lock = self.core._tenant_locks.setdefault(caller.tenant, asyncio.Lock())
+        lock = self.core.table.tenant_lock(caller.tenant)
         async with lock:
             await self.core.admission.check_capacity(caller, quota, started, Resources())
             sid = self.core.pools.take(template, self.usable_member, caller.tenant)
@@ -65,12 +64,12 @@ class PoolService:
             )
             row = self.core.store.get_sandbox(sid)
             assert row is not None
-            self.core._running[sid] = row
+            self.core.table.running[sid] = row
             self.core.network.proxy.update(sid, net.policy, caller.tenant)
-        self.core._wake.set()
+        self.core.wake.set()
         if req.envs:
             try:
-                await self.core._client(row).set_env(req.envs)
+                await self.core.client(row).set_env(req.envs)
             except (AgentOpError, AgentUnavailable) as e:
                 await self.core.lifecycle.end(row, SandboxState.FAILED, "failed")
                 log.warning("claimed pool member %s failed its hand-over: %s", sid, e)
@@ -107,7 +106,7 @@ class PoolService:
             await self.core.lifecycle.end(row, SandboxState.KILLED, "pool_shrunk")
 
     def usable_member(self, sandbox_id: str) -> bool:
-        return sandbox_id in self.core._running and sandbox_id not in self.core._unhealthy
+        return sandbox_id in self.core.table.running and sandbox_id not in self.core.table.unhealthy
 
     def pool_stats(self, caller: Caller) -> list[dict[str, Any]]:
         """Every pool; an admin sees all of its numbers, a tenant its own hits and misses."""

@@ -45,12 +45,12 @@ class Supervisor:
                     pass
             nxt = self.core.store.next_deadline()
             delay = 1.0 if nxt is None else min(1.0, max(0.0, nxt - time.time()))
-            self.core._wake.clear()
+            self.core.wake.clear()
             # Not wait_for: in Python 3.11 it loses a cancellation that arrives as the event
             # is set (a create wakes the reaper as the server stops), and stop() would hang.
             try:
                 async with asyncio.timeout(delay + 0.001):
-                    await self.core._wake.wait()
+                    await self.core.wake.wait()
             except TimeoutError:
                 pass
 
@@ -60,14 +60,14 @@ class Supervisor:
         limit = asyncio.Semaphore(HEALTH_CONCURRENCY)
         while True:
             await asyncio.sleep(self.core.health_interval)
-            rows = [r for r in self.core._running.values() if r.runtime_state is not None]
+            rows = [r for r in self.core.table.running.values() if r.runtime_state is not None]
             await asyncio.gather(*(self._check_health(row, limit) for row in rows))
 
     async def _check_health(self, row: SandboxRow, limit: asyncio.Semaphore) -> None:
         sid = row.sandbox_id
         assert row.runtime_state is not None
         async with limit:
-            if sid in self.core._ending:
+            if sid in self.core.table.ending:
                 return
             runtime = self.core.runtimes.for_row(row)
             if not await runtime.is_alive(sid, row.runtime_state):
@@ -85,8 +85,8 @@ class Supervisor:
             except AgentOpError:
                 pass  # it answered
             except AgentUnavailable as e:
-                if sid in self.core._running and sid not in self.core._ending:
-                    self.core._mark_unhealthy(
+                if sid in self.core.table.running and sid not in self.core.table.ending:
+                    self.core.mark_unhealthy(
                         sid, f"no answer to a health check within {self.core.ping_timeout:g} s: {e}"
                     )
                     if row.tenant == POOL_TENANT:  # nobody's yet: replace it
@@ -95,7 +95,7 @@ class Supervisor:
                         except AgentboxError:
                             pass
                 return
-            if self.core._unhealthy.pop(sid, None) is not None:
+            if self.core.table.unhealthy.pop(sid, None) is not None:
                 log.warning("sandbox %s: its agent answers again", sid)
 
     async def reconcile(self) -> dict[str, int]:
@@ -147,7 +147,7 @@ class Supervisor:
                     self.core.network.restore(row.sandbox_id, row.secrets or {}),
                     runtime,
                 )
-                self.core._running[row.sandbox_id] = row
+                self.core.table.running[row.sandbox_id] = row
                 if row.tenant == POOL_TENANT and not self.core.pools.adopt(
                     row.template, row.sandbox_id
                 ):
@@ -156,7 +156,7 @@ class Supervisor:
                     continue
                 counts["adopted"] += 1
                 try:
-                    commands = await self.core._client(row).list_commands()
+                    commands = await self.core.client(row).list_commands()
                     audited: set[str] | None = None
                     for info in commands:
                         if not info.get("running"):

@@ -197,8 +197,8 @@ class TemplateService:
                 events.put_nowait(None)
 
         task = asyncio.create_task(run())
-        self.core._watchers.add(task)
-        task.add_done_callback(self.core._watchers.discard)
+        self.core.watchers.add(task)
+        task.add_done_callback(self.core.watchers.discard)
         while (event := await events.get()) is not None:
             yield event
 
