@@ -21,10 +21,12 @@ from agentbox.battery import inventory
 from agentbox.runtimes.base import (
     RESOURCE_NAMES,
     HostFootprint,
+    Pausable,
     Resources,
     Runtime,
     RuntimeError_,
     SandboxSpec,
+    Snapshottable,
 )
 from agentbox.runtimes.fake import FakeRuntime
 
@@ -161,3 +163,12 @@ async def test_the_host_footprint_shows_a_sandbox_and_its_removal(
         await runtime.destroy(SID, state, keep_workspace=False)
         await runtime.close()
     assert inventory.leaks(before, inventory.take(data_dir, at=at)) == []
+
+
+def test_optional_capabilities_match_the_declared_features(
+    make: Callable[[Path], Runtime], data_dir: Path
+) -> None:
+    runtime = make(data_dir)
+    feats = runtime.features()
+    assert isinstance(runtime, Pausable) == feats.pause
+    assert isinstance(runtime, Snapshottable) == feats.snapshot

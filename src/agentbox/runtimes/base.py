@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 from contextlib import AbstractAsyncContextManager
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 
 @dataclass(frozen=True)
@@ -125,6 +125,46 @@ class AgentAddress:
 
 class RuntimeError_(Exception):
     """A runtime could not do what was asked; the message says why."""
+
+
+# Optional capabilities: a runtime that can do one implements its methods and declares it in
+# RuntimeFeatures (the conformance suite checks the two agree). The core reaches them only
+# after checking the feature, so a runtime without them needs nothing.
+
+
+@runtime_checkable
+class Pausable(Protocol):
+    """Freeze a sandbox's processes (memory kept, no CPU) and thaw them (`features.pause`)."""
+
+    async def pause(self, sandbox_id: str, state: dict[str, Any]) -> dict[str, Any]:
+        """Freeze every process; returns the state to persist. Idempotent."""
+        ...
+
+    async def resume(self, sandbox_id: str, state: dict[str, Any]) -> dict[str, Any]:
+        """Thaw what `pause` froze; returns the state to persist. Idempotent."""
+        ...
+
+
+@runtime_checkable
+class Snapshottable(Protocol):
+    """A sandbox's whole state as files the core can keep, copy and start again from
+    (`features.snapshot`): its disk as one image, plus its memory where the runtime can
+    checkpoint it. A fork is a restore of a copy under a new id."""
+
+    async def quiesce(self, sandbox_id: str, state: dict[str, Any]) -> None:
+        """Close every host channel into the sandbox (agent connections, loopback listeners)
+        before a checkpoint: a gVisor checkpoint fails while any host socket is open. The core
+        re-opens them (agent_address, listen_inside) after `restore` or a failed snapshot."""
+        ...
+
+    async def snapshot(self, sandbox_id: str, state: dict[str, Any], dest: Path) -> None:
+        """Write the sandbox's disk image (and memory, if it can) below `dest`; the sandbox
+        keeps running, or stays quiesced, as the runtime documents."""
+        ...
+
+    async def restore(self, spec: SandboxSpec, source: Path) -> dict[str, Any]:
+        """Start `spec.sandbox_id` from what `snapshot` wrote; returns the state to persist."""
+        ...
 
 
 class Runtime(ABC):
