@@ -7,6 +7,7 @@ it), under uvicorn, with the real process runtime."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -18,7 +19,7 @@ import pytest
 import uvicorn
 from conftest import ADMIN_KEY
 from fastapi import APIRouter, Header
-from starlette.types import Scope
+from starlette.types import Receive, Scope, Send
 
 from agentbox.battery.target import free_port
 from agentbox.server import surfaces
@@ -55,15 +56,40 @@ def claiming_surface(core: Core) -> SurfaceRoutes:
     return SurfaceRoutes(router=router, predicate=_claims, open_paths=frozenset({"/v1/health"}))
 
 
+ENVD_PORT = 49983  # the port E2B's SDK reaches a sandbox's envd on
+
+
+async def envd_stand_in(scope: Scope, receive: Receive, send: Send) -> None:
+    """Served by the control plane in place of a sandbox port: says what it was handed."""
+    port = scope["agentbox.port"]
+    target = port["target"]
+    body = {
+        "sandbox_id": target.sandbox_id if target else None,
+        "port": port["port"],
+        "path": scope["path"],
+        "query": scope["query_string"].decode(),
+    }
+    status = 200 if target else 404
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json")]})  # fmt: skip
+    await send({"type": "http.response.body", "body": json.dumps(body).encode()})
+
+
+def port_surface(core: Core) -> SurfaceRoutes:
+    return SurfaceRoutes(router=APIRouter(), ports={ENVD_PORT: envd_stand_in})
+
+
 @pytest.fixture
 def url(tmp_path: Path) -> Iterator[str]:
     surfaces.register("hello", hello_surface)
     surfaces.register("hello-claims", claiming_surface)
+    surfaces.register("hello-port", port_surface)
     try:
         app = create_app(tmp_path / "data", admin_key=ADMIN_KEY)
     finally:
         surfaces.unregister("hello")
         surfaces.unregister("hello-claims")
+        surfaces.unregister("hello-port")
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -109,3 +135,23 @@ def test_a_predicate_surface_claims_its_requests_and_leaves_the_rest(url: str) -
     assert v1["status"] == "ok" and "surface" not in v1
     paths = httpx.get(f"{url}/openapi.json").json()["paths"]
     assert "/hello-surface" in paths and "/v1/sandboxes" in paths
+
+
+def test_a_surface_serves_a_sandbox_port_in_place_of_the_sandbox(url: str) -> None:
+    """The gateway hands a port a surface claims to that surface's app (as the E2B envd port
+    will be), with the sandbox it names; every other port is still the sandbox's own."""
+    admin = httpx.Client(base_url=url, headers={"X-API-Key": ADMIN_KEY}, timeout=60)
+    sid = admin.post("/v1/sandboxes", json={}).raise_for_status().json()["sandbox_id"]
+    try:
+        r = httpx.get(f"{url}/v1/sandboxes/{sid}/ports/{ENVD_PORT}/files?path=/a%20b")
+        assert r.status_code == 200, r.text
+        assert r.json() == {"sandbox_id": sid, "port": ENVD_PORT, "path": "/files",
+                            "query": "path=/a%20b"}  # fmt: skip
+        # No running sandbox of that id: the surface's app is told so and answers itself.
+        r = httpx.get(f"{url}/v1/sandboxes/sbx_0000000000000000/ports/{ENVD_PORT}/x")
+        assert r.status_code == 404 and r.json()["sandbox_id"] is None
+        # Another port is relayed to the sandbox, behind its access token as always.
+        r = httpx.get(f"{url}/v1/sandboxes/{sid}/ports/8000/files")
+        assert r.status_code in (401, 403), r.text
+    finally:
+        assert admin.delete(f"/v1/sandboxes/{sid}").status_code == 204

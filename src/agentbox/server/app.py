@@ -167,6 +167,7 @@ def create_app(
             tenant_of_key=tenant_of_key,
             connect=connect_port,
             limits=limits.relay,
+            handlers=installed.ports,
         )
         gateway_holder.append(gw)
         return gw
@@ -186,14 +187,14 @@ def create_app(
         except AgentboxError:
             return None
 
-    open_paths = surfaces.install(app, core, _chosen(with_surfaces))
+    installed = surfaces.install(app, core, _chosen(with_surfaces))
     # Inside the gateway (which authorizes port requests its own way): every API request shows
     # a valid key before its body is read.
     app.add_middleware(
         RequestGuard,  # type: ignore[arg-type]
         authenticate=key_owner,
         limits=limits,
-        open_routes=DOC_ROUTES | open_paths,
+        open_routes=DOC_ROUTES | installed.open_paths,
     )
     app.add_middleware(make_gateway)  # type: ignore[arg-type]
 

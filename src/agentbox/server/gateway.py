@@ -30,10 +30,10 @@ import socket
 import struct
 import termios
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import quote, unquote_plus, urlsplit
+from urllib.parse import quote, unquote, unquote_plus, urlsplit
 
 import httpcore
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -689,8 +689,12 @@ class PortGateway:
         on_access: Callable[[str, int, str, int], None] | None = None,
         max_connections: int = 100,
         limits: RelayLimits | None = None,
+        handlers: Mapping[int, ASGIApp] | None = None,
     ) -> None:
+        """`handlers`: ports served by the control plane itself rather than relayed to the
+        sandbox (an E2B envd endpoint): port -> ASGI app, see `_hand_over`."""
         self.app = app
+        self.handlers = dict(handlers or {})
         self.domain = domain
         self._lookup = lookup
         self._tenant_of_key = tenant_of_key
@@ -717,7 +721,10 @@ class PortGateway:
         method = scope.get("method", "GET") if kind == "http" else "WEBSOCKET"
         status: int | None = 500
         try:
-            status = await self._serve(scope, receive, send, route)
+            if route.port in self.handlers:
+                status = await self._hand_over(scope, receive, send, route)
+            else:
+                status = await self._serve(scope, receive, send, route)
         finally:
             if status is not None:
                 self._audit(route, method, status)
@@ -728,6 +735,41 @@ class PortGateway:
         await asyncio.gather(*(p.pool.aclose() for p in pools), return_exceptions=True)
 
     # ------------------------------------------------------------------ per request
+
+    async def _hand_over(
+        self, scope: Scope, receive: Receive, send: Send, route: _Route
+    ) -> int | None:
+        """A port the control plane serves itself: its app gets the request as the sandbox's
+        server would (path and query as routed), with `scope["agentbox.port"]` = the sandbox's
+        `PortTarget` (None: no running sandbox of that id) and port. The app authorizes the
+        request itself (its own credentials, not the port's access token); the relay budgets
+        of the sandbox and its tenant still apply."""
+        target = await self._lookup(route.sandbox_id)
+        path, _, query = route.target.partition(b"?")
+        inner = dict(scope, path=unquote(path.decode("latin-1")), raw_path=path)
+        inner["query_string"] = query
+        inner["agentbox.port"] = {"target": target, "port": route.port}
+        slot = None
+        if target is not None:
+            try:
+                slot = self._take_slot(route, target)
+            except AgentboxError as e:
+                return await self._refuse(scope, receive, send, e)
+        status: list[int] = []
+
+        async def watched(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status.append(int(message["status"]))
+            await send(message)
+
+        try:
+            await self.handlers[route.port](inner, receive, watched)
+        finally:
+            if slot is not None:
+                self._give_slot(slot)
+        if scope["type"] == "websocket":
+            return None  # the app answers and audits its own WebSockets
+        return status[0] if status else 500
 
     async def _serve(self, scope: Scope, receive: Receive, send: Send, route: _Route) -> int | None:
         """Authorize and relay one request or WebSocket; the HTTP status it got, or None when

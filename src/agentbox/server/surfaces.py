@@ -11,8 +11,8 @@ built in, so it is there whether or not the package's entry points are installed
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 
 from fastapi import APIRouter, FastAPI
@@ -90,6 +90,18 @@ class SurfaceRoutes:
     # Checked before any path: the requests it claims are this surface's alone.
     predicate: Callable[[Scope], bool] | None = None
     open_paths: frozenset[str] = frozenset()
+    # Sandbox ports it serves itself instead of the sandbox (an E2B envd port): port -> ASGI
+    # app, reached as `<port>-<sandbox_id>.<domain>` or the port path; see PortGateway.
+    ports: Mapping[int, ASGIApp] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Installed:
+    """What the surfaces need of the rest of the server: paths served without an API key, and
+    the ports they serve in place of sandboxes."""
+
+    open_paths: frozenset[str]
+    ports: Mapping[int, ASGIApp]
 
 
 Surface = Callable[[Core], SurfaceRoutes]
@@ -126,25 +138,31 @@ def _load(target: str) -> Surface:
     return loaded
 
 
-def install(app: FastAPI, core: Core, surfaces: Iterable[Surface]) -> frozenset[str]:
-    """Add every surface's routes to the app; returns the paths served without an API key.
+def install(app: FastAPI, core: Core, surfaces: Iterable[Surface]) -> Installed:
+    """Add every surface's routes to the app.
 
     A surface with a predicate is served as an app of its own, chosen before any path is
-    matched: a request it claims reaches it even where another surface has the same path.
+    matched: a request it claims reaches it even where another surface has the same path. Two
+    surfaces may not serve the same sandbox port.
     """
     claims: list[tuple[Callable[[Scope], bool], ASGIApp]] = []
     open_paths: set[str] = set()
+    ports: dict[int, ASGIApp] = {}
     for contribution in (surface(core) for surface in surfaces):
         if contribution.predicate is None:
             app.include_router(contribution.router)
         else:
             claims.append((contribution.predicate, _own_app(contribution.router, core)))
         open_paths |= contribution.open_paths
+        for port, handler in contribution.ports.items():
+            if port in ports:
+                raise ValueError(f"two surfaces serve sandbox port {port}")
+            ports[port] = handler
     if claims:
         # Added before the request guard and the gateway, so inside them: the same keys and
         # limits apply to every surface.
         app.add_middleware(_Claimed, claims=claims)  # type: ignore[arg-type]
-    return frozenset(open_paths)
+    return Installed(frozenset(open_paths), ports)
 
 
 def _own_app(router: APIRouter, core: Core) -> FastAPI:
