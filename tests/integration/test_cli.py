@@ -48,7 +48,7 @@ def sandbox_id(cli: Run, server: Any, tenant_key: str) -> Iterator[str]:
 
 def test_create_ls_kill(cli: Run) -> None:
     r = cli("create", "--metadata", "app=cli", "--metadata", "n=1", "--env", "X=42",
-            "--memory-mb", "256", "--cpu", "0.5", "--timeout", "120")
+            "--memory-mb", "256", "--cpu", "0.5", "--timeout", "120", "--runtime", "process")
     assert r.returncode == 0, r.stderr
     sid = r.stdout.strip()
     assert re.fullmatch(r"sbx_\w+", sid)
@@ -56,6 +56,7 @@ def test_create_ls_kill(cli: Run) -> None:
     listed = json.loads(cli("ls", "--json").stdout)
     mine = next(s for s in listed if s["sandbox_id"] == sid)
     assert mine["metadata"] == {"app": "cli", "n": "1"} and mine["state"] == "running"
+    assert mine["runtime"] == "process"
     assert mine["resources"]["memory_mb"] == 256 and mine["resources"]["cpu_count"] == 0.5
 
     table = cli("ls", "--metadata", "app=cli")
@@ -190,6 +191,14 @@ def test_keys_create_offline(tmp_path: Path) -> None:
                         "--tenant", "bad tenant!", "--data-dir", str(data_dir)],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "Traceback" not in r.stderr and "tenant" in r.stderr
+
+
+def test_serve_refuses_an_unknown_runtime(tmp_path: Path) -> None:
+    r = subprocess.run([sys.executable, "-m", "agentbox.cli.app", "serve", "--runtime",
+                        "process,nope", "--data-dir", str(tmp_path / "d")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "unknown runtime 'nope'" in r.stderr and "process" in r.stderr
 
 
 def test_console_script_installed() -> None:
