@@ -10,13 +10,12 @@ from the HTTP API, the CLI, a server config file or an installed entry point.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import resource
 import subprocess
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import ClassVar
 
@@ -110,9 +109,9 @@ class WeakenedProcessRuntime(ProcessRuntime):
     def features(self) -> RuntimeFeatures:
         feats = super().features()
         if "no-limits" in self.weak:
-            feats = dataclasses.replace(feats, enforces=frozenset())
+            feats = replace(feats, enforces=frozenset())
         if "same-uid" in self.weak:
-            feats = dataclasses.replace(feats, own_uids=False)
+            feats = replace(feats, own_uids=False)
         return feats
 
     def resource_ceilings(self) -> dict[str, Ceiling]:
