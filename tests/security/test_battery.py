@@ -58,6 +58,23 @@ def test_escape_battery(tmp_path: Path) -> None:
     assert f"**{len(checks)} checks**" in md.read_text()
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(os.geteuid() != 0, reason="the battery needs root")
+def test_a_control_without_limits_gets_its_sandbox(tmp_path: Path) -> None:
+    """The no-limits control's runtime declares it enforces no limit, so its sandboxes ask for
+    none (rather than being refused) and the exhaustion probe breaks out there."""
+    js = tmp_path / "scorecard.json"
+    argv = [sys.executable, "-m", "agentbox.battery", "--only", "^res-fd-exhaustion$"]
+    argv += ["--markdown", str(tmp_path / "scorecard.md"), "--json", str(js)]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=280)
+    assert js.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    (check,) = json.loads(js.read_text())["checks"]
+    assert check["control"]["weakening"] == "no-limits"
+    assert check["default"]["status"] == "BLOCKED", check["default"]["evidence"]
+    assert check["control"]["status"] == "BROKEN", check["control"]["evidence"]
+    assert proc.returncode == 0, proc.stdout[-3000:]
+
+
 def test_weakenings_are_named_and_validated() -> None:
     assert Weakening.of([]).flags == frozenset()
     with pytest.raises(ValueError, match="unknown weakening"):

@@ -39,6 +39,13 @@ def _process(data_dir: Path) -> Runtime:
     return ProcessRuntime(data_dir=data_dir)
 
 
+def _process_weakened(data_dir: Path) -> Runtime:
+    """The battery's weakened process runtime: its declared features must stay honest too."""
+    from agentbox.runtimes.process.weaken import WeakenedProcessRuntime
+
+    return WeakenedProcessRuntime(data_dir=data_dir, weaken=["no-limits", "same-uid"])
+
+
 _shared_fakes: dict[Path, FakeRuntime] = {}
 
 
@@ -48,7 +55,11 @@ def _fake(data_dir: Path) -> Runtime:
     return _shared_fakes.setdefault(data_dir, FakeRuntime(data_dir))
 
 
-RUNTIMES: dict[str, Callable[[Path], Runtime]] = {"fake": _fake, "process": _process}
+RUNTIMES: dict[str, Callable[[Path], Runtime]] = {
+    "fake": _fake,
+    "process": _process,
+    "process-weakened": _process_weakened,
+}
 SID = "sbx_c0nf0rmance0001"
 
 
@@ -59,7 +70,7 @@ def anyio_backend() -> str:
 
 @pytest.fixture(params=sorted(RUNTIMES))
 def make(request: pytest.FixtureRequest) -> Callable[[Path], Runtime]:
-    if request.param == "process" and shutil.which("bwrap") is None:
+    if request.param.startswith("process") and shutil.which("bwrap") is None:
         pytest.skip("bubblewrap is not installed")
     return RUNTIMES[request.param]
 

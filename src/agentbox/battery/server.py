@@ -11,9 +11,10 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from agentbox import runtimes
 from agentbox.core.logs import LogLimits
 from agentbox.core.network import NetworkSettings
-from agentbox.runtimes.process.weaken import WEAKENINGS
+from agentbox.runtimes.process.weaken import WEAKENINGS, WeakenedProcessRuntime
 from agentbox.server.app import serve
 from agentbox.server.gateway import RelayLimits
 from agentbox.server.limits import ServerLimits
@@ -93,6 +94,24 @@ def weakened_network(flags: set[str], **settings: Any) -> NetworkSettings:
     return NetworkSettings(egress_weaken=frozenset(flags & EGRESS_WEAKENINGS.keys()), **settings)
 
 
+def weakened_runtime(
+    names: str, flags: set[str], bind_host: list[str]
+) -> tuple[str, dict[str, Any] | None]:
+    """The runtimes to serve and the default one's config: with runtime weakenings, the
+    weakened process runtime (registered here, in code, so no installation ever offers it)
+    in place of `process`."""
+    weaken = sorted(flags & WEAKENINGS.keys())
+    if not weaken and not bind_host:
+        return names, None
+    first, *rest = names.split(",")
+    if first != "process":
+        raise ValueError(f"runtime weakenings are for the process runtime, not {first!r}")
+    name = WeakenedProcessRuntime.name
+    if name not in runtimes.available():
+        runtimes.register(name, WeakenedProcessRuntime)
+    return ",".join([name, *rest]), {"weaken": weaken, "bind_host": bind_host}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--runtime", default="process")
@@ -108,14 +127,17 @@ def main() -> None:
     unknown = flags - WEAKENINGS.keys() - EGRESS_WEAKENINGS.keys() - SERVER_WEAKENINGS.keys()
     if unknown:
         p.error(f"unknown weakening(s): {', '.join(sorted(unknown))}")
-    config = {"weaken": sorted(flags & WEAKENINGS.keys()), "bind_host": a.bind_host}
+    try:
+        runtime, config = weakened_runtime(a.runtime, flags, a.bind_host)
+    except ValueError as e:
+        p.error(str(e))
     network = weakened_network(
         flags,
         egress_allow_cidrs=tuple(a.egress_allow_cidr),
         egress_resolve=tuple(a.egress_resolve),
     )
     limits = weakened_limits(flags)
-    serve(a.host, a.port, a.data_dir, a.runtime, config, network=network, limits=limits)
+    serve(a.host, a.port, a.data_dir, runtime, config, network=network, limits=limits)
 
 
 if __name__ == "__main__":

@@ -209,6 +209,7 @@ class Server:
         self.keys: dict[str, str] = {}
         self.clients: list[httpx.Client] = []
         self.boxes: list[Box] = []
+        self.enforced: frozenset[str] = frozenset(BATTERY_RESOURCES)
 
     def start(self) -> None:
         if not self.weaken:  # the product as shipped
@@ -226,6 +227,13 @@ class Server:
                 argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
         wait_healthy(self.url, self.proc, self.log_path)
+        self.enforced = self._enforced()
+
+    def _enforced(self) -> frozenset[str]:
+        """The limits the server's default runtime declares it enforces."""
+        served = httpx.get(f"{self.url}/v1/health", timeout=10).json()["runtimes"]
+        default = next(info for info in served.values() if info["default"])
+        return frozenset(default["features"]["enforces"])
 
     def alive(self) -> bool:
         try:
@@ -249,7 +257,12 @@ class Server:
     def box(self, tenant: str = "battery-a", **body: Any) -> Box:
         c = self.client(self.key(tenant))
         body.setdefault("timeout", 600)
-        body["resources"] = {**BATTERY_RESOURCES, **body.get("resources", {})}
+        resources = {**BATTERY_RESOURCES, **body.get("resources", {})}
+        if self.weaken:
+            # A control that takes the limits away declares it enforces none, and the server
+            # refuses to be asked for a limit that would not hold: its sandboxes ask none.
+            resources = {k: v for k, v in resources.items() if k in self.enforced}
+        body["resources"] = resources
         r = c.post("/v1/sandboxes", json=body)
         if r.status_code != 201:
             raise RuntimeError(f"create failed: HTTP {r.status_code} {r.text[:300]}")

@@ -39,6 +39,7 @@ from agentbox.runtimes.base import (
     Ceiling,
     HostFootprint,
     KeptWorkspace,
+    Resources,
     Runtime,
     RuntimeError_,
     RuntimeFeatures,
@@ -48,7 +49,6 @@ from agentbox.runtimes.process import hostview, workspace
 from agentbox.runtimes.process.cgroups import GROUP, CgroupLimits, Cgroups
 from agentbox.runtimes.process.netns import NamespaceSockets, NetnsError
 from agentbox.runtimes.process.seccomp import build_filter
-from agentbox.runtimes.process.weaken import Weakening
 from agentbox.runtimes.uids import LEASES, UID_RANGE, NoFreeUid, UidLeases
 
 RUN_ROOT = Path("/run/agentbox")
@@ -75,7 +75,7 @@ CAP_SYS_RESOURCE = 24
 # /var or /run: user data, credentials and the server's own data live there.
 _MERGED_USR_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 _USR_LOCAL = "/usr/local"
-_SANDBOX_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+SANDBOX_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _PIPE_PAYLOAD_MAX = 16384  # well below a pipe's buffer: the write must not block
 
 
@@ -128,8 +128,6 @@ class ProcessRuntime(Runtime):
         self,
         data_dir: Path,
         use_loop: bool | None = None,
-        weaken: Iterable[str] = (),
-        bind_host: Iterable[str] = (),
         host_paths: Iterable[str] = (),
     ) -> None:
         """`host_paths`: host paths the operator lets sandboxes of the host userland see
@@ -147,12 +145,6 @@ class ProcessRuntime(Runtime):
         os.chmod(data_dir, 0o700)
         os.chmod(self.root, 0o700)
         self.is_root = os.geteuid() == 0
-        # Positive controls of the security battery only; see weaken.py.
-        self.weak = Weakening.of(weaken, bind_host)
-        if self.weak:
-            logging.getLogger(__name__).warning(
-                "WEAKENED sandboxes for security testing: %s", ", ".join(sorted(self.weak.flags))
-            )
         try:
             self.host_paths = hostview.check_host_paths(host_paths, data_dir)
         except hostview.HostPathError as e:
@@ -169,11 +161,11 @@ class ProcessRuntime(Runtime):
         else:
             self.bind_root = self.root
         # What every sandbox shares, each tree on a tmpfs of its own (see hostview.py).
-        self.own_mounts = self.is_root and "host-info" not in self.weak
+        self.own_mounts = self._mounts_shared_trees()
         self.template_lock = threading.Lock()
         self._drop_template_binds()  # a previous server's
         self.agent_dir = self._install_agent(self._shared_tree("agent", 16))
-        self.etc_dir = None if "host-info" in self.weak else self._build_etc()
+        self.etc_dir = self._etc_tree()
         self.proc_view = hostview.ProcView.of_host()
         self.cpus = sorted(os.sched_getaffinity(0))
         self.cpus_of: dict[str, list[int]] = {}
@@ -191,13 +183,19 @@ class ProcessRuntime(Runtime):
             workspace.detach_orphan_loops(self.root)
         self._drop_kept_mounts()
         self.seccomp = build_filter()
-        if "no-limits" in self.weak:
-            self.use_loop = False
         self.children: dict[str, subprocess.Popen] = {}
         self.uids = UidLeases(owner=digest)
         self.netns = NamespaceSockets()
 
     # ------------------------------------------------------------------ setup
+
+    def _mounts_shared_trees(self) -> bool:
+        """Whether the trees every sandbox shares get tmpfs mounts of their own (root only)."""
+        return self.is_root
+
+    def _etc_tree(self) -> Path | None:
+        """The /etc sandboxes of the host userland see; None binds the host's own."""
+        return self._build_etc()
 
     def _shared_tree(self, name: str, size_mb: int) -> Path:
         """A directory every sandbox binds read-only; as root a fresh tmpfs, whose root shows
@@ -264,17 +262,16 @@ class ProcessRuntime(Runtime):
         }
 
     def features(self) -> RuntimeFeatures:
-        limits = "no-limits" not in self.weak
-        enforced = {"nofile", "file_size_mb", "tmp_mb"} if limits else set()
-        if limits and self.cgroups.available:
+        enforced = {"nofile", "file_size_mb", "tmp_mb"}
+        if self.cgroups.available:
             enforced |= {"cpu_count", "memory_mb", "pids"}
-        if limits and self.use_loop:
+        if self.use_loop:
             enforced.add("disk_mb")
         return RuntimeFeatures(
             enforces=frozenset(enforced),
             network=True,
             kept_workspaces=True,
-            own_uids=self.is_root and "same-uid" not in self.weak,
+            own_uids=self.is_root,
         )
 
     @classmethod
@@ -294,8 +291,6 @@ class ProcessRuntime(Runtime):
     def resource_ceilings(self) -> dict[str, Ceiling]:
         """The rlimits `_spawn` sets cannot go above the server's own hard limits, unless it may
         raise them (CAP_SYS_RESOURCE); asking more must be a refusal, not a failed spawn."""
-        if "no-limits" in self.weak:
-            return {}
         if _can_raise_rlimits():
             nr_open = int(Path("/proc/sys/fs/nr_open").read_text())
             reason = f"the host's per-process descriptor ceiling (fs.nr_open) {nr_open}"
@@ -331,8 +326,6 @@ class ProcessRuntime(Runtime):
     def _allocate_uid(self, sandbox_id: str) -> int:
         if not self.is_root:
             return os.geteuid()
-        if "same-uid" in self.weak:
-            return UID_RANGE[0] - 1
         try:
             return self.uids.take(sandbox_id)
         except NoFreeUid as e:
@@ -340,14 +333,7 @@ class ProcessRuntime(Runtime):
 
     def _bwrap_argv(self, spec: SandboxSpec, ws: Path, fds: dict[str, int]) -> list[str]:
         r = spec.resources
-        weak = self.weak
-        uid = "0" if spec.user == "root" else "1000"
-        if not weak:
-            argv = ["bwrap", "--unshare-all", "--unshare-user", "--disable-userns"]
-            argv += ["--uid", uid, "--gid", uid, "--cap-drop", "ALL"]
-        else:
-            argv = ["bwrap", *self._weakened_namespace_args()]
-        argv += ["--hostname", "sandbox", "--new-session"]
+        argv = ["bwrap", *self._namespace_args(spec), "--hostname", "sandbox", "--new-session"]
         if spec.rootfs:
             # A template: its whole tree read-only, then the sandbox's own mounts on top
             # (by fd, opened by the server, on a path bwrap can resolve: see
@@ -355,22 +341,16 @@ class ProcessRuntime(Runtime):
             argv += ["--ro-bind-fd", str(fds["rootfs"]), "/"]
         else:
             argv += self._host_userland_args()
-        sized = "no-limits" not in weak
-        argv += ["--bind", "/proc", "/proc"] if "share-pid" in weak else ["--proc", "/proc"]
-        argv += self._proc_args(fds)
-        argv += ["--dev", "/dev"]
-        argv += ["--size", str(r.tmp_mb * 1024 * 1024)] if sized else []
-        argv += ["--tmpfs", "/tmp"]
-        argv += ["--size", str(min(r.tmp_mb, 64) * 1024 * 1024)] if sized else []
-        argv += ["--tmpfs", "/dev/shm", "--dir", "/run", "--dir", "/var"]
+        small_mb = min(r.tmp_mb, 64)
+        argv += [*self._proc_mount_args(), *self._proc_args(fds), "--dev", "/dev"]
+        argv += self._tmpfs_args("/tmp", r.tmp_mb) + self._tmpfs_args("/dev/shm", small_mb)
+        argv += ["--dir", "/run", "--dir", "/var"]
         if spec.rootfs and any(path.startswith("/run/") for path in spec.files):
             # A template's /run is part of its read-only tree; files placed below it (the CA
             # bundle) need a tmpfs to land on, as /run is on a booted system.
-            argv += ["--size", str(1 << 20)] if sized else []
-            argv += ["--tmpfs", "/run"]
+            argv += self._tmpfs_args("/run", 1)
         if spec.rootfs and not Path(spec.rootfs, "var/tmp").is_symlink():
-            argv += ["--size", str(min(r.tmp_mb, 64) * 1024 * 1024)] if sized else []
-            argv += ["--tmpfs", "/var/tmp"]
+            argv += self._tmpfs_args("/var/tmp", small_mb)
         else:
             argv += ["--symlink", "/tmp", "/var/tmp"]
         argv += [
@@ -386,7 +366,7 @@ class ProcessRuntime(Runtime):
             argv += ["--ro-bind-data", str(fds["group"]), "/etc/group"]
         argv += ["--chdir", spec.workdir, "--clearenv"]
         env = {
-            "PATH": _SANDBOX_PATH,
+            "PATH": SANDBOX_PATH,
             "HOME": "/workspace",
             "USER": "user",
             "LOGNAME": "user",
@@ -401,12 +381,28 @@ class ProcessRuntime(Runtime):
             argv += ["--setenv", k, v]
         for path in spec.files:
             argv += ["--ro-bind-data", str(fds[f"file:{path}"]), path]
-        for host_path in weak.bind_host:
-            argv += ["--bind", host_path, host_path]
-        if "no-seccomp" not in weak:
-            argv += ["--seccomp", str(fds["seccomp"])]
+        argv += [*self._extra_binds(), *self._seccomp_args(fds)]
         argv += ["--info-fd", str(fds["info"]), "--"]
         return argv + self._agent_argv(AGENT_MOUNT, fds)
+
+    def _namespace_args(self, spec: SandboxSpec) -> list[str]:
+        """Every namespace unshared, no capabilities, no nested user namespaces."""
+        uid = "0" if spec.user == "root" else "1000"
+        argv = ["--unshare-all", "--unshare-user", "--disable-userns"]
+        return [*argv, "--uid", uid, "--gid", uid, "--cap-drop", "ALL"]
+
+    def _proc_mount_args(self) -> list[str]:
+        return ["--proc", "/proc"]  # the sandbox's own pid namespace
+
+    def _tmpfs_args(self, path: str, size_mb: int) -> list[str]:
+        return ["--size", str(size_mb * 1024 * 1024), "--tmpfs", path]
+
+    def _extra_binds(self) -> list[str]:
+        """Host paths bound read-write: none (the workspace is the sandbox's only one)."""
+        return []
+
+    def _seccomp_args(self, fds: dict[str, int]) -> list[str]:
+        return ["--seccomp", str(fds["seccomp"])]
 
     def _host_userland_args(self) -> list[str]:
         args = ["--ro-bind", "/usr", "/usr"]
@@ -435,8 +431,6 @@ class ProcessRuntime(Runtime):
 
     def _proc_args(self, fds: dict[str, int]) -> list[str]:
         """The sandbox's own figures over /proc's machine-wide files (see hostview.py)."""
-        if "host-info" in self.weak:
-            return []
         args = []
         for name, fd in fds.items():
             if name.startswith("proc:"):
@@ -446,28 +440,13 @@ class ProcessRuntime(Runtime):
                 args += ["--tmpfs", d, "--remount-ro", d]
         return args
 
-    def _agent_argv(self, agent_dir: str, fds: dict[str, int], ws: str | None = None) -> list[str]:
+    def _agent_argv(self, agent_dir: str, fds: dict[str, int]) -> list[str]:
         argv = [SANDBOX_PYTHON, "-E", "-s", "-S", f"{agent_dir}/main.py"]
-        argv += ["--listen-fd", str(fds["listen"])]
-        if ws is not None:
-            argv += ["--workspace", ws]
-        if self.weak.agent_flags():
-            argv += ["--weaken", ",".join(self.weak.agent_flags())]
-        if "leak" in fds:
-            argv += ["--leak-fd", str(fds["leak"])]
-        return argv
+        return [*argv, "--listen-fd", str(fds["listen"]), *self._agent_flags(fds)]
 
-    def _weakened_namespace_args(self) -> list[str]:
-        weak = self.weak
-        args = []
-        for ns, flag in (("net", "share-net"), ("pid", "share-pid"), ("ipc", "share-ipc")):
-            if flag not in weak:
-                args.append(f"--unshare-{ns}")
-        args += ["--unshare-uts", "--unshare-cgroup"]
-        if "host-root" in weak:
-            return [*args, "--cap-add", "ALL"]
-        args += ["--unshare-user", "--uid", "1000", "--gid", "1000", "--cap-drop", "ALL"]
-        return args if "allow-userns" in weak else [*args, "--disable-userns"]
+    def _agent_flags(self, fds: dict[str, int]) -> list[str]:
+        """Further agent options: none (the agent confines itself fully by default)."""
+        return []
 
     async def create(self, spec: SandboxSpec) -> dict[str, Any]:
         return await asyncio.to_thread(self._create_sync, spec)
@@ -485,19 +464,18 @@ class ProcessRuntime(Runtime):
                 sdir, self.bind_root / sid, spec.resources.disk_mb, uid, self.use_loop
             )
             state["disk_limit_enforced"] = ws.disk_limit_enforced
-            r = spec.resources
-            limits = CgroupLimits(
-                memory_bytes=r.memory_mb * 1024 * 1024, pids=r.pids, cpu_count=r.cpu_count
-            )
-            if "no-limits" in self.weak:
-                limits = CgroupLimits(1 << 40, 4_194_304, float(os.cpu_count() or 1))
-            self.cgroups.create(sid, limits)
+            self.cgroups.create(sid, self._cgroup_limits(spec.resources))
             state.update(self._spawn(spec, sdir, ws.path, uid, cpus))
             self._write_state(sdir, state)
             return state
         except BaseException:
             self._destroy_sync(sid, state, keep_workspace=False)
             raise
+
+    def _cgroup_limits(self, r: Resources) -> CgroupLimits:
+        return CgroupLimits(
+            memory_bytes=r.memory_mb * 1024 * 1024, pids=r.pids, cpu_count=r.cpu_count
+        )
 
     def _reachable_template(self, rootfs: str) -> str:
         """A template tree's path as bwrap can resolve it. bwrap runs as the sandbox's uid and
@@ -533,8 +511,6 @@ class ProcessRuntime(Runtime):
     def _assign_cpus(self, sid: str, cpu_count: float) -> list[int]:
         """The CPUs a sandbox may run on: one per started unit of its quota, so that nproc and
         sched_getaffinity tell it what it gets (the cgroup quota is what enforces it)."""
-        if "host-info" in self.weak or "no-limits" in self.weak:
-            cpu_count = len(self.cpus)
         with self.cpu_lock:
             cpus = hostview.pick_cpus(cpu_count, self.cpus, self.cpus_of.values())
             self.cpus_of[sid] = cpus
@@ -555,35 +531,20 @@ class ProcessRuntime(Runtime):
             "info": info_w,
             "listen": listener.fileno(),
         }
-        weak = self.weak
         if spec.rootfs or self.etc_dir is None:
             fds["passwd"] = _data_fd(hostview.PASSWD)
             fds["group"] = _data_fd(hostview.GROUP)
-        if "host-info" not in weak:
-            # A new boot id at every start: a sandbox is a machine that booted just now.
-            memory = spec.resources.memory_mb * 1024 * 1024
-            for path, data in self.proc_view.files(memory, cpus, str(uuid.uuid4())).items():
-                fds[f"proc:{path}"] = _data_fd(data)
-        if "leak-fd" in weak:
-            fds["leak"] = os.open("/", os.O_PATH | os.O_DIRECTORY)
+        for path, data in self._proc_files(spec, cpus).items():
+            fds[f"proc:{path}"] = _data_fd(data)
+        fds |= self._extra_fds()
         if spec.rootfs:
             rootfs = self._reachable_template(spec.rootfs)
             fds["rootfs"] = os.open(rootfs, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW)
         for path, data in spec.files.items():
             fds[f"file:{path}"] = _data_file_fd(data)
-        r = spec.resources
         join_files = self.cgroups.join_files(spec.sandbox_id)
-        limits = [
-            (resource.RLIMIT_NOFILE, r.nofile),
-            (resource.RLIMIT_FSIZE, r.file_size_mb * 1024 * 1024),
-            (resource.RLIMIT_CORE, 0),
-        ]
-        if "no-limits" in weak:
-            limits = limits[2:]
-        elif self.is_root:
-            # Per-uid process count: a second fence behind the pids cgroup.
-            limits.append((resource.RLIMIT_NPROC, r.pids + NPROC_SLACK))
-        drop_to = uid if self.is_root and "host-root" not in weak else None
+        limits = self._rlimits(spec.resources)
+        drop_to = self._drop_to(uid)
         pin = cpus if len(cpus) < len(self.cpus) else None
 
         def enter_sandbox_context() -> None:
@@ -604,12 +565,7 @@ class ProcessRuntime(Runtime):
                 os.setgid(drop_to)
                 os.setuid(drop_to)
 
-        if "unsandboxed" in weak:
-            argv = self._agent_argv(str(self.agent_dir), fds, str(ws))
-            env = {"PATH": _SANDBOX_PATH, "HOME": str(ws), "AGENTBOX_SANDBOX_ID": spec.sandbox_id}
-        else:
-            argv = self._bwrap_argv(spec, ws, fds)
-            env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
+        argv, env = self._command(spec, ws, fds)
         log = open(sdir / "runtime.log", "ab")
         try:
             proc = subprocess.Popen(
@@ -632,7 +588,7 @@ class ProcessRuntime(Runtime):
             listener.close()  # the agent owns the listening socket now
         self.children[spec.sandbox_id] = proc
         try:
-            init_pid = proc.pid if "unsandboxed" in weak else self._read_info(info_r, proc)
+            init_pid = self._init_pid(info_r, proc)
         finally:
             os.close(info_r)
         self._wait_for_agent(sock_path, proc, sdir)
@@ -644,6 +600,41 @@ class ProcessRuntime(Runtime):
             "init_start": _proc_start_time(init_pid),
             "socket": str(sock_path),
         }
+
+    def _proc_files(self, spec: SandboxSpec, cpus: list[int]) -> dict[str, bytes]:
+        """/proc files with the sandbox's own figures, bound over the host's (hostview.py)."""
+        memory = spec.resources.memory_mb * 1024 * 1024
+        # A new boot id at every start: a sandbox is a machine that booted just now.
+        return self.proc_view.files(memory, cpus, str(uuid.uuid4()))
+
+    def _extra_fds(self) -> dict[str, int]:
+        """Further fds the sandbox inherits: none."""
+        return {}
+
+    def _rlimits(self, r: Resources) -> list[tuple[int, int]]:
+        limits = [
+            (resource.RLIMIT_NOFILE, r.nofile),
+            (resource.RLIMIT_FSIZE, r.file_size_mb * 1024 * 1024),
+            (resource.RLIMIT_CORE, 0),
+        ]
+        if self.is_root:
+            # Per-uid process count: a second fence behind the pids cgroup.
+            limits.append((resource.RLIMIT_NPROC, r.pids + NPROC_SLACK))
+        return limits
+
+    def _drop_to(self, uid: int) -> int | None:
+        """The uid bwrap starts as: the sandbox's own, when the server may switch to it."""
+        return uid if self.is_root else None
+
+    def _command(
+        self, spec: SandboxSpec, ws: Path, fds: dict[str, int]
+    ) -> tuple[list[str], dict[str, str]]:
+        """What runs the sandbox (bwrap, then the agent inside it) and bwrap's environment."""
+        return self._bwrap_argv(spec, ws, fds), {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
+
+    def _init_pid(self, info_fd: int, proc: subprocess.Popen) -> int:
+        """The pid of the sandbox's pid-namespace init, as bwrap reports it."""
+        return self._read_info(info_fd, proc)
 
     @staticmethod
     def _read_info(fd: int, proc: subprocess.Popen) -> int:
@@ -710,8 +701,8 @@ class ProcessRuntime(Runtime):
         return True
 
     def _hold_netns(self, sandbox_id: str, init_pid: int | None) -> None:
-        if "share-net" in self.weak or "unsandboxed" in self.weak or not init_pid:
-            return  # no namespace of its own: nothing may be put on the host's loopback
+        if not init_pid:
+            return
         start = _proc_start_time(init_pid)
         try:
             self.netns.open(sandbox_id, init_pid, lambda: _proc_start_time(init_pid) == start)
@@ -888,7 +879,7 @@ class ProcessRuntime(Runtime):
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-        if "no-cgroup-kill" not in self.weak and not self.cgroups.kill_all(sid):
+        if not self._kill_everything(sid):
             raise RuntimeError_(f"could not kill every process of sandbox {sid}")
         child = self.children.pop(sid, None)
         if child is not None:
@@ -925,6 +916,11 @@ class ProcessRuntime(Runtime):
         self.uids.release(sid, uid if isinstance(uid, int) else None)
         with self.cpu_lock:
             self.cpus_of.pop(sid, None)
+
+    def _kill_everything(self, sid: str) -> bool:
+        """Kill every process of the sandbox (its cgroup), daemons that left its pid
+        namespace's reach included; False if some would not die."""
+        return self.cgroups.kill_all(sid)
 
 
 def _digest(data_dir: Path) -> str:
