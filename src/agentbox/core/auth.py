@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from agentbox.config import ADMIN_KEY_FILE
-from agentbox.core.errors import InvalidRequest, NotFound, Unauthorized
+from agentbox.core.errors import Forbidden, InvalidRequest, NotFound, Unauthorized
 from agentbox.store.db import Store
 
 ADMIN_TENANT = "admin"
@@ -30,6 +30,13 @@ class Caller:
     tenant: str
     key_id: str
     admin: bool
+
+
+def require_admin(caller: Caller, what: str) -> Caller:
+    """The caller, if its key is an admin key; `what` names what needs one."""
+    if not caller.admin:
+        raise Forbidden(f"{what} needs an admin API key")
+    return caller
 
 
 def _hash(key: str) -> str:

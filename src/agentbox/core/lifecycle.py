@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from agentbox.core import ports
 from agentbox.core.auth import Caller
 from agentbox.core.errors import LimitExceeded, SandboxUnavailable
 from agentbox.core.network import new_access_token
@@ -138,6 +139,17 @@ class Lifecycle:
                 self.core.table.running[sandbox_id] = fresh
         self.core.audit(caller, "sandbox.access_token", sandbox_id)
         return self.core.get(caller, sandbox_id)
+
+    def sign_port_url(
+        self, caller: Caller, sandbox_id: str, port: int, expires_in: float | None
+    ) -> tuple[int, dict[str, str]]:
+        """(expires, query parameters) that let whoever holds the URL reach `port` of the
+        caller's running sandbox until `expires` (unix seconds), signed with its access token."""
+        row = self.core.running(caller, sandbox_id)
+        assert row.access_token is not None
+        signed = ports.signed_query(row.access_token, sandbox_id, port, expires_in, time.time())
+        self.core.audit(caller, "port.url", sandbox_id, port=port, expires_in=expires_in)
+        return signed
 
     async def kill(self, caller: Caller, sandbox_id: str) -> None:
         started = time.monotonic()

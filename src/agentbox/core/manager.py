@@ -57,6 +57,7 @@ from agentbox.core.template_service import (
     TemplateCheck,
     TemplateService,
 )
+from agentbox.core.tenants import TenantService
 from agentbox.core.workspaces import KeptWorkspaces
 from agentbox.runtimes.base import Runtime, RuntimeError_
 from agentbox.store.db import LIVE_STATES, SandboxRow, Store
@@ -133,6 +134,7 @@ class SandboxManager:
         self.commands = CommandService(self)
         self.code = CodeService(self)
         self.supervisor = Supervisor(self)
+        self.tenants = TenantService(store, network, self.admission, self.audit)
 
     # ------------------------------------------------------------------ quotas
 
@@ -446,6 +448,11 @@ class SandboxManager:
 
     async def rotate_access_token(self, caller: Caller, sandbox_id: str) -> SandboxRow:
         return await self.lifecycle.rotate_access_token(caller, sandbox_id)
+
+    def sign_port_url(
+        self, caller: Caller, sandbox_id: str, port: int, expires_in: float | None
+    ) -> tuple[int, dict[str, str]]:
+        return self.lifecycle.sign_port_url(caller, sandbox_id, port, expires_in)
 
 
 __all__ = [

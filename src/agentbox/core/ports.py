@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import math
 import re
 from datetime import UTC, datetime
 
@@ -41,6 +42,15 @@ def sign(token: str, sandbox_id: str, port: int, expires: int) -> str:
     msg = f"{sandbox_id}:{port}:{expires}".encode()
     digest = hmac.new(token.encode(), msg, hashlib.sha256).digest()
     return base64.urlsafe_b64encode(digest).rstrip(b"=").decode("ascii")
+
+
+def signed_query(
+    token: str, sandbox_id: str, port: int, expires_in: float | None, now: float
+) -> tuple[int, dict[str, str]]:
+    """(expires, query parameters) of a URL to `port` of `sandbox_id` that lives `expires_in`
+    seconds from `now` (default DEFAULT_LIFETIME), rounded up to a whole second."""
+    expires = math.ceil(now + (expires_in or DEFAULT_LIFETIME))
+    return expires, {EXP_PARAM: str(expires), SIG_PARAM: sign(token, sandbox_id, port, expires)}
 
 
 def check_signature(

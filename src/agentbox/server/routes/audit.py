@@ -9,7 +9,7 @@ from fastapi import APIRouter, Query
 
 from agentbox.core.errors import InvalidRequest
 from agentbox.server import models as m
-from agentbox.server.routes.deps import RESPONSES, Db, Net, Who
+from agentbox.server.routes.deps import RESPONSES, Tenants, Who
 
 Since = Annotated[str | None, Query(max_length=40, description="RFC 3339 time or unix seconds")]
 
@@ -19,7 +19,7 @@ def router() -> APIRouter:
 
     @r.get("/v1/audit/egress", responses=RESPONSES, tags=["audit"])
     async def audit_egress(
-        net: Net,
+        tenants: Tenants,
         who: Who,
         sandbox_id: Annotated[str | None, Query(max_length=64)] = None,
         host: Annotated[str | None, Query(max_length=255)] = None,
@@ -29,13 +29,13 @@ def router() -> APIRouter:
         limit: Annotated[int, Query(ge=1, le=10_000)] = 100,
     ) -> dict[str, Any]:
         """Every egress attempt: destination, method and path, bytes, allowed or denied, rule."""
-        scope = tenant if who.admin else who.tenant
-        events = net.egress_events(scope, sandbox_id, host, allowed, parse_time(since), limit)
+        since_t = parse_time(since)
+        events = tenants.egress_events(who, tenant, sandbox_id, host, allowed, since_t, limit)
         return {"events": _timed(events)}
 
     @r.get("/v1/audit", responses=RESPONSES, tags=["audit"])
     async def audit(
-        store: Db,
+        tenants: Tenants,
         who: Who,
         sandbox_id: Annotated[str | None, Query(max_length=64)] = None,
         action: Annotated[str | None, Query(max_length=64)] = None,
@@ -43,8 +43,7 @@ def router() -> APIRouter:
         since: Since = None,
         limit: Annotated[int, Query(ge=1, le=10_000)] = 100,
     ) -> dict[str, Any]:
-        scope = tenant if who.admin else who.tenant
-        events = store.list_audit(scope, sandbox_id, action, parse_time(since), limit)
+        events = tenants.audit_events(who, tenant, sandbox_id, action, parse_time(since), limit)
         return {"events": _timed(events)}
 
     return r

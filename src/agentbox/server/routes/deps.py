@@ -8,10 +8,10 @@ from urllib.parse import SplitResult, urlsplit
 
 from fastapi import Depends, Header, Request
 
-from agentbox.core.auth import Caller
-from agentbox.core.errors import Forbidden
+from agentbox.core.auth import Caller, require_admin
 from agentbox.core.manager import SandboxManager
 from agentbox.core.network import NetworkService, NetworkSettings
+from agentbox.core.tenants import TenantService
 from agentbox.server import models as m
 from agentbox.server.surfaces import Core
 from agentbox.store.db import Store
@@ -37,21 +37,25 @@ async def store(request: Request) -> Store:
     return (await core(request)).store
 
 
+async def tenants(request: Request) -> TenantService:
+    return (await core(request)).manager.tenants
+
+
 async def caller(request: Request, x_api_key: Annotated[str | None, Header()] = None) -> Caller:
     known = request.scope.get("agentbox.caller")  # the RequestGuard's check
     return known if known is not None else (await core(request)).auth.authenticate(x_api_key)
 
 
 async def admin(c: Annotated[Caller, Depends(caller)]) -> Caller:
-    if not c.admin:
-        raise Forbidden("this route needs an admin API key")
-    return c
+    # Refused before the body is read; the core checks again for every surface.
+    return require_admin(c, "this route")
 
 
 CoreDep = Annotated[Core, Depends(core)]
 Mgr = Annotated[SandboxManager, Depends(manager)]
 Net = Annotated[NetworkService, Depends(network)]
 Db = Annotated[Store, Depends(store)]
+Tenants = Annotated[TenantService, Depends(tenants)]
 Who = Annotated[Caller, Depends(caller)]
 Admin = Annotated[Caller, Depends(admin)]
 

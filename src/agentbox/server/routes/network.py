@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import math
-import time
 from typing import Any
 from urllib.parse import urlencode
 
 from fastapi import APIRouter
 
-from agentbox.core import ports
 from agentbox.server import models as m
 from agentbox.server.routes.deps import RESPONSES, Links, Mgr, Who
 
@@ -30,16 +27,11 @@ def router(links: Links) -> APIRouter:
 
     @r.post("/v1/sandboxes/{sandbox_id}/port-url", responses=RESPONSES, tags=["network"])
     async def port_url(sandbox_id: str, body: m.PortUrlBody, mgr: Mgr, who: Who) -> dict[str, Any]:
-        row = mgr.running(who, sandbox_id)
-        assert row.access_token is not None
-        expires = math.ceil(time.time() + (body.expires_in or ports.DEFAULT_LIFETIME))
-        sig = ports.sign(row.access_token, sandbox_id, body.port, expires)
+        expires, query = mgr.sign_port_url(who, sandbox_id, body.port, body.expires_in)
         path = body.path if body.path.startswith("/") else "/" + body.path
         sep = "&" if "?" in path else "?"
-        query = urlencode({ports.EXP_PARAM: expires, ports.SIG_PARAM: sig})
-        mgr.audit(who, "port.url", sandbox_id, port=body.port, expires_in=body.expires_in)
         return {
-            "url": f"{_port_base(links, body, sandbox_id)}{path}{sep}{query}",
+            "url": f"{_port_base(links, body, sandbox_id)}{path}{sep}{urlencode(query)}",
             "port": body.port,
             "expires_at": m.rfc3339(expires),
         }
