@@ -1,5 +1,5 @@
 """Words the server and the SDK share, each written down once: sandbox states, the code
-interpreter's languages and error codes.
+interpreter's languages, error codes and the status each code is recorded and answered with.
 
 Standard library only: the SDK imports this without the server's dependencies. The in-sandbox
 agent keeps its own copy of LANGUAGES (it runs alone inside every sandbox, stdlib only), and
@@ -83,3 +83,72 @@ class ErrorCode(StrEnum):
     BAD_RESPONSE = "bad_response"
     COMMAND_EXIT = "command_exit"
     COMMAND_TIMEOUT = "command_timeout"
+
+
+_E = ErrorCode
+
+# The status an outcome is recorded with in the audit log, and the /v1 API's HTTP status, for
+# each code an error of the server can carry. Another surface may answer a code differently
+# (server/errors.py); the audit log keeps these.
+STATUS: dict[str, int] = {
+    # the control plane
+    _E.INTERNAL_ERROR: 500,
+    _E.UNAUTHORIZED: 401,
+    _E.FORBIDDEN: 403,
+    _E.NOT_FOUND: 404,
+    _E.INVALID_REQUEST: 400,
+    _E.CONFLICT: 409,
+    _E.QUOTA_EXCEEDED: 429,
+    _E.LIMIT_EXCEEDED: 400,
+    _E.INSUFFICIENT_STORAGE: 507,
+    _E.BODY_TOO_LARGE: 413,
+    _E.TOO_MANY_COMMANDS: 429,
+    _E.SANDBOX_NOT_RUNNING: 409,
+    _E.SANDBOX_UNAVAILABLE: 503,
+    _E.SANDBOX_UNHEALTHY: 503,
+    _E.BUILD_FAILED: 422,
+    # the port gateway (499: the client stopped reading, nginx's code for it)
+    _E.PORT_NOT_OPEN: 502,
+    _E.GATEWAY_BUSY: 503,
+    _E.UPSTREAM_TIMEOUT: 504,
+    _E.UPSTREAM_ERROR: 502,
+    _E.CLIENT_STALLED: 499,
+    _E.REQUEST_TIMEOUT: 408,
+    # the in-sandbox agent (files)
+    _E.INVALID_PATH: 400,
+    _E.SYMLINK_REFUSED: 400,
+    _E.NOT_A_DIRECTORY: 400,
+    _E.IS_A_DIRECTORY: 400,
+    _E.NOT_A_REGULAR_FILE: 400,
+    _E.PATH_NOT_FOUND: 404,
+    _E.PATH_EXISTS: 409,
+    _E.PERMISSION_DENIED: 403,
+    _E.READ_ONLY_PATH: 403,
+    _E.IO_ERROR: 400,
+    # the in-sandbox agent (code interpreter)
+    _E.CONTEXT_NOT_FOUND: 404,
+    _E.UNSUPPORTED: 400,
+    _E.KERNEL_DEAD: 409,
+    _E.CODE_HOST_UNAVAILABLE: 503,
+    _E.CODE_HOST_ERROR: 502,
+}
+
+# Codes only the SDK gives, to errors that never reached the server: no answer, so no status
+# (the SDK's `.status` is None for them). REQUEST_TIMEOUT is both: the server's for a stalled
+# request body, the SDK's for a server that did not answer in time.
+CLIENT_SIDE = frozenset(
+    {
+        _E.CONNECTION_FAILED,
+        _E.REQUEST_TIMEOUT,
+        _E.STREAM_ENDED,
+        _E.BAD_RESPONSE,
+        _E.COMMAND_EXIT,
+        _E.COMMAND_TIMEOUT,
+    }
+)
+
+
+def status_of(code: str) -> int:
+    """The status an outcome with this error code is recorded with in the audit log, and the
+    /v1 API's HTTP status for it; a code not in STATUS (an agent's newer reason) is a 500."""
+    return STATUS.get(code, 500)

@@ -12,6 +12,7 @@ import pytest
 
 from agentbox.core.errors import AgentboxError
 from agentbox.core.workspaces import open_confined, workspace_parts
+from agentbox.vocab import status_of
 
 
 @pytest.fixture
@@ -43,7 +44,7 @@ def _read(root: Path, path: str) -> bytes:
 def _code(root: Path, path: str) -> str:
     with pytest.raises(AgentboxError) as e:
         _read(root, path)
-    assert e.value.status < 500
+    assert status_of(e.value.code) < 500
     return e.value.code
 
 

@@ -13,6 +13,7 @@ from agentbox.core.disk import DiskAccounting, DiskSettings, DiskUse
 from agentbox.core.errors import InsufficientStorage, LimitExceeded, QuotaExceeded
 from agentbox.runtimes.base import Ceiling, Resources
 from agentbox.server.models import QuotaBody, ResourcesBody
+from agentbox.vocab import status_of
 
 MiB = 2**20
 
@@ -83,7 +84,7 @@ def test_tenant_room_counts_sandboxes_and_descriptors() -> None:
     with pytest.raises(QuotaExceeded) as e:
         quotas.check_tenant_room("t", q, live * 2, small)
     assert e.value.detail["setting"] == "quota.max_total_descriptors"
-    assert e.value.status == 429
+    assert status_of(e.value.code) == 429
     with pytest.raises(QuotaExceeded) as e:
         quotas.check_tenant_room("t", {**q, "max_total_descriptors": 10**9}, live * 3, small)
     assert e.value.detail["setting"] == "quota.max_sandboxes"
@@ -108,7 +109,7 @@ def test_free_space_floor(tmp_path: Path) -> None:
     above = DiskSettings(min_free_mb=free / MiB * 2, min_free_percent=0)
     with pytest.raises(InsufficientStorage) as e:
         DiskAccounting(above, tmp_path).check_free_space()
-    assert e.value.status == 507 and e.value.code == "insufficient_storage"
+    assert status_of(e.value.code) == 507 and e.value.code == "insufficient_storage"
     assert str(tmp_path) in e.value.message and e.value.detail["needed_bytes"] > free
     assert DiskAccounting(DiskSettings(), tmp_path).floor_bytes(10**12) == 5 * 10**10
     assert DiskAccounting(DiskSettings(), tmp_path).floor_bytes(10**9) == 2048 * MiB

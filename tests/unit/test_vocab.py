@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import ast
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 from agentbox import vocab
 from agentbox.agent import code_host
@@ -34,8 +37,39 @@ def test_every_code_the_server_declares_is_in_the_vocabulary() -> None:
     import agentbox.server.app  # noqa: F401 - every error class the server declares, loaded
 
     declared = {cls.code for cls in _subclasses(errors.AgentboxError)}
-    declared |= set(errors.AGENT_CODE_STATUS)
     assert declared - set(vocab.ErrorCode) == set()
+
+
+def test_every_code_has_its_status_once() -> None:
+    # Each code an answer or an audit record can carry has one status; only the SDK's own
+    # codes, for errors that never reached a server, have none.
+    assert set(vocab.STATUS) | vocab.CLIENT_SIDE == set(vocab.ErrorCode)
+    assert set(vocab.STATUS) <= set(vocab.ErrorCode)
+    assert all(100 <= status <= 599 for status in vocab.STATUS.values())
+    assert all(vocab.status_of(code) == s for code, s in vocab.STATUS.items())
+
+
+def test_every_code_the_agent_returns_has_a_status() -> None:
+    # The agent runs alone in the sandbox (stdlib only, not importable here) and names its
+    # codes where it fails; one missing from vocab.STATUS would be recorded and answered 500.
+    from agentbox.agent import code_bridge
+
+    source = (Path(code_bridge.__file__).parent / "sandbox_agent.py").read_text()
+    agent_codes = set(re.findall(r'OpError\(\s*"([a-z_]+)"', source))
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Assign) and "_ERRNO_CODES" in _names(node):
+            assert isinstance(node.value, ast.Dict)
+            agent_codes |= {ast.literal_eval(v)[0] for v in node.value.values}
+    # Named in expressions the scan does not read: a failed syscall's fallback, the limits
+    # and read-only paths a sandbox runs into, the code host's unknown failures.
+    agent_codes |= {"io_error", "limit_exceeded", "read_only_path", "code_host_error"}
+    agent_codes |= set(code_bridge.CODES.values())
+    assert {"path_not_found", "read_only_path", "kernel_dead"} <= agent_codes
+    assert agent_codes - set(vocab.STATUS) == set()
+
+
+def _names(node: ast.Assign) -> set[str]:
+    return {t.id for t in node.targets if isinstance(t, ast.Name)}
 
 
 def test_every_code_the_sdk_maps_is_in_the_vocabulary() -> None:

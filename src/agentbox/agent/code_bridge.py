@@ -20,7 +20,7 @@ import threading
 
 HOST = os.path.join(os.path.dirname(os.path.abspath(__file__)), "code_host.py")
 TERMINAL = ("done", "failed")
-# The host's failure codes, as the agent protocol names them (errors.AGENT_CODE_STATUS).
+# The host's failure codes, as the agent protocol names them (their statuses: vocab.STATUS).
 CODES = {
     "invalid": "invalid_request",
     "not_found": "context_not_found",

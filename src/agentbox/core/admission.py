@@ -15,6 +15,7 @@ from agentbox.core.errors import AgentboxError
 from agentbox.core.runtimes import Runtimes
 from agentbox.runtimes.base import Resources
 from agentbox.store.db import Store
+from agentbox.vocab import status_of
 
 
 class Admission:
@@ -63,7 +64,7 @@ class Admission:
             quotas.check_tenant_room(caller.tenant, quota, live, resources)
             await asyncio.to_thread(self.disk.check_room, caller.tenant, quota, resources.disk_mb)
         except AgentboxError as e:
-            self.audit(caller, "sandbox.create", status=e.status, started=started, error=e.code)
+            self._refused(caller, started, e)
             raise
 
     def check_free_space(self, caller: Caller | None, started: float) -> None:
@@ -71,5 +72,10 @@ class Admission:
             self.disk.check_free_space()
         except AgentboxError as e:
             if caller is not None:
-                self.audit(caller, "sandbox.create", status=e.status, started=started, error=e.code)
+                self._refused(caller, started, e)
             raise
+
+    def _refused(self, caller: Caller, started: float, e: AgentboxError) -> None:
+        self.audit(
+            caller, "sandbox.create", status=status_of(e.code), started=started, error=e.code
+        )

@@ -169,7 +169,6 @@ class CommandService:
                 "background (or left running by their clients), the most the server follows "
                 "per sandbox; wait for some to end or kill them, then retry",
                 code=ErrorCode.TOO_MANY_COMMANDS,
-                status=429,
                 limit=MAX_WATCHED_COMMANDS,
             )
 

@@ -33,6 +33,7 @@ from agentbox.egress.proxy import HTTP_PORT, SOCKS_PORT
 from agentbox.runtimes.base import Resources, Runtime, RuntimeError_, SandboxSpec
 from agentbox.store.db import DETAIL_STRING_CHARS, SandboxRow
 from agentbox.templates import TemplateInfo
+from agentbox.vocab import ErrorCode, status_of
 
 if TYPE_CHECKING:
     from agentbox.core.manager import SandboxManager
@@ -41,6 +42,8 @@ log = logging.getLogger("agentbox.manager")
 
 BUILDING = SandboxState.BUILDING  # a create waiting for the first-use build of its template
 BUILD_ALLOWANCE_S = 3600.0  # a `building` sandbox ends (timeout) if its build takes longer
+# A start or first-use build that failed is audited as the sandbox being unavailable.
+START_FAILED = status_of(ErrorCode.SANDBOX_UNAVAILABLE)
 
 
 class _KilledWhileStarting(Exception):
@@ -119,7 +122,7 @@ class Creation:
                 caller,
                 "sandbox.create",
                 sandbox_id,
-                status=e.status,
+                status=status_of(e.code),
                 started=started,
                 error=e.message,
             )
@@ -209,7 +212,7 @@ class Creation:
         except Exception as e:  # noqa: BLE001 - _start recorded how it ended; add why
             message = e.message if isinstance(e, AgentboxError) else str(e)
             self.core.store.update_sandbox(sandbox_id, error=message[:DETAIL_STRING_CHARS])
-            self.core.audit(caller, "sandbox.start", sandbox_id, status=503, error=message)
+            self.core.audit(caller, "sandbox.start", sandbox_id, status=START_FAILED, error=message)
             return
         self.core.audit(caller, "sandbox.start", sandbox_id, status=200, template=row.template)
 
@@ -224,7 +227,7 @@ class Creation:
         )
         if moved is None:
             return  # killed (or timed out) while it was building
-        self.core.audit(caller, "sandbox.start", sandbox_id, status=503, error=message)
+        self.core.audit(caller, "sandbox.start", sandbox_id, status=START_FAILED, error=message)
 
     def insert(
         self,

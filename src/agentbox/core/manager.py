@@ -66,6 +66,7 @@ from agentbox.templates import (
     TemplateSpec,
     TemplateStore,
 )
+from agentbox.vocab import status_of
 
 log = logging.getLogger("agentbox.manager")
 T = TypeVar("T")
@@ -329,7 +330,7 @@ class SandboxManager:
             caller,
             action,
             row.sandbox_id,
-            status=err.status,
+            status=status_of(err.code),
             started=started,
             error=err.code,
             **detail,

@@ -26,6 +26,7 @@ from agentbox.templates import (
     builtin_spec_path,
     load_spec,
 )
+from agentbox.vocab import ErrorCode, status_of
 
 if TYPE_CHECKING:
     from agentbox.core.manager import SandboxManager
@@ -187,7 +188,7 @@ class TemplateService:
                 self.core.audit(
                     caller,
                     "template.build",
-                    status=422,
+                    status=status_of(ErrorCode.BUILD_FAILED),
                     started=started,
                     template=spec.name,
                     error=str(e)[:500],

@@ -27,6 +27,7 @@ from agentbox.core.errors import AgentboxError, NotFound, SandboxUnavailable, fr
 from agentbox.core.runtimes import Runtimes
 from agentbox.runtimes.base import KeptWorkspace, Runtime, RuntimeError_
 from agentbox.store.db import SandboxRow, Store
+from agentbox.vocab import status_of
 
 log = logging.getLogger("agentbox.workspaces")
 
@@ -61,7 +62,7 @@ class KeptInfo:
 
 
 def _path_error(code: str, message: str, path: str, **detail: Any) -> AgentboxError:
-    # The same codes and statuses as the live files API (core/errors.py, AGENT_CODE_STATUS).
+    # The same codes as the live files API (the agent's; their statuses: vocab.STATUS).
     return from_agent(code, message, {"path": path, **detail})
 
 
@@ -247,7 +248,7 @@ class KeptWorkspaces:
                 caller,
                 "workspace.read",
                 sandbox_id,
-                status=e.status,
+                status=status_of(e.code),
                 started=started,
                 path=path,
                 error=e.code,

@@ -1,10 +1,9 @@
 """Errors as HTTP answers, in one place: each reason code's status, the error body, and the
 app's exception handlers.
 
-Core errors carry a stable reason code; which HTTP status a code means is this surface's
-business, so the table lives here. An error whose code is not in the table falls back to its
-own `status` (deprecated: core errors still carry one for their audit records, until the core
-stops recording HTTP statuses).
+Core errors carry a stable reason code only. Which HTTP status a code means is this surface's
+business: the /v1 API answers with the status the audit log records (agentbox.vocab.STATUS),
+and would override a code here.
 """
 
 from __future__ import annotations
@@ -20,57 +19,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agentbox.core.errors import AgentboxError
 from agentbox.server import models as m
-from agentbox.vocab import ErrorCode
+from agentbox.vocab import STATUS, status_of
 
 log = logging.getLogger("agentbox.server")
 
-E = ErrorCode
-
-HTTP_STATUS: dict[str, int] = {
-    # the control plane's own errors (core/errors.py)
-    E.INTERNAL_ERROR: 500,
-    E.UNAUTHORIZED: 401,
-    E.FORBIDDEN: 403,
-    E.NOT_FOUND: 404,
-    E.INVALID_REQUEST: 400,
-    E.CONFLICT: 409,
-    E.QUOTA_EXCEEDED: 429,
-    E.LIMIT_EXCEEDED: 400,
-    E.INSUFFICIENT_STORAGE: 507,
-    E.SANDBOX_NOT_RUNNING: 409,
-    E.SANDBOX_UNAVAILABLE: 503,
-    E.SANDBOX_UNHEALTHY: 503,
-    E.TOO_MANY_COMMANDS: 429,
-    # the in-sandbox agent's reasons (files)
-    E.INVALID_PATH: 400,
-    E.SYMLINK_REFUSED: 400,
-    E.NOT_A_DIRECTORY: 400,
-    E.IS_A_DIRECTORY: 400,
-    E.NOT_A_REGULAR_FILE: 400,
-    E.PATH_NOT_FOUND: 404,
-    E.PATH_EXISTS: 409,
-    E.PERMISSION_DENIED: 403,
-    E.READ_ONLY_PATH: 403,
-    E.IO_ERROR: 400,
-    # the code interpreter, through the agent
-    E.CONTEXT_NOT_FOUND: 404,
-    E.UNSUPPORTED: 400,
-    E.KERNEL_DEAD: 409,
-    E.CODE_HOST_UNAVAILABLE: 503,
-    E.CODE_HOST_ERROR: 502,
-    # this server's own guards (limits.py, gateway.py)
-    E.BODY_TOO_LARGE: 413,
-    E.REQUEST_TIMEOUT: 408,
-    E.PORT_NOT_OPEN: 502,
-    E.GATEWAY_BUSY: 503,
-    E.UPSTREAM_TIMEOUT: 504,
-    E.UPSTREAM_ERROR: 502,
-    E.CLIENT_STALLED: 499,
-}
+# The /v1 API answers each code with the status the audit log records it with; a code this
+# surface answered differently would be overridden here.
+HTTP_STATUS: dict[str, int] = dict(STATUS)
 
 
 def http_status(e: AgentboxError) -> int:
-    return HTTP_STATUS.get(e.code, e.status)
+    return HTTP_STATUS.get(e.code, status_of(e.code))
 
 
 def error_response(

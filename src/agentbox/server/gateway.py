@@ -57,6 +57,7 @@ from agentbox.core.errors import (
     Unauthorized,
 )
 from agentbox.server.errors import http_status
+from agentbox.vocab import ErrorCode
 
 log = logging.getLogger("agentbox.gateway")
 
@@ -512,23 +513,19 @@ class _GuardedConnection(ClientConnection):
 class _Stalled(Exception):
     """One side of a relay did not take what was written to it (or sent nothing) in time."""
 
-    def __init__(self, why: str, status: int = 504, code: str = "upstream_timeout") -> None:
+    def __init__(self, why: str, code: str = ErrorCode.UPSTREAM_TIMEOUT) -> None:
         super().__init__(why)
-        self.status, self.code = status, code
+        self.code = code
 
 
 async def _within(
-    what: Awaitable[Any],
-    timeout: float,
-    why: str,
-    status: int = 504,
-    code: str = "upstream_timeout",
+    what: Awaitable[Any], timeout: float, why: str, code: str = ErrorCode.UPSTREAM_TIMEOUT
 ) -> Any:
     try:
         async with asyncio.timeout(timeout):
             return await what
     except TimeoutError:
-        raise _Stalled(why, status, code) from None
+        raise _Stalled(why, code) from None
 
 
 def _bounded(send: Send, timeout: float) -> Send:
@@ -537,7 +534,7 @@ def _bounded(send: Send, timeout: float) -> Send:
 
     async def bounded(message: Message) -> None:
         why = f"the client did not read for {timeout:g} s"
-        await _within(send(message), timeout, why, 499, "client_stalled")
+        await _within(send(message), timeout, why, ErrorCode.CLIENT_STALLED)
 
     return bounded
 
@@ -557,7 +554,6 @@ def _port_not_open(route: _Route) -> AgentboxError:
         f"nothing is listening on port {route.port} in sandbox {route.sandbox_id}; "
         "start a server there bound to 127.0.0.1 or 0.0.0.0",
         code="port_not_open",
-        status=502,
         sandbox_id=route.sandbox_id,
         port=route.port,
     )
@@ -576,17 +572,15 @@ def _upstream_error(route: _Route, e: BaseException, limits: RelayLimits) -> Age
             f"too many open connections to port {route.port} in sandbox {route.sandbox_id}; "
             "retry later or close idle ones",
             code="gateway_busy",
-            status=503,
             **where,
         )
     if isinstance(e, _Stalled):
-        return AgentboxError(str(e), code=e.code, status=e.status, **where)
+        return AgentboxError(str(e), code=e.code, **where)
     if isinstance(e, httpcore.ReadTimeout):
         return AgentboxError(
             f"the server on port {route.port} in sandbox {route.sandbox_id} sent no answer "
             f"for {limits.idle_timeout:g} s",
             code="upstream_timeout",
-            status=504,
             **where,
         )
     if isinstance(e, httpcore.WriteTimeout):
@@ -594,7 +588,6 @@ def _upstream_error(route: _Route, e: BaseException, limits: RelayLimits) -> Age
             f"the server on port {route.port} in sandbox {route.sandbox_id} did not read the "
             f"request for {limits.write_timeout:g} s",
             code="upstream_timeout",
-            status=504,
             **where,
         )
     if isinstance(e, TimeoutError | httpcore.TimeoutException):
@@ -602,7 +595,6 @@ def _upstream_error(route: _Route, e: BaseException, limits: RelayLimits) -> Age
             f"port {route.port} in sandbox {route.sandbox_id} did not answer within "
             f"{CONNECT_TIMEOUT:g} s",
             code="upstream_timeout",
-            status=504,
             **where,
         )
     if not isinstance(
@@ -613,7 +605,6 @@ def _upstream_error(route: _Route, e: BaseException, limits: RelayLimits) -> Age
         f"the server on port {route.port} in sandbox {route.sandbox_id} did not answer "
         f"properly: {e or type(e).__name__}",
         code="upstream_error",
-        status=502,
         **where,
     )
 
@@ -801,7 +792,6 @@ class PortGateway:
                     f"{cap} connections are already open through the gateway to this {whose}'s "
                     "ports (the per-" + whose + " limit); close some or retry later",
                     code="gateway_busy",
-                    status=503,
                     sandbox_id=route.sandbox_id,
                     port=route.port,
                     limit=cap,
@@ -1033,7 +1023,7 @@ class PortGateway:
             stalled = f"the client sent no more of the request body for {limits.idle_timeout:g} s"
             while True:
                 chunk = await _within(
-                    body_queue.get(), limits.idle_timeout, stalled, 408, "request_timeout"
+                    body_queue.get(), limits.idle_timeout, stalled, ErrorCode.REQUEST_TIMEOUT
                 )
                 if chunk is None:
                     return
@@ -1146,7 +1136,7 @@ class PortGateway:
         error = worker.exception()
         if error is None:
             return status
-        if status or isinstance(error, _Stalled) and error.status == 499:
+        if status or isinstance(error, _Stalled) and error.code == ErrorCode.CLIENT_STALLED:
             # The response had started (or the client stopped reading before it could): log
             # what broke, the client sees the connection end.
             log.info("port gateway: relay to %s:%s ended: %s", route.sandbox_id, route.port, error)

@@ -322,7 +322,6 @@ class RequestGuard:
                 raise AgentboxError(
                     f"the request body stalled: nothing arrived for {idle:g} s",
                     code="request_timeout",
-                    status=408,
                 ) from None
             if message["type"] != "http.request" or not message.get("more_body", False):
                 body_done = True
@@ -332,7 +331,7 @@ class RequestGuard:
 
 
 class BodyTooLarge(AgentboxError):
-    status, code = 413, "body_too_large"
+    code = "body_too_large"
 
     def __init__(self, cap: int) -> None:
         super().__init__(
