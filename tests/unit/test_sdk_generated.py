@@ -39,11 +39,15 @@ def test_check_fails_and_shows_the_difference_when_the_sync_sdk_was_edited(
     shutil.copytree(ROOT / "src" / "agentbox" / "sdk", tmp_path / "src" / "agentbox" / "sdk")
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
     target = tmp_path / "src" / "agentbox" / "sdk" / "sandbox.py"
-    target.write_text(target.read_text().replace("def kill(self) -> None:", "def kill(self):"))
+    target.write_text(
+        target.read_text().replace(
+            "def rotate_access_token(self) -> str:", "def rotate_access_token(self):"
+        )
+    )
 
     done = _unasync(tmp_path, "--check")
     assert done.returncode == 1
-    assert "+    def kill(self) -> None:" in done.stdout
+    assert "+    def rotate_access_token(self) -> str:" in done.stdout
     assert "is out of date" in done.stderr
 
     assert _unasync(tmp_path).returncode == 0  # regenerating repairs it

@@ -19,10 +19,12 @@ from typing import Any, Literal, TypeVar, overload
 import httpx
 
 from agentbox.sdk import protocol as p
-from agentbox.sdk.exceptions import AgentboxError, NotFoundError
+from agentbox.sdk.exceptions import AgentboxError, InvalidArgumentError, NotFoundError
 from agentbox.sdk.faces import (
+    AsyncLiveOutput,
     AsyncOutputCallback,
     AsyncWriteData,
+    AsyncWriteEntry,
     async_deliver,
     async_upload_body,
 )
@@ -44,6 +46,7 @@ from agentbox.sdk.models import (
     SecretInfo,
     TemplateInfo,
 )
+from agentbox.sdk.variants import class_variant
 from agentbox.vocab import DEFAULT_LANGUAGE, LIVE_FILTER, ErrorCode, SandboxState
 
 T = TypeVar("T")
@@ -59,7 +62,12 @@ class AsyncTransport:
     async def call(self, call: p.Call[T], content: Any = None) -> T:
         try:
             response = await self.client.request(
-                call.method, call.path, params=call.params, json=call.json, content=content
+                call.method,
+                call.path,
+                params=call.params,
+                json=call.json,
+                content=content,
+                timeout=p.call_timeout(self.config, call),
             )
         except httpx.HTTPError as e:
             raise p.transport_error(e, self.config.api_url) from None
@@ -72,7 +80,7 @@ class AsyncTransport:
             call.path,
             params=call.params,
             json=call.json,
-            timeout=p.stream_timeout(self.config, read_timeout),
+            timeout=p.stream_timeout(self.config, read_timeout, call),
         )
         try:
             response = await self.client.send(request, stream=True)
@@ -133,7 +141,7 @@ class AsyncTransport:
 
     async def bytes_stream(self, call: p.Call[Any]) -> AsyncIterator[bytes]:
         # Opened now, so a missing file raises here rather than when the first chunk is asked.
-        response = await self.open(call, self.config.request_timeout)
+        response = await self.open(call, p.request_timeout(self.config, call))
 
         async def chunks() -> AsyncIterator[bytes]:
             try:
@@ -149,9 +157,27 @@ class AsyncTransport:
     async def close(self) -> None:
         await self.client.aclose()
 
+    async def __aenter__(self) -> AsyncTransport:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+async def _found(transport: AsyncTransport, call: p.Call[Any]) -> bool:
+    """Send `call`; False when what it names does not exist (E2B's kills answer so)."""
+    try:
+        await transport.call(call)
+    except NotFoundError:
+        return False
+    return True
+
 
 class AsyncCommandHandle(p.CommandHandleBase):
-    """A command running in the background: wait for it, stream it, feed it stdin, kill it."""
+    """A command running in the background: wait for it, stream it, feed it stdin, kill it.
+
+    Made with output callbacks, it delivers the output to them as it arrives (in the sync SDK,
+    during `wait()`); then `wait()` gives the result and the handle cannot be iterated."""
 
     def __init__(
         self,
@@ -160,14 +186,25 @@ class AsyncCommandHandle(p.CommandHandleBase):
         pid: int | None,
         on_stdout: AsyncOutputCallback | None = None,
         on_stderr: AsyncOutputCallback | None = None,
+        request_timeout: float | None = None,
     ) -> None:
         self._commands = commands
-        self._progress = p.CommandProgress(commands._sandbox_id, cmd_id, pid)
+        self._progress = p.CommandProgress(
+            commands._sandbox_id, cmd_id, pid, request_timeout=request_timeout
+        )
         self._on_stdout = on_stdout
         self._on_stderr = on_stderr
+        self._live: AsyncLiveOutput | None = None
+        if on_stdout is not None or on_stderr is not None:
+            self._live = AsyncLiveOutput(self._deliver_output)
 
     async def __aiter__(self) -> AsyncIterator[tuple[str | None, str | None]]:
         """Yields (stdout, stderr) pairs with one side set, until the command ends."""
+        if self._live is not None:
+            raise InvalidArgumentError(
+                "this command's output goes to its on_stdout/on_stderr callbacks; use wait()",
+                code=ErrorCode.INVALID_REQUEST,
+            )
         async for stream, data in self._follow():
             yield (data, None) if stream == "stdout" else (None, data)
 
@@ -177,16 +214,24 @@ class AsyncCommandHandle(p.CommandHandleBase):
         async for out in self._commands._transport.follow(self._progress, None, None):
             yield out
 
+    async def _deliver_output(self) -> None:
+        async for stream, data in self._follow():
+            await async_deliver(self._on_stdout if stream == "stdout" else self._on_stderr, data)
+
     async def wait(
         self,
         on_stdout: AsyncOutputCallback | None = None,
         on_stderr: AsyncOutputCallback | None = None,
     ) -> CommandResult:
-        """Block until the command ends; raises CommandExitException unless it exited 0."""
-        on_stdout = on_stdout or self._on_stdout
-        on_stderr = on_stderr or self._on_stderr
-        async for stream, data in self._follow():
-            await async_deliver(on_stdout if stream == "stdout" else on_stderr, data)
+        """Block until the command ends; raises CommandExitException unless it exited 0.
+
+        Callbacks given here get the output from now on, in place of those given to `run`."""
+        self._on_stdout = on_stdout or self._on_stdout
+        self._on_stderr = on_stderr or self._on_stderr
+        if self._live is not None:
+            await self._live.wait()
+        else:
+            await self._deliver_output()
         return self._progress.outcome()
 
     async def kill(self) -> bool:
@@ -218,6 +263,8 @@ class AsyncCommands:
         on_stderr: AsyncOutputCallback | None = None,
         stdin: bool = False,
         on_start: Callable[[str], Any] | None = None,
+        *,
+        request_timeout: float | None = None,
     ) -> CommandResult: ...
 
     @overload
@@ -232,6 +279,8 @@ class AsyncCommands:
         on_stderr: AsyncOutputCallback | None = None,
         stdin: bool = False,
         on_start: Callable[[str], Any] | None = None,
+        *,
+        request_timeout: float | None = None,
     ) -> AsyncCommandHandle: ...
 
     async def run(
@@ -245,52 +294,73 @@ class AsyncCommands:
         on_stderr: AsyncOutputCallback | None = None,
         stdin: bool = False,
         on_start: Callable[[str], Any] | None = None,
+        *,
+        request_timeout: float | None = None,
     ) -> CommandResult | AsyncCommandHandle:
-        """Run `cmd`; `timeout` seconds (0 = none) is enforced by the server.
+        """Run `cmd` in `cwd` (default /workspace); `timeout` seconds (0 = none) is enforced by
+        the server. `request_timeout` overrides the client's for the HTTP requests (not the
+        command's run time).
 
         Foreground: streams output to the callbacks as it arrives, returns the result, and
         raises CommandExitException (CommandTimeoutError on timeout) unless it exited 0.
         `on_start` is called with the command's id as soon as it started (from the task
         running it: it must not block), e.g. to `send_stdin` (with `stdin=True`) or `kill` it
         from another task.
-        Background: returns a CommandHandle at once.
+        Background: returns a CommandHandle at once; its output goes to the callbacks as it
+        arrives, from a task following the command (in the sync SDK: during `wait()`).
         """
         if background:
             info = await self._transport.call(
-                p.start_command(self._sandbox_id, cmd, envs, cwd, timeout, stdin)
+                p.timed(
+                    p.start_command(self._sandbox_id, cmd, envs, cwd, timeout, stdin),
+                    request_timeout,
+                )
             )
             if on_start is not None:
                 on_start(info.cmd_id)
-            return AsyncCommandHandle(self, info.cmd_id, info.pid, on_stdout, on_stderr)
-        progress = p.CommandProgress(self._sandbox_id, cmd=cmd, on_start=on_start)
-        first = p.run_command(self._sandbox_id, cmd, envs, cwd, timeout, stdin)
+            return AsyncCommandHandle(
+                self, info.cmd_id, info.pid, on_stdout, on_stderr, request_timeout
+            )
+        progress = p.CommandProgress(
+            self._sandbox_id, cmd=cmd, on_start=on_start, request_timeout=request_timeout
+        )
+        first = p.timed(
+            p.run_command(self._sandbox_id, cmd, envs, cwd, timeout, stdin), request_timeout
+        )
         async for stream, data in self._transport.follow(
             progress, first, p.command_read_timeout(timeout)
         ):
             await async_deliver(on_stdout if stream == "stdout" else on_stderr, data)
         return progress.outcome()
 
-    async def list(self) -> list[CommandInfo]:
-        return await self._transport.call(p.list_commands(self._sandbox_id))
+    async def list(self, *, request_timeout: float | None = None) -> list[CommandInfo]:
+        return await self._transport.call(
+            p.timed(p.list_commands(self._sandbox_id), request_timeout)
+        )
 
-    async def get_info(self, cmd_id: str) -> CommandInfo:
-        return await self._transport.call(p.get_command(self._sandbox_id, cmd_id))
+    async def get_info(self, cmd_id: str, *, request_timeout: float | None = None) -> CommandInfo:
+        return await self._transport.call(
+            p.timed(p.get_command(self._sandbox_id, cmd_id), request_timeout)
+        )
 
     async def connect(self, cmd_id: str) -> AsyncCommandHandle:
         """A handle on a command started earlier (its buffered output is replayed)."""
         info = await self.get_info(cmd_id)
         return AsyncCommandHandle(self, info.cmd_id, info.pid)
 
-    async def kill(self, cmd_id: str, signal: str | int = "SIGKILL") -> bool:
+    async def kill(
+        self, cmd_id: str, signal: str | int = "SIGKILL", *, request_timeout: float | None = None
+    ) -> bool:
         """Kill the command's process tree; False when there is no such command."""
-        try:
-            await self._transport.call(p.kill_command(self._sandbox_id, cmd_id, signal))
-        except NotFoundError:
-            return False
-        return True
+        call = p.kill_command(self._sandbox_id, cmd_id, signal)
+        return await _found(self._transport, p.timed(call, request_timeout))
 
-    async def send_stdin(self, cmd_id: str, data: str) -> None:
-        await self._transport.call(p.command_stdin(self._sandbox_id, cmd_id, data, False))
+    async def send_stdin(
+        self, cmd_id: str, data: str, *, request_timeout: float | None = None
+    ) -> None:
+        await self._transport.call(
+            p.timed(p.command_stdin(self._sandbox_id, cmd_id, data, False), request_timeout)
+        )
 
     async def close_stdin(self, cmd_id: str) -> None:
         await self._transport.call(p.command_stdin(self._sandbox_id, cmd_id, "", True))
@@ -304,29 +374,62 @@ class AsyncFiles:
         self._transport = transport
 
     @overload
-    async def read(self, path: str, format: Literal["text"] = "text") -> str: ...
+    async def read(
+        self,
+        path: str,
+        format: Literal["text"] = "text",
+        *,
+        request_timeout: float | None = None,
+    ) -> str: ...
 
     @overload
-    async def read(self, path: str, format: Literal["bytes"]) -> bytes: ...
+    async def read(
+        self, path: str, format: Literal["bytes"], *, request_timeout: float | None = None
+    ) -> bytes: ...
 
     @overload
-    async def read(self, path: str, format: Literal["stream"]) -> AsyncIterator[bytes]: ...
+    async def read(
+        self, path: str, format: Literal["stream"], *, request_timeout: float | None = None
+    ) -> AsyncIterator[bytes]: ...
 
     async def read(
-        self, path: str, format: Literal["text", "bytes", "stream"] = "text"
+        self,
+        path: str,
+        format: Literal["text", "bytes", "stream"] = "text",
+        *,
+        request_timeout: float | None = None,
     ) -> str | bytes | AsyncIterator[bytes]:
-        """The file's content; `stream` yields chunks as they arrive (iterate it to the end)."""
-        stream = await self._transport.bytes_stream(p.read_file(self._sandbox_id, path))
+        """The file's content; `stream` yields chunks as they arrive (iterate it to the end).
+
+        Every method here takes `request_timeout`: seconds for this call's HTTP request (for
+        a read, of silence between chunks) in place of the client's."""
+        stream = await self._transport.bytes_stream(
+            p.timed(p.read_file(self._sandbox_id, path), request_timeout)
+        )
         if format == "stream":
             return stream
         data = b"".join([chunk async for chunk in stream])
         return data if format == "bytes" else p.decode_text(data)
 
-    async def write(self, path: str, data: AsyncWriteData) -> EntryInfo:
+    async def write(
+        self, path: str, data: AsyncWriteData, *, request_timeout: float | None = None
+    ) -> EntryInfo:
         """Write (atomically) from str, bytes, a binary file object or an iterable of chunks."""
         return await self._transport.call(
-            p.write_file(self._sandbox_id, path), async_upload_body(data)
+            p.timed(p.write_file(self._sandbox_id, path), request_timeout),
+            async_upload_body(data),
         )
+
+    async def write_files(
+        self, files: Sequence[AsyncWriteEntry], *, request_timeout: float | None = None
+    ) -> builtins.list[EntryInfo]:
+        """Write several files, in order: `[{"path": ..., "data": ...}, ...]` (data as for
+        `write`). Each file is written atomically, the set is not: when one fails, the files
+        before it stay written."""
+        entries = [p.write_entry(entry) for entry in files]  # all checked before any is written
+        return [
+            await self.write(path, data, request_timeout=request_timeout) for path, data in entries
+        ]
 
     async def list(
         self,
@@ -335,35 +438,44 @@ class AsyncFiles:
         *,
         limit: int | None = None,
         cursor: str | None = None,
+        request_timeout: float | None = None,
     ) -> EntryList:
         """Entries under `path` to `depth` levels, in path order. A listing stops at `limit`
         entries (the server's page size, 10,000, by default): then `.truncated` is True and
         `list(path, depth, cursor=page.next_cursor)` gives the next page."""
         return await self._transport.call(
-            p.list_files(self._sandbox_id, path, depth, limit, cursor)
+            p.timed(p.list_files(self._sandbox_id, path, depth, limit, cursor), request_timeout)
         )
 
-    async def exists(self, path: str) -> bool:
+    async def exists(self, path: str, *, request_timeout: float | None = None) -> bool:
         try:
-            await self.get_info(path)
+            await self.get_info(path, request_timeout=request_timeout)
         except AgentboxError as e:
             if p.is_missing_path(e):
                 return False
             raise
         return True
 
-    async def get_info(self, path: str) -> EntryInfo:
-        return await self._transport.call(p.stat_file(self._sandbox_id, path))
+    async def get_info(self, path: str, *, request_timeout: float | None = None) -> EntryInfo:
+        return await self._transport.call(
+            p.timed(p.stat_file(self._sandbox_id, path), request_timeout)
+        )
 
-    async def make_dir(self, path: str) -> bool:
+    async def make_dir(self, path: str, *, request_timeout: float | None = None) -> bool:
         """Create the directory and its parents; False if it already existed."""
-        return await self._transport.call(p.make_dir(self._sandbox_id, path))
+        return await self._transport.call(
+            p.timed(p.make_dir(self._sandbox_id, path), request_timeout)
+        )
 
-    async def remove(self, path: str) -> None:
-        await self._transport.call(p.remove_file(self._sandbox_id, path))
+    async def remove(self, path: str, *, request_timeout: float | None = None) -> None:
+        await self._transport.call(p.timed(p.remove_file(self._sandbox_id, path), request_timeout))
 
-    async def rename(self, src: str, dst: str) -> EntryInfo:
-        return await self._transport.call(p.rename_file(self._sandbox_id, src, dst))
+    async def rename(
+        self, src: str, dst: str, *, request_timeout: float | None = None
+    ) -> EntryInfo:
+        return await self._transport.call(
+            p.timed(p.rename_file(self._sandbox_id, src, dst), request_timeout)
+        )
 
 
 class AsyncTemplates:
@@ -532,10 +644,51 @@ class AsyncWorkspaces:
         await self.close()
 
 
+# What `AsyncSandbox.kill(id)`, `.set_timeout(id, t)` and `.get_info(id)` mean on the class.
+
+
+async def _kill_by_id(
+    sandbox_id: str,
+    api_key: str | None = None,
+    api_url: str | None = None,
+    request_timeout: float = 60,
+) -> bool:
+    """Kill the sandbox `sandbox_id`; False when you have no such sandbox (killing an ended
+    one is fine)."""
+    async with AsyncTransport(p.resolve_config(api_key, api_url, request_timeout)) as transport:
+        return await _found(transport, p.kill_sandbox(sandbox_id))
+
+
+async def _set_timeout_by_id(
+    sandbox_id: str,
+    timeout: float,
+    api_key: str | None = None,
+    api_url: str | None = None,
+    request_timeout: float = 60,
+) -> SandboxInfo:
+    """The sandbox `sandbox_id` now ends `timeout` seconds from now."""
+    async with AsyncTransport(p.resolve_config(api_key, api_url, request_timeout)) as transport:
+        return await transport.call(p.set_timeout(sandbox_id, timeout))
+
+
+async def _get_info_by_id(
+    sandbox_id: str,
+    api_key: str | None = None,
+    api_url: str | None = None,
+    request_timeout: float = 60,
+) -> SandboxInfo:
+    """The sandbox `sandbox_id`; NotFoundError if it is not yours or does not exist."""
+    async with AsyncTransport(p.resolve_config(api_key, api_url, request_timeout)) as transport:
+        return await transport.call(p.get_sandbox(sandbox_id))
+
+
 class AsyncSandbox:
     """An agentbox sandbox. Make one with `AsyncSandbox.create()` or `AsyncSandbox.connect(id)`.
 
     `async with await AsyncSandbox.create() as sbx:` kills the sandbox when the block ends.
+    As in E2B, `kill`, `set_timeout` and `get_info` also work on the class with a sandbox id
+    (`AsyncSandbox.kill(sandbox_id, api_key=...)`), and calls take `request_timeout=` to
+    override the client's for that call.
     """
 
     def __init__(
@@ -616,14 +769,20 @@ class AsyncSandbox:
     async def connect(
         cls,
         sandbox_id: str,
+        timeout: float | None = None,
         api_key: str | None = None,
         api_url: str | None = None,
         request_timeout: float = 60,
     ) -> AsyncSandbox:
-        """Attach to an existing sandbox; NotFoundError if it is not yours or does not exist."""
+        """Attach to an existing sandbox; NotFoundError if it is not yours or does not exist.
+
+        With `timeout`, the sandbox lives at least `timeout` seconds from now (set_timeout),
+        as with E2B's connect: a sandbox already set to live longer keeps its end."""
         transport = AsyncTransport(p.resolve_config(api_key, api_url, request_timeout))
         try:
             info = await transport.call(p.get_sandbox(sandbox_id))
+            if timeout is not None and p.timeout_extends(info, timeout):
+                info = await transport.call(p.set_timeout(sandbox_id, timeout))
         except BaseException:
             await transport.close()
             raise
@@ -659,8 +818,10 @@ class AsyncSandbox:
             await transport.close()
         return found if limit is None else found[:limit]
 
-    async def get_info(self) -> SandboxInfo:
-        return self._keep(await self._transport.call(p.get_sandbox(self.sandbox_id)))
+    @class_variant(_get_info_by_id)
+    async def get_info(self, *, request_timeout: float | None = None) -> SandboxInfo:
+        call = p.timed(p.get_sandbox(self.sandbox_id), request_timeout)
+        return self._keep(await self._transport.call(call))
 
     def _keep(self, info: SandboxInfo) -> SandboxInfo:
         self._info = info
@@ -740,6 +901,8 @@ class AsyncSandbox:
         on_error: Callable[[ExecutionError], Any] | None = None,
         envs: Mapping[str, str] | None = None,
         timeout: float | None = None,
+        *,
+        request_timeout: float | None = None,
     ) -> Execution:
         """Run code in a stateful context (python by default: a Jupyter kernel).
 
@@ -753,7 +916,9 @@ class AsyncSandbox:
             "on_error": on_error,
         }
         builder = p.ExecutionBuilder()
-        call = p.run_code(self.sandbox_id, code, language, context, envs, timeout)
+        call = p.timed(
+            p.run_code(self.sandbox_id, code, language, context, envs, timeout), request_timeout
+        )
         async for event in self._transport.events(call, p.code_read_timeout(timeout)):
             fired = builder.feed(event)
             if fired is not None:
@@ -776,20 +941,26 @@ class AsyncSandbox:
     async def remove_code_context(self, context: Context | str) -> None:
         await self._transport.call(p.remove_code_context(self.sandbox_id, context))
 
-    async def is_running(self) -> bool:
+    async def is_running(self, *, request_timeout: float | None = None) -> bool:
         try:
-            info = await self.get_info()
+            info = await self.get_info(request_timeout=request_timeout)
         except NotFoundError:
             return False
         return info.state == SandboxState.RUNNING
 
-    async def set_timeout(self, timeout: float) -> SandboxInfo:
+    @class_variant(_set_timeout_by_id)
+    async def set_timeout(
+        self, timeout: float, *, request_timeout: float | None = None
+    ) -> SandboxInfo:
         """The sandbox now ends `timeout` seconds from now."""
-        return self._keep(await self._transport.call(p.set_timeout(self.sandbox_id, timeout)))
+        call = p.timed(p.set_timeout(self.sandbox_id, timeout), request_timeout)
+        return self._keep(await self._transport.call(call))
 
-    async def kill(self) -> None:
-        """Kill the sandbox (killing a dead one is fine)."""
-        await self._transport.call(p.kill_sandbox(self.sandbox_id))
+    @class_variant(_kill_by_id)
+    async def kill(self, *, request_timeout: float | None = None) -> bool:
+        """Kill the sandbox (killing a dead one is fine); False when it is not found."""
+        call = p.timed(p.kill_sandbox(self.sandbox_id), request_timeout)
+        return await _found(self._transport, call)
 
     async def close(self) -> None:
         """Release the HTTP connection; the sandbox keeps running."""

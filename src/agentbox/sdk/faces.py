@@ -2,15 +2,25 @@
 
 `scripts/unasync.py` makes `sandbox.py` from `async_sandbox.py` by renaming (`AsyncX` -> `X`,
 `async_x` -> `x`, `await` dropped). Each name here comes in both shapes because the two differ in
-more than the keywords: under asyncio an output callback may be a coroutine function, and an
-upload body may be an async iterable or an async file object (aiofiles and the like).
+more than the keywords: under asyncio an output callback may be a coroutine function, an
+upload body may be an async iterable or an async file object (aiofiles and the like), and a
+background command's callbacks are fed by a task while the caller goes on.
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, Iterator
-from typing import IO, Any
+from collections.abc import (
+    AsyncIterable,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Coroutine,
+    Iterable,
+    Iterator,
+)
+from typing import IO, Any, TypedDict
 
 from agentbox.sdk import protocol as p
 
@@ -18,6 +28,48 @@ OutputCallback = Callable[[str], Any]
 AsyncOutputCallback = Callable[[str], Any] | Callable[[str], Awaitable[Any]]
 WriteData = str | bytes | bytearray | memoryview | IO[bytes] | Iterable[bytes]
 AsyncWriteData = WriteData | AsyncIterable[bytes]
+
+
+class WriteEntry(TypedDict):
+    """A file for `files.write_files`: {"path": ..., "data": ...} or WriteEntry(path=, data=)."""
+
+    path: str
+    data: WriteData
+
+
+class AsyncWriteEntry(TypedDict):
+    path: str
+    data: AsyncWriteData
+
+
+class LiveOutput:
+    """A background command's output on its way to its callbacks. Sync code has no loop to run
+    them meanwhile, so they fire during `wait()`, as in E2B's sync SDK."""
+
+    def __init__(self, deliver: Callable[[], None]) -> None:
+        self._deliver = deliver
+
+    def wait(self) -> None:
+        self._deliver()
+
+
+# Running tasks are referenced here until done: the loop holds tasks only weakly, and a caller
+# that dropped the handle (keeping just the callbacks) must not see its output stop.
+_following: set[asyncio.Task[None]] = set()
+
+
+class AsyncLiveOutput:
+    """A background command's output on its way to its callbacks: a task follows the command
+    from the start, so the callbacks fire as output arrives while the caller goes on."""
+
+    def __init__(self, deliver: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        self._task = asyncio.get_running_loop().create_task(deliver())
+        _following.add(self._task)
+        self._task.add_done_callback(_following.discard)
+
+    async def wait(self) -> None:
+        """Until the command ended and its output was delivered; raises what the task raised."""
+        await asyncio.shield(self._task)
 
 
 def deliver(callback: Callable[[Any], Any] | None, data: Any) -> None:

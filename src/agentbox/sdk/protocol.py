@@ -8,6 +8,7 @@ faces cannot drift apart on paths, bodies, error mapping or NDJSON handling.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import functools
 import json
 import logging
@@ -16,7 +17,7 @@ import ssl
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, Generic, Literal, TypeVar
 from urllib.parse import quote
 
@@ -117,9 +118,18 @@ def client_options(config: ClientConfig) -> dict[str, Any]:
     }
 
 
-def stream_timeout(config: ClientConfig, read: float | None) -> httpx.Timeout:
+def request_timeout(config: ClientConfig, call: Call[Any]) -> float:
+    """The call's own request timeout (E2B's per-call `request_timeout=`), else the client's."""
+    return config.request_timeout if call.request_timeout is None else call.request_timeout
+
+
+def call_timeout(config: ClientConfig, call: Call[Any]) -> httpx.Timeout:
+    return httpx.Timeout(request_timeout(config, call))
+
+
+def stream_timeout(config: ClientConfig, read: float | None, call: Call[Any]) -> httpx.Timeout:
     """Connect/write as usual; `read` bounds the silence between two chunks (None = forever)."""
-    t = config.request_timeout
+    t = request_timeout(config, call)
     return httpx.Timeout(connect=t, read=read, write=t, pool=t)
 
 
@@ -135,6 +145,15 @@ class Call(Generic[T]):
     parse: Callable[[httpx.Response], T]
     params: Params | None = None
     json: Any = None
+    # Overrides the client's request timeout for this call alone; None = the client's.
+    request_timeout: float | None = None
+
+
+def timed(call: Call[T], request_timeout: float | None) -> Call[T]:
+    """`call` with its own request timeout (the `request_timeout=` of an SDK method)."""
+    if request_timeout is None:
+        return call
+    return dataclasses.replace(call, request_timeout=request_timeout)
 
 
 def finish(call: Call[T], response: httpx.Response) -> T:
@@ -287,6 +306,15 @@ def kill_sandbox(sandbox_id: str) -> Call[None]:
 
 def set_timeout(sandbox_id: str, timeout: float) -> Call[SandboxInfo]:
     return Call("POST", f"{_sbx(sandbox_id)}/timeout", _sandbox, json={"timeout": timeout})
+
+
+def timeout_extends(info: SandboxInfo, timeout: float) -> bool:
+    """Whether ending `timeout` seconds from now is later than the sandbox ends today: a
+    connect with a timeout only ever extends a sandbox's life (as E2B's), never shortens it."""
+    if info.end_at is None:
+        return True
+    end_at = info.end_at if info.end_at.tzinfo else info.end_at.replace(tzinfo=UTC)
+    return (end_at - datetime.now(UTC)).total_seconds() < timeout
 
 
 # Network and exposed ports
@@ -480,6 +508,15 @@ def remove_file(sandbox_id: str, path: str) -> Call[None]:
 def rename_file(sandbox_id: str, src: str, dst: str) -> Call[EntryInfo]:
     return Call("POST", f"{_sbx(sandbox_id)}/files/rename", _entry,
                 json={"src": src, "dst": dst})
+
+
+def write_entry(entry: Mapping[str, Any]) -> tuple[str, Any]:
+    """The (path, data) of one `files.write_files` entry: {"path": ..., "data": ...}."""
+    if not (isinstance(entry, Mapping) and isinstance(entry.get("path"), str) and "data" in entry):
+        raise InvalidArgumentError(
+            f"write_files takes entries like {{'path': 'a.txt', 'data': 'hi'}}, not {entry!r:.80}",
+            code=ErrorCode.INVALID_REQUEST)
+    return entry["path"], entry["data"]
 
 
 def is_missing_path(error: AgentboxError) -> bool:
@@ -839,8 +876,10 @@ class CommandProgress:
 
     def __init__(self, sandbox_id: str, cmd_id: str | None = None, pid: int | None = None,
                  cmd: str | None = None,
-                 on_start: Callable[[str], Any] | None = None) -> None:
+                 on_start: Callable[[str], Any] | None = None,
+                 request_timeout: float | None = None) -> None:
         self.sandbox_id = sandbox_id
+        self.request_timeout = request_timeout  # of the resumed streams too
         self.on_start = on_start
         self.cmd_id = cmd_id
         self.pid = pid
@@ -859,7 +898,8 @@ class CommandProgress:
         if self.cmd_id is None:
             raise ConnectionFailedError("the command stream dropped before the command started",
                                         code=ErrorCode.CONNECTION_FAILED)
-        return command_events(self.sandbox_id, self.cmd_id, self.offset)
+        return timed(command_events(self.sandbox_id, self.cmd_id, self.offset),
+                     self.request_timeout)
 
     def feed(self, event: dict[str, Any]) -> tuple[str, str] | None:
         """Record one event; returns (stream, text) when it is output to deliver."""

@@ -14,10 +14,12 @@ from typing import Any, Literal, TypeVar, overload
 import httpx
 
 from agentbox.sdk import protocol as p
-from agentbox.sdk.exceptions import AgentboxError, NotFoundError
+from agentbox.sdk.exceptions import AgentboxError, InvalidArgumentError, NotFoundError
 from agentbox.sdk.faces import (
+    LiveOutput,
     OutputCallback,
     WriteData,
+    WriteEntry,
     deliver,
     upload_body,
 )
@@ -39,6 +41,7 @@ from agentbox.sdk.models import (
     SecretInfo,
     TemplateInfo,
 )
+from agentbox.sdk.variants import class_variant
 from agentbox.vocab import DEFAULT_LANGUAGE, LIVE_FILTER, ErrorCode, SandboxState
 
 T = TypeVar("T")
@@ -54,7 +57,12 @@ class Transport:
     def call(self, call: p.Call[T], content: Any = None) -> T:
         try:
             response = self.client.request(
-                call.method, call.path, params=call.params, json=call.json, content=content
+                call.method,
+                call.path,
+                params=call.params,
+                json=call.json,
+                content=content,
+                timeout=p.call_timeout(self.config, call),
             )
         except httpx.HTTPError as e:
             raise p.transport_error(e, self.config.api_url) from None
@@ -67,7 +75,7 @@ class Transport:
             call.path,
             params=call.params,
             json=call.json,
-            timeout=p.stream_timeout(self.config, read_timeout),
+            timeout=p.stream_timeout(self.config, read_timeout, call),
         )
         try:
             response = self.client.send(request, stream=True)
@@ -126,7 +134,7 @@ class Transport:
 
     def bytes_stream(self, call: p.Call[Any]) -> Iterator[bytes]:
         # Opened now, so a missing file raises here rather than when the first chunk is asked.
-        response = self.open(call, self.config.request_timeout)
+        response = self.open(call, p.request_timeout(self.config, call))
 
         def chunks() -> Iterator[bytes]:
             try:
@@ -141,9 +149,27 @@ class Transport:
     def close(self) -> None:
         self.client.close()
 
+    def __enter__(self) -> Transport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _found(transport: Transport, call: p.Call[Any]) -> bool:
+    """Send `call`; False when what it names does not exist (E2B's kills answer so)."""
+    try:
+        transport.call(call)
+    except NotFoundError:
+        return False
+    return True
+
 
 class CommandHandle(p.CommandHandleBase):
-    """A command running in the background: wait for it, stream it, feed it stdin, kill it."""
+    """A command running in the background: wait for it, stream it, feed it stdin, kill it.
+
+    Made with output callbacks, it delivers the output to them as it arrives (in the sync SDK,
+    during `wait()`); then `wait()` gives the result and the handle cannot be iterated."""
 
     def __init__(
         self,
@@ -152,14 +178,25 @@ class CommandHandle(p.CommandHandleBase):
         pid: int | None,
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
+        request_timeout: float | None = None,
     ) -> None:
         self._commands = commands
-        self._progress = p.CommandProgress(commands._sandbox_id, cmd_id, pid)
+        self._progress = p.CommandProgress(
+            commands._sandbox_id, cmd_id, pid, request_timeout=request_timeout
+        )
         self._on_stdout = on_stdout
         self._on_stderr = on_stderr
+        self._live: LiveOutput | None = None
+        if on_stdout is not None or on_stderr is not None:
+            self._live = LiveOutput(self._deliver_output)
 
     def __iter__(self) -> Iterator[tuple[str | None, str | None]]:
         """Yields (stdout, stderr) pairs with one side set, until the command ends."""
+        if self._live is not None:
+            raise InvalidArgumentError(
+                "this command's output goes to its on_stdout/on_stderr callbacks; use wait()",
+                code=ErrorCode.INVALID_REQUEST,
+            )
         for stream, data in self._follow():
             yield (data, None) if stream == "stdout" else (None, data)
 
@@ -168,16 +205,24 @@ class CommandHandle(p.CommandHandleBase):
             return
         yield from self._commands._transport.follow(self._progress, None, None)
 
+    def _deliver_output(self) -> None:
+        for stream, data in self._follow():
+            deliver(self._on_stdout if stream == "stdout" else self._on_stderr, data)
+
     def wait(
         self,
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
     ) -> CommandResult:
-        """Block until the command ends; raises CommandExitException unless it exited 0."""
-        on_stdout = on_stdout or self._on_stdout
-        on_stderr = on_stderr or self._on_stderr
-        for stream, data in self._follow():
-            deliver(on_stdout if stream == "stdout" else on_stderr, data)
+        """Block until the command ends; raises CommandExitException unless it exited 0.
+
+        Callbacks given here get the output from now on, in place of those given to `run`."""
+        self._on_stdout = on_stdout or self._on_stdout
+        self._on_stderr = on_stderr or self._on_stderr
+        if self._live is not None:
+            self._live.wait()
+        else:
+            self._deliver_output()
         return self._progress.outcome()
 
     def kill(self) -> bool:
@@ -209,6 +254,8 @@ class Commands:
         on_stderr: OutputCallback | None = None,
         stdin: bool = False,
         on_start: Callable[[str], Any] | None = None,
+        *,
+        request_timeout: float | None = None,
     ) -> CommandResult: ...
 
     @overload
@@ -223,6 +270,8 @@ class Commands:
         on_stderr: OutputCallback | None = None,
         stdin: bool = False,
         on_start: Callable[[str], Any] | None = None,
+        *,
+        request_timeout: float | None = None,
     ) -> CommandHandle: ...
 
     def run(
@@ -236,52 +285,67 @@ class Commands:
         on_stderr: OutputCallback | None = None,
         stdin: bool = False,
         on_start: Callable[[str], Any] | None = None,
+        *,
+        request_timeout: float | None = None,
     ) -> CommandResult | CommandHandle:
-        """Run `cmd`; `timeout` seconds (0 = none) is enforced by the server.
+        """Run `cmd` in `cwd` (default /workspace); `timeout` seconds (0 = none) is enforced by
+        the server. `request_timeout` overrides the client's for the HTTP requests (not the
+        command's run time).
 
         Foreground: streams output to the callbacks as it arrives, returns the result, and
         raises CommandExitException (CommandTimeoutError on timeout) unless it exited 0.
         `on_start` is called with the command's id as soon as it started (from the thread
         running it: it must not block), e.g. to `send_stdin` (with `stdin=True`) or `kill` it
         from another thread.
-        Background: returns a CommandHandle at once.
+        Background: returns a CommandHandle at once; its output goes to the callbacks as it
+        arrives, from a task following the command (in the sync SDK: during `wait()`).
         """
         if background:
             info = self._transport.call(
-                p.start_command(self._sandbox_id, cmd, envs, cwd, timeout, stdin)
+                p.timed(
+                    p.start_command(self._sandbox_id, cmd, envs, cwd, timeout, stdin),
+                    request_timeout,
+                )
             )
             if on_start is not None:
                 on_start(info.cmd_id)
-            return CommandHandle(self, info.cmd_id, info.pid, on_stdout, on_stderr)
-        progress = p.CommandProgress(self._sandbox_id, cmd=cmd, on_start=on_start)
-        first = p.run_command(self._sandbox_id, cmd, envs, cwd, timeout, stdin)
+            return CommandHandle(self, info.cmd_id, info.pid, on_stdout, on_stderr, request_timeout)
+        progress = p.CommandProgress(
+            self._sandbox_id, cmd=cmd, on_start=on_start, request_timeout=request_timeout
+        )
+        first = p.timed(
+            p.run_command(self._sandbox_id, cmd, envs, cwd, timeout, stdin), request_timeout
+        )
         for stream, data in self._transport.follow(
             progress, first, p.command_read_timeout(timeout)
         ):
             deliver(on_stdout if stream == "stdout" else on_stderr, data)
         return progress.outcome()
 
-    def list(self) -> list[CommandInfo]:
-        return self._transport.call(p.list_commands(self._sandbox_id))
+    def list(self, *, request_timeout: float | None = None) -> list[CommandInfo]:
+        return self._transport.call(p.timed(p.list_commands(self._sandbox_id), request_timeout))
 
-    def get_info(self, cmd_id: str) -> CommandInfo:
-        return self._transport.call(p.get_command(self._sandbox_id, cmd_id))
+    def get_info(self, cmd_id: str, *, request_timeout: float | None = None) -> CommandInfo:
+        return self._transport.call(
+            p.timed(p.get_command(self._sandbox_id, cmd_id), request_timeout)
+        )
 
     def connect(self, cmd_id: str) -> CommandHandle:
         """A handle on a command started earlier (its buffered output is replayed)."""
         info = self.get_info(cmd_id)
         return CommandHandle(self, info.cmd_id, info.pid)
 
-    def kill(self, cmd_id: str, signal: str | int = "SIGKILL") -> bool:
+    def kill(
+        self, cmd_id: str, signal: str | int = "SIGKILL", *, request_timeout: float | None = None
+    ) -> bool:
         """Kill the command's process tree; False when there is no such command."""
-        try:
-            self._transport.call(p.kill_command(self._sandbox_id, cmd_id, signal))
-        except NotFoundError:
-            return False
-        return True
+        call = p.kill_command(self._sandbox_id, cmd_id, signal)
+        return _found(self._transport, p.timed(call, request_timeout))
 
-    def send_stdin(self, cmd_id: str, data: str) -> None:
-        self._transport.call(p.command_stdin(self._sandbox_id, cmd_id, data, False))
+    def send_stdin(self, cmd_id: str, data: str, *, request_timeout: float | None = None) -> None:
+        self._transport.call(
+            p.timed(p.command_stdin(self._sandbox_id, cmd_id, data, False), request_timeout)
+        )
 
     def close_stdin(self, cmd_id: str) -> None:
         self._transport.call(p.command_stdin(self._sandbox_id, cmd_id, "", True))
@@ -295,27 +359,60 @@ class Files:
         self._transport = transport
 
     @overload
-    def read(self, path: str, format: Literal["text"] = "text") -> str: ...
+    def read(
+        self,
+        path: str,
+        format: Literal["text"] = "text",
+        *,
+        request_timeout: float | None = None,
+    ) -> str: ...
 
     @overload
-    def read(self, path: str, format: Literal["bytes"]) -> bytes: ...
+    def read(
+        self, path: str, format: Literal["bytes"], *, request_timeout: float | None = None
+    ) -> bytes: ...
 
     @overload
-    def read(self, path: str, format: Literal["stream"]) -> Iterator[bytes]: ...
+    def read(
+        self, path: str, format: Literal["stream"], *, request_timeout: float | None = None
+    ) -> Iterator[bytes]: ...
 
     def read(
-        self, path: str, format: Literal["text", "bytes", "stream"] = "text"
+        self,
+        path: str,
+        format: Literal["text", "bytes", "stream"] = "text",
+        *,
+        request_timeout: float | None = None,
     ) -> str | bytes | Iterator[bytes]:
-        """The file's content; `stream` yields chunks as they arrive (iterate it to the end)."""
-        stream = self._transport.bytes_stream(p.read_file(self._sandbox_id, path))
+        """The file's content; `stream` yields chunks as they arrive (iterate it to the end).
+
+        Every method here takes `request_timeout`: seconds for this call's HTTP request (for
+        a read, of silence between chunks) in place of the client's."""
+        stream = self._transport.bytes_stream(
+            p.timed(p.read_file(self._sandbox_id, path), request_timeout)
+        )
         if format == "stream":
             return stream
         data = b"".join([chunk for chunk in stream])
         return data if format == "bytes" else p.decode_text(data)
 
-    def write(self, path: str, data: WriteData) -> EntryInfo:
+    def write(
+        self, path: str, data: WriteData, *, request_timeout: float | None = None
+    ) -> EntryInfo:
         """Write (atomically) from str, bytes, a binary file object or an iterable of chunks."""
-        return self._transport.call(p.write_file(self._sandbox_id, path), upload_body(data))
+        return self._transport.call(
+            p.timed(p.write_file(self._sandbox_id, path), request_timeout),
+            upload_body(data),
+        )
+
+    def write_files(
+        self, files: Sequence[WriteEntry], *, request_timeout: float | None = None
+    ) -> builtins.list[EntryInfo]:
+        """Write several files, in order: `[{"path": ..., "data": ...}, ...]` (data as for
+        `write`). Each file is written atomically, the set is not: when one fails, the files
+        before it stay written."""
+        entries = [p.write_entry(entry) for entry in files]  # all checked before any is written
+        return [self.write(path, data, request_timeout=request_timeout) for path, data in entries]
 
     def list(
         self,
@@ -324,33 +421,38 @@ class Files:
         *,
         limit: int | None = None,
         cursor: str | None = None,
+        request_timeout: float | None = None,
     ) -> EntryList:
         """Entries under `path` to `depth` levels, in path order. A listing stops at `limit`
         entries (the server's page size, 10,000, by default): then `.truncated` is True and
         `list(path, depth, cursor=page.next_cursor)` gives the next page."""
-        return self._transport.call(p.list_files(self._sandbox_id, path, depth, limit, cursor))
+        return self._transport.call(
+            p.timed(p.list_files(self._sandbox_id, path, depth, limit, cursor), request_timeout)
+        )
 
-    def exists(self, path: str) -> bool:
+    def exists(self, path: str, *, request_timeout: float | None = None) -> bool:
         try:
-            self.get_info(path)
+            self.get_info(path, request_timeout=request_timeout)
         except AgentboxError as e:
             if p.is_missing_path(e):
                 return False
             raise
         return True
 
-    def get_info(self, path: str) -> EntryInfo:
-        return self._transport.call(p.stat_file(self._sandbox_id, path))
+    def get_info(self, path: str, *, request_timeout: float | None = None) -> EntryInfo:
+        return self._transport.call(p.timed(p.stat_file(self._sandbox_id, path), request_timeout))
 
-    def make_dir(self, path: str) -> bool:
+    def make_dir(self, path: str, *, request_timeout: float | None = None) -> bool:
         """Create the directory and its parents; False if it already existed."""
-        return self._transport.call(p.make_dir(self._sandbox_id, path))
+        return self._transport.call(p.timed(p.make_dir(self._sandbox_id, path), request_timeout))
 
-    def remove(self, path: str) -> None:
-        self._transport.call(p.remove_file(self._sandbox_id, path))
+    def remove(self, path: str, *, request_timeout: float | None = None) -> None:
+        self._transport.call(p.timed(p.remove_file(self._sandbox_id, path), request_timeout))
 
-    def rename(self, src: str, dst: str) -> EntryInfo:
-        return self._transport.call(p.rename_file(self._sandbox_id, src, dst))
+    def rename(self, src: str, dst: str, *, request_timeout: float | None = None) -> EntryInfo:
+        return self._transport.call(
+            p.timed(p.rename_file(self._sandbox_id, src, dst), request_timeout)
+        )
 
 
 class Templates:
@@ -517,10 +619,51 @@ class Workspaces:
         self.close()
 
 
+# What `Sandbox.kill(id)`, `.set_timeout(id, t)` and `.get_info(id)` mean on the class.
+
+
+def _kill_by_id(
+    sandbox_id: str,
+    api_key: str | None = None,
+    api_url: str | None = None,
+    request_timeout: float = 60,
+) -> bool:
+    """Kill the sandbox `sandbox_id`; False when you have no such sandbox (killing an ended
+    one is fine)."""
+    with Transport(p.resolve_config(api_key, api_url, request_timeout)) as transport:
+        return _found(transport, p.kill_sandbox(sandbox_id))
+
+
+def _set_timeout_by_id(
+    sandbox_id: str,
+    timeout: float,
+    api_key: str | None = None,
+    api_url: str | None = None,
+    request_timeout: float = 60,
+) -> SandboxInfo:
+    """The sandbox `sandbox_id` now ends `timeout` seconds from now."""
+    with Transport(p.resolve_config(api_key, api_url, request_timeout)) as transport:
+        return transport.call(p.set_timeout(sandbox_id, timeout))
+
+
+def _get_info_by_id(
+    sandbox_id: str,
+    api_key: str | None = None,
+    api_url: str | None = None,
+    request_timeout: float = 60,
+) -> SandboxInfo:
+    """The sandbox `sandbox_id`; NotFoundError if it is not yours or does not exist."""
+    with Transport(p.resolve_config(api_key, api_url, request_timeout)) as transport:
+        return transport.call(p.get_sandbox(sandbox_id))
+
+
 class Sandbox:
     """An agentbox sandbox. Make one with `Sandbox.create()` or `Sandbox.connect(id)`.
 
     `with Sandbox.create() as sbx:` kills the sandbox when the block ends.
+    As in E2B, `kill`, `set_timeout` and `get_info` also work on the class with a sandbox id
+    (`Sandbox.kill(sandbox_id, api_key=...)`), and calls take `request_timeout=` to
+    override the client's for that call.
     """
 
     def __init__(
@@ -601,14 +744,20 @@ class Sandbox:
     def connect(
         cls,
         sandbox_id: str,
+        timeout: float | None = None,
         api_key: str | None = None,
         api_url: str | None = None,
         request_timeout: float = 60,
     ) -> Sandbox:
-        """Attach to an existing sandbox; NotFoundError if it is not yours or does not exist."""
+        """Attach to an existing sandbox; NotFoundError if it is not yours or does not exist.
+
+        With `timeout`, the sandbox lives at least `timeout` seconds from now (set_timeout),
+        as with E2B's connect: a sandbox already set to live longer keeps its end."""
         transport = Transport(p.resolve_config(api_key, api_url, request_timeout))
         try:
             info = transport.call(p.get_sandbox(sandbox_id))
+            if timeout is not None and p.timeout_extends(info, timeout):
+                info = transport.call(p.set_timeout(sandbox_id, timeout))
         except BaseException:
             transport.close()
             raise
@@ -644,8 +793,10 @@ class Sandbox:
             transport.close()
         return found if limit is None else found[:limit]
 
-    def get_info(self) -> SandboxInfo:
-        return self._keep(self._transport.call(p.get_sandbox(self.sandbox_id)))
+    @class_variant(_get_info_by_id)
+    def get_info(self, *, request_timeout: float | None = None) -> SandboxInfo:
+        call = p.timed(p.get_sandbox(self.sandbox_id), request_timeout)
+        return self._keep(self._transport.call(call))
 
     def _keep(self, info: SandboxInfo) -> SandboxInfo:
         self._info = info
@@ -723,6 +874,8 @@ class Sandbox:
         on_error: Callable[[ExecutionError], Any] | None = None,
         envs: Mapping[str, str] | None = None,
         timeout: float | None = None,
+        *,
+        request_timeout: float | None = None,
     ) -> Execution:
         """Run code in a stateful context (python by default: a Jupyter kernel).
 
@@ -736,7 +889,9 @@ class Sandbox:
             "on_error": on_error,
         }
         builder = p.ExecutionBuilder()
-        call = p.run_code(self.sandbox_id, code, language, context, envs, timeout)
+        call = p.timed(
+            p.run_code(self.sandbox_id, code, language, context, envs, timeout), request_timeout
+        )
         for event in self._transport.events(call, p.code_read_timeout(timeout)):
             fired = builder.feed(event)
             if fired is not None:
@@ -759,20 +914,24 @@ class Sandbox:
     def remove_code_context(self, context: Context | str) -> None:
         self._transport.call(p.remove_code_context(self.sandbox_id, context))
 
-    def is_running(self) -> bool:
+    def is_running(self, *, request_timeout: float | None = None) -> bool:
         try:
-            info = self.get_info()
+            info = self.get_info(request_timeout=request_timeout)
         except NotFoundError:
             return False
         return info.state == SandboxState.RUNNING
 
-    def set_timeout(self, timeout: float) -> SandboxInfo:
+    @class_variant(_set_timeout_by_id)
+    def set_timeout(self, timeout: float, *, request_timeout: float | None = None) -> SandboxInfo:
         """The sandbox now ends `timeout` seconds from now."""
-        return self._keep(self._transport.call(p.set_timeout(self.sandbox_id, timeout)))
+        call = p.timed(p.set_timeout(self.sandbox_id, timeout), request_timeout)
+        return self._keep(self._transport.call(call))
 
-    def kill(self) -> None:
-        """Kill the sandbox (killing a dead one is fine)."""
-        self._transport.call(p.kill_sandbox(self.sandbox_id))
+    @class_variant(_kill_by_id)
+    def kill(self, *, request_timeout: float | None = None) -> bool:
+        """Kill the sandbox (killing a dead one is fine); False when it is not found."""
+        call = p.timed(p.kill_sandbox(self.sandbox_id), request_timeout)
+        return _found(self._transport, call)
 
     def close(self) -> None:
         """Release the HTTP connection; the sandbox keeps running."""
