@@ -362,8 +362,10 @@ class AsyncCommands:
             p.timed(p.command_stdin(self._sandbox_id, cmd_id, data, False), request_timeout)
         )
 
-    async def close_stdin(self, cmd_id: str) -> None:
-        await self._transport.call(p.command_stdin(self._sandbox_id, cmd_id, "", True))
+    async def close_stdin(self, cmd_id: str, *, request_timeout: float | None = None) -> None:
+        await self._transport.call(
+            p.timed(p.command_stdin(self._sandbox_id, cmd_id, "", True), request_timeout)
+        )
 
 
 class AsyncFiles:

@@ -347,8 +347,10 @@ class Commands:
             p.timed(p.command_stdin(self._sandbox_id, cmd_id, data, False), request_timeout)
         )
 
-    def close_stdin(self, cmd_id: str) -> None:
-        self._transport.call(p.command_stdin(self._sandbox_id, cmd_id, "", True))
+    def close_stdin(self, cmd_id: str, *, request_timeout: float | None = None) -> None:
+        self._transport.call(
+            p.timed(p.command_stdin(self._sandbox_id, cmd_id, "", True), request_timeout)
+        )
 
 
 class Files:
