@@ -9,8 +9,10 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -231,3 +233,46 @@ def ci_server(
     yield handle
     handle.kill_all_sandboxes()
     handle.stop()
+
+
+# ---------------------------------------------------------------- SDK fixtures, in-process servers
+
+
+@pytest.fixture
+def conn(server: ServerHandle, tenant_key: str) -> dict[str, Any]:
+    """How the SDK reaches the session's server as a tenant (module fixtures may override)."""
+    return {"api_key": tenant_key, "api_url": server.url}
+
+
+@pytest.fixture
+def sbx(conn: dict[str, Any]) -> Iterator[Any]:
+    """An SDK sandbox of the session's server, killed after the test (modules may override)."""
+    from agentbox.sdk import Sandbox
+
+    sandbox = Sandbox.create(timeout=120, **conn)
+    yield sandbox
+    sandbox.kill()
+    sandbox.close()
+
+
+@contextmanager
+def serving_app(app: Any) -> Iterator[str]:
+    """Serve an ASGI app made in this process (with surfaces or runtimes registered in code)
+    under uvicorn on a free port; yields its URL."""
+    import threading
+
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)

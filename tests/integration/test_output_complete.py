@@ -23,11 +23,6 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
-def conn(server: Any, tenant_key: str) -> dict[str, Any]:
-    return {"api_key": tenant_key, "api_url": server.url}
-
-
-@pytest.fixture
 def sbx(conn: dict[str, Any]) -> Iterator[Sandbox]:
     sandbox = Sandbox.create(timeout=300, **conn)
     yield sandbox

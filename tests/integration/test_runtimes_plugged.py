@@ -8,8 +8,6 @@ it), under uvicorn."""
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,11 +15,9 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
-from conftest import ADMIN_KEY
+from conftest import ADMIN_KEY, serving_app
 
 from agentbox import runtimes
-from agentbox.battery.target import free_port
 from agentbox.runtimes.fake import FakeRuntime
 from agentbox.server.app import create_app
 
@@ -45,20 +41,8 @@ def registered() -> Iterator[None]:
 
 @contextmanager
 def serving(data_dir: Path, runtime_name: str) -> Iterator[str]:
-    app = create_app(data_dir, admin_key=ADMIN_KEY, runtime_name=runtime_name)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
+    with serving_app(create_app(data_dir, admin_key=ADMIN_KEY, runtime_name=runtime_name)) as url:
+        yield url
 
 
 def _clients(url: str, tenant: str) -> tuple[httpx.Client, httpx.Client]:

@@ -35,20 +35,6 @@ from agentbox.sdk import (
 )
 from agentbox.sdk.audit import list_audit_events
 
-
-@pytest.fixture
-def conn(server: Any, tenant_key: str) -> dict[str, Any]:
-    return {"api_key": tenant_key, "api_url": server.url}
-
-
-@pytest.fixture
-def sbx(conn: dict[str, Any]) -> Iterator[Sandbox]:
-    sandbox = Sandbox.create(timeout=120, **conn)
-    yield sandbox
-    sandbox.kill()
-    sandbox.close()
-
-
 # ---------------------------------------------------------------------------- lifecycle
 
 

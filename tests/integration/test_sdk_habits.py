@@ -32,17 +32,6 @@ from agentbox.sdk.sandbox import Transport
 TOO_SHORT = 1e-4
 
 
-@pytest.fixture
-def conn(server: Any, tenant_key: str) -> dict[str, Any]:
-    return {"api_key": tenant_key, "api_url": server.url}
-
-
-@pytest.fixture
-def sbx(conn: dict[str, Any]) -> Iterator[Sandbox]:
-    sandbox = Sandbox.create(timeout=120, **conn)
-    yield sandbox
-    sandbox.kill()
-    sandbox.close()
 
 
 def _seconds_left(end_at: datetime | None) -> float:

@@ -8,20 +8,16 @@ it), under uvicorn, with the real process runtime."""
 from __future__ import annotations
 
 import json
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
 import httpx
 import pytest
-import uvicorn
-from conftest import ADMIN_KEY
+from conftest import ADMIN_KEY, serving_app
 from fastapi import APIRouter, Header
 from starlette.types import Receive, Scope, Send
 
-from agentbox.battery.target import free_port
 from agentbox.server import surfaces
 from agentbox.server.app import create_app
 from agentbox.server.surfaces import Core, SurfaceRoutes
@@ -90,19 +86,8 @@ def url(tmp_path: Path) -> Iterator[str]:
         surfaces.unregister("hello")
         surfaces.unregister("hello-claims")
         surfaces.unregister("hello-port")
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
+    with serving_app(app) as served:
+        yield served
 
 
 def test_a_registered_surface_serves_beside_v1(url: str) -> None:
