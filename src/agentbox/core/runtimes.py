@@ -36,9 +36,6 @@ class Runtimes:
     def __iter__(self) -> Iterator[Runtime]:
         return iter(self._by_name.values())
 
-    def names(self) -> list[str]:
-        return list(self._by_name)
-
     def get(self, name: str) -> Runtime:
         found = self._by_name.get(name)
         if found is None:
