@@ -23,6 +23,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from agentbox.runtimes.process.userns import ROOT_CAP_MASK
+
 try:
     from . import _http as h
 except ImportError:  # tests/integration is not a package
@@ -482,7 +484,10 @@ def test_server_secrets_not_visible(server, client, tenant_key, boxes) -> None:
 # ---------------------------------------------------------------- privileges
 
 
-def test_no_privileges_seccomp_and_no_new_namespaces(server, client, boxes) -> None:
+@pytest.mark.parametrize("user", ["user", "root"])
+def test_privileges_seccomp_and_no_new_namespaces(server, client, boxes, user: str) -> None:
+    """`user` holds no capability; the sandbox's root holds exactly ROOT_CAPS, in its own user
+    namespace only: neither can mount, make a user namespace or (user) become root."""
     sid = boxes.new()
     mount_py = (
         "import ctypes\n"
@@ -491,7 +496,7 @@ def test_no_privileges_seccomp_and_no_new_namespaces(server, client, boxes) -> N
         "print('mount', rc, ctypes.get_errno())\n"
         "rc = l.unshare(0x10000000)\n"  # CLONE_NEWUSER
         "print('unshare', rc, ctypes.get_errno())\n"
-        "rc = l.setuid(0)\n"
+        "rc = l.setuid(0 if l.getuid() else 1234)\n"
         "print('setuid', rc, ctypes.get_errno())\n"
     )
     r = h.run(
@@ -501,28 +506,38 @@ def test_no_privileges_seccomp_and_no_new_namespaces(server, client, boxes) -> N
         " echo @@''SEP@@; id -u; echo @@''SEP@@; unshare -U true; echo unshare-rc=$?; "
         "unshare -r true; echo unshare-r-rc=$?; echo @@''SEP@@; python3 -c \"$PY\"",
         envs={"PY": mount_py},
+        user=user,
     )
     status, uid, unshare_out, py_out = r.stdout.split(SEP)
     fields = dict(re.findall(r"^(\w+):\s+(.*)$", status, re.M))
     assert fields["Seccomp"] == "2", r
     assert fields["NoNewPrivs"] == "1", r
-    for cap in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"):
+    granted = ROOT_CAP_MASK if user == "root" else 0
+    for cap in ("CapPrm", "CapEff"):
+        assert int(fields[cap], 16) == granted, (cap, r)
+    for cap in ("CapInh", "CapAmb"):
         assert int(fields[cap], 16) == 0, (cap, r)
-    assert int(uid) != 0, r
+    # The bounding set is the root's (a uid-1000 process under no_new_privs never regains any).
+    assert int(fields["CapBnd"], 16) == ROOT_CAP_MASK, r
+    assert int(uid) == (0 if user == "root" else 1000), r
     assert "unshare-rc=0" not in unshare_out and "unshare-r-rc=0" not in unshare_out, r
     m = dict((k, (int(a), int(b))) for k, a, b in re.findall(r"(\w+) (-?\d+) (\d+)", py_out))
     assert m["mount"][0] == -1 and m["mount"][1] in (1, 38), r  # EPERM / ENOSYS
-    assert m["unshare"][0] == -1 and m["unshare"][1] in (1, 22, 38), r
-    assert m["setuid"][0] == -1, r
+    assert m["unshare"][0] == -1 and m["unshare"][1] in (1, 22, 28, 38), r
+    assert m["setuid"][0] == (0 if user == "root" else -1), r
 
-    # Host side: the sandbox's processes run as an unprivileged host uid with no capabilities.
+    # Host side: the sandbox's processes run as its own block of host uids, its root's
+    # capabilities belong to its own user namespace (mapped onto that block), none to the host's.
     state = runtime_state(server, sid)
-    for pid in (state["init_pid"],):
-        st = Path(f"/proc/{pid}/status").read_text()
-        host = dict(re.findall(r"^(\w+):\s+(.*)$", st, re.M))
-        assert all(int(u) != 0 for u in host["Uid"].split()), host["Uid"]
-        assert int(host["CapEff"], 16) == 0 and int(host["CapPrm"], 16) == 0, host
-        assert host["NoNewPrivs"] == "1" and host["Seccomp"] == "2", host
+    base, count = state["range"]
+    pid = state["init_pid"]
+    assert Path(f"/proc/{pid}/uid_map").read_text().split() == ["0", str(base), str(count)]
+    assert os.readlink(f"/proc/{pid}/ns/user") != os.readlink("/proc/self/ns/user")
+    st = Path(f"/proc/{pid}/status").read_text()
+    host = dict(re.findall(r"^(\w+):\s+(.*)$", st, re.M))
+    assert all(base <= int(u) < base + count for u in host["Uid"].split()), host["Uid"]
+    assert int(host["CapEff"], 16) & ~ROOT_CAP_MASK == 0, host
+    assert host["NoNewPrivs"] == "1" and host["Seccomp"] == "2", host
 
 
 # ---------------------------------------------------------------- resource exhaustion

@@ -18,6 +18,8 @@ import subprocess
 import sys
 import threading
 
+import users
+
 HOST = os.path.join(os.path.dirname(os.path.abspath(__file__)), "code_host.py")
 TERMINAL = ("done", "failed")
 # The host's failure codes, as the agent protocol names them (their statuses: vocab.STATUS).
@@ -46,7 +48,7 @@ class CodeHost:
         """The running host (started if needed); caller holds the lock."""
         if self.proc is not None and self.proc.poll() is None:
             return self.proc
-        env = dict(os.environ)
+        env = users.environment(users.DEFAULT, dict(os.environ))
         env.update(self.envs)
         try:
             proc = subprocess.Popen(
@@ -58,6 +60,7 @@ class CodeHost:
                 env=env,
                 start_new_session=True,
                 close_fds=True,
+                **users.popen_identity(users.DEFAULT),
             )
             threading.Thread(target=self._read, args=(proc,), daemon=True).start()
         except (OSError, RuntimeError) as e:

@@ -24,6 +24,7 @@ import threading
 import time
 
 import protocol as P
+import users
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # the agent imports subprocess lazily: most sandboxes idle without it
@@ -718,6 +719,14 @@ def op_rename(conn: Conn, req: dict) -> None:
 # ---------------------------------------------------------------- commands
 
 
+def resolve_user(req: dict) -> str:
+    """Who a request runs as: its `user`, else the sandbox's default (users.py)."""
+    try:
+        return users.resolve(req.get("user"))
+    except users.UserError as e:
+        raise OpError(e.code, str(e)) from None
+
+
 def check_envs(envs: object) -> dict:
     if not isinstance(envs, dict) or not all(
         isinstance(k, str) and isinstance(v, str) and k and "=" not in k and "\0" not in k + v
@@ -743,10 +752,11 @@ def login_env(env: dict) -> dict:
 
 
 class Command:
-    def __init__(self, cmd_id: str, cmd: str, cwd: str, timeout: float) -> None:
+    def __init__(self, cmd_id: str, cmd: str, cwd: str, timeout: float, user: str) -> None:
         self.id = cmd_id
         self.cmd = cmd
         self.cwd = cwd
+        self.user = user
         self.timeout = timeout
         self.proc: subprocess.Popen = None  # type: ignore[assignment]  # set by start()
         self.pid = 0
@@ -781,6 +791,7 @@ class Command:
             "pid": self.pid,
             "cmd": self.cmd,
             "cwd": self.cwd,
+            "user": self.user,
             "running": self.running,
             "exit_code": self.exit_code,
             "timed_out": self.timed_out,
@@ -933,13 +944,14 @@ class Commands:
             raise OpError("path_not_found", f"working directory {cwd} does not exist", path=cwd)
         envs = check_envs(req.get("envs") or {})
         timeout = req.get("timeout") or 0
+        user = resolve_user(req)
         with self.lock:
             self.seq += 1
             cmd_id = req.get("cmd_id") or f"c{self.seq}"
-        c = Command(cmd_id, cmd, cwd, float(timeout))
+        c = Command(cmd_id, cmd, cwd, float(timeout), user)
         c.hidden = req.get("hidden") is True
         c.first_stream = c.attach(0) if attach else None
-        env = login_env({**os.environ, **envs})
+        env = login_env(users.environment(user, {**os.environ, **envs}))
         env["AGENTBOX_CMD_ID"] = cmd_id  # lets kill() find daemons that left the process tree
         try:
             c.proc = subprocess.Popen(
@@ -952,6 +964,7 @@ class Commands:
                 stderr=subprocess.PIPE,
                 close_fds=True,
                 pass_fds=(LEAKED_FD,) if LEAKED_FD >= 0 else (),
+                **users.popen_identity(user),
             )
         except OSError as e:
             if e.errno in (errno.EAGAIN, errno.ENOMEM):
@@ -1057,8 +1070,11 @@ def _proc_table() -> dict[int, tuple[int, int, int]]:
 
 
 def _has_marker(pid: int, marker: bytes) -> bool:
+    # The agent (the sandbox's root) lacks CAP_SYS_PTRACE: it reads another uid's environ
+    # with that uid's filesystem ids.
     try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
+        st = os.stat(f"/proc/{pid}")
+        with users.fs_ids(st.st_uid, st.st_gid), open(f"/proc/{pid}/environ", "rb") as f:
             return marker in f.read().split(b"\0")
     except OSError:
         return False
@@ -1385,7 +1401,11 @@ def serve_one(sock: _socket.socket, inline: bool = False) -> None:
             raise OpError("invalid_request", f"unknown op {req.get('op')!r}")
         if inline and req.get("op") not in INLINE_OPS:
             raise PIDS_EXHAUSTED
-        op(conn, req)
+        if req.get("op", "").startswith("fs."):
+            with users.files_as(resolve_user(req)):
+                op(conn, req)
+        else:
+            op(conn, req)
     except OpError as e:
         try:
             conn.reply(e.reply)
@@ -1419,12 +1439,15 @@ def main() -> None:
     WORKSPACE = _arg("--workspace") or WORKSPACE
     DEFAULT_CWD = os.getcwd()
     WEAKENED = frozenset(filter(None, (_arg("--weaken") or "").split(",")))
+    users.configure(_arg("--user") or "user")
     LEAKED_FD = int(_arg("--leak-fd") or -1)
     os.set_inheritable(fd, False)  # commands must never reach the control channel
     listener = _socket.socket(fileno=fd)
     _libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: sandboxed code cannot read agent memory
     if "no-landlock" not in WEAKENED:
         LANDLOCK_ABI = _landlock([WORKSPACE, "/tmp", "/dev/shm"])
+    # After Landlock: its scope lets sandboxed code reach only sockets made inside its domain.
+    users.serve_sudo()
     threading.stack_size(512 * 1024)
     while True:
         try:

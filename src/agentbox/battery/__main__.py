@@ -108,7 +108,13 @@ def main(argv: list[str] | None = None) -> int:
             todo = checks if name == "default" else [c for c in checks if c.control == flags]
             bind = [str(oracle.canary_dir)] if "bind-host" in flags else []
             server = Server(
-                workdir, name, flags, bind, oracle.server_env(), a.runtime, netns.server_options()
+                workdir,
+                name,
+                flags,
+                bind,
+                oracle.server_env(),
+                a.runtime,
+                netns.server_options() + oracle.server_options(),
             )
             server.start()
             print(f"== {a.runtime} / {name}: {len(todo)} checks", flush=True)

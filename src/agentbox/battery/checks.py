@@ -25,6 +25,8 @@ from agentbox.battery.netns import EGRESS_ALLOWED, EGRESS_FORBIDDEN
 from agentbox.battery.oracle import CANARY_DOMAIN, Oracle
 from agentbox.battery.target import BATTERY_RESOURCES, Box, Server
 from agentbox.runtimes.base import HostFootprint
+from agentbox.runtimes.process import userns
+from agentbox.runtimes.process.userns import ROOT_CAP_MASK
 
 BLOCKED_ERRNOS = {"EPERM", "ENOSYS", "SIGSYS", "EACCES", "ABSENT"}
 
@@ -542,20 +544,79 @@ def _host_tasks(ctx: Ctx, box: Box) -> dict[str, dict[str, str]]:
     return out
 
 
+CAP_SETS = ("CapEff", "CapPrm", "CapInh", "CapBnd", "CapAmb")
+
+
 @check(
     "priv-capabilities",
     "privilege",
-    "no capability in any set (Eff/Prm/Inh/Bnd/Amb)",
+    "`user` holds no capability; the sandbox's root only its granted set, in its own userns",
     ["host-root"],
 )
 def _priv_caps(ctx: Ctx) -> Verdict:
-    _, threads = _threads(ctx)
-    v = blocked(f"{len(threads)} threads, all cap sets 0")
-    for tid, f in threads.items():
-        for k in ("CapEff", "CapPrm", "CapInh", "CapBnd", "CapAmb"):
-            if int(f.get(k, "0"), 16):
-                v.add_break("ESCAPE", f"thread {tid} {k}={f[k]}")
-                break
+    box = ctx.box()
+    v = blocked(
+        "user: all sets 0 but Bnd; root: within the granted set; both in the sandbox's userns"
+    )
+    for user in ("user", "root"):
+        out = box.probe("status", threads=4, user=user)
+        if "threads" not in out:
+            raise ProbeFailed(str(out)[:300])
+        for tid, f in out["threads"].items():
+            for k in CAP_SETS:
+                # `user` keeps root's bounding set (no_new_privs: it never regains any of it).
+                allowed = ROOT_CAP_MASK if user == "root" or k == "CapBnd" else 0
+                if user == "root" and k in ("CapInh", "CapAmb"):
+                    allowed = 0
+                extra = int(f.get(k, "0"), 16) & ~allowed
+                if extra:
+                    v.add_break(
+                        "ESCAPE", f"{user} thread {tid} {k} has {extra:#x} beyond {allowed:#x}"
+                    )
+                    break
+    # Capabilities count only in the user namespace that holds them: none may be the host's.
+    host_ns = os.readlink("/proc/self/ns/user")
+    for pid in ctx.sandbox_pids(box):
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+            ns = os.readlink(f"/proc/{pid}/ns/user")
+        except OSError:
+            continue
+        eff = int(re.search(r"^CapEff:\s+(\w+)", status, re.M)[1], 16)  # type: ignore[index]
+        if eff and ns == host_ns:
+            v.add_break("ESCAPE", f"pid {pid} holds capabilities {eff:#x} in the host's userns")
+    return v
+
+
+@check(
+    "priv-root-reach",
+    "privilege",
+    "the sandbox's root: no mount, no host-root or other-range files, no host process",
+    ["host-root"],
+)
+def _priv_root_reach(ctx: Ctx) -> Verdict:
+    """Its capabilities (dac_override, fowner, kill, setuid, ...) hold only for ids its user
+    namespace maps: the oracle shows it, read-only (--host-path), a host-root 0600 file and a
+    0700 dir of an id outside every sandbox's range."""
+    box = ctx.box()
+    files = ctx.oracle.foreign_files()
+    read = results_of(box.probe("read", paths=files, user="root"))
+    v = blocked(summary(read))
+    for path, got in read.items():
+        if isinstance(got, str) and got.startswith("DATA:"):
+            v.add_break("READ", f"{path} read by the sandbox's root")
+        elif got not in ("EACCES", "EPERM"):
+            v.add_break("READ", f"{path}={got}: not shown, so nothing was tested")
+    calls = results_of(box.probe("syscalls", names=["mount", "umount2", "pivot_root"], user="root"))
+    for name in reachable(calls):
+        v.add_break("ESCAPE", f"root: {name}")
+    ns = results_of(box.probe("ns_create", names=["unshare", "clone"], user="root"))
+    for name in matching(ns, ("OK",)):
+        v.add_break("ESCAPE", f"root: new namespace {name}")
+    kill = box.probe("kill", pid=ctx.oracle.canary_pid, user="root")
+    if kill.get("kill") == "OK" or ctx.oracle.signal_log.read_text():
+        v.add_break("ESCAPE", "the sandbox's root signalled a host process")
+    v.evidence += f"; mount family {summary(calls)}; kill {kill.get('kill')}"
     return v
 
 
@@ -646,6 +707,44 @@ def _priv_uid(ctx: Ctx) -> Verdict:
         v.add_break("ESCAPE", "a sandbox process runs as host root")
     if len(uids) == 2 and uids[a.id] & uids[b.id]:
         v.add_break("ESCAPE", "two sandboxes share a host uid")
+    return v
+
+
+@check(
+    "priv-uid-ranges",
+    "privilege",
+    "every live sandbox maps its own block of host ids, shared with no other sandbox",
+    ["same-uid"],
+)
+def _priv_uid_ranges(ctx: Ctx) -> Verdict:
+    boxes = [ctx.box(), ctx.box(), ctx.box(tenant="battery-b")]
+    ranges: dict[str, set[tuple[int, int]]] = {}
+    v = blocked("")
+    for box in boxes:
+        box.run("true")
+        for pid in ctx.sandbox_pids(box):
+            r = userns.mapped_range(pid)
+            try:
+                uid = os.stat(f"/proc/{pid}").st_uid
+            except OSError:
+                continue
+            if r is None:
+                v.add_break("ESCAPE", f"{box.id}: pid {pid} has no range of its own")
+                continue
+            ranges.setdefault(box.id, set()).add(r)
+            if not r[0] <= uid < r[0] + r[1]:
+                v.add_break("ESCAPE", f"{box.id}: pid {pid} runs as host uid {uid} outside {r}")
+    for box_id, found in ranges.items():
+        if len(found) != 1:
+            v.add_break("ESCAPE", f"{box_id} has processes in several ranges {sorted(found)}")
+    spans = sorted((r[0], r[0] + r[1], box_id) for box_id, rs in ranges.items() for r in rs)
+    for (a0, a1, a), (b0, b1, b) in zip(spans, spans[1:], strict=False):
+        if b0 < a1:
+            v.add_break("ESCAPE", f"{a} [{a0}, {a1}) and {b} [{b0}, {b1}) overlap")
+    if len(ranges) != len(boxes):
+        return Verdict("ERROR", evidence=f"processes found for {len(ranges)} of {len(boxes)}")
+    if v.status == "BLOCKED":
+        v.evidence = ", ".join(f"{b}: {sorted(r)}" for b, r in ranges.items())
     return v
 
 

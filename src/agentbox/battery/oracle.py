@@ -67,6 +67,11 @@ class Oracle:
         self.canary_dir = Path(f"/var/lib/agentbox-battery-{n[:12]}")
         self.canary_file = self.canary_dir / "secret.txt"
         self.drop_dir = self.canary_dir / "drop"
+        # Shown to every sandbox read-only (the operator's --host-path): files only ids the
+        # sandbox does not map may read, a host-root 0600 file and a 0700 dir of an id outside
+        # every sandbox's range, so that a sandbox root's capabilities are seen to stop there.
+        self.foreign_dir = self.canary_dir / "foreign"
+        self.foreign_secret = f"ABX-CANARY-FOREIGN-{n}"
         self.hits: list[Hit] = []
         # Listener addresses a check reaches on purpose (its baseline): contact with them is
         # recorded apart, with everything the client sent, and is no break by itself.
@@ -92,6 +97,7 @@ class Oracle:
         self.drop_dir.mkdir()
         os.chmod(self.drop_dir, 0o777)
         self.signal_log.touch()
+        self._plant_foreign()
         # A host process the sandbox must neither see, trace nor signal.
         code = (
             f"# abx-canary-proc-{self.nonce}\n"  # early in its cmdline, where `ps` shows it
@@ -107,6 +113,33 @@ class Oracle:
             start_new_session=True,
         )
         self.snapshot()
+
+    def _plant_foreign(self) -> None:
+        from agentbox.runtimes.uids import POOL
+
+        other = POOL[1] + 1000  # no sandbox's range holds it: "another sandbox's user"
+        self.foreign_dir.mkdir(mode=0o755)
+        os.chmod(self.foreign_dir, 0o755)
+        root_only = self.foreign_dir / "host-root-only.txt"
+        root_only.write_text(self.foreign_secret + "\n")
+        os.chmod(root_only, 0o600)
+        theirs = self.foreign_dir / "other-range"
+        theirs.mkdir(mode=0o700)
+        (theirs / "secret.txt").write_text(self.foreign_secret + "\n")
+        for p in (theirs / "secret.txt", theirs):
+            os.chown(p, other, other)
+        os.chmod(theirs / "secret.txt", 0o600)
+        os.chmod(theirs, 0o700)
+
+    def foreign_files(self) -> list[str]:
+        return [
+            str(self.foreign_dir / "host-root-only.txt"),
+            str(self.foreign_dir / "other-range" / "secret.txt"),
+        ]
+
+    def server_options(self) -> list[str]:
+        """Operator options every battery server runs with, for the oracle's planted files."""
+        return ["--host-path", str(self.foreign_dir)]
 
     @property
     def canary_pid(self) -> int:

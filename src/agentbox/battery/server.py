@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -95,21 +96,22 @@ def weakened_network(flags: set[str], **settings: Any) -> NetworkSettings:
 
 
 def weakened_runtime(
-    names: str, flags: set[str], bind_host: list[str]
+    names: str, flags: set[str], bind_host: list[str], host_paths: Sequence[str] = ()
 ) -> tuple[str, dict[str, Any] | None]:
     """The runtimes to serve and the default one's config: with runtime weakenings, the
     weakened process runtime (registered here, in code, so no installation ever offers it)
-    in place of `process`."""
+    in place of `process`. `host_paths`: as `agentbox serve --host-path`."""
     weaken = sorted(flags & WEAKENINGS.keys())
+    shown = {"host_paths": list(host_paths)} if host_paths else {}
     if not weaken and not bind_host:
-        return names, None
+        return names, shown or None
     first, *rest = names.split(",")
     if first != "process":
         raise ValueError(f"runtime weakenings are for the process runtime, not {first!r}")
     name = WeakenedProcessRuntime.name
     if name not in runtimes.available():
         runtimes.register(name, WeakenedProcessRuntime)
-    return ",".join([name, *rest]), {"weaken": weaken, "bind_host": bind_host}
+    return ",".join([name, *rest]), {"weaken": weaken, "bind_host": bind_host, **shown}
 
 
 def main() -> None:
@@ -122,13 +124,14 @@ def main() -> None:
     p.add_argument("--data-dir", type=Path, required=True)
     p.add_argument("--egress-allow-cidr", action="append", default=[])
     p.add_argument("--egress-resolve", action="append", default=[])
+    p.add_argument("--host-path", action="append", default=[])
     a = p.parse_args()
     flags = {w for w in a.weaken.split(",") if w}
     unknown = flags - WEAKENINGS.keys() - EGRESS_WEAKENINGS.keys() - SERVER_WEAKENINGS.keys()
     if unknown:
         p.error(f"unknown weakening(s): {', '.join(sorted(unknown))}")
     try:
-        runtime, config = weakened_runtime(a.runtime, flags, a.bind_host)
+        runtime, config = weakened_runtime(a.runtime, flags, a.bind_host, a.host_path)
     except ValueError as e:
         p.error(str(e))
     network = weakened_network(

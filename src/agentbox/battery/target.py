@@ -74,18 +74,28 @@ class Run:
 class Box:
     """One sandbox, driven only through the public HTTP API."""
 
-    def __init__(self, client: httpx.Client, info: dict[str, Any]) -> None:
+    def __init__(
+        self, client: httpx.Client, info: dict[str, Any], user: str | None = "root"
+    ) -> None:
         self.client = client
         self.id: str = info["sandbox_id"]
         self.info = info
         self._probe_path: str | None = None
+        # Probes run as the sandbox's own root, its strongest principal (ROOT_CAPS in its user
+        # namespace), unless a check says otherwise; a sandbox without a root (unsandboxed)
+        # runs them as its one user.
+        self.user: str | None = user
 
-    def run(self, cmd: str, timeout: float = 60) -> Run:
+    def run(self, cmd: str, timeout: float = 60, user: str | None = None) -> Run:
+        """Run `cmd` as `user` ("user", "root"; None: the box's `user`, else the default)."""
         out, err, end = [], [], {}
+        body: dict[str, Any] = {"cmd": cmd, "timeout": timeout}
+        if user or self.user:
+            body["user"] = user or self.user
         with self.client.stream(
             "POST",
             f"/v1/sandboxes/{self.id}/commands",
-            json={"cmd": cmd, "timeout": timeout},
+            json=body,
             timeout=timeout + 30,
         ) as r:
             if r.status_code != 200:
@@ -103,10 +113,11 @@ class Box:
                     end = ev
         return Run(end.get("exit_code"), "".join(out), "".join(err), end)
 
-    def start(self, cmd: str) -> str:
-        r = self.client.post(
-            f"/v1/sandboxes/{self.id}/commands", json={"cmd": cmd, "background": True}
-        )
+    def start(self, cmd: str, user: str | None = None) -> str:
+        body: dict[str, Any] = {"cmd": cmd, "background": True}
+        if user or self.user:
+            body["user"] = user or self.user
+        r = self.client.post(f"/v1/sandboxes/{self.id}/commands", json=body)
         r.raise_for_status()
         return r.json()["cmd_id"]
 
@@ -148,7 +159,9 @@ class Box:
             pass
         return "".join(out)
 
-    def probe(self, name: str, timeout: float = 60, **args: Any) -> dict[str, Any]:
+    def probe(
+        self, name: str, timeout: float = 60, user: str | None = None, **args: Any
+    ) -> dict[str, Any]:
         """Run one probe of probes.py inside the sandbox; its JSON answer (or why not)."""
         if self._probe_path is None:
             path = f"/tmp/.abx-probe-{self.id}.py"
@@ -157,7 +170,7 @@ class Box:
                 return {"error": f"upload failed: HTTP {r.status_code} {r.text[:200]}"}
             self._probe_path = path
         arg = json.dumps(args).replace("'", "'\\''")
-        res = self.run(f"python3 {self._probe_path} {name} '{arg}'", timeout=timeout)
+        res = self.run(f"python3 {self._probe_path} {name} '{arg}'", timeout=timeout, user=user)
         for line in reversed(res.stdout.splitlines()):
             try:
                 body = json.loads(line)
@@ -266,7 +279,7 @@ class Server:
         r = c.post("/v1/sandboxes", json=body)
         if r.status_code != 201:
             raise RuntimeError(f"create failed: HTTP {r.status_code} {r.text[:300]}")
-        b = Box(c, r.json())
+        b = Box(c, r.json(), user=None if "unsandboxed" in self.weaken else "root")
         self.boxes.append(b)
         return b
 

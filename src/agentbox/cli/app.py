@@ -717,6 +717,9 @@ def exec_command(
         help="Working directory.", show_default="/workspace")] = None,
     env: Annotated[list[str] | None, typer.Option(
         "--env", "-e", help="KEY=VALUE (repeatable).")] = None,
+    user: Annotated[str | None, typer.Option(
+        "--user", "-u", help='Run as "user" (uid 1000) or "root" (the sandbox\'s own root).',
+        show_default="the template's user")] = None,
     timeout: Annotated[float, typer.Option(help="Seconds; 0 = no limit.")] = 60,
     stdin: Annotated[bool | None, typer.Option(
         "--stdin/--no-stdin", help="Forward stdin to the command, as UTF-8 text.",
@@ -744,7 +747,7 @@ def exec_command(
     try:
         result = sbx.commands.run(line, envs=_pairs(env, "--env"), cwd=cwd, timeout=timeout,
                                   on_stdout=_writer(sys.stdout), on_stderr=_writer(sys.stderr),
-                                  stdin=forward, on_start=on_start)
+                                  stdin=forward, on_start=on_start, user=user)
         _warn_dropped(result.dropped_bytes)
     except CommandExitException as e:
         sys.stdout.flush()

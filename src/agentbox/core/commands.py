@@ -90,13 +90,16 @@ class CommandService:
         if req.timeout < 0:
             raise InvalidRequest("timeout must be >= 0 (0 = no timeout)")
         check_envs(req.envs)
-        return {
+        if req.user not in (None, "user", "root"):
+            raise InvalidRequest(f'user must be "user" or "root", not {req.user!r}')
+        spec = {
             "cmd": req.cmd,
             "cwd": req.cwd,
             "envs": req.envs,
             "timeout": req.timeout,
             "stdin": req.stdin,
         }
+        return spec if req.user is None else {**spec, "user": req.user}
 
     async def start_command(
         self, caller: Caller, sandbox_id: str, req: CommandRequest

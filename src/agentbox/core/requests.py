@@ -39,6 +39,7 @@ class CodeRequest:
 class CommandRequest:
     cmd: str
     cwd: str | None = None
+    user: str | None = None  # "user" or "root"; None: the sandbox's default
     envs: dict[str, str] = field(default_factory=dict)
     timeout: float = 60
     background: bool = False

@@ -264,6 +264,7 @@ class AsyncCommands:
         stdin: bool = False,
         on_start: Callable[[str], Any] | None = None,
         *,
+        user: str | None = None,
         request_timeout: float | None = None,
     ) -> CommandResult: ...
 
@@ -280,6 +281,7 @@ class AsyncCommands:
         stdin: bool = False,
         on_start: Callable[[str], Any] | None = None,
         *,
+        user: str | None = None,
         request_timeout: float | None = None,
     ) -> AsyncCommandHandle: ...
 
@@ -295,10 +297,12 @@ class AsyncCommands:
         stdin: bool = False,
         on_start: Callable[[str], Any] | None = None,
         *,
+        user: str | None = None,
         request_timeout: float | None = None,
     ) -> CommandResult | AsyncCommandHandle:
-        """Run `cmd` in `cwd` (default /workspace); `timeout` seconds (0 = none) is enforced by
-        the server. `request_timeout` overrides the client's for the HTTP requests (not the
+        """Run `cmd` in `cwd` (default /workspace) as `user` ("user", uid 1000, or "root", the
+        sandbox's own root; default: the template's); `timeout` seconds (0 = none) is enforced
+        by the server. `request_timeout` overrides the client's for the HTTP requests (not the
         command's run time).
 
         Foreground: streams output to the callbacks as it arrives, returns the result, and
@@ -312,7 +316,7 @@ class AsyncCommands:
         if background:
             info = await self._transport.call(
                 p.timed(
-                    p.start_command(self._sandbox_id, cmd, envs, cwd, timeout, stdin),
+                    p.start_command(self._sandbox_id, cmd, envs, cwd, timeout, stdin, user),
                     request_timeout,
                 )
             )
@@ -325,7 +329,8 @@ class AsyncCommands:
             self._sandbox_id, cmd=cmd, on_start=on_start, request_timeout=request_timeout
         )
         first = p.timed(
-            p.run_command(self._sandbox_id, cmd, envs, cwd, timeout, stdin), request_timeout
+            p.run_command(self._sandbox_id, cmd, envs, cwd, timeout, stdin, user),
+            request_timeout,
         )
         async for stream, data in self._transport.follow(
             progress, first, p.command_read_timeout(timeout)

@@ -204,6 +204,7 @@ class CommandInfo:
     timed_out: bool
     started_at: datetime | None
     ended_at: datetime | None
+    user: str = "user"  # who runs it: "user" or "root"
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> CommandInfo:
@@ -212,7 +213,7 @@ class CommandInfo:
             cmd=str(data.get("cmd", "")), cwd=str(data.get("cwd", "")),
             running=bool(data.get("running")), exit_code=data.get("exit_code"),
             timed_out=bool(data.get("timed_out")), started_at=_time(data.get("started_at")),
-            ended_at=_time(data.get("ended_at")),
+            ended_at=_time(data.get("ended_at")), user=str(data.get("user") or "user"),
         )
 
 

@@ -423,22 +423,23 @@ def remove_secret(name: str) -> Call[None]:
 
 
 def _command_body(cmd: str, background: bool, envs: Mapping[str, str] | None, cwd: str | None,
-                  timeout: float, stdin: bool) -> dict[str, Any]:
-    return {"cmd": cmd, "cwd": cwd, "envs": dict(envs or {}), "timeout": timeout,
+                  timeout: float, stdin: bool, user: str | None) -> dict[str, Any]:
+    body = {"cmd": cmd, "cwd": cwd, "envs": dict(envs or {}), "timeout": timeout,
             "background": background, "stdin": stdin}
+    return body if user is None else {**body, "user": user}
 
 
 def run_command(sandbox_id: str, cmd: str, envs: Mapping[str, str] | None, cwd: str | None,
-                timeout: float, stdin: bool) -> Call[None]:
+                timeout: float, stdin: bool, user: str | None = None) -> Call[None]:
     """Foreground: the answer is an NDJSON stream, fed to a `CommandProgress`."""
     return Call("POST", f"{_sbx(sandbox_id)}/commands", _none,
-                json=_command_body(cmd, False, envs, cwd, timeout, stdin))
+                json=_command_body(cmd, False, envs, cwd, timeout, stdin, user))
 
 
 def start_command(sandbox_id: str, cmd: str, envs: Mapping[str, str] | None, cwd: str | None,
-                  timeout: float, stdin: bool) -> Call[CommandInfo]:
+                  timeout: float, stdin: bool, user: str | None = None) -> Call[CommandInfo]:
     return Call("POST", f"{_sbx(sandbox_id)}/commands", _command,
-                json=_command_body(cmd, True, envs, cwd, timeout, stdin))
+                json=_command_body(cmd, True, envs, cwd, timeout, stdin, user))
 
 
 def command_events(sandbox_id: str, cmd_id: str, offset: int) -> Call[None]:

@@ -255,6 +255,7 @@ class Commands:
         stdin: bool = False,
         on_start: Callable[[str], Any] | None = None,
         *,
+        user: str | None = None,
         request_timeout: float | None = None,
     ) -> CommandResult: ...
 
@@ -271,6 +272,7 @@ class Commands:
         stdin: bool = False,
         on_start: Callable[[str], Any] | None = None,
         *,
+        user: str | None = None,
         request_timeout: float | None = None,
     ) -> CommandHandle: ...
 
@@ -286,10 +288,12 @@ class Commands:
         stdin: bool = False,
         on_start: Callable[[str], Any] | None = None,
         *,
+        user: str | None = None,
         request_timeout: float | None = None,
     ) -> CommandResult | CommandHandle:
-        """Run `cmd` in `cwd` (default /workspace); `timeout` seconds (0 = none) is enforced by
-        the server. `request_timeout` overrides the client's for the HTTP requests (not the
+        """Run `cmd` in `cwd` (default /workspace) as `user` ("user", uid 1000, or "root", the
+        sandbox's own root; default: the template's); `timeout` seconds (0 = none) is enforced
+        by the server. `request_timeout` overrides the client's for the HTTP requests (not the
         command's run time).
 
         Foreground: streams output to the callbacks as it arrives, returns the result, and
@@ -303,7 +307,7 @@ class Commands:
         if background:
             info = self._transport.call(
                 p.timed(
-                    p.start_command(self._sandbox_id, cmd, envs, cwd, timeout, stdin),
+                    p.start_command(self._sandbox_id, cmd, envs, cwd, timeout, stdin, user),
                     request_timeout,
                 )
             )
@@ -314,7 +318,8 @@ class Commands:
             self._sandbox_id, cmd=cmd, on_start=on_start, request_timeout=request_timeout
         )
         first = p.timed(
-            p.run_command(self._sandbox_id, cmd, envs, cwd, timeout, stdin), request_timeout
+            p.run_command(self._sandbox_id, cmd, envs, cwd, timeout, stdin, user),
+            request_timeout,
         )
         for stream, data in self._transport.follow(
             progress, first, p.command_read_timeout(timeout)

@@ -190,6 +190,11 @@ class SandboxList(BaseModel):
 class CommandBody(Strict):
     cmd: str = Field(min_length=1, max_length=1 << 20)
     cwd: str | None = Field(None, max_length=4096)
+    user: Literal["user", "root"] | None = Field(
+        None,
+        description='who runs it: "user" (uid 1000) or the sandbox\'s "root"; default the '
+        "template's user",
+    )
     envs: dict[str, str] = Field(default_factory=dict)
     timeout: float = Field(60, ge=0, le=10**9, description="seconds; 0 = no timeout")
     background: bool = False
@@ -201,6 +206,7 @@ class CommandInfo(BaseModel):
     pid: int
     cmd: str
     cwd: str
+    user: str
     running: bool
     exit_code: int | None
     timed_out: bool
@@ -214,6 +220,7 @@ class CommandInfo(BaseModel):
             pid=int(info.get("pid") or 0),
             cmd=str(info.get("cmd", "")),
             cwd=str(info.get("cwd", "")),
+            user=str(info.get("user", "user")),
             running=bool(info.get("running")),
             exit_code=info.get("exit_code"),
             timed_out=bool(info.get("timed_out")),

@@ -215,14 +215,15 @@ _MS_REMOUNT, _MS_BIND = 32, 4096
 _MNT_DETACH = 2
 
 
-def fresh_tmpfs(path: Path, size_mb: int) -> None:
-    """Mount a new, empty, root-owned tmpfs at `path`. One a previous server left there is
-    detached, not emptied: the sandboxes it still serves keep it until they end."""
+def fresh_tmpfs(path: Path, size_mb: int, executable: bool = False) -> None:
+    """Mount a new, empty, root-owned tmpfs at `path` (noexec unless `executable`). One a
+    previous server left there is detached, not emptied: the sandboxes it still serves keep
+    it until they end."""
     path.mkdir(mode=0o755, exist_ok=True)
     if os.path.ismount(path):
         detach(path)
     opts = f"mode=0755,size={size_mb}m".encode()
-    flags = _MS_NOSUID | _MS_NODEV | _MS_NOEXEC
+    flags = _MS_NOSUID | _MS_NODEV | (0 if executable else _MS_NOEXEC)
     if _libc.mount(b"tmpfs", str(path).encode(), b"tmpfs", flags, opts) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"mount tmpfs on {path}: {os.strerror(err)}")

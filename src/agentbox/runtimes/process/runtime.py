@@ -45,11 +45,11 @@ from agentbox.runtimes.base import (
     RuntimeFeatures,
     SandboxSpec,
 )
-from agentbox.runtimes.process import hostview, workspace
+from agentbox.runtimes.process import hostview, userns, workspace
 from agentbox.runtimes.process.cgroups import GROUP, CgroupLimits, Cgroups
 from agentbox.runtimes.process.netns import NamespaceSockets, NetnsError
 from agentbox.runtimes.process.seccomp import build_filter
-from agentbox.runtimes.uids import LEASES, UID_RANGE, NoFreeUid, UidLeases
+from agentbox.runtimes.uids import BLOCK, LEASES, UID_RANGE, NoFreeUid, UidLeases
 
 RUN_ROOT = Path("/run/agentbox")
 TEMPLATE_BINDS = "templates"  # below the bind root: template trees a sandbox uid can resolve
@@ -62,8 +62,11 @@ AGENT_FILES = (
     "code_host.py",
     "js_repl.js",
     "login_path.sh",
+    "users.py",
 )
+SUDO_SRC = "sudo.py"  # installed as bin/sudo
 AGENT_MOUNT = "/opt/agentbox"
+AGENT_BIN = f"{AGENT_MOUNT}/bin"  # the `sudo` that asks the agent (see agent/sudo.py)
 SANDBOX_PYTHON = "/usr/bin/python3"
 SOCKET_NAME = "agent.sock"
 STATE_FILE = "runtime.json"
@@ -75,7 +78,7 @@ CAP_SYS_RESOURCE = 24
 # /var or /run: user data, credentials and the server's own data live there.
 _MERGED_USR_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 _USR_LOCAL = "/usr/local"
-SANDBOX_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+SANDBOX_PATH = f"/usr/local/sbin:/usr/local/bin:{AGENT_BIN}:/usr/sbin:/usr/bin:/sbin:/bin"
 _PIPE_PAYLOAD_MAX = 16384  # well below a pipe's buffer: the write must not block
 
 
@@ -164,7 +167,7 @@ class ProcessRuntime(Runtime):
         self.own_mounts = self._mounts_shared_trees()
         self.template_lock = threading.Lock()
         self._drop_template_binds()  # a previous server's
-        self.agent_dir = self._install_agent(self._shared_tree("agent", 16))
+        self.agent_dir = self._install_agent(self._shared_tree("agent", 16, executable=True))
         self.etc_dir = self._etc_tree()
         self.proc_view = hostview.ProcView.of_host()
         self.cpus = sorted(os.sched_getaffinity(0))
@@ -197,12 +200,12 @@ class ProcessRuntime(Runtime):
         """The /etc sandboxes of the host userland see; None binds the host's own."""
         return self._build_etc()
 
-    def _shared_tree(self, name: str, size_mb: int) -> Path:
+    def _shared_tree(self, name: str, size_mb: int, executable: bool = False) -> Path:
         """A directory every sandbox binds read-only; as root a fresh tmpfs, whose root shows
         in a sandbox's mountinfo as "/" where a plain directory would show its host path."""
         path = self.bind_root / name
         if self.own_mounts:
-            hostview.fresh_tmpfs(path, size_mb)
+            hostview.fresh_tmpfs(path, size_mb, executable)
         return path
 
     def _build_etc(self) -> Path:
@@ -229,13 +232,8 @@ class ProcessRuntime(Runtime):
         dest.mkdir(exist_ok=True)
         os.chmod(dest, 0o755)
         for name in AGENT_FILES:
-            src = AGENT_SRC / name
             target = dest / name
-            if not target.exists() or target.read_bytes() != src.read_bytes():
-                tmp = target.with_suffix(".tmp")
-                shutil.copyfile(src, tmp)
-                os.chmod(tmp, 0o644)
-                tmp.replace(target)
+            _install_file(AGENT_SRC / name, target, 0o644)
             if name.endswith(".py") and name != "main.py":
                 try:
                     py_compile.compile(
@@ -245,6 +243,7 @@ class ProcessRuntime(Runtime):
                     )
                 except (py_compile.PyCompileError, OSError):
                     pass
+        _install_file(AGENT_SRC / SUDO_SRC, dest / "bin" / "sudo", 0o755)
         cache = dest / "__pycache__"
         if cache.is_dir():
             os.chmod(cache, 0o755)
@@ -333,14 +332,17 @@ class ProcessRuntime(Runtime):
 
     def _bwrap_argv(self, spec: SandboxSpec, ws: Path, fds: dict[str, int]) -> list[str]:
         r = spec.resources
-        argv = ["bwrap", *self._namespace_args(spec), "--hostname", "sandbox", "--new-session"]
+        argv = ["bwrap", *self._namespace_args(spec, fds), "--hostname", "sandbox"]
+        argv.append("--new-session")
         if spec.rootfs:
             # A template: its whole tree read-only, then the sandbox's own mounts on top
             # (by fd, opened by the server, on a path bwrap can resolve: see
             # _reachable_template).
             argv += ["--ro-bind-fd", str(fds["rootfs"]), "/"]
         else:
+            # bwrap makes a mount point's missing parents 0700: /opt is made first, 0755.
             argv += self._host_userland_args()
+            argv += ["--dir", "/opt", "--perms", "0700", "--dir", "/root"]
         small_mb = min(r.tmp_mb, 64)
         argv += [*self._proc_mount_args(), *self._proc_args(fds), "--dev", "/dev"]
         argv += self._tmpfs_args("/tmp", r.tmp_mb) + self._tmpfs_args("/dev/shm", small_mb)
@@ -348,7 +350,7 @@ class ProcessRuntime(Runtime):
         if spec.rootfs and any(path.startswith("/run/") for path in spec.files):
             # A template's /run is part of its read-only tree; files placed below it (the CA
             # bundle) need a tmpfs to land on, as /run is on a booted system.
-            argv += self._tmpfs_args("/run", 1)
+            argv += self._tmpfs_args("/run", 1, 0o755)
         if spec.rootfs and not Path(spec.rootfs, "var/tmp").is_symlink():
             argv += self._tmpfs_args("/var/tmp", small_mb)
         else:
@@ -362,8 +364,8 @@ class ProcessRuntime(Runtime):
             AGENT_MOUNT,
         ]
         if "passwd" in fds:  # a template's /etc, or the host's own
-            argv += ["--ro-bind-data", str(fds["passwd"]), "/etc/passwd"]
-            argv += ["--ro-bind-data", str(fds["group"]), "/etc/group"]
+            argv += ["--perms", "0444", "--ro-bind-data", str(fds["passwd"]), "/etc/passwd"]
+            argv += ["--perms", "0444", "--ro-bind-data", str(fds["group"]), "/etc/group"]
         argv += ["--chdir", spec.workdir, "--clearenv"]
         env = {
             "PATH": SANDBOX_PATH,
@@ -380,22 +382,48 @@ class ProcessRuntime(Runtime):
         for k, v in env.items():
             argv += ["--setenv", k, v]
         for path in spec.files:
-            argv += ["--ro-bind-data", str(fds[f"file:{path}"]), path]
+            argv += ["--perms", "0444", "--ro-bind-data", str(fds[f"file:{path}"]), path]
         argv += [*self._extra_binds(), *self._seccomp_args(fds)]
         argv += ["--info-fd", str(fds["info"]), "--"]
-        return argv + self._agent_argv(AGENT_MOUNT, fds)
+        return argv + self._agent_argv(AGENT_MOUNT, spec, fds)
 
-    def _namespace_args(self, spec: SandboxSpec) -> list[str]:
-        """Every namespace unshared, no capabilities, no nested user namespaces."""
-        uid = "0" if spec.user == "root" else "1000"
-        argv = ["--unshare-all", "--unshare-user", "--disable-userns"]
-        return [*argv, "--uid", uid, "--gid", uid, "--cap-drop", "ALL"]
+    def _namespace_args(self, spec: SandboxSpec, fds: dict[str, int]) -> list[str]:
+        """Every namespace unshared, no nested user namespaces. As root: the sandbox's own
+        user namespace (made by the server, mapping its 0-65535 onto its uid block, see
+        userns.py), joined as its root holding only `ROOT_CAPS`. Without root: a namespace
+        bwrap makes, mapping the one uid the server runs as to `user`, no capabilities."""
+        if "userns" not in fds:
+            uid = "0" if spec.user == "root" else "1000"
+            argv = ["--unshare-all", "--unshare-user", "--disable-userns"]
+            return [*argv, "--uid", uid, "--gid", uid, "--cap-drop", "ALL"]
+        argv = ["--userns", str(fds["userns"]), *self._userns_assert()]
+        argv += [f"--unshare-{ns}" for ns in self._unshared()]
+        argv += ["--uid", "0", "--gid", "0", "--cap-drop", "ALL"]
+        return argv + [arg for cap in userns.ROOT_CAPS for arg in ("--cap-add", cap)]
+
+    def _unshared(self) -> tuple[str, ...]:
+        """The namespaces a sandbox gets besides its user namespace."""
+        return ("pid", "net", "ipc", "uts", "cgroup")
+
+    def _userns_assert(self) -> list[str]:
+        """bwrap refuses to start unless no user namespace can be made inside."""
+        return ["--assert-userns-disabled"]
+
+    def _userns_nesting(self) -> bool:
+        """Whether the sandbox's user namespace may hold nested ones: never."""
+        return False
+
+    def _own_userns(self) -> bool:
+        """Whether sandboxes get a user namespace of the server's making (see userns.py)."""
+        return self.is_root
 
     def _proc_mount_args(self) -> list[str]:
         return ["--proc", "/proc"]  # the sandbox's own pid namespace
 
-    def _tmpfs_args(self, path: str, size_mb: int) -> list[str]:
-        return ["--size", str(size_mb * 1024 * 1024), "--tmpfs", path]
+    def _tmpfs_args(self, path: str, size_mb: int, mode: int = 0o1777) -> list[str]:
+        """A sized tmpfs; sticky and world-writable by default (/tmp, /dev/shm, /var/tmp), as
+        the sandbox's root makes it and `user` must write it too."""
+        return ["--perms", f"{mode:04o}", "--size", str(size_mb * 1024 * 1024), "--tmpfs", path]
 
     def _extra_binds(self) -> list[str]:
         """Host paths bound read-write: none (the workspace is the sandbox's only one)."""
@@ -426,7 +454,7 @@ class ProcessRuntime(Runtime):
         args = ["--tmpfs", _USR_LOCAL] if mask else []
         for p in self.host_paths:
             if not p.startswith(("/etc/", "/usr/")) or (mask and p.startswith(_USR_LOCAL + "/")):
-                args += ["--ro-bind", p, p]
+                args += [*parent_dirs(p), "--ro-bind", p, p]
         return [*args, "--remount-ro", _USR_LOCAL] if mask else args
 
     def _proc_args(self, fds: dict[str, int]) -> list[str]:
@@ -434,15 +462,20 @@ class ProcessRuntime(Runtime):
         args = []
         for name, fd in fds.items():
             if name.startswith("proc:"):
-                args += ["--ro-bind-data", str(fd), name.removeprefix("proc:")]
+                args += ["--perms", "0444", "--ro-bind-data", str(fd), name.removeprefix("proc:")]
         for d in hostview.PROC_MASKED_DIRS:
             if os.path.isdir(d):
                 args += ["--tmpfs", d, "--remount-ro", d]
         return args
 
-    def _agent_argv(self, agent_dir: str, fds: dict[str, int]) -> list[str]:
+    def _agent_argv(self, agent_dir: str, spec: SandboxSpec, fds: dict[str, int]) -> list[str]:
         argv = [SANDBOX_PYTHON, "-E", "-s", "-S", f"{agent_dir}/main.py"]
-        return [*argv, "--listen-fd", str(fds["listen"]), *self._agent_flags(fds)]
+        argv += ["--listen-fd", str(fds["listen"]), "--user", self._default_user(spec)]
+        return [*argv, *self._agent_flags(fds)]
+
+    def _default_user(self, spec: SandboxSpec) -> str:
+        """Who commands run as unless they say (the template's `run.user`)."""
+        return spec.user
 
     def _agent_flags(self, fds: dict[str, int]) -> list[str]:
         """Further agent options: none (the agent confines itself fully by default)."""
@@ -457,11 +490,14 @@ class ProcessRuntime(Runtime):
         uid = self._allocate_uid(sid)
         cpus = self._assign_cpus(sid, spec.resources.cpu_count)
         state: dict[str, Any] = {"uid": uid, "dir": str(sdir), "cpus": cpus}
+        if self._own_userns():
+            state["range"] = [uid, BLOCK]
         try:
             sdir.mkdir(mode=0o711)
             os.chmod(sdir, 0o711)
+            owner = uid + userns.USER_UID if self._own_userns() else uid
             ws = workspace.create(
-                sdir, self.bind_root / sid, spec.resources.disk_mb, uid, self.use_loop
+                sdir, self.bind_root / sid, spec.resources.disk_mb, owner, self.use_loop
             )
             state["disk_limit_enforced"] = ws.disk_limit_enforced
             self.cgroups.create(sid, self._cgroup_limits(spec.resources))
@@ -519,6 +555,12 @@ class ProcessRuntime(Runtime):
     def _spawn(
         self, spec: SandboxSpec, sdir: Path, ws: Path, uid: int, cpus: list[int]
     ) -> dict[str, Any]:
+        ns = -1
+        if self._own_userns():
+            try:
+                ns = userns.make(uid, nesting=self._userns_nesting())
+            except userns.UsernsError as e:
+                raise RuntimeError_(str(e)) from None
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         # Short path (AF_UNIX allows ~107 bytes); 0600 root: no sandbox uid may connect.
         sock_path = self.bind_root / spec.sandbox_id / SOCKET_NAME
@@ -537,6 +579,8 @@ class ProcessRuntime(Runtime):
         for path, data in self._proc_files(spec, cpus).items():
             fds[f"proc:{path}"] = _data_fd(data)
         fds |= self._extra_fds()
+        if ns >= 0:
+            fds["userns"] = ns
         if spec.rootfs:
             rootfs = self._reachable_template(spec.rootfs)
             fds["rootfs"] = os.open(rootfs, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW)
@@ -921,6 +965,25 @@ class ProcessRuntime(Runtime):
         """Kill every process of the sandbox (its cgroup), daemons that left its pid
         namespace's reach included; False if some would not die."""
         return self.cgroups.kill_all(sid)
+
+
+def parent_dirs(path: str) -> list[str]:
+    """bwrap arguments making `path`'s parents 0755 first: bwrap makes a mount point's missing
+    parents 0700, owned by the sandbox's root, where its `user` could not reach the mount."""
+    return [arg for d in reversed(Path(path).parents[:-1]) for arg in ("--dir", str(d))]
+
+
+def _install_file(src: Path, target: Path, mode: int) -> None:
+    """Copy `src` to `target` (atomically, only if it changed) with `mode`."""
+    target.parent.mkdir(mode=0o755, exist_ok=True)
+    os.chmod(target.parent, 0o755)
+    if target.exists() and target.read_bytes() == src.read_bytes():
+        os.chmod(target, mode)
+        return
+    tmp = target.with_suffix(".tmp")
+    shutil.copyfile(src, tmp)
+    os.chmod(tmp, mode)
+    tmp.replace(target)
 
 
 def _digest(data_dir: Path) -> str:

@@ -21,7 +21,7 @@ from typing import ClassVar
 
 from agentbox.runtimes.base import Ceiling, Resources, RuntimeFeatures, SandboxSpec
 from agentbox.runtimes.process.cgroups import CgroupLimits
-from agentbox.runtimes.process.runtime import SANDBOX_PATH, ProcessRuntime
+from agentbox.runtimes.process.runtime import SANDBOX_PATH, ProcessRuntime, parent_dirs
 from agentbox.runtimes.uids import UID_RANGE
 
 WEAKENINGS: dict[str, str] = {
@@ -139,32 +139,43 @@ class WeakenedProcessRuntime(ProcessRuntime):
 
     # ------------------------------------------------------------ bwrap's arguments
 
-    def _namespace_args(self, spec: SandboxSpec) -> list[str]:
-        if not self.weak:
-            return super()._namespace_args(spec)
-        weak = self.weak
-        args = []
-        for ns, flag in (("net", "share-net"), ("pid", "share-pid"), ("ipc", "share-ipc")):
-            if flag not in weak:
-                args.append(f"--unshare-{ns}")
-        args += ["--unshare-uts", "--unshare-cgroup"]
-        if "host-root" in weak:
-            return [*args, "--cap-add", "ALL"]
-        args += ["--unshare-user", "--uid", "1000", "--gid", "1000", "--cap-drop", "ALL"]
-        return args if "allow-userns" in weak else [*args, "--disable-userns"]
+    def _namespace_args(self, spec: SandboxSpec, fds: dict[str, int]) -> list[str]:
+        if "host-root" not in self.weak:
+            return super()._namespace_args(spec, fds)
+        return [f"--unshare-{ns}" for ns in self._unshared()] + ["--cap-add", "ALL"]
+
+    def _unshared(self) -> tuple[str, ...]:
+        shared = {"net": "share-net", "pid": "share-pid", "ipc": "share-ipc"}
+        return tuple(ns for ns in super()._unshared() if shared.get(ns, "") not in self.weak)
+
+    def _userns_assert(self) -> list[str]:
+        return [] if "allow-userns" in self.weak else super()._userns_assert()
+
+    def _userns_nesting(self) -> bool:
+        return "allow-userns" in self.weak
+
+    def _own_userns(self) -> bool:
+        no_userns = "host-root" in self.weak or "unsandboxed" in self.weak
+        return super()._own_userns() and not no_userns
+
+    def _default_user(self, spec: SandboxSpec) -> str:
+        # Host root's commands are host root's: the break the positive controls look for.
+        if "host-root" in self.weak:
+            return "root"
+        return super()._default_user(spec)
 
     def _proc_mount_args(self) -> list[str]:
         if "share-pid" in self.weak:
             return ["--bind", "/proc", "/proc"]
         return super()._proc_mount_args()
 
-    def _tmpfs_args(self, path: str, size_mb: int) -> list[str]:
+    def _tmpfs_args(self, path: str, size_mb: int, mode: int = 0o1777) -> list[str]:
         if "no-limits" in self.weak:
-            return ["--tmpfs", path]
-        return super()._tmpfs_args(path, size_mb)
+            return ["--perms", f"{mode:04o}", "--tmpfs", path]
+        return super()._tmpfs_args(path, size_mb, mode)
 
     def _extra_binds(self) -> list[str]:
-        return [arg for p in self.weak.bind_host for arg in ("--bind", p, p)]
+        return [arg for p in self.weak.bind_host for arg in (*parent_dirs(p), "--bind", p, p)]
 
     def _seccomp_args(self, fds: dict[str, int]) -> list[str]:
         return [] if "no-seccomp" in self.weak else super()._seccomp_args(fds)
@@ -206,7 +217,7 @@ class WeakenedProcessRuntime(ProcessRuntime):
     ) -> tuple[list[str], dict[str, str]]:
         if "unsandboxed" not in self.weak:
             return super()._command(spec, ws, fds)
-        argv = [*self._agent_argv(str(self.agent_dir), fds), "--workspace", str(ws)]
+        argv = [*self._agent_argv(str(self.agent_dir), spec, fds), "--workspace", str(ws)]
         env = {"PATH": SANDBOX_PATH, "HOME": str(ws), "AGENTBOX_SANDBOX_ID": spec.sandbox_id}
         return argv, env
 

@@ -35,6 +35,7 @@ def router() -> APIRouter:
         req = CommandRequest(
             cmd=body.cmd,
             cwd=body.cwd,
+            user=body.user,
             envs=body.envs,
             timeout=body.timeout,
             background=body.background,
