@@ -139,8 +139,10 @@ def _wait_state(c: httpx.Client, sid: str, state: str, within: float) -> dict[st
         time.sleep(0.1)
 
 
-def _events(c: httpx.Client, sid: str, cmd: str, http_timeout: float) -> list[dict[str, Any]]:
-    body = {"cmd": cmd, "timeout": 60}
+def _events(
+    c: httpx.Client, sid: str, cmd: str, http_timeout: float, **extra: Any
+) -> list[dict[str, Any]]:
+    body = {"cmd": cmd, "timeout": 60, **extra}
     with c.stream("POST", f"/v1/sandboxes/{sid}/commands", json=body, timeout=http_timeout) as r:
         assert r.status_code == 200, r.read()
         return [json.loads(line) for line in r.iter_lines() if line.strip()]
@@ -161,7 +163,10 @@ def test_a_wedged_agent_is_noticed_and_in_flight_requests_end(
             # (It waits first so the stream has begun: stopped before its start event is sent,
             # the same error comes as the 503 answer instead of the stream's last event.)
             t0 = time.monotonic()
-            events = _events(c, sid, "sleep 1; kill -STOP 2; sleep 30", http_timeout=15)
+            # As the sandbox's root: `user` may not signal the agent.
+            events = _events(
+                c, sid, "sleep 1; kill -STOP 2; sleep 30", http_timeout=15, user="root"
+            )
             took = time.monotonic() - t0
             errors = [e for e in events if e.get("type") == "error"]
             assert errors and errors[-1]["code"] == "sandbox_unhealthy", events
