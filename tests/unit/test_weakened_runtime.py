@@ -27,7 +27,7 @@ needs_bwrap = pytest.mark.skipif(
 )
 SPEC = SandboxSpec("sbx_weak0000000001", "default", Resources(tmp_mb=32))
 # Stand-ins for the descriptors _spawn opens; only their numbers reach the argv.
-FDS = {"seccomp": 3, "info": 4, "listen": 5, "proc:/proc/loadavg": 6, "leak": 7}
+FDS = {"seccomp": 3, "info": 4, "listen": 5, "proc:/proc/loadavg": 6, "leak": 7, "userns": 8}
 
 
 def test_the_production_runtime_has_no_weakening() -> None:
@@ -73,7 +73,8 @@ def test_with_no_weakening_the_sandbox_is_the_production_one(argv_of: Callable) 
     prod = argv_of(ProcessRuntime)
     assert argv_of(WeakenedProcessRuntime) == prod
     assert "--weaken" not in prod and "--leak-fd" not in prod
-    assert {"--unshare-all", "--disable-userns", "--seccomp", "--size"} <= set(prod)
+    assert {"--userns", "--assert-userns-disabled", "--seccomp", "--size"} <= set(prod)
+    assert prod[prod.index("--userns") + 1] == "8" and "--cap-drop" in prod
 
 
 @needs_bwrap
@@ -85,9 +86,9 @@ def test_each_weakening_takes_away_its_layer(argv_of: Callable) -> None:
 
     assert "--seccomp" in prod and "--seccomp" not in weak("no-seccomp")
     assert "--unshare-net" not in weak("share-net") and "--unshare-net" in weak("share-ipc")
-    assert "--disable-userns" not in weak("allow-userns")
+    assert "--assert-userns-disabled" not in weak("allow-userns")
     root = weak("host-root")
-    assert root[root.index("--cap-add") + 1] == "ALL" and "--unshare-user" not in root
+    assert root[root.index("--cap-add") + 1] == "ALL" and "--userns" not in root
     shared = weak("share-pid")
     assert shared[shared.index("/proc") - 1] == "--bind" and "--proc" not in shared
     assert "--size" not in weak("no-limits")
