@@ -201,6 +201,20 @@ def shared_template_dir() -> Path:
     return Path(os.environ.get("AGENTBOX_TEST_TEMPLATE_DIR", "/var/tmp/agentbox-test-templates"))
 
 
+def seed_template_store(store: Path) -> None:
+    """A private template store holding the Debian base as this machine's test runs have it
+    (hard links into the shared one: a minute to build otherwise)."""
+    import shutil
+
+    shared = shared_template_dir()
+    store.mkdir(parents=True)
+    for part in ("layers", "cache"):
+        if (shared / part).is_dir():
+            r = subprocess.run(["cp", "-al", str(shared / part), str(store)])
+            if r.returncode != 0:
+                shutil.rmtree(store / part, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def code_template() -> Path:
     """The shipped code-interpreter template, built (or found in the cache) once per session."""

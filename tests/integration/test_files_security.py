@@ -368,7 +368,7 @@ def test_rejected_upload_is_4xx_not_broken_pipe(server, client, trapped) -> None
 
 def test_writes_outside_workspace_are_read_only_violations(client, sbx) -> None:
     sid = sbx
-    for path in ("/etc/x", "/usr/x", "/opt/agentbox/x", "/usr/local/bin/x"):
+    for path in ("/etc/x", "/usr/x", "/.agentbox/x", "/usr/local/bin/x"):
         r = put(client, files(sid), params={"path": path}, content=b"x")
         body = h.assert_upload_rejected(r, "read_only_path", status=403)
         if r.status_code == 500:

@@ -249,7 +249,7 @@ def test_cannot_write_outside_workspace_and_tmp(server, client, boxes) -> None:
     sid = boxes.new()
     name = f"agentbox-probe-{secrets.token_hex(4)}"
     binds = host_binds(server, sid)
-    agent_main = binds["/opt/agentbox"] / "main.py"
+    agent_main = binds["/.agentbox"] / "main.py"
     watched = ["/etc/hostname", "/etc/passwd", "/usr/bin/env", str(agent_main)]
     before = {p: sha256(p) for p in watched}
     targets = [
@@ -259,7 +259,7 @@ def test_cannot_write_outside_workspace_and_tmp(server, client, boxes) -> None:
         "",
         "/var",
         "/opt",
-        "/opt/agentbox",
+        "/.agentbox",
         "/run",
         "/dev",
         "/proc",
@@ -267,7 +267,7 @@ def test_cannot_write_outside_workspace_and_tmp(server, client, boxes) -> None:
     script = "; ".join(f"(echo pwned > {t}/{name}) && echo 'WROTE {t}/{name}'" for t in targets)
     script += (
         "; (echo pwned >> /etc/hostname) && echo WROTE-hostname"
-        "; (echo pwned >> /opt/agentbox/main.py) && echo WROTE-agent"
+        "; (echo pwned >> /.agentbox/main.py) && echo WROTE-agent"
         "; touch -d 2001-01-01 /etc/passwd && echo WROTE-touch"
         "; chmod 777 /usr/bin/env && echo WROTE-chmod"
         "; ln /etc/passwd /workspace/hardlink && echo WROTE-hardlink"
@@ -288,7 +288,7 @@ def test_cannot_write_outside_workspace_and_tmp(server, client, boxes) -> None:
     # Host side: nothing appeared, nothing changed.
     for t in ("/etc", "/usr", "/usr/local", "/var", "/opt", "/run", "/"):
         assert not (Path(t) / name).exists(), t
-    assert not (binds["/opt/agentbox"] / name).exists()
+    assert not (binds["/.agentbox"] / name).exists()
     for p in watched:
         assert sha256(p) == before[p], p
     assert os.stat("/etc/passwd").st_mtime > 978307200 + 86400  # not touched to 2001

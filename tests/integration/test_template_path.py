@@ -7,12 +7,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-from conftest import ServerHandle, create_sandbox, run, shared_template_dir, start_server
+from conftest import ServerHandle, create_sandbox, run, seed_template_store, start_server
 
 from agentbox.templates import TemplateStore, load_spec
 
@@ -80,23 +78,12 @@ def test_a_bash_env_of_the_callers_own_still_runs(server: ServerHandle, tenant_k
 # ------------------------------------------------------------------------ a real template
 
 
-def _seed(store: Path) -> None:
-    """The Debian base as this machine's test runs have it (a minute to build otherwise)."""
-    shared = shared_template_dir()
-    store.mkdir(parents=True)
-    for part in ("layers", "cache"):
-        if (shared / part).is_dir():
-            r = subprocess.run(["cp", "-al", str(shared / part), str(store)])
-            if r.returncode != 0:
-                shutil.rmtree(store / part, ignore_errors=True)
-
-
 @pytest.fixture(scope="module")
 def opt_tools_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandle]:
     if os.geteuid() != 0 or not shutil.which("mmdebstrap"):
         pytest.skip("template builds need root and mmdebstrap")
     tmp = tmp_path_factory.mktemp("opt-tools")
-    _seed(tmp / "store")
+    seed_template_store(tmp / "store")
     TemplateStore(tmp / "store").build(load_spec(SPEC), lambda e: None)
     handle = start_server(tmp, ["--template-dir", str(tmp / "store")])
     yield handle

@@ -165,7 +165,7 @@ def test_build_produces_a_working_rootfs(store: TemplateStore, tiny: tuple[Any, 
 
     for path in ("usr/bin/python3", "bin/bash", "etc/passwd", "etc/group", "usr/bin/less"):
         assert (rootfs / path).exists(), path
-    for path in ("workspace", "opt/agentbox", "tmp", "proc", "dev", "run", "var/tmp"):
+    for path in ("workspace", ".agentbox", "tmp", "proc", "dev", "run", "var/tmp"):
         assert (rootfs / path).is_dir() and not (rootfs / path).is_symlink(), path
     assert list((rootfs / "dev").iterdir()) == []
     hello = rootfs / "etc/agentbox-test/hello.txt"
@@ -379,7 +379,7 @@ def du(path: Path) -> int:
         ('name = "x"\n[base]\nmirror = "file:///etc"', "base.mirror"),
         ('name = "x"\n[base]\nsuite = "bookworm main"', "base.suite"),
         ('name = "x"\n[[files]]\ndest = "/proc/x"\ncontent = "a"', "files[0].dest: '/proc/x'"),
-        ('name = "x"\n[[files]]\ndest = "/opt/agentbox/main.py"\ncontent = "a"', "files[0].dest"),
+        ('name = "x"\n[[files]]\ndest = "/.agentbox/main.py"\ncontent = "a"', "files[0].dest"),
         ('name = "x"\n[[files]]\ndest = "/workspace"\ncontent = "a"', "files[0].dest"),
         ('name = "x"\n[[files]]\ndest = "etc/x"\ncontent = "a"', "absolute"),
         ('name = "x"\n[[files]]\ndest = "/etc/../proc/x"\ncontent = "a"', "normalised"),

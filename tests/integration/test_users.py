@@ -94,7 +94,7 @@ def test_sudo_asks_the_agent(sbx: Sandbox) -> None:
         " echo piped | sudo cat; sudo FOO=bar sh -c 'echo $FOO $HOME $SUDO_USER'"
     )
     assert r.stdout.splitlines() == [
-        "/opt/agentbox/bin/sudo",
+        "/.agentbox/bin/sudo",
         "0",
         "1000",
         "root",

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import shared_template_dir
 
 from agentbox.battery.checks import CHECKS
 from agentbox.battery.server import EGRESS_WEAKENINGS, SERVER_WEAKENINGS
@@ -24,7 +25,11 @@ pytestmark = pytest.mark.security
 def test_escape_battery(tmp_path: Path) -> None:
     md, js = tmp_path / "scorecard.md", tmp_path / "scorecard.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "agentbox.battery", "--markdown", str(md), "--json", str(js)],
+        [
+            sys.executable, "-m", "agentbox.battery", "--markdown", str(md), "--json", str(js),
+            # The battery's template shares its Debian base with the test run's templates.
+            "--template-dir", str(shared_template_dir()),
+        ],  # fmt: skip
         capture_output=True,
         text=True,
         timeout=1500,

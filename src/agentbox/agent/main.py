@@ -1,4 +1,4 @@
-"""Entry point of the in-sandbox agent: `python3 -E -s -S /opt/agentbox/main.py --listen-fd N`."""
+"""Entry point of the in-sandbox agent: `python3 -E -s -S /.agentbox/main.py --listen-fd N`."""
 
 import sandbox_agent
 

@@ -102,6 +102,22 @@ def _landlock(writable: list[str]) -> int:
     return abi if ok else 0
 
 
+# What a writable root leaves intact: the agent's own files, the kernel's views, the devices.
+ROOT_KEPT = frozenset({"proc", "dev", "sys", ".agentbox"})
+
+
+def writable_root_dirs() -> list[str]:
+    """The top-level directories of a writable root (the template copy-on-write) that the
+    sandbox may write below: all but ROOT_KEPT. Landlock only adds rights, so `/` itself gets
+    none: nothing new can be made directly in it."""
+    out = []
+    for name in os.listdir("/"):
+        path = "/" + name
+        if name not in ROOT_KEPT and os.path.isdir(path) and not os.path.islink(path):
+            out.append(path)
+    return out
+
+
 # ---------------------------------------------------------------- connection helpers
 
 
@@ -1445,7 +1461,10 @@ def main() -> None:
     listener = _socket.socket(fileno=fd)
     _libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: sandboxed code cannot read agent memory
     if "no-landlock" not in WEAKENED:
-        LANDLOCK_ABI = _landlock([WORKSPACE, "/tmp", "/dev/shm"])
+        writable = [WORKSPACE, "/tmp", "/dev/shm"]
+        if "--writable-root" in sys.argv:
+            writable += writable_root_dirs()
+        LANDLOCK_ABI = _landlock(writable)
     # After Landlock: its scope lets sandboxed code reach only sockets made inside its domain.
     users.serve_sudo()
     threading.stack_size(512 * 1024)

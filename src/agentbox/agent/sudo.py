@@ -1,7 +1,7 @@
 #!/usr/bin/python3 -IS
 """sudo for agentbox sandboxes: asks the sandbox's agent to run a command as root.
 
-Installed as /opt/agentbox/bin/sudo, ahead of /usr/bin on PATH. A setuid sudo cannot work in
+Installed as /.agentbox/bin/sudo, ahead of /usr/bin on PATH. A setuid sudo cannot work in
 a sandbox (no_new_privs ignores setuid bits), so this hands the command, its environment and
 its stdin/stdout/stderr to the agent (see users.py), which runs it as the sandbox's root; the
 sandbox's `user` needs no password, as on E2B. Understands the usual options: -u, -i, -s, -E,

@@ -84,6 +84,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", default="", help="regex on check ids")
     p.add_argument("--no-controls", action="store_true", help="skip the positive controls")
     p.add_argument("--workdir", type=Path, default=None)
+    p.add_argument(
+        "--template-dir",
+        type=Path,
+        default=Path("/var/tmp/agentbox-battery-templates"),
+        help="where the battery's own template is built and kept between runs",
+    )
     a = p.parse_args(argv)
     if os.geteuid() != 0:
         print("the battery needs root (per-sandbox uids, cgroups, a network namespace)")
@@ -114,13 +120,17 @@ def main(argv: list[str] | None = None) -> int:
                 bind,
                 oracle.server_env(),
                 a.runtime,
-                netns.server_options() + oracle.server_options(),
+                [
+                    *netns.server_options(),
+                    *oracle.server_options(),
+                    *("--template-dir", str(a.template_dir)),
+                ],
             )
             server.start()
             print(f"== {a.runtime} / {name}: {len(todo)} checks", flush=True)
             try:
                 for c in todo:
-                    ctx = Ctx(server, oracle, roles)
+                    ctx = Ctx(server, oracle, roles, a.template_dir)
                     v = run_check(c, ctx)
                     server.kill_boxes()
                     if name == "default":

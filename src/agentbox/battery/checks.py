@@ -7,6 +7,7 @@ the same check must come out BROKEN, or it cannot detect what it claims to.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -53,11 +54,38 @@ def na(reason: str) -> Verdict:
     return Verdict("N/A", evidence=reason)
 
 
+# The battery's own built template: a Debian base with a marker file (shares the base layer
+# with code-interpreter when the template dir is a test run's).
+TEMPLATE_SPEC = """
+name = "battery-root"
+[base]
+suite = "bookworm"
+variant = "apt"
+[[files]]
+dest = "/etc/battery/marker"
+content = "battery"
+"""
+_templates: dict[Path, Path] = {}  # template dir -> the built tree, once per run
+
+
 @dataclass
 class Ctx:
     server: Server
     oracle: Oracle
     roles: dict[str, list[str]]
+    template_dir: Path | None = None
+
+    def template(self) -> tuple[str, Path]:
+        """The battery's built template (built on first use): its name and its tree."""
+        from agentbox.templates import TemplateStore, load_spec
+
+        if self.template_dir is None:
+            raise ProbeFailed("no template dir")
+        if self.template_dir not in _templates:
+            self.template_dir.mkdir(parents=True, exist_ok=True)
+            info = TemplateStore(self.template_dir).build(load_spec(TEMPLATE_SPEC), lambda e: None)
+            _templates[self.template_dir] = Path(info.rootfs)
+        return "battery-root", _templates[self.template_dir]
 
     def box(self, tenant: str = "battery-a", **body: Any) -> Box:
         return self.server.box(tenant, **body)
@@ -311,13 +339,11 @@ def _fs_write(ctx: Ctx) -> Verdict:
         "/",
         "/var/lib",
         "/root",
-        "/opt/agentbox",
+        "/.agentbox",
     ]
     box = ctx.box()
     res = results_of(box.probe("write", targets=targets, nonce=o.nonce))
-    res2 = results_of(
-        box.probe("write_existing", paths=[str(o.canary_file), "/opt/agentbox/main.py"])
-    )
+    res2 = results_of(box.probe("write_existing", paths=[str(o.canary_file), "/.agentbox/main.py"]))
     # What a sandbox may do inside its own view (e.g. /var/lib is its own empty dir) is not a
     # break; the oracle's host listing decides. Report host-visible success only.
     v = blocked(summary(res))
@@ -471,6 +497,76 @@ def _fs_fds(ctx: Ctx) -> Verdict:
     return v
 
 
+def _tree_state(root: Path) -> dict[str, tuple[int, int, int, int]]:
+    out = {}
+    for d, dirs, files in os.walk(root):
+        for name in dirs + files:
+            p = os.path.join(d, name)
+            try:
+                st = os.lstat(p)
+            except OSError:
+                continue
+            out[os.path.relpath(p, root)] = (st.st_mode, st.st_uid, st.st_size, st.st_mtime_ns)
+    return out
+
+
+@check(
+    "fs-template-writes",
+    "filesystem",
+    "a writable root's writes (as its root) reach neither the template tree nor another sandbox",
+    ["template-rw"],
+)
+def _fs_template_writes(ctx: Ctx) -> Verdict:
+    name, tree = ctx.template()
+    n = ctx.oracle.nonce[:12]
+    made = [f"/etc/abx-{n}", f"/usr/local/bin/abx-{n}", f"/opt/abx-{n}", f"/var/lib/abx-{n}"]
+    before = _tree_state(tree)
+    a, b = ctx.box(template=name), ctx.box(template=name)
+    try:
+        script = " && ".join(f"echo {n} > {p}" for p in made)
+        wrote = a.run(f"{script} && chown 1000 {made[0]} && echo WROTE")
+        if "WROTE" not in wrote.stdout:
+            return Verdict("ERROR", evidence=f"the sandbox could not write its root: {wrote.text}")
+        after = _tree_state(tree)
+        seen = b.run(f"cat {' '.join(made)} 2>/dev/null; true").stdout
+    finally:
+        for p in made:  # a control wrote into the tree itself: take it out again
+            with contextlib.suppress(OSError):
+                os.unlink(tree / p.lstrip("/"))
+    v = blocked(f"{len(made)} files written in sandbox A's root; template {len(before)} entries")
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    if changed:
+        v.add_break("WRITE", f"the template tree changed: {changed[:6]}")
+    if n in seen:
+        v.add_break("WRITE", "sandbox B sees what sandbox A wrote in its root")
+    return v
+
+
+@check(
+    "fs-root-fence",
+    "filesystem",
+    "a writable root's root may not write /dev, /proc or the agent's files (Landlock)",
+    ["no-landlock"],
+)
+def _fs_root_fence(ctx: Ctx) -> Verdict:
+    name, _ = ctx.template()
+    box = ctx.box(template=name)
+    n = ctx.oracle.nonce[:12]
+    # /dev is a tmpfs the sandbox's root owns: only Landlock keeps it from adding entries.
+    targets = [f"/dev/abx-{n}", f"/.agentbox/abx-{n}", f"/proc/abx-{n}", f"/abx-{n}"]
+    out = box.run(
+        " ; ".join(f"(echo x > {t}) 2>/dev/null && echo MADE:{t}" for t in targets)
+        + f" ; echo x > /etc/abx-{n} && echo CONTROL-OK"
+    ).stdout
+    if "CONTROL-OK" not in out:
+        return Verdict("ERROR", evidence=f"the root is not writable at all: {out[:200]}")
+    made = [ln.removeprefix("MADE:") for ln in out.splitlines() if ln.startswith("MADE:")]
+    v = blocked(f"{len(targets)} paths refused; /etc written (the root is writable)")
+    if made:
+        v.add_break("WRITE", f"created {made}")
+    return v
+
+
 @check(
     "fs-exe-overwrite",
     "filesystem",
@@ -483,7 +579,7 @@ def _fs_exe(ctx: Ctx) -> Verdict:
         "/proc/1/exe",
         "/usr/bin/bwrap",
         "/usr/bin/bash",
-        "/opt/agentbox/sandbox_agent.py",
+        "/.agentbox/sandbox_agent.py",
         f"{ctx.bind_root()}/agent/sandbox_agent.py",  # its host path
     ]
     res = results_of(ctx.box().probe("open_wr", paths=paths))
@@ -500,11 +596,9 @@ def _fs_template(ctx: Ctx) -> Verdict:
     host_agent = f"{ctx.bind_root()}/agent/sandbox_agent.py"
     before = hashlib.sha256(Path(host_agent).read_bytes()).hexdigest()
     a = ctx.box()
-    res = results_of(
-        a.probe("write_existing", paths=["/opt/agentbox/sandbox_agent.py", host_agent])
-    )
+    res = results_of(a.probe("write_existing", paths=["/.agentbox/sandbox_agent.py", host_agent]))
     b = ctx.box(tenant="battery-b")
-    seen = b.run("sha256sum /opt/agentbox/sandbox_agent.py 2>/dev/null || sha256sum " + host_agent)
+    seen = b.run("sha256sum /.agentbox/sandbox_agent.py 2>/dev/null || sha256sum " + host_agent)
     after = hashlib.sha256(Path(host_agent).read_bytes()).hexdigest()
     v = blocked(summary(res))
     if after != before:

@@ -294,7 +294,7 @@ def probe_shocker(rel: str) -> dict:
     filesystem behind a read-only bind, then walk to the host canary."""
     col = 0 if platform.machine() == "x86_64" else 1
     out = {}
-    for mnt in ("/etc", "/usr", "/workspace", "/opt/agentbox"):
+    for mnt in ("/etc", "/usr", "/workspace", "/.agentbox"):
         try:
             mfd = os.open(mnt, os.O_RDONLY | os.O_DIRECTORY)
         except OSError as e:

@@ -125,6 +125,7 @@ def main() -> None:
     p.add_argument("--egress-allow-cidr", action="append", default=[])
     p.add_argument("--egress-resolve", action="append", default=[])
     p.add_argument("--host-path", action="append", default=[])
+    p.add_argument("--template-dir", type=Path, default=None)
     a = p.parse_args()
     flags = {w for w in a.weaken.split(",") if w}
     unknown = flags - WEAKENINGS.keys() - EGRESS_WEAKENINGS.keys() - SERVER_WEAKENINGS.keys()
@@ -140,7 +141,16 @@ def main() -> None:
         egress_resolve=tuple(a.egress_resolve),
     )
     limits = weakened_limits(flags)
-    serve(a.host, a.port, a.data_dir, runtime, config, network=network, limits=limits)
+    serve(
+        a.host,
+        a.port,
+        a.data_dir,
+        runtime,
+        config,
+        template_dir=a.template_dir,
+        network=network,
+        limits=limits,
+    )
 
 
 if __name__ == "__main__":

@@ -59,7 +59,7 @@ BUILD_CAPS = (
 # Empty mount points every sandbox needs in its root (the runtime mounts over them).
 MOUNT_POINTS = {
     "workspace": 0o755,
-    "opt/agentbox": 0o755,
+    ".agentbox": 0o755,
     "tmp": 0o1777,
     "proc": 0o555,
     "dev": 0o755,

@@ -44,7 +44,7 @@ _ENV_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 WARM_LANGUAGES = LANGUAGES
 # File destinations under these are mounted over (or are kernel filesystems) in every sandbox,
 # so a file placed there would never be seen; /etc/passwd and /etc/group are overlaid too.
-FORBIDDEN_DEST_ROOTS = ("/proc", "/dev", "/sys", "/workspace", "/opt/agentbox", "/tmp", "/run")
+FORBIDDEN_DEST_ROOTS = ("/proc", "/dev", "/sys", "/workspace", "/.agentbox", "/tmp", "/run")
 FORBIDDEN_DESTS = ("/var/tmp", "/etc/passwd", "/etc/group")
 
 MAX_PACKAGES = 500

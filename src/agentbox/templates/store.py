@@ -158,7 +158,8 @@ def plan(spec: TemplateSpec) -> list[_Step]:
         }
         if spec.files
         else None,
-        {"step": "finalize", "v": v},
+        # The mount points it makes are in its key: a new one rebuilds this step alone.
+        {"step": "finalize", "v": v, "mount_points": sorted(layers.MOUNT_POINTS)},
     ]
     steps: list[_Step] = []
     prev = ""

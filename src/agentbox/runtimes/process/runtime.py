@@ -45,7 +45,7 @@ from agentbox.runtimes.base import (
     RuntimeFeatures,
     SandboxSpec,
 )
-from agentbox.runtimes.process import hostview, userns, workspace
+from agentbox.runtimes.process import hostview, rootfs, userns, workspace
 from agentbox.runtimes.process.cgroups import GROUP, CgroupLimits, Cgroups
 from agentbox.runtimes.process.netns import NamespaceSockets, NetnsError
 from agentbox.runtimes.process.seccomp import build_filter
@@ -65,7 +65,7 @@ AGENT_FILES = (
     "users.py",
 )
 SUDO_SRC = "sudo.py"  # installed as bin/sudo
-AGENT_MOUNT = "/opt/agentbox"
+AGENT_MOUNT = "/.agentbox"
 AGENT_BIN = f"{AGENT_MOUNT}/bin"  # the `sudo` that asks the agent (see agent/sudo.py)
 SANDBOX_PYTHON = "/usr/bin/python3"
 SOCKET_NAME = "agent.sock"
@@ -334,7 +334,10 @@ class ProcessRuntime(Runtime):
         r = spec.resources
         argv = ["bwrap", *self._namespace_args(spec, fds), "--hostname", "sandbox"]
         argv.append("--new-session")
-        if spec.rootfs:
+        if spec.rootfs and self._writable_root(spec):
+            # The template copy-on-write (rootfs.py), mounted by the server.
+            argv += ["--bind", str(self.bind_root / spec.sandbox_id / rootfs.ROOT), "/"]
+        elif spec.rootfs:
             # A template: its whole tree read-only, then the sandbox's own mounts on top
             # (by fd, opened by the server, on a path bwrap can resolve: see
             # _reachable_template).
@@ -471,6 +474,8 @@ class ProcessRuntime(Runtime):
     def _agent_argv(self, agent_dir: str, spec: SandboxSpec, fds: dict[str, int]) -> list[str]:
         argv = [SANDBOX_PYTHON, "-E", "-s", "-S", f"{agent_dir}/main.py"]
         argv += ["--listen-fd", str(fds["listen"]), "--user", self._default_user(spec)]
+        if self._writable_root(spec):
+            argv.append("--writable-root")
         return [*argv, *self._agent_flags(fds)]
 
     def _default_user(self, spec: SandboxSpec) -> str:
@@ -487,26 +492,59 @@ class ProcessRuntime(Runtime):
     def _create_sync(self, spec: SandboxSpec) -> dict[str, Any]:
         sid = spec.sandbox_id
         sdir = self.root / sid
+        bind_dir = self.bind_root / sid
         uid = self._allocate_uid(sid)
         cpus = self._assign_cpus(sid, spec.resources.cpu_count)
         state: dict[str, Any] = {"uid": uid, "dir": str(sdir), "cpus": cpus}
-        if self._own_userns():
-            state["range"] = [uid, BLOCK]
+        writable_root = self._writable_root(spec)
+        ns = -1
         try:
+            if self._own_userns():
+                state["range"] = [uid, BLOCK]
+                ns = userns.make(uid, nesting=self._userns_nesting())
             sdir.mkdir(mode=0o711)
             os.chmod(sdir, 0o711)
             owner = uid + userns.USER_UID if self._own_userns() else uid
+            layer = None
+            if writable_root:
+                layer = lambda disk: rootfs.prepare_disk(disk, uid, owner)  # noqa: E731
             ws = workspace.create(
-                sdir, self.bind_root / sid, spec.resources.disk_mb, owner, self.use_loop
+                sdir, bind_dir, spec.resources.disk_mb, owner, self.use_loop, root_layer=layer
             )
+            if self._own_userns():
+                # Only this sandbox's bwrap (its host uid) may go through: 0710 root:base.
+                os.chown(bind_dir, 0, uid)
+                os.chmod(bind_dir, 0o710)
             state["disk_limit_enforced"] = ws.disk_limit_enforced
+            if writable_root:
+                state["root"] = self._mount_root(spec, bind_dir, uid, ns)
             self.cgroups.create(sid, self._cgroup_limits(spec.resources))
-            state.update(self._spawn(spec, sdir, ws.path, uid, cpus))
+            state.update(self._spawn(spec, sdir, ws.path, uid, cpus, ns))
             self._write_state(sdir, state)
             return state
-        except BaseException:
+        except BaseException as e:
             self._destroy_sync(sid, state, keep_workspace=False)
+            if isinstance(e, (userns.UsernsError, rootfs.RootfsError)):
+                raise RuntimeError_(str(e)) from None
             raise
+        finally:
+            if ns >= 0:
+                os.close(ns)
+
+    def _writable_root(self, spec: SandboxSpec) -> bool:
+        """Whether the sandbox gets its template copy-on-write (rootfs.py): a built template,
+        its own user namespace (for the idmap) and a server that may mount."""
+        return bool(spec.rootfs) and self._own_userns() and rootfs.supported()
+
+    def _mount_root(self, spec: SandboxSpec, bind_dir: Path, base: int, ns: int) -> dict[str, Any]:
+        """Mount the template under the sandbox's upper layer; what the state records of it
+        (the template's inode pins the version its overlay was made on)."""
+        assert spec.rootfs is not None
+        template = Path(spec.rootfs)
+        rootfs.add_accounts(template, bind_dir / rootfs.DISK / rootfs.UPPER, base)
+        rootfs.mount(bind_dir, template, ns)
+        st = os.stat(template)
+        return {"mode": "overlay", "template": str(template), "dev": st.st_dev, "ino": st.st_ino}
 
     def _cgroup_limits(self, r: Resources) -> CgroupLimits:
         return CgroupLimits(
@@ -553,14 +591,8 @@ class ProcessRuntime(Runtime):
         return cpus
 
     def _spawn(
-        self, spec: SandboxSpec, sdir: Path, ws: Path, uid: int, cpus: list[int]
+        self, spec: SandboxSpec, sdir: Path, ws: Path, uid: int, cpus: list[int], ns: int
     ) -> dict[str, Any]:
-        ns = -1
-        if self._own_userns():
-            try:
-                ns = userns.make(uid, nesting=self._userns_nesting())
-            except userns.UsernsError as e:
-                raise RuntimeError_(str(e)) from None
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         # Short path (AF_UNIX allows ~107 bytes); 0600 root: no sandbox uid may connect.
         sock_path = self.bind_root / spec.sandbox_id / SOCKET_NAME
@@ -573,7 +605,9 @@ class ProcessRuntime(Runtime):
             "info": info_w,
             "listen": listener.fileno(),
         }
-        if spec.rootfs or self.etc_dir is None:
+        if (spec.rootfs and not self._writable_root(spec)) or (
+            not spec.rootfs and self.etc_dir is None
+        ):
             fds["passwd"] = _data_fd(hostview.PASSWD)
             fds["group"] = _data_fd(hostview.GROUP)
         for path, data in self._proc_files(spec, cpus).items():
@@ -581,9 +615,9 @@ class ProcessRuntime(Runtime):
         fds |= self._extra_fds()
         if ns >= 0:
             fds["userns"] = ns
-        if spec.rootfs:
-            rootfs = self._reachable_template(spec.rootfs)
-            fds["rootfs"] = os.open(rootfs, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW)
+        if spec.rootfs and not self._writable_root(spec):
+            tree = self._reachable_template(spec.rootfs)
+            fds["rootfs"] = os.open(tree, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW)
         for path, data in spec.files.items():
             fds[f"file:{path}"] = _data_file_fd(data)
         join_files = self.cgroups.join_files(spec.sandbox_id)
@@ -627,7 +661,7 @@ class ProcessRuntime(Runtime):
         finally:
             log.close()
             for name, fd in fds.items():
-                if name != "listen":
+                if name not in ("listen", "userns"):  # the caller closes the namespace
                     os.close(fd)
             listener.close()  # the agent owns the listening socket now
         self.children[spec.sandbox_id] = proc
@@ -785,7 +819,9 @@ class ProcessRuntime(Runtime):
         try:
             if image.exists():
                 return workspace.used_bytes(image)
-            return workspace.used_bytes(self.bind_root / sandbox_id / workspace.MOUNT_NAME)
+            return workspace.used_bytes(
+                (self.bind_root / sandbox_id / workspace.MOUNT_NAME).resolve()
+            )
         except OSError:
             return None
 
@@ -828,7 +864,8 @@ class ProcessRuntime(Runtime):
         except workspace.WorkspaceError as e:
             raise RuntimeError_(f"the kept workspace of {sandbox_id} cannot be read: {e}") from None
         try:
-            yield mnt
+            # A disk that also held the sandbox's root layer: the workspace is a dir on it.
+            yield mnt / workspace.MOUNT_NAME if (mnt / rootfs.MARKER).exists() else mnt
         finally:
             await asyncio.to_thread(workspace.unmount, mnt)
 
@@ -939,6 +976,8 @@ class ProcessRuntime(Runtime):
                 if time.monotonic() > deadline:
                     break
                 time.sleep(0.005)
+        if not rootfs.unmount(self.bind_root / sid):
+            raise RuntimeError_(f"could not unmount the root filesystem of sandbox {sid}")
         if not workspace.destroy(sdir, self.bind_root / sid, keep=keep_workspace):
             raise RuntimeError_(f"could not unmount the workspace of sandbox {sid}")
         if not self.cgroups.remove(sid):

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from agentbox.runtimes.base import Ceiling, Resources, RuntimeFeatures, SandboxSpec
+from agentbox.runtimes.process import rootfs
 from agentbox.runtimes.process.cgroups import CgroupLimits
 from agentbox.runtimes.process.runtime import SANDBOX_PATH, ProcessRuntime, parent_dirs
 from agentbox.runtimes.uids import UID_RANGE
@@ -41,6 +42,7 @@ WEAKENINGS: dict[str, str] = {
     "unsandboxed": "no bwrap at all: the agent runs as a plain host process",
     "host-info": "the sandbox sees the host's /etc, /usr/local and machine-wide /proc files, "
     "all CPUs, and host paths in its mountinfo",
+    "template-rw": "a built template's tree is the sandbox's root, writable (no copy-on-write)",
 }
 
 # Weakenings the agent itself applies (passed on its command line).
@@ -228,6 +230,15 @@ class WeakenedProcessRuntime(ProcessRuntime):
         if "share-net" in self.weak or "unsandboxed" in self.weak:
             return  # no namespace of its own: nothing may be put on the host's loopback
         super()._hold_netns(sandbox_id, init_pid)
+
+    def _mount_root(self, spec: SandboxSpec, bind_dir: Path, base: int, ns: int) -> dict:
+        if "template-rw" not in self.weak:
+            return super()._mount_root(spec, bind_dir, base, ns)
+        assert spec.rootfs is not None
+        root = bind_dir / rootfs.ROOT
+        root.mkdir(mode=0o755, exist_ok=True)
+        rootfs.mount_idmapped(Path(spec.rootfs), root, ns, read_only=False)
+        return {"mode": "template-rw", "template": spec.rootfs}
 
     def _kill_everything(self, sid: str) -> bool:
         return True if "no-cgroup-kill" in self.weak else super()._kill_everything(sid)

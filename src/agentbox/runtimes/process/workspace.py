@@ -17,11 +17,13 @@ import shutil
 import stat
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 IMAGE_NAME = "workspace.img"
 MOUNT_NAME = "workspace"
+DISK_NAME = "disk"  # where the image is mounted when it also holds a root layer (rootfs.py)
 
 
 class WorkspaceError(RuntimeError):
@@ -52,13 +54,23 @@ def mounted_under(prefix: Path) -> list[Path]:
     return sorted(found, key=lambda p: len(p.parts), reverse=True)
 
 
-def create(sandbox_dir: Path, bind_dir: Path, disk_mb: int, uid: int, use_loop: bool) -> Workspace:
+def create(
+    sandbox_dir: Path,
+    bind_dir: Path,
+    disk_mb: int,
+    uid: int,
+    use_loop: bool,
+    root_layer: Callable[[Path], Path] | None = None,
+) -> Workspace:
     """The image lives in the private `sandbox_dir`; it is mounted in `bind_dir`, where the
-    sandbox's bwrap (running as `uid`) can reach it."""
+    sandbox's bwrap (running as `uid`) can reach it. With `root_layer`, the disk also holds the
+    sandbox's root layer: it is mounted at bind_dir/disk, root-owned, and `root_layer(disk)`
+    makes its directories and returns the workspace's (bind_dir/workspace links to it)."""
     bind_dir.mkdir(mode=0o711, exist_ok=True)
-    mnt = bind_dir / MOUNT_NAME
+    mnt = bind_dir / (DISK_NAME if root_layer else MOUNT_NAME)
     mnt.mkdir(mode=0o700)
     gid = uid
+    owner = "0:0" if root_layer else f"{uid}:{gid}"
     if use_loop:
         image = sandbox_dir / IMAGE_NAME
         with open(image, "wb") as f:
@@ -73,7 +85,7 @@ def create(sandbox_dir: Path, bind_dir: Path, disk_mb: int, uid: int, use_loop: 
                 "-O",
                 "^has_journal,^resize_inode",
                 "-E",
-                f"lazy_itable_init=1,root_owner={uid}:{gid}",
+                f"lazy_itable_init=1,root_owner={owner}",
                 str(image),
             ]
         )
@@ -87,6 +99,10 @@ def create(sandbox_dir: Path, bind_dir: Path, disk_mb: int, uid: int, use_loop: 
             (mnt / "lost+found").rmdir()
         except OSError:
             pass
+    if root_layer is not None:
+        ws = root_layer(mnt)
+        (bind_dir / MOUNT_NAME).symlink_to(ws.relative_to(bind_dir))
+        return Workspace(path=ws, disk_limit_enforced=use_loop)
     os.chown(mnt, uid, gid)
     os.chmod(mnt, 0o700)
     return Workspace(path=mnt, disk_limit_enforced=use_loop)
@@ -159,6 +175,8 @@ def destroy(sandbox_dir: Path, bind_dir: Path, keep: bool) -> bool:
         # Also after unmounting: a create cut short may have attached a second device.
         _detach_loops(sandbox_dir / IMAGE_NAME)
     mnt = bind_dir / MOUNT_NAME
+    if mnt.is_symlink():  # a disk with a root layer: the workspace is a directory on it
+        mnt = bind_dir / DISK_NAME / MOUNT_NAME
     if keep and mnt.exists() and not (sandbox_dir / IMAGE_NAME).exists():
         # A plain-directory workspace: move it next to the rest of the sandbox's files.
         mnt.rename(sandbox_dir / MOUNT_NAME)
