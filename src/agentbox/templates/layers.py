@@ -23,6 +23,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from agentbox.runtimes.process.userns import ROOT_CAPS
+
 # Kill the whole step if the thread that started it dies, and give it private mounts and pids.
 ISOLATE = (
     "setpriv", "--pdeathsig", "KILL", "--",
@@ -42,20 +44,7 @@ TAIL_LINES = 25
 # A step runs package code (maintainer scripts, pip's setup.py) as real root, so it keeps only
 # what installing files needs, the same set a default Docker container has minus MKNOD and
 # NET_RAW: no mounting, no devices, no modules, no network configuration.
-BUILD_CAPS = (
-    "CAP_CHOWN",
-    "CAP_DAC_OVERRIDE",
-    "CAP_FOWNER",
-    "CAP_FSETID",
-    "CAP_KILL",
-    "CAP_SETGID",
-    "CAP_SETUID",
-    "CAP_SETPCAP",
-    "CAP_SETFCAP",
-    "CAP_SYS_CHROOT",
-    "CAP_NET_BIND_SERVICE",
-    "CAP_AUDIT_WRITE",
-)
+BUILD_CAPS = (*ROOT_CAPS, "CAP_AUDIT_WRITE")  # a sandbox's root's set, plus audit writes
 # Empty mount points every sandbox needs in its root (the runtime mounts over them).
 MOUNT_POINTS = {
     "workspace": 0o755,
