@@ -51,17 +51,17 @@ class CodeHost:
         env = users.environment(users.DEFAULT, dict(os.environ))
         env.update(self.envs)
         try:
-            proc = subprocess.Popen(
-                [sys.executable, "-s", HOST],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL,
-                cwd=os.getcwd(),
-                env=env,
-                start_new_session=True,
-                close_fds=True,
-                **users.popen_identity(users.DEFAULT),
-            )
+            with users.spawning_as(users.DEFAULT):
+                proc = subprocess.Popen(
+                    [sys.executable, "-s", HOST],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.DEVNULL,
+                    cwd=os.getcwd(),
+                    env=env,
+                    start_new_session=True,
+                    close_fds=True,
+                )
             threading.Thread(target=self._read, args=(proc,), daemon=True).start()
         except (OSError, RuntimeError) as e:
             raise HostGone(f"could not start the code interpreter: {e}") from None

@@ -950,7 +950,6 @@ class Commands:
 
     def start(self, req: dict, attach: bool = False) -> Command:
         """`attach`: a stream from offset 0 is attached before any output (`first_stream`)."""
-        import subprocess
 
         cmd = req.get("cmd")
         if not isinstance(cmd, str) or not cmd.strip():
@@ -970,18 +969,8 @@ class Commands:
         env = login_env(users.environment(user, {**os.environ, **envs}))
         env["AGENTBOX_CMD_ID"] = cmd_id  # lets kill() find daemons that left the process tree
         try:
-            c.proc = subprocess.Popen(
-                ["/bin/bash", "-l", "-c", cmd],
-                cwd=cwd,
-                env=env,
-                start_new_session=True,
-                stdin=subprocess.PIPE if req.get("stdin") else subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                close_fds=True,
-                pass_fds=(LEAKED_FD,) if LEAKED_FD >= 0 else (),
-                **users.popen_identity(user),
-            )
+            with users.spawning_as(user):
+                c.proc = self._popen(cmd, cwd, env, req.get("stdin"))
         except OSError as e:
             if e.errno in (errno.EAGAIN, errno.ENOMEM):
                 raise PIDS_EXHAUSTED from None
@@ -1006,6 +995,22 @@ class Commands:
             self.by_id[cmd_id] = c
             self._trim()
         return c
+
+    @staticmethod
+    def _popen(cmd: str, cwd: str, env: dict, stdin: object) -> subprocess.Popen:
+        import subprocess
+
+        return subprocess.Popen(
+            ["/bin/bash", "-l", "-c", cmd],
+            cwd=cwd,
+            env=env,
+            start_new_session=True,
+            stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            close_fds=True,
+            pass_fds=(LEAKED_FD,) if LEAKED_FD >= 0 else (),
+        )
 
     def _trim(self) -> None:
         finished = [c for c in self.by_id.values() if not c.running]

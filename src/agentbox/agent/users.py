@@ -101,12 +101,42 @@ def resolve(name: object) -> str:
     return str(name)
 
 
-def popen_identity(name: str) -> dict:
-    """subprocess.Popen arguments that run a child as `name` (nothing if already so)."""
+_SYS = {  # (x86_64, aarch64)
+    "setgroups": (116, 159),
+    "setresuid": (117, 147),
+    "setresgid": (119, 149),
+}
+_COL = 0 if os.uname().machine == "x86_64" else 1
+
+
+def _sys(name: str, *args: int) -> None:
+    if _libc.syscall(_SYS[name][_COL], *args) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"{name}: {os.strerror(e)}")
+
+
+@contextlib.contextmanager
+def spawning_as(name: str) -> Iterator[None]:
+    """Children this thread starts meanwhile run as `name`.
+
+    The kernel keeps credentials per thread, and the raw syscalls (not glibc's wrappers, which
+    would change every thread) switch this thread alone: its real and effective ids become
+    `name`'s, its saved ones stay 0, so it can switch back. A child it starts inherits them;
+    at exec its saved ids become `name`'s and, no id being 0 any more, it holds no capability.
+    Done so rather than with Popen(user=...), which forks the agent (a vfork child may not
+    change ids): a `user` command starts as fast as a root one."""
     if not CAN_SWITCH or name == "root":
-        return {}
+        yield
+        return
     uid = IDS[name]
-    return {"user": uid, "group": uid, "extra_groups": []}
+    _sys("setgroups", 0, 0)
+    _sys("setresgid", uid, uid, 0)
+    _sys("setresuid", uid, uid, 0)
+    try:
+        yield
+    finally:
+        _sys("setresuid", 0, 0, 0)  # the saved uid 0 allows it; the permitted caps come back
+        _sys("setresgid", 0, 0, 0)
 
 
 def environment(name: str, env: dict) -> dict:
@@ -203,17 +233,17 @@ def _serve_sudo(conn: _socket.socket) -> None:
                 raise UserError("invalid_request", "no command")
             if len(fds) != 3:
                 raise UserError("invalid_request", "stdin, stdout and stderr are needed")
-            proc = subprocess.Popen(
-                argv,
-                stdin=fds[0],
-                stdout=fds[1],
-                stderr=fds[2],
-                cwd=cwd if isinstance(cwd, str) and os.path.isdir(cwd) else "/",
-                env={str(k): str(v) for k, v in dict(env).items()},
-                start_new_session=True,
-                close_fds=True,
-                **popen_identity(name),
-            )
+            with spawning_as(name):
+                proc = subprocess.Popen(
+                    argv,
+                    stdin=fds[0],
+                    stdout=fds[1],
+                    stderr=fds[2],
+                    cwd=cwd if isinstance(cwd, str) and os.path.isdir(cwd) else "/",
+                    env={str(k): str(v) for k, v in dict(env).items()},
+                    start_new_session=True,
+                    close_fds=True,
+                )
         except (ValueError, KeyError, TypeError, OSError, UserError) as e:
             message = str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}"
             if isinstance(e, FileNotFoundError):
