@@ -71,7 +71,7 @@ def install_agent_copy(dest: Path) -> Path:
 
     src = H.ROOT / "src/agentbox/agent"
     dest.mkdir()
-    for name in ("main.py", "sandbox_agent.py", "protocol.py"):
+    for name in ("main.py", "sandbox_agent.py", "protocol.py", "users.py"):
         shutil.copyfile(src / name, dest / name)
         if name != "main.py":
             py_compile.compile(str(dest / name), doraise=True,
