@@ -32,6 +32,14 @@ CODES = {
 }
 
 
+def _python(env: dict) -> str:
+    """The python3 first on the sandbox's PATH (a template's user environment, whose pip
+    installs into what the kernel imports), else the agent's own."""
+    import shutil
+
+    return shutil.which("python3", path=env.get("PATH")) or sys.executable
+
+
 class HostGone(Exception):
     """The code host could not be started or died."""
 
@@ -53,7 +61,7 @@ class CodeHost:
         try:
             with users.spawning_as(users.DEFAULT):
                 proc = subprocess.Popen(
-                    [sys.executable, "-s", HOST],
+                    [_python(env), "-s", HOST],
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.DEVNULL,

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agentbox.runtimes.process.userns import ROOT_CAPS
+from agentbox.runtimes.process.userns import ROOT_CAPS, USER_UID, USER_VENV
 
 # Kill the whole step if the thread that started it dies, and give it private mounts and pids.
 ISOLATE = (
@@ -330,6 +330,7 @@ def flatten(layers_dir: Path, lowers: Sequence[str], dest: Path, out: Output) ->
     for name in REQUIRED_FILES:
         if not _exists_in(dest, name):
             raise StepFailed(f"the image has no /{name}; a sandbox cannot start without it")
+    make_user_venv(dest)
 
 
 def _exists_in(root: Path, rel_path: str) -> bool:
@@ -358,6 +359,58 @@ def _exists_in(root: Path, rel_path: str) -> bool:
             return False
         resolved.append(part)
     return True
+
+
+# The sandbox user's Python environment in a built template: on PATH first, owned by `user`
+# (uid 1000, which the sandbox's idmap makes its own), seeing the system's packages. So `pip
+# install X` works without flags (Debian's PEP 668 marker applies to the system interpreter,
+# not to a virtual environment), console scripts land on PATH, and the code interpreter's
+# kernel, started from it, imports what `%pip install` adds.
+VENV = USER_VENV
+VENV_UID = USER_UID
+PIP_SHIM = """#!/{venv}/bin/python3
+import re
+import sys
+
+from pip._internal.cli.main import main
+
+if __name__ == "__main__":
+    sys.argv[0] = re.sub(r"(-script\\.pyw|\\.exe)?$", "", sys.argv[0])
+    sys.exit(main())
+"""
+
+
+def make_user_venv(root: Path) -> None:
+    """Lay out /opt/venv as `python3 -m venv --system-site-packages` would (without running
+    the image's python): pyvenv.cfg, bin/python3 -> /usr/bin/python3, pip entry points when
+    the image has pip, an empty site-packages; all owned by uid 1000."""
+    target = (
+        os.readlink(root / "usr/bin/python3") if (root / "usr/bin/python3").is_symlink() else ""
+    )
+    version = target.removeprefix("python") if target.startswith("python3.") else ""
+    if not version:
+        return  # not Debian's layout: no environment rather than a wrong one
+    venv = root / VENV
+    if venv.exists():
+        shutil.rmtree(venv)
+    (venv / "bin").mkdir(parents=True)
+    (venv / f"lib/python{version}/site-packages").mkdir(parents=True)
+    (venv / "lib64").symlink_to("lib")
+    (venv / "pyvenv.cfg").write_text(
+        f"home = /usr/bin\ninclude-system-site-packages = true\nversion = {version}\n"
+        f"executable = /usr/bin/python{version}\n"
+    )
+    for name in ("python3", "python", f"python{version}"):
+        (venv / "bin" / name).symlink_to("/usr/bin/python3")
+    has_pip = any((root / "usr/lib/python3/dist-packages/pip").glob("__init__.py"))
+    if has_pip:
+        for name in ("pip", "pip3", f"pip{version}"):
+            shim = venv / "bin" / name
+            shim.write_text(PIP_SHIM.format(venv=VENV))
+            shim.chmod(0o755)
+    for d, dirs, files in os.walk(venv):
+        for name in [".", *dirs, *files]:
+            os.chown(os.path.join(d, name), VENV_UID, VENV_UID, follow_symlinks=False)
 
 
 def tree_size(root: Path) -> int:

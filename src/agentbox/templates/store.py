@@ -60,6 +60,7 @@ _TOOLS = {
 # there for the apt step whatever the variant, netbase gives /etc/services and /etc/protocols.
 BASE_PACKAGES = ("apt", "bash", "ca-certificates", "netbase", "python3")
 PIP_PACKAGE = "python3-pip"  # added to the apt step when the spec has pip packages
+VENV_PACKAGE = "python3-venv"  # with it: `python3 -m venv` works in the sandbox
 
 LogFn = Callable[[dict[str, Any]], None]
 
@@ -128,7 +129,7 @@ def _key(prev: str, content: dict[str, Any]) -> str:
 def _apt_packages(spec: TemplateSpec) -> list[str]:
     pkgs = set(spec.apt_packages)
     if spec.pip_packages:
-        pkgs.add(PIP_PACKAGE)
+        pkgs.update((PIP_PACKAGE, VENV_PACKAGE))
     return sorted(pkgs)
 
 
@@ -159,7 +160,12 @@ def plan(spec: TemplateSpec) -> list[_Step]:
         if spec.files
         else None,
         # The mount points it makes are in its key: a new one rebuilds this step alone.
-        {"step": "finalize", "v": v, "mount_points": sorted(layers.MOUNT_POINTS)},
+        {
+            "step": "finalize",
+            "v": v,
+            "mount_points": sorted(layers.MOUNT_POINTS),
+            "venv": [layers.VENV, layers.VENV_UID, layers.PIP_SHIM],
+        },
     ]
     steps: list[_Step] = []
     prev = ""

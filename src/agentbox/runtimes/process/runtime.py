@@ -381,6 +381,10 @@ class ProcessRuntime(Runtime):
             "TMPDIR": "/tmp",
             "AGENTBOX_SANDBOX_ID": spec.sandbox_id,
         }
+        if spec.rootfs and Path(spec.rootfs, userns.USER_VENV, "pyvenv.cfg").is_file():
+            # `user`'s Python environment first (pip, console scripts, the kernel's python).
+            env["PATH"] = f"/{userns.USER_VENV}/bin:{SANDBOX_PATH}"
+            env["VIRTUAL_ENV"] = f"/{userns.USER_VENV}"
         env.update(spec.envs)
         for k, v in env.items():
             argv += ["--setenv", k, v]

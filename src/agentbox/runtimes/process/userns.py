@@ -51,6 +51,7 @@ CAP_NUMBERS = {
 }
 ROOT_CAP_MASK = sum(1 << CAP_NUMBERS[c] for c in ROOT_CAPS)
 USER_UID = 1000  # the sandbox's `user`, inside its namespace
+USER_VENV = "opt/venv"  # a built template's Python environment of `user`'s (templates/layers.py)
 
 
 class UsernsError(Exception):
