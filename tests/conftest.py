@@ -201,6 +201,27 @@ def shared_template_dir() -> Path:
     return Path(os.environ.get("AGENTBOX_TEST_TEMPLATE_DIR", "/var/tmp/agentbox-test-templates"))
 
 
+def make_deb(tmp: Path, name: str, version: str = "1.0") -> Path:
+    """A tiny Debian package (built here with dpkg-deb) installing /usr/bin/NAME."""
+    root = tmp / f"{name}-{version}"
+    (root / "DEBIAN").mkdir(parents=True)
+    (root / "usr/bin").mkdir(parents=True)
+    (root / "DEBIAN/control").write_text(
+        f"Package: {name}\nVersion: {version}\nArchitecture: all\nMaintainer: t <t@t>\n"
+        "Description: agentbox test package\n"
+    )
+    tool = root / "usr/bin" / name
+    tool.write_text(f"#!/bin/sh\necho {name} works\n")
+    tool.chmod(0o755)
+    out = tmp / f"{name}_{version}_all.deb"
+    subprocess.run(
+        ["dpkg-deb", "--root-owner-group", "-b", str(root), str(out)],
+        check=True,
+        capture_output=True,
+    )
+    return out
+
+
 def seed_template_store(store: Path) -> None:
     """A private template store holding the Debian base as this machine's test runs have it
     (hard links into the shared one: a minute to build otherwise)."""

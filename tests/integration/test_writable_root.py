@@ -8,14 +8,20 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from conftest import ServerHandle, create_sandbox, run, seed_template_store, start_server
+from conftest import (
+    ServerHandle,
+    create_sandbox,
+    make_deb,
+    run,
+    seed_template_store,
+    start_server,
+)
 
 from agentbox.templates import TemplateStore, load_spec
 
@@ -70,24 +76,6 @@ def _state(server: ServerHandle, sid: str) -> dict[str, Any]:
     return json.loads((server.data_dir / "sandboxes" / sid / "runtime.json").read_text())
 
 
-def _deb(tmp: Path, name: str) -> Path:
-    """A tiny Debian package (built on the host with dpkg-deb) installing /usr/bin/NAME."""
-    root = tmp / name
-    (root / "DEBIAN").mkdir(parents=True)
-    (root / "usr/bin").mkdir(parents=True)
-    (root / "DEBIAN/control").write_text(
-        f"Package: {name}\nVersion: 1.0\nArchitecture: all\nMaintainer: t <t@t>\n"
-        f"Description: agentbox test package\n"
-    )
-    tool = root / "usr/bin" / name
-    tool.write_text(f"#!/bin/sh\necho {name} works\n")
-    tool.chmod(0o755)
-    out = tmp / f"{name}.deb"
-    subprocess.run(["dpkg-deb", "--root-owner-group", "-b", str(root), str(out)], check=True,
-                   capture_output=True)  # fmt: skip
-    return out
-
-
 def test_root_writes_copy_up_and_the_template_stays(
     rooty: tuple[ServerHandle, Path], client: httpx.Client, tmp_path: Path
 ) -> None:
@@ -110,7 +98,7 @@ def test_root_writes_copy_up_and_the_template_stays(
             user="root",
         )
         assert r.exit_code == 0 and "uid=1500(bob)" in r.stdout and "renamed" in r.stdout, r
-        deb = _deb(tmp_path, "abxhello")
+        deb = make_deb(tmp_path, "abxhello")
         assert client.put(
             f"/v1/sandboxes/{sid}/files", params={"path": "abxhello.deb"}, content=deb.read_bytes()
         ).status_code in (200, 201, 204)
