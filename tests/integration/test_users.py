@@ -14,7 +14,7 @@ from conftest import ServerHandle
 
 from agentbox import Sandbox
 from agentbox.runtimes.process.userns import ROOT_CAP_MASK
-from agentbox.sdk import CommandExitException, InvalidArgumentError
+from agentbox.sdk import AgentboxError, CommandExitException, InvalidArgumentError
 
 
 def _state(server: ServerHandle, sid: str) -> dict[str, Any]:
@@ -161,3 +161,27 @@ def test_command_user_in_http_api(server: ServerHandle, conn: dict[str, Any], sb
         assert r.json()["user"] == "root"
         with httpx.Client(base_url=server.url) as anon:
             assert anon.get(f"/v1/sandboxes/{sbx.sandbox_id}/commands").status_code == 401
+
+
+def test_file_operations_as_root_or_user(conn: dict[str, Any], sbx: Sandbox) -> None:
+    """Files take `user` as on E2B: whose permissions apply and who owns what is made."""
+    sbx.files.write("/workspace/secret", "root's", user="root")
+    sbx.commands.run("chmod 600 /workspace/secret", user="root")
+    sbx.files.make_dir("/workspace/rdir/sub", user="root")
+    r = sbx.commands.run("stat -c '%U %a' /workspace/secret /workspace/rdir/sub")
+    assert r.stdout.split("\n")[:2] == ["root 600", "root 755"], r
+    with pytest.raises(AgentboxError) as e:
+        sbx.files.read("/workspace/secret")
+    assert e.value.code == "permission_denied", e.value
+    assert sbx.files.read("/workspace/secret", user="root") == "root's"
+    assert sbx.files.get_info("/workspace/secret", user="root").size == 6
+    assert [e.name for e in sbx.files.list("/workspace/rdir", user="root")] == ["sub"]
+    with pytest.raises(AgentboxError) as e:
+        sbx.files.write("/workspace/rdir/sub/mine", "x")  # user may not write there
+    assert e.value.code == "permission_denied", e.value
+    sbx.files.write_files([{"path": "/workspace/rdir/sub/a", "data": "1"}], user="root")
+    sbx.files.rename("/workspace/rdir/sub/a", "/workspace/rdir/sub/b", user="root")
+    sbx.files.remove("/workspace/rdir", user="root")
+    assert not sbx.files.exists("/workspace/rdir", user="root")
+    with pytest.raises(InvalidArgumentError):
+        sbx.files.read("/workspace/secret", user="admin")

@@ -149,8 +149,16 @@ class AgentClient:
     # ------------------------------------------------------------------ typed operations
     # One method per agent operation: the control plane never words a request itself.
 
+    # File operations take `user` ("user" or "root"; None: the sandbox's default), whose
+    # permissions the agent applies (and who owns what they make).
+
     async def list_dir(
-        self, path: str, depth: int = 1, limit: int | None = None, cursor: str | None = None
+        self,
+        path: str,
+        depth: int = 1,
+        limit: int | None = None,
+        cursor: str | None = None,
+        user: str | None = None,
     ) -> dict[str, Any]:
         """A page of entries under `path`: {entries, truncated, next_cursor?}."""
         req: dict[str, Any] = {"op": "fs.list", "path": path, "depth": depth}
@@ -158,20 +166,21 @@ class AgentClient:
             req["limit"] = limit
         if cursor is not None:
             req["cursor"] = cursor
-        return await self.call(req)
+        return await self.call(_as(req, user))
 
-    async def stat(self, path: str) -> dict[str, Any]:
-        return dict((await self.call({"op": "fs.stat", "path": path}))["entry"])
+    async def stat(self, path: str, user: str | None = None) -> dict[str, Any]:
+        return dict((await self.call(_as({"op": "fs.stat", "path": path}, user)))["entry"])
 
-    async def make_dir(self, path: str) -> dict[str, Any]:
+    async def make_dir(self, path: str, user: str | None = None) -> dict[str, Any]:
         """{entry, created}: created is false when it was a directory already."""
-        return await self.call({"op": "fs.mkdir", "path": path})
+        return await self.call(_as({"op": "fs.mkdir", "path": path}, user))
 
-    async def remove(self, path: str) -> None:
-        await self.call({"op": "fs.remove", "path": path})
+    async def remove(self, path: str, user: str | None = None) -> None:
+        await self.call(_as({"op": "fs.remove", "path": path}, user))
 
-    async def rename(self, src: str, dst: str) -> dict[str, Any]:
-        return dict((await self.call({"op": "fs.rename", "src": src, "dst": dst}))["entry"])
+    async def rename(self, src: str, dst: str, user: str | None = None) -> dict[str, Any]:
+        req = _as({"op": "fs.rename", "src": src, "dst": dst}, user)
+        return dict((await self.call(req))["entry"])
 
     async def list_commands(self) -> list[dict[str, Any]]:
         return list((await self.call({"op": "exec.list"})).get("commands", []))
@@ -221,9 +230,11 @@ class AgentClient:
 
     # ------------------------------------------------------------------ files
 
-    async def read_file(self, path: str) -> tuple[int, AsyncIterator[bytes]]:
+    async def read_file(
+        self, path: str, user: str | None = None
+    ) -> tuple[int, AsyncIterator[bytes]]:
         """Open a file for reading; returns (size, chunks). Errors surface before the size."""
-        conn = await self._open({"op": "fs.read", "path": path})
+        conn = await self._open(_as({"op": "fs.read", "path": path}, user))
         try:
             head = await conn.reply()
         except BaseException:
@@ -251,8 +262,10 @@ class AgentClient:
 
         return size, chunks()
 
-    async def write_file(self, path: str, chunks: AsyncIterator[bytes]) -> dict[str, Any]:
-        conn = await self._open({"op": "fs.write", "path": path})
+    async def write_file(
+        self, path: str, chunks: AsyncIterator[bytes], user: str | None = None
+    ) -> dict[str, Any]:
+        conn = await self._open(_as({"op": "fs.write", "path": path}, user))
         try:
             try:
                 async for chunk in chunks:
@@ -334,3 +347,8 @@ class AgentClient:
                 conn.close()
 
         return events()
+
+
+def _as(req: dict[str, Any], user: str | None) -> dict[str, Any]:
+    """`req` acting as `user` (unchanged for the sandbox's default)."""
+    return req if user is None else {**req, "user": user}

@@ -14,34 +14,57 @@ from typing import TYPE_CHECKING, Any
 
 from agentbox.agent.client import AgentOpError, AgentUnavailable
 from agentbox.core.auth import Caller
+from agentbox.core.errors import InvalidRequest
 
 if TYPE_CHECKING:
     from agentbox.core.manager import SandboxManager
 
 
+def check_user(user: str | None) -> None:
+    if user not in (None, "user", "root"):
+        raise InvalidRequest(f'user must be "user" or "root", not {user!r}')
+
+
+def _who(user: str | None) -> dict[str, Any]:
+    """What the audit notes of the acting user: nothing for the sandbox's default."""
+    return {} if user is None else {"user": user}
+
+
 class FileService:
+    """Each operation takes `user` ("user" or "root"; None: the sandbox's default user), whose
+    permissions apply inside the sandbox and who owns what it makes."""
+
     def __init__(self, core: SandboxManager) -> None:
         self.core = core
 
     async def read(
-        self, caller: Caller, sandbox_id: str, path: str
+        self, caller: Caller, sandbox_id: str, path: str, user: str | None = None
     ) -> tuple[int, AsyncIterator[bytes]]:
+        check_user(user)
         started = time.monotonic()
         row = self.core.reachable(caller, sandbox_id)
         try:
-            size, chunks = await self.core.client(row).read_file(path)
+            size, chunks = await self.core.client(row).read_file(path, user)
         except (AgentOpError, AgentUnavailable) as e:
             raise self.core.failed(caller, row, "file.read", started, e, path=path) from None
-        self.core.audit(caller, "file.read", sandbox_id, started=started, path=path, size=size)
+        self.core.audit(
+            caller, "file.read", sandbox_id, started=started, path=path, size=size, **_who(user)
+        )
         return size, chunks
 
     async def write(
-        self, caller: Caller, sandbox_id: str, path: str, chunks: AsyncIterator[bytes]
+        self,
+        caller: Caller,
+        sandbox_id: str,
+        path: str,
+        chunks: AsyncIterator[bytes],
+        user: str | None = None,
     ) -> dict[str, Any]:
+        check_user(user)
         started = time.monotonic()
         row = self.core.reachable(caller, sandbox_id)
         try:
-            reply = await self.core.client(row).write_file(path, chunks)
+            reply = await self.core.client(row).write_file(path, chunks, user)
         except (AgentOpError, AgentUnavailable) as e:
             raise self.core.failed(caller, row, "file.write", started, e, path=path) from None
         except OSError as e:  # the agent hung up mid-upload: its reply, if any, is lost
@@ -49,7 +72,13 @@ class FileService:
             raise self.core.failed(caller, row, "file.write", started, lost, path=path) from None
         entry = reply["entry"]
         self.core.audit(
-            caller, "file.write", sandbox_id, started=started, path=path, size=entry.get("size")
+            caller,
+            "file.write",
+            sandbox_id,
+            started=started,
+            path=path,
+            size=entry.get("size"),
+            **_who(user),
         )
         return entry
 
@@ -61,11 +90,13 @@ class FileService:
         depth: int = 1,
         limit: int | None = None,
         cursor: str | None = None,
+        user: str | None = None,
     ) -> dict[str, Any]:
         """A page of entries under `path`: {entries, truncated, next_cursor}."""
+        check_user(user)
         reply = await self.core.agent_do(
-            caller, sandbox_id, "file.list", lambda c: c.list_dir(path, depth, limit, cursor),
-            path=path,
+            caller, sandbox_id, "file.list",
+            lambda c: c.list_dir(path, depth, limit, cursor, user), path=path, **_who(user),
         )  # fmt: skip
         return {
             "entries": reply.get("entries", []),
@@ -73,23 +104,38 @@ class FileService:
             "next_cursor": reply.get("next_cursor"),
         }
 
-    async def stat(self, caller: Caller, sandbox_id: str, path: str) -> dict[str, Any]:
+    async def stat(
+        self, caller: Caller, sandbox_id: str, path: str, user: str | None = None
+    ) -> dict[str, Any]:
+        check_user(user)
         return await self.core.agent_do(
-            caller, sandbox_id, "file.stat", lambda c: c.stat(path), path=path
+            caller, sandbox_id, "file.stat", lambda c: c.stat(path, user), path=path, **_who(user)
         )
 
-    async def make_dir(self, caller: Caller, sandbox_id: str, path: str) -> dict[str, Any]:
+    async def make_dir(
+        self, caller: Caller, sandbox_id: str, path: str, user: str | None = None
+    ) -> dict[str, Any]:
         """The agent's reply: {entry, created}."""
+        check_user(user)
         return await self.core.agent_do(
-            caller, sandbox_id, "file.mkdir", lambda c: c.make_dir(path), path=path
-        )
+            caller, sandbox_id, "file.mkdir", lambda c: c.make_dir(path, user), path=path,
+            **_who(user),
+        )  # fmt: skip
 
-    async def remove(self, caller: Caller, sandbox_id: str, path: str) -> None:
+    async def remove(
+        self, caller: Caller, sandbox_id: str, path: str, user: str | None = None
+    ) -> None:
+        check_user(user)
         await self.core.agent_do(
-            caller, sandbox_id, "file.remove", lambda c: c.remove(path), path=path
-        )
+            caller, sandbox_id, "file.remove", lambda c: c.remove(path, user), path=path,
+            **_who(user),
+        )  # fmt: skip
 
-    async def rename(self, caller: Caller, sandbox_id: str, src: str, dst: str) -> dict[str, Any]:
+    async def rename(
+        self, caller: Caller, sandbox_id: str, src: str, dst: str, user: str | None = None
+    ) -> dict[str, Any]:
+        check_user(user)
         return await self.core.agent_do(
-            caller, sandbox_id, "file.rename", lambda c: c.rename(src, dst), src=src, dst=dst
-        )
+            caller, sandbox_id, "file.rename", lambda c: c.rename(src, dst, user), src=src,
+            dst=dst, **_who(user),
+        )  # fmt: skip

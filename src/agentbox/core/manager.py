@@ -427,14 +427,19 @@ class SandboxManager:
         return await self.creation.create(caller, req)
 
     async def read_file(
-        self, caller: Caller, sandbox_id: str, path: str
+        self, caller: Caller, sandbox_id: str, path: str, user: str | None = None
     ) -> tuple[int, AsyncIterator[bytes]]:
-        return await self.files.read(caller, sandbox_id, path)
+        return await self.files.read(caller, sandbox_id, path, user)
 
     async def write_file(
-        self, caller: Caller, sandbox_id: str, path: str, chunks: AsyncIterator[bytes]
+        self,
+        caller: Caller,
+        sandbox_id: str,
+        path: str,
+        chunks: AsyncIterator[bytes],
+        user: str | None = None,
     ) -> dict[str, Any]:
-        return await self.files.write(caller, sandbox_id, path, chunks)
+        return await self.files.write(caller, sandbox_id, path, chunks, user)
 
     async def kill(self, caller: Caller, sandbox_id: str) -> None:
         await self.lifecycle.kill(caller, sandbox_id)

@@ -386,17 +386,28 @@ class AsyncFiles:
         path: str,
         format: Literal["text"] = "text",
         *,
+        user: str | None = None,
         request_timeout: float | None = None,
     ) -> str: ...
 
     @overload
     async def read(
-        self, path: str, format: Literal["bytes"], *, request_timeout: float | None = None
+        self,
+        path: str,
+        format: Literal["bytes"],
+        *,
+        user: str | None = None,
+        request_timeout: float | None = None,
     ) -> bytes: ...
 
     @overload
     async def read(
-        self, path: str, format: Literal["stream"], *, request_timeout: float | None = None
+        self,
+        path: str,
+        format: Literal["stream"],
+        *,
+        user: str | None = None,
+        request_timeout: float | None = None,
     ) -> AsyncIterator[bytes]: ...
 
     async def read(
@@ -404,14 +415,17 @@ class AsyncFiles:
         path: str,
         format: Literal["text", "bytes", "stream"] = "text",
         *,
+        user: str | None = None,
         request_timeout: float | None = None,
     ) -> str | bytes | AsyncIterator[bytes]:
         """The file's content; `stream` yields chunks as they arrive (iterate it to the end).
 
-        Every method here takes `request_timeout`: seconds for this call's HTTP request (for
-        a read, of silence between chunks) in place of the client's."""
+        Every method here takes `user` ("user" or "root": whose permissions apply and who owns
+        what is made; default the template's user, as on E2B) and `request_timeout`: seconds
+        for this call's HTTP request (for a read, of silence between chunks) in place of the
+        client's."""
         stream = await self._transport.bytes_stream(
-            p.timed(p.read_file(self._sandbox_id, path), request_timeout)
+            p.timed(p.read_file(self._sandbox_id, path, user), request_timeout)
         )
         if format == "stream":
             return stream
@@ -419,23 +433,33 @@ class AsyncFiles:
         return data if format == "bytes" else p.decode_text(data)
 
     async def write(
-        self, path: str, data: AsyncWriteData, *, request_timeout: float | None = None
+        self,
+        path: str,
+        data: AsyncWriteData,
+        *,
+        user: str | None = None,
+        request_timeout: float | None = None,
     ) -> EntryInfo:
         """Write (atomically) from str, bytes, a binary file object or an iterable of chunks."""
         return await self._transport.call(
-            p.timed(p.write_file(self._sandbox_id, path), request_timeout),
+            p.timed(p.write_file(self._sandbox_id, path, user), request_timeout),
             async_upload_body(data),
         )
 
     async def write_files(
-        self, files: Sequence[AsyncWriteEntry], *, request_timeout: float | None = None
+        self,
+        files: Sequence[AsyncWriteEntry],
+        *,
+        user: str | None = None,
+        request_timeout: float | None = None,
     ) -> builtins.list[EntryInfo]:
         """Write several files, in order: `[{"path": ..., "data": ...}, ...]` (data as for
         `write`). Each file is written atomically, the set is not: when one fails, the files
         before it stay written."""
         entries = [p.write_entry(entry) for entry in files]  # all checked before any is written
         return [
-            await self.write(path, data, request_timeout=request_timeout) for path, data in entries
+            await self.write(path, data, user=user, request_timeout=request_timeout)
+            for path, data in entries
         ]
 
     async def list(
@@ -445,43 +469,61 @@ class AsyncFiles:
         *,
         limit: int | None = None,
         cursor: str | None = None,
+        user: str | None = None,
         request_timeout: float | None = None,
     ) -> EntryList:
         """Entries under `path` to `depth` levels, in path order. A listing stops at `limit`
         entries (the server's page size, 10,000, by default): then `.truncated` is True and
         `list(path, depth, cursor=page.next_cursor)` gives the next page."""
         return await self._transport.call(
-            p.timed(p.list_files(self._sandbox_id, path, depth, limit, cursor), request_timeout)
+            p.timed(
+                p.list_files(self._sandbox_id, path, depth, limit, cursor, user), request_timeout
+            )
         )
 
-    async def exists(self, path: str, *, request_timeout: float | None = None) -> bool:
+    async def exists(
+        self, path: str, *, user: str | None = None, request_timeout: float | None = None
+    ) -> bool:
         try:
-            await self.get_info(path, request_timeout=request_timeout)
+            await self.get_info(path, user=user, request_timeout=request_timeout)
         except AgentboxError as e:
             if p.is_missing_path(e):
                 return False
             raise
         return True
 
-    async def get_info(self, path: str, *, request_timeout: float | None = None) -> EntryInfo:
-        return await self._transport.call(
-            p.timed(p.stat_file(self._sandbox_id, path), request_timeout)
-        )
-
-    async def make_dir(self, path: str, *, request_timeout: float | None = None) -> bool:
-        """Create the directory and its parents; False if it already existed."""
-        return await self._transport.call(
-            p.timed(p.make_dir(self._sandbox_id, path), request_timeout)
-        )
-
-    async def remove(self, path: str, *, request_timeout: float | None = None) -> None:
-        await self._transport.call(p.timed(p.remove_file(self._sandbox_id, path), request_timeout))
-
-    async def rename(
-        self, src: str, dst: str, *, request_timeout: float | None = None
+    async def get_info(
+        self, path: str, *, user: str | None = None, request_timeout: float | None = None
     ) -> EntryInfo:
         return await self._transport.call(
-            p.timed(p.rename_file(self._sandbox_id, src, dst), request_timeout)
+            p.timed(p.stat_file(self._sandbox_id, path, user), request_timeout)
+        )
+
+    async def make_dir(
+        self, path: str, *, user: str | None = None, request_timeout: float | None = None
+    ) -> bool:
+        """Create the directory and its parents; False if it already existed."""
+        return await self._transport.call(
+            p.timed(p.make_dir(self._sandbox_id, path, user), request_timeout)
+        )
+
+    async def remove(
+        self, path: str, *, user: str | None = None, request_timeout: float | None = None
+    ) -> None:
+        await self._transport.call(
+            p.timed(p.remove_file(self._sandbox_id, path, user), request_timeout)
+        )
+
+    async def rename(
+        self,
+        src: str,
+        dst: str,
+        *,
+        user: str | None = None,
+        request_timeout: float | None = None,
+    ) -> EntryInfo:
+        return await self._transport.call(
+            p.timed(p.rename_file(self._sandbox_id, src, dst, user), request_timeout)
         )
 
 

@@ -426,7 +426,7 @@ def _command_body(cmd: str, background: bool, envs: Mapping[str, str] | None, cw
                   timeout: float, stdin: bool, user: str | None) -> dict[str, Any]:
     body = {"cmd": cmd, "cwd": cwd, "envs": dict(envs or {}), "timeout": timeout,
             "background": background, "stdin": stdin}
-    return body if user is None else {**body, "user": user}
+    return _with_user(body, user)
 
 
 def run_command(sandbox_id: str, cmd: str, envs: Mapping[str, str] | None, cwd: str | None,
@@ -471,19 +471,28 @@ def kill_command(sandbox_id: str, cmd_id: str, signal: str | int = "SIGKILL") ->
 # Files
 
 
-def read_file(sandbox_id: str, path: str) -> Call[None]:
+def _path_params(path: str, user: str | None) -> list[tuple[str, Any]]:
+    """A file call's query: the path and, unless the sandbox's default, who acts."""
+    return [("path", path)] + ([] if user is None else [("user", user)])
+
+
+def _with_user(body: dict[str, Any], user: str | None) -> dict[str, Any]:
+    return body if user is None else {**body, "user": user}
+
+
+def read_file(sandbox_id: str, path: str, user: str | None = None) -> Call[None]:
     """The answer is the raw file, read as a stream by the caller."""
-    return Call("GET", f"{_sbx(sandbox_id)}/files", _none, params=[("path", path)])
+    return Call("GET", f"{_sbx(sandbox_id)}/files", _none, params=_path_params(path, user))
 
 
-def write_file(sandbox_id: str, path: str) -> Call[EntryInfo]:
+def write_file(sandbox_id: str, path: str, user: str | None = None) -> Call[EntryInfo]:
     """The body (a chunk stream) is supplied by the face that sends it."""
-    return Call("PUT", f"{_sbx(sandbox_id)}/files", _entry, params=[("path", path)])
+    return Call("PUT", f"{_sbx(sandbox_id)}/files", _entry, params=_path_params(path, user))
 
 
 def list_files(sandbox_id: str, path: str, depth: int, limit: int | None = None,
-               cursor: str | None = None) -> Call[EntryList]:
-    params: list[tuple[str, Any]] = [("path", path), ("depth", depth)]
+               cursor: str | None = None, user: str | None = None) -> Call[EntryList]:
+    params = [*_path_params(path, user), ("depth", depth)]
     if limit is not None:
         params.append(("limit", limit))
     if cursor is not None:
@@ -492,23 +501,23 @@ def list_files(sandbox_id: str, path: str, depth: int, limit: int | None = None,
                 lambda r: EntryList.from_json(r.json()), params=params)
 
 
-def stat_file(sandbox_id: str, path: str) -> Call[EntryInfo]:
-    return Call("GET", f"{_sbx(sandbox_id)}/files/stat", _entry, params=[("path", path)])
+def stat_file(sandbox_id: str, path: str, user: str | None = None) -> Call[EntryInfo]:
+    return Call("GET", f"{_sbx(sandbox_id)}/files/stat", _entry, params=_path_params(path, user))
 
 
-def make_dir(sandbox_id: str, path: str) -> Call[bool]:
+def make_dir(sandbox_id: str, path: str, user: str | None = None) -> Call[bool]:
     # 201 = created, 200 = it was already a directory (E2B's make_dir returns this bool).
     return Call("POST", f"{_sbx(sandbox_id)}/files/mkdir", lambda r: r.status_code == 201,
-                json={"path": path})
+                json=_with_user({"path": path}, user))
 
 
-def remove_file(sandbox_id: str, path: str) -> Call[None]:
-    return Call("DELETE", f"{_sbx(sandbox_id)}/files", _none, params=[("path", path)])
+def remove_file(sandbox_id: str, path: str, user: str | None = None) -> Call[None]:
+    return Call("DELETE", f"{_sbx(sandbox_id)}/files", _none, params=_path_params(path, user))
 
 
-def rename_file(sandbox_id: str, src: str, dst: str) -> Call[EntryInfo]:
+def rename_file(sandbox_id: str, src: str, dst: str, user: str | None = None) -> Call[EntryInfo]:
     return Call("POST", f"{_sbx(sandbox_id)}/files/rename", _entry,
-                json={"src": src, "dst": dst})
+                json=_with_user({"src": src, "dst": dst}, user))
 
 
 def write_entry(entry: Mapping[str, Any]) -> tuple[str, Any]:

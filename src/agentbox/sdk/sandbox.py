@@ -371,17 +371,28 @@ class Files:
         path: str,
         format: Literal["text"] = "text",
         *,
+        user: str | None = None,
         request_timeout: float | None = None,
     ) -> str: ...
 
     @overload
     def read(
-        self, path: str, format: Literal["bytes"], *, request_timeout: float | None = None
+        self,
+        path: str,
+        format: Literal["bytes"],
+        *,
+        user: str | None = None,
+        request_timeout: float | None = None,
     ) -> bytes: ...
 
     @overload
     def read(
-        self, path: str, format: Literal["stream"], *, request_timeout: float | None = None
+        self,
+        path: str,
+        format: Literal["stream"],
+        *,
+        user: str | None = None,
+        request_timeout: float | None = None,
     ) -> Iterator[bytes]: ...
 
     def read(
@@ -389,14 +400,17 @@ class Files:
         path: str,
         format: Literal["text", "bytes", "stream"] = "text",
         *,
+        user: str | None = None,
         request_timeout: float | None = None,
     ) -> str | bytes | Iterator[bytes]:
         """The file's content; `stream` yields chunks as they arrive (iterate it to the end).
 
-        Every method here takes `request_timeout`: seconds for this call's HTTP request (for
-        a read, of silence between chunks) in place of the client's."""
+        Every method here takes `user` ("user" or "root": whose permissions apply and who owns
+        what is made; default the template's user, as on E2B) and `request_timeout`: seconds
+        for this call's HTTP request (for a read, of silence between chunks) in place of the
+        client's."""
         stream = self._transport.bytes_stream(
-            p.timed(p.read_file(self._sandbox_id, path), request_timeout)
+            p.timed(p.read_file(self._sandbox_id, path, user), request_timeout)
         )
         if format == "stream":
             return stream
@@ -404,22 +418,34 @@ class Files:
         return data if format == "bytes" else p.decode_text(data)
 
     def write(
-        self, path: str, data: WriteData, *, request_timeout: float | None = None
+        self,
+        path: str,
+        data: WriteData,
+        *,
+        user: str | None = None,
+        request_timeout: float | None = None,
     ) -> EntryInfo:
         """Write (atomically) from str, bytes, a binary file object or an iterable of chunks."""
         return self._transport.call(
-            p.timed(p.write_file(self._sandbox_id, path), request_timeout),
+            p.timed(p.write_file(self._sandbox_id, path, user), request_timeout),
             upload_body(data),
         )
 
     def write_files(
-        self, files: Sequence[WriteEntry], *, request_timeout: float | None = None
+        self,
+        files: Sequence[WriteEntry],
+        *,
+        user: str | None = None,
+        request_timeout: float | None = None,
     ) -> builtins.list[EntryInfo]:
         """Write several files, in order: `[{"path": ..., "data": ...}, ...]` (data as for
         `write`). Each file is written atomically, the set is not: when one fails, the files
         before it stay written."""
         entries = [p.write_entry(entry) for entry in files]  # all checked before any is written
-        return [self.write(path, data, request_timeout=request_timeout) for path, data in entries]
+        return [
+            self.write(path, data, user=user, request_timeout=request_timeout)
+            for path, data in entries
+        ]
 
     def list(
         self,
@@ -428,37 +454,59 @@ class Files:
         *,
         limit: int | None = None,
         cursor: str | None = None,
+        user: str | None = None,
         request_timeout: float | None = None,
     ) -> EntryList:
         """Entries under `path` to `depth` levels, in path order. A listing stops at `limit`
         entries (the server's page size, 10,000, by default): then `.truncated` is True and
         `list(path, depth, cursor=page.next_cursor)` gives the next page."""
         return self._transport.call(
-            p.timed(p.list_files(self._sandbox_id, path, depth, limit, cursor), request_timeout)
+            p.timed(
+                p.list_files(self._sandbox_id, path, depth, limit, cursor, user), request_timeout
+            )
         )
 
-    def exists(self, path: str, *, request_timeout: float | None = None) -> bool:
+    def exists(
+        self, path: str, *, user: str | None = None, request_timeout: float | None = None
+    ) -> bool:
         try:
-            self.get_info(path, request_timeout=request_timeout)
+            self.get_info(path, user=user, request_timeout=request_timeout)
         except AgentboxError as e:
             if p.is_missing_path(e):
                 return False
             raise
         return True
 
-    def get_info(self, path: str, *, request_timeout: float | None = None) -> EntryInfo:
-        return self._transport.call(p.timed(p.stat_file(self._sandbox_id, path), request_timeout))
-
-    def make_dir(self, path: str, *, request_timeout: float | None = None) -> bool:
-        """Create the directory and its parents; False if it already existed."""
-        return self._transport.call(p.timed(p.make_dir(self._sandbox_id, path), request_timeout))
-
-    def remove(self, path: str, *, request_timeout: float | None = None) -> None:
-        self._transport.call(p.timed(p.remove_file(self._sandbox_id, path), request_timeout))
-
-    def rename(self, src: str, dst: str, *, request_timeout: float | None = None) -> EntryInfo:
+    def get_info(
+        self, path: str, *, user: str | None = None, request_timeout: float | None = None
+    ) -> EntryInfo:
         return self._transport.call(
-            p.timed(p.rename_file(self._sandbox_id, src, dst), request_timeout)
+            p.timed(p.stat_file(self._sandbox_id, path, user), request_timeout)
+        )
+
+    def make_dir(
+        self, path: str, *, user: str | None = None, request_timeout: float | None = None
+    ) -> bool:
+        """Create the directory and its parents; False if it already existed."""
+        return self._transport.call(
+            p.timed(p.make_dir(self._sandbox_id, path, user), request_timeout)
+        )
+
+    def remove(
+        self, path: str, *, user: str | None = None, request_timeout: float | None = None
+    ) -> None:
+        self._transport.call(p.timed(p.remove_file(self._sandbox_id, path, user), request_timeout))
+
+    def rename(
+        self,
+        src: str,
+        dst: str,
+        *,
+        user: str | None = None,
+        request_timeout: float | None = None,
+    ) -> EntryInfo:
+        return self._transport.call(
+            p.timed(p.rename_file(self._sandbox_id, src, dst, user), request_timeout)
         )
 
 

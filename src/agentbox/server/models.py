@@ -187,14 +187,16 @@ class SandboxList(BaseModel):
     next_token: str | None
 
 
+SandboxUser = Literal["user", "root"]
+USER_DOC = (
+    'who acts: "user" (uid 1000) or the sandbox\'s "root"; default the template\'s user'
+)
+
+
 class CommandBody(Strict):
     cmd: str = Field(min_length=1, max_length=1 << 20)
     cwd: str | None = Field(None, max_length=4096)
-    user: Literal["user", "root"] | None = Field(
-        None,
-        description='who runs it: "user" (uid 1000) or the sandbox\'s "root"; default the '
-        "template's user",
-    )
+    user: SandboxUser | None = Field(None, description=USER_DOC)
     envs: dict[str, str] = Field(default_factory=dict)
     timeout: float = Field(60, ge=0, le=10**9, description="seconds; 0 = no timeout")
     background: bool = False
@@ -276,11 +278,13 @@ class EntryList(BaseModel):
 
 class PathBody(Strict):
     path: str = Field(max_length=8192)
+    user: SandboxUser | None = Field(None, description=USER_DOC)
 
 
 class RenameBody(Strict):
     src: str = Field(max_length=8192)
     dst: str = Field(max_length=8192)
+    user: SandboxUser | None = Field(None, description=USER_DOC)
 
 
 class KeyBody(Strict):

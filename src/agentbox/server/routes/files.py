@@ -13,6 +13,7 @@ from agentbox.server.routes.deps import RESPONSES, Mgr, Who
 from agentbox.server.streaming import Streamed
 
 PathQ = Annotated[str, Query(max_length=8192, description="sandbox path")]
+UserQ = Annotated[m.SandboxUser | None, Query(description=m.USER_DOC)]
 
 
 def router() -> APIRouter:
@@ -23,8 +24,10 @@ def router() -> APIRouter:
         responses={**RESPONSES, 200: {"content": {"application/octet-stream": {}}}},
         tags=["files"],
     )
-    async def read_file(sandbox_id: str, path: PathQ, mgr: Mgr, who: Who) -> Response:
-        size, chunks = await mgr.read_file(who, sandbox_id, path)
+    async def read_file(
+        sandbox_id: str, path: PathQ, mgr: Mgr, who: Who, user: UserQ = None
+    ) -> Response:
+        size, chunks = await mgr.read_file(who, sandbox_id, path, user)
         return Streamed(
             chunks, media_type="application/octet-stream", headers={"Content-Length": str(size)}
         )
@@ -44,9 +47,10 @@ def router() -> APIRouter:
         },
     )
     async def write_file(
-        sandbox_id: str, path: PathQ, request: Request, mgr: Mgr, who: Who
+        sandbox_id: str, path: PathQ, request: Request, mgr: Mgr, who: Who, user: UserQ = None
     ) -> m.EntryInfo:
-        return m.EntryInfo.of(await mgr.write_file(who, sandbox_id, path, request.stream()))
+        entry = await mgr.write_file(who, sandbox_id, path, request.stream(), user)
+        return m.EntryInfo.of(entry)
 
     @r.get(
         "/v1/sandboxes/{sandbox_id}/files/list",
@@ -67,8 +71,9 @@ def router() -> APIRouter:
             str | None,
             Query(max_length=8192, description="next_cursor of the previous page"),
         ] = None,
+        user: UserQ = None,
     ) -> m.EntryList:
-        reply = await mgr.files.list(who, sandbox_id, path, depth, limit, cursor)
+        reply = await mgr.files.list(who, sandbox_id, path, depth, limit, cursor, user)
         return m.EntryList(
             entries=[m.EntryInfo.of(e) for e in reply["entries"]],
             truncated=bool(reply.get("truncated")),
@@ -81,8 +86,10 @@ def router() -> APIRouter:
         responses=RESPONSES,
         tags=["files"],
     )
-    async def stat_file(sandbox_id: str, path: PathQ, mgr: Mgr, who: Who) -> m.EntryInfo:
-        return m.EntryInfo.of(await mgr.files.stat(who, sandbox_id, path))
+    async def stat_file(
+        sandbox_id: str, path: PathQ, mgr: Mgr, who: Who, user: UserQ = None
+    ) -> m.EntryInfo:
+        return m.EntryInfo.of(await mgr.files.stat(who, sandbox_id, path, user))
 
     @r.post(
         "/v1/sandboxes/{sandbox_id}/files/mkdir",
@@ -92,7 +99,7 @@ def router() -> APIRouter:
         tags=["files"],
     )
     async def make_dir(sandbox_id: str, body: m.PathBody, mgr: Mgr, who: Who) -> Response:
-        reply = await mgr.files.make_dir(who, sandbox_id, body.path)
+        reply = await mgr.files.make_dir(who, sandbox_id, body.path, body.user)
         return JSONResponse(
             status_code=201 if reply.get("created") else 200,
             content=m.EntryInfo.of(reply["entry"]).model_dump(),
@@ -101,8 +108,10 @@ def router() -> APIRouter:
     @r.delete(
         "/v1/sandboxes/{sandbox_id}/files", status_code=204, responses=RESPONSES, tags=["files"]
     )
-    async def remove_file(sandbox_id: str, path: PathQ, mgr: Mgr, who: Who) -> Response:
-        await mgr.files.remove(who, sandbox_id, path)
+    async def remove_file(
+        sandbox_id: str, path: PathQ, mgr: Mgr, who: Who, user: UserQ = None
+    ) -> Response:
+        await mgr.files.remove(who, sandbox_id, path, user)
         return Response(status_code=204)
 
     @r.post(
@@ -112,6 +121,7 @@ def router() -> APIRouter:
         tags=["files"],
     )
     async def rename_file(sandbox_id: str, body: m.RenameBody, mgr: Mgr, who: Who) -> m.EntryInfo:
-        return m.EntryInfo.of(await mgr.files.rename(who, sandbox_id, body.src, body.dst))
+        entry = await mgr.files.rename(who, sandbox_id, body.src, body.dst, body.user)
+        return m.EntryInfo.of(entry)
 
     return r
