@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import shared_template_dir
+from conftest import seed_template_store
 
 from agentbox.battery.checks import CHECKS
 from agentbox.battery.server import EGRESS_WEAKENINGS, SERVER_WEAKENINGS
@@ -24,11 +24,14 @@ pytestmark = pytest.mark.security
 @pytest.mark.skipif(os.geteuid() != 0, reason="the battery needs root")
 def test_escape_battery(tmp_path: Path) -> None:
     md, js = tmp_path / "scorecard.md", tmp_path / "scorecard.json"
+    templates = tmp_path / "templates"
+    seed_template_store(templates)
     proc = subprocess.run(
         [
             sys.executable, "-m", "agentbox.battery", "--markdown", str(md), "--json", str(js),
-            # The battery's template shares its Debian base with the test run's templates.
-            "--template-dir", str(shared_template_dir()),
+            # The battery's template shares its Debian base with the test run's templates,
+            # in a store of its own (the shared one's index stays the test run's).
+            "--template-dir", str(templates),
         ],  # fmt: skip
         capture_output=True,
         text=True,
