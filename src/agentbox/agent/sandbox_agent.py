@@ -974,7 +974,8 @@ class Commands:
         except OSError as e:
             if e.errno in (errno.EAGAIN, errno.ENOMEM):
                 raise PIDS_EXHAUSTED from None
-            raise
+            # Said, not dropped: an OSError reaching serve_one reads as a lost connection.
+            raise os_error(e, cwd) from None
         c.pid = c.proc.pid
         try:
             for stream, pipe in ((P.STDOUT, c.proc.stdout), (P.STDERR, c.proc.stderr)):

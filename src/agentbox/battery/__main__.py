@@ -22,7 +22,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from agentbox.battery import inventory, netns
-from agentbox.battery.checks import CHECKS, Check, Ctx, ProbeFailed, Verdict
+from agentbox.battery.checks import CHECKS, Check, Ctx, ProbeFailed, Verdict, build_template
 from agentbox.battery.oracle import Oracle
 from agentbox.battery.scorecard import Row, render_json, render_markdown
 from agentbox.battery.target import Server
@@ -94,10 +94,15 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0:
         print("the battery needs root (per-sandbox uids, cgroups, a network namespace)")
         return 2
+    checks = [c for c in CHECKS if re.search(a.only, c.id)]
     if not netns.inside():
+        if any(c.needs_template for c in checks):
+            # Built here, on the host's network: inside the battery's namespace its downloads
+            # would reach only the oracle's listeners (and count as a sandbox's traffic).
+            print(f"preparing the battery's template in {a.template_dir}", flush=True)
+            build_template(a.template_dir)
         return netns.reexec(argv)
 
-    checks = [c for c in CHECKS if re.search(a.only, c.id)]
     roles = netns.setup()
     workdir = a.workdir or Path(tempfile.mkdtemp(prefix="abx-battery-"))
     oracle = Oracle()

@@ -68,6 +68,15 @@ content = "battery"
 _templates: dict[Path, Path] = {}  # template dir -> the built tree, once per run
 
 
+def build_template(template_dir: Path) -> Path:
+    """Build (or find, built) the battery's template in `template_dir`; its tree."""
+    from agentbox.templates import TemplateStore, load_spec
+
+    template_dir.mkdir(parents=True, exist_ok=True)
+    info = TemplateStore(template_dir).build(load_spec(TEMPLATE_SPEC), lambda e: None)
+    return Path(info.rootfs)
+
+
 @dataclass
 class Ctx:
     server: Server
@@ -76,15 +85,12 @@ class Ctx:
     template_dir: Path | None = None
 
     def template(self) -> tuple[str, Path]:
-        """The battery's built template (built on first use): its name and its tree."""
-        from agentbox.templates import TemplateStore, load_spec
-
+        """The battery's built template (built before the run: build_template): its name and
+        its tree."""
         if self.template_dir is None:
             raise ProbeFailed("no template dir")
         if self.template_dir not in _templates:
-            self.template_dir.mkdir(parents=True, exist_ok=True)
-            info = TemplateStore(self.template_dir).build(load_spec(TEMPLATE_SPEC), lambda e: None)
-            _templates[self.template_dir] = Path(info.rootfs)
+            _templates[self.template_dir] = build_template(self.template_dir)
         return "battery-root", _templates[self.template_dir]
 
     def box(self, tenant: str = "battery-a", **body: Any) -> Box:
@@ -141,16 +147,22 @@ class Check:
     control: frozenset[str]
     fn: Callable[[Ctx], Verdict]
     bind_canary: bool = False
+    needs_template: bool = False  # runs in a sandbox of the battery's built template
 
 
 CHECKS: list[Check] = []
 
 
 def check(
-    id: str, group: str, title: str, control: Iterable[str], bind_canary: bool = False
+    id: str,
+    group: str,
+    title: str,
+    control: Iterable[str],
+    bind_canary: bool = False,
+    needs_template: bool = False,
 ) -> Callable[[Callable[[Ctx], Verdict]], Callable[[Ctx], Verdict]]:
     def register(fn: Callable[[Ctx], Verdict]) -> Callable[[Ctx], Verdict]:
-        CHECKS.append(Check(id, group, title, frozenset(control), fn, bind_canary))
+        CHECKS.append(Check(id, group, title, frozenset(control), fn, bind_canary, needs_template))
         return fn
 
     return register
@@ -515,6 +527,7 @@ def _tree_state(root: Path) -> dict[str, tuple[int, int, int, int]]:
     "filesystem",
     "a writable root's writes (as its root) reach neither the template tree nor another sandbox",
     ["template-rw"],
+    needs_template=True,
 )
 def _fs_template_writes(ctx: Ctx) -> Verdict:
     name, tree = ctx.template()
@@ -547,6 +560,7 @@ def _fs_template_writes(ctx: Ctx) -> Verdict:
     "filesystem",
     "a writable root's root may not write /dev, /proc or the agent's files (Landlock)",
     ["no-landlock"],
+    needs_template=True,
 )
 def _fs_root_fence(ctx: Ctx) -> Verdict:
     name, _ = ctx.template()
@@ -652,10 +666,15 @@ def _priv_caps(ctx: Ctx) -> Verdict:
     v = blocked(
         "user: all sets 0 but Bnd; root: within the granted set; both in the sandbox's userns"
     )
+    ran = 0
     for user in ("user", "root"):
         out = box.probe("status", threads=4, user=user)
         if "threads" not in out:
-            raise ProbeFailed(str(out)[:300])
+            # (A host-root control's `user` is host uid 1000, which cannot enter the
+            # workspace: its root's probe is the one that must show the break.)
+            v.evidence += f"; {user}'s probe did not run: {str(out)[:120]}"
+            continue
+        ran += 1
         for tid, f in out["threads"].items():
             for k in CAP_SETS:
                 # `user` keeps root's bounding set (no_new_privs: it never regains any of it).
@@ -668,6 +687,8 @@ def _priv_caps(ctx: Ctx) -> Verdict:
                         "ESCAPE", f"{user} thread {tid} {k} has {extra:#x} beyond {allowed:#x}"
                     )
                     break
+    if ran < 2 and v.status != "BROKEN":
+        raise ProbeFailed(v.evidence)  # a probe that did not run proves nothing
     # Capabilities count only in the user namespace that holds them: none may be the host's.
     host_ns = os.readlink("/proc/self/ns/user")
     for pid in ctx.sandbox_pids(box):
