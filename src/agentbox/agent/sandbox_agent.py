@@ -1,7 +1,9 @@
 """The in-sandbox agent: runs commands and file operations on the control plane's behalf.
 
-It runs inside the sandbox with the sandbox's own (lack of) privileges, so it cannot do anything
-the sandboxed code could not: it is a convenience, not a trust anchor. It listens on a Unix socket
+It runs inside the sandbox as the sandbox's own root (its user namespace's, with the few
+capabilities users.py describes), which sandboxed code may also use (`sudo`, `user="root"`), so
+it cannot do anything the sandboxed code could not: it is a convenience, not a trust anchor.
+Commands and file operations act as `user` unless asked for root. It listens on a Unix socket
 it inherits from the runtime (the socket's path lives outside the sandbox), speaks the framed
 protocol in `protocol.py`, and owns the state that must outlive a restart of the control plane:
 running commands and their buffered output.
