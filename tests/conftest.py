@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import io
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -49,7 +53,10 @@ class ServerHandle:
         return key
 
     def start(self) -> None:
+        """Start the server. Its default template is `host` unless `extra_args` name one (see
+        start_server)."""
         env = dict(os.environ, AGENTBOX_ADMIN_KEY=self.admin_key)
+        default = [] if "--default-template" in self.extra_args else ["--default-template", "host"]
         self.log_path = self.data_dir.parent / f"server-{self.port}.log"
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
@@ -65,6 +72,7 @@ class ServerHandle:
                 "--data-dir",
                 str(self.data_dir),
                 *self.extra_args,
+                *default,
             ],
             env=env,
             stdout=log,
@@ -115,6 +123,10 @@ class ServerHandle:
 
 
 def start_server(tmp: Path, extra_args: list[str] | None = None) -> ServerHandle:
+    """A server on its own data dir. Its default template is `host` (the host's userland:
+    nothing to build) unless `extra_args` name one: the suite's many servers would otherwise
+    each build `base` into their empty data dirs. `base` as the default is tested on its own
+    (test_base_template.py, and the README's quick start in test_readme.py)."""
     port = free_port()
     data_dir = tmp / f"data-{port}"
     handle = ServerHandle(
@@ -222,6 +234,29 @@ def make_deb(tmp: Path, name: str, version: str = "1.0") -> Path:
     return out
 
 
+def make_wheel(name: str, version: str = "1.0") -> tuple[str, bytes]:
+    """A pure-Python wheel with a module and a console script (built by hand: no network)."""
+    dist = f"{name}-{version}.dist-info"
+    files = {
+        f"{name}/__init__.py": f"VALUE = 'from {name}'\ndef main():\n    print('{name} cli ok')\n",
+        f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+        f"{dist}/WHEEL": "Wheel-Version: 1.0\nGenerator: agentbox-test\nRoot-Is-Purelib: true\n"
+        "Tag: py3-none-any\n",
+        f"{dist}/entry_points.txt": f"[console_scripts]\n{name}-cli = {name}:main\n",
+    }
+    record = []
+    for path, text in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=")
+        record.append(f"{path},sha256={digest.decode()},{len(text.encode())}")
+    record.append(f"{dist}/RECORD,,")
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        for path, text in files.items():
+            z.writestr(path, text)
+        z.writestr(f"{dist}/RECORD", "\n".join(record) + "\n")
+    return f"{name}-{version}-py3-none-any.whl", buf.getvalue()
+
+
 def seed_template_store(store: Path) -> None:
     """A private template store holding the Debian base as this machine's test runs have it
     (hard links into the shared one: a minute to build otherwise)."""
@@ -236,24 +271,34 @@ def seed_template_store(store: Path) -> None:
                 shutil.rmtree(store / part, ignore_errors=True)
 
 
-@pytest.fixture(scope="session")
-def code_template() -> Path:
-    """The shipped code-interpreter template, built (or found in the cache) once per session."""
+def build_shipped(name: str) -> Path:
+    """The shipped template `name`, built (or found in the cache) in the shared store."""
     from agentbox.templates import TemplateStore, builtin_spec_path, load_spec
 
     root = shared_template_dir()
     root.mkdir(parents=True, exist_ok=True)
-    path = builtin_spec_path("code-interpreter")
+    path = builtin_spec_path(name)
     assert path is not None
-    log = open(root / "build.log", "a")
-    try:
+    with open(root / "build.log", "a") as log:
         TemplateStore(root).build(
             load_spec(path.read_text(), path.parent),
             lambda e: log.write(json.dumps(e) + "\n"),
         )
-    finally:
-        log.close()
     return root
+
+
+@pytest.fixture(scope="session")
+def base_template() -> Path:
+    """The shipped default template (base), built (or found in the cache) once per session."""
+    return build_shipped("base")
+
+
+@pytest.fixture(scope="session")
+def code_template(base_template: Path) -> Path:
+    """The shipped code-interpreter template, built (or found in the cache) once per session,
+    in the shared store that also holds `base` (so that store is the same whichever test asks
+    first)."""
+    return build_shipped("code-interpreter")
 
 
 @pytest.fixture(scope="session")

@@ -47,6 +47,12 @@ def default_pool_sizes() -> dict[str, int]:
     return parse_pool_sizes([os.environ.get("AGENTBOX_WARM_POOLS", "")])
 
 
+def default_template() -> str:
+    """AGENTBOX_DEFAULT_TEMPLATE: what a create that names no template gets (`base`, the
+    shipped minimal Debian; `host` for the host's own userland)."""
+    return os.environ.get("AGENTBOX_DEFAULT_TEMPLATE") or "base"
+
+
 def default_template_dir() -> Path | None:
     """AGENTBOX_TEMPLATE_DIR (several servers, or test runs, may share built templates)."""
     env = os.environ.get("AGENTBOX_TEMPLATE_DIR")

@@ -1,5 +1,6 @@
-"""Words the server and the SDK share, each written down once: sandbox states, the code
-interpreter's languages, error codes and the status each code is recorded and answered with.
+"""Words the server and the SDK share, each written down once: sandbox states, a sandbox's
+users, the code interpreter's languages, error codes and the status each code is recorded and
+answered with.
 
 Standard library only: the SDK imports this without the server's dependencies. The in-sandbox
 agent keeps its own copy of LANGUAGES (it runs alone inside every sandbox, stdlib only), and
@@ -27,6 +28,26 @@ class SandboxState(StrEnum):
 UNHEALTHY = "unhealthy"
 # A list filter meaning every live state.
 LIVE_FILTER = "live"
+
+# A sandbox's users, as runtimes make them and templates lay out their files for them.
+# The sandbox's root (uid 0 inside its user namespace) holds only these capabilities:
+# Docker's default set less NET_RAW, MKNOD (useless in a user namespace) and AUDIT_WRITE; never
+# SYS_ADMIN, NET_ADMIN, SYS_PTRACE, SYS_MODULE, SYS_RAWIO or the like.
+ROOT_CAPS = (
+    "CAP_CHOWN",
+    "CAP_DAC_OVERRIDE",
+    "CAP_FOWNER",
+    "CAP_FSETID",
+    "CAP_KILL",
+    "CAP_SETGID",
+    "CAP_SETUID",
+    "CAP_SETPCAP",
+    "CAP_NET_BIND_SERVICE",
+    "CAP_SYS_CHROOT",
+    "CAP_SETFCAP",
+)
+USER_UID = 1000  # the sandbox's `user`, inside its namespace
+USER_VENV = "opt/venv"  # a built template's Python environment of `user`'s (templates/layers.py)
 
 # The code interpreter's languages; the first is the default.
 LANGUAGES = ("python", "bash", "javascript")

@@ -53,7 +53,7 @@ def test_list_read_archive_delete(server: ServerHandle) -> None:
         listed = c.get("/v1/workspaces").json()["workspaces"]
         assert [w["sandbox_id"] for w in listed] == [sid]
         w = listed[0]
-        assert w["metadata"] == {"job": "j1"} and w["template"] == "default"
+        assert w["metadata"] == {"job": "j1"} and w["template"] == "host"
         assert 3_000_000 <= w["used_bytes"] < 8_000_000  # the sparse 100 MiB file costs nothing
         kept_at = time.mktime(time.strptime(w["kept_at"][:19], "%Y-%m-%dT%H:%M:%S"))
         expires = time.mktime(time.strptime(w["expires_at"][:19], "%Y-%m-%dT%H:%M:%S"))

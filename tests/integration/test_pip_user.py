@@ -5,38 +5,12 @@ kernel, whose new package imports at once. No network: the package is a wheel ma
 
 from __future__ import annotations
 
-import base64
-import hashlib
-import io
 import time
-import zipfile
 
 import pytest
+from conftest import make_wheel as _wheel
 
 from agentbox import Sandbox
-
-
-def _wheel(name: str, version: str = "1.0") -> tuple[str, bytes]:
-    """A pure-Python wheel with a module and a console script (built by hand: no network)."""
-    dist = f"{name}-{version}.dist-info"
-    files = {
-        f"{name}/__init__.py": f"VALUE = 'from {name}'\ndef main():\n    print('{name} cli ok')\n",
-        f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
-        f"{dist}/WHEEL": "Wheel-Version: 1.0\nGenerator: agentbox-test\nRoot-Is-Purelib: true\n"
-        "Tag: py3-none-any\n",
-        f"{dist}/entry_points.txt": f"[console_scripts]\n{name}-cli = {name}:main\n",
-    }
-    record = []
-    for path, text in files.items():
-        digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=")
-        record.append(f"{path},sha256={digest.decode()},{len(text.encode())}")
-    record.append(f"{dist}/RECORD,,")
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w") as z:
-        for path, text in files.items():
-            z.writestr(path, text)
-        z.writestr(f"{dist}/RECORD", "\n".join(record) + "\n")
-    return f"{name}-{version}-py3-none-any.whl", buf.getvalue()
 
 
 @pytest.fixture(scope="module")

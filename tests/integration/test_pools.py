@@ -1,5 +1,5 @@
 """Warm pools: claims, refills, fallback to cold creates, tenant isolation, and no leaked
-members across server restarts. Real servers and sandboxes (default template: fast)."""
+members across server restarts. Real servers and sandboxes (host template: fast)."""
 
 from __future__ import annotations
 
@@ -41,13 +41,13 @@ def pooled(tmp_path: Path):
 
 
 def test_claim_is_a_hit_applies_envs_and_metadata_and_refills(pooled: ServerHandle):
-    before = _wait_ready(pooled, "default", 2)
+    before = _wait_ready(pooled, "host", 2)
     key = pooled.make_key("pool-user")
     sbx = Sandbox.create(
         envs={"GREETING": "hi"}, metadata={"k": "v"}, timeout=120, api_url=pooled.url, api_key=key
     )
     try:
-        after = _pool(pooled, "default")
+        after = _pool(pooled, "host")
         assert after["hits"] == before["hits"] + 1
         assert sbx.commands.run("echo $GREETING").stdout == "hi\n"
         info = sbx.get_info()
@@ -58,7 +58,7 @@ def test_claim_is_a_hit_applies_envs_and_metadata_and_refills(pooled: ServerHand
         assert [s.sandbox_id for s in Sandbox.list(api_url=pooled.url, api_key=key)] == [
             sbx.sandbox_id
         ]
-        refilled = _wait_ready(pooled, "default", 2)
+        refilled = _wait_ready(pooled, "host", 2)
         assert refilled["refills"] >= 3 and refilled["refill_ms_p50"] is not None
     finally:
         sbx.kill()
@@ -66,7 +66,7 @@ def test_claim_is_a_hit_applies_envs_and_metadata_and_refills(pooled: ServerHand
 
 
 def test_members_are_invisible_and_not_counted(pooled: ServerHandle):
-    _wait_ready(pooled, "default", 2)
+    _wait_ready(pooled, "host", 2)
     key = pooled.make_key("quota-one")
     with pooled.client() as c:
         r = c.put("/v1/tenants/quota-one/quota", json={"max_sandboxes": 1})
@@ -85,15 +85,15 @@ def test_members_are_invisible_and_not_counted(pooled: ServerHandle):
 
 
 def test_empty_pool_falls_back_to_a_cold_create(pooled: ServerHandle):
-    _wait_ready(pooled, "default", 2)
+    _wait_ready(pooled, "host", 2)
     with Templates(api_url=pooled.url, api_key=pooled.admin_key) as t:
         stats = t.set_pool_size("default", 0)
         assert stats.size == 0 and stats.ready == 0
-    misses = _pool(pooled, "default")["misses"]
+    misses = _pool(pooled, "host")["misses"]
     sbx = Sandbox.create(envs={"A": "1"}, api_url=pooled.url, api_key=pooled.admin_key)
     try:
         assert sbx.commands.run("echo $A").stdout == "1\n"
-        assert _pool(pooled, "default")["misses"] == misses + 1
+        assert _pool(pooled, "host")["misses"] == misses + 1
     finally:
         sbx.kill()
         sbx.close()
@@ -112,14 +112,14 @@ def test_pool_api_checks_caller_and_input(pooled: ServerHandle):
 
 
 def test_no_leaked_members_across_restarts(pooled: ServerHandle):
-    _wait_ready(pooled, "default", 2)
+    _wait_ready(pooled, "host", 2)
     members = inventory.take(pooled.data_dir).sandbox_ids()
     assert len(members) == 2
     pooled.stop()
     # Smaller pool after the restart: one member re-adopted, the other ended.
     pooled.extra_args = ["--warm-pool", "default=1"]
     pooled.start()
-    pool = _wait_ready(pooled, "default", 1)
+    pool = _wait_ready(pooled, "host", 1)
     assert pool["refills"] == 0  # re-adopted, not re-made
     left = inventory.take(pooled.data_dir).sandbox_ids()
     assert len(left) == 1 and left <= members
@@ -139,7 +139,7 @@ def test_no_leaked_members_across_restarts(pooled: ServerHandle):
 
 
 def test_stop_during_a_refill_leaves_nothing_unowned(pooled: ServerHandle):
-    _wait_ready(pooled, "default", 2)
+    _wait_ready(pooled, "host", 2)
     sbx = Sandbox.create(api_url=pooled.url, api_key=pooled.admin_key)
     time.sleep(0.08)  # the refill has started a new member
     pooled.stop()

@@ -159,7 +159,13 @@ def test_the_server_makes_a_private_data_dir_and_an_admin_key(readme: Readme) ->
     assert key_file.stat().st_mode & 0o777 == 0o600
     assert key_file.read_text().strip() in readme.output.read_text()
     health = httpx.get(f"{readme.url}/v1/health").json()
-    assert health["status"] == "ok" and health["templates"] == {"default": "ok"}, health
+    assert health["status"] == "ok", health
+    # serve.sh built the default template first (`agentbox setup`, with its progress), so the
+    # server started with it ready and checked it like the host's userland.
+    assert health["default_template"] == "base", health
+    assert health["templates"] == {"host": "ok", "base": "ok"}, health
+    log = readme.output.read_text()
+    assert "template base is ready" in log and "base: [5/5] finalize" in log, log[-3000:]
 
 
 # ------------------------------------------------------------------------------ the blocks
@@ -210,7 +216,7 @@ def test_the_cli_quick_start(readme: Readme) -> None:
     listed = httpx.get(
         f"{readme.url}/v1/sandboxes/{created}", headers={"X-API-Key": key}
     ).json()
-    assert listed["state"] == "killed", listed
+    assert listed["state"] == "killed" and listed["template"] == "base", listed
 
 
 def _steps(stdout: str) -> dict[int, str]:
@@ -286,14 +292,12 @@ def test_the_python_quick_start(readme: Readme) -> None:
 
 
 def test_the_code_interpreter_example_builds_its_template_on_first_use(readme: Readme) -> None:
-    assert not (readme.data_dir / "templates" / "index").exists() or not any(
-        (readme.data_dir / "templates" / "index").iterdir()
-    ), "the template must not be built before the example asks for it"
+    index = readme.data_dir / "templates" / "index" / "code-interpreter.json"
+    assert not index.exists(), "the template must not be built before the example asks for it"
     _run_python(readme, _block("run_code"), timeout=600)
     health = httpx.get(f"{readme.url}/v1/health").json()
     assert health["status"] == "ok", health
     # Built inside the private data dir, which sandbox uids cannot traverse.
-    index = readme.data_dir / "templates" / "index" / "code-interpreter.json"
     assert index.exists()
     assert readme.data_dir.stat().st_mode & 0o777 == 0o700
     # The create answered at once (`building`), the SDK waited for the build and the start.

@@ -41,7 +41,9 @@ def registered() -> Iterator[None]:
 
 @contextmanager
 def serving(data_dir: Path, runtime_name: str) -> Iterator[str]:
-    with serving_app(create_app(data_dir, admin_key=ADMIN_KEY, runtime_name=runtime_name)) as url:
+    app = create_app(data_dir, admin_key=ADMIN_KEY, runtime_name=runtime_name,
+                     default_template="host")
+    with serving_app(app) as url:
         yield url
 
 

@@ -46,7 +46,7 @@ def test_create_info_list_timeout_kill(conn: dict[str, Any]) -> None:
         assert isinstance(info, SandboxInfo)
         assert info.sandbox_id == a.sandbox_id and info.state == "running"
         assert info.metadata == {"team": "red", "run": "1"}
-        assert info.template == "default" and info.created_at and info.end_at
+        assert info.template == "host" and info.created_at and info.end_at
         assert b.get_info().resources.memory_mb == 256
         assert a.commands.run("echo $GREETING").stdout == "hello\n"
 

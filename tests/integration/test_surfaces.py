@@ -81,7 +81,7 @@ def url(tmp_path: Path) -> Iterator[str]:
     surfaces.register("hello-claims", claiming_surface)
     surfaces.register("hello-port", port_surface)
     try:
-        app = create_app(tmp_path / "data", admin_key=ADMIN_KEY)
+        app = create_app(tmp_path / "data", admin_key=ADMIN_KEY, default_template="host")
     finally:
         surfaces.unregister("hello")
         surfaces.unregister("hello-claims")

@@ -3,6 +3,7 @@ templates cannot (its log, /v1/health, the template's `check`)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import time
@@ -20,9 +21,11 @@ def _private_copy(code_template: Path, data_dir: Path) -> Path:
     templates = data_dir / "templates"
     templates.mkdir(mode=0o700, parents=True, exist_ok=True)
     data_dir.chmod(0o700)
-    for part in ("index", "rootfs", "layers"):
+    for part in ("rootfs", "layers"):
         shutil.rmtree(templates / part, ignore_errors=True)  # empty: the server made them
         subprocess.run(["cp", "-al", str(code_template / part), str(templates)], check=True)
+    # Only code-interpreter is this server's (the shared store also holds base).
+    shutil.copy2(code_template / "index/code-interpreter.json", templates / "index")
     return templates
 
 
@@ -44,7 +47,7 @@ def test_a_template_in_the_private_data_dir_starts_sandboxes(
     srv, _ = private
     health = httpx.get(f"{srv.url}/v1/health").json()
     assert health["status"] == "ok", health
-    assert health["templates"] == {"default": "ok", "code-interpreter": "ok"}, health
+    assert health["templates"] == {"host": "ok", "code-interpreter": "ok"}, health
     key = srv.make_key("checks")
     with srv.client(key) as c:
         assert c.get("/v1/templates/code-interpreter").json()["check"]["status"] == "ok"
@@ -62,13 +65,14 @@ def test_a_template_that_cannot_start_is_named_at_start_up(
     srv, templates = private
     srv.stop()
     # Break this server's copy only: its python is gone (the shared tree keeps its own link).
-    (rootfs,) = (d for d in (templates / "rootfs").iterdir() if d.is_dir())
+    entry = json.loads((templates / "index/code-interpreter.json").read_text())
+    rootfs = templates / "rootfs" / entry["rootfs_key"]
     for name in ("python3",):
         (rootfs / "usr" / "bin" / name).unlink()
     srv.start()
     health = httpx.get(f"{srv.url}/v1/health").json()
     assert health["status"] == "degraded", health
-    assert health["templates"] == {"default": "ok", "code-interpreter": "failed"}, health
+    assert health["templates"] == {"host": "ok", "code-interpreter": "failed"}, health
     key = srv.make_key("checks")
     with srv.client(key) as c:
         check = c.get("/v1/templates/code-interpreter").json()["check"]

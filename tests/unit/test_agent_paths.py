@@ -69,3 +69,50 @@ def test_errno_mapping_names_the_violation() -> None:
     ro = A.os_error(OSError(errno.EROFS, "ro"), "/etc/x")
     assert ro.reply["code"] == "read_only_path"
     assert ro.reply["detail"]["violation"]["setting"] == "path"
+
+
+# ------------------------------------------------------------------ answered, or nobody to answer
+
+
+def _ask(op, request: dict) -> dict | None:
+    """Run one request through serve_one with `op` as its handler; its answer (None: none)."""
+    import socket
+
+    A.OPS["test.op"] = op
+    try:
+        client, served = socket.socketpair()
+        client.sendall(A.P.encode_json({"op": "test.op", **request}))
+        A.serve_one(served)
+        client.settimeout(5)
+        head = client.recv(A.P.HEADER.size)
+        if not head:
+            return None
+        _, length = A.P.HEADER.unpack(head)
+        body = b""
+        while len(body) < length:
+            body += client.recv(length - len(body))
+        return A.P.decode_json(body)
+    finally:
+        A.OPS.pop("test.op", None)
+
+
+def test_an_operations_own_os_error_is_answered_with_its_code() -> None:
+    def fails(conn, req) -> None:
+        raise PermissionError(13, "Permission denied")
+
+    reply = _ask(fails, {"path": "/workspace/x"})
+    assert reply is not None and reply["code"] == "permission_denied", reply
+    assert "/workspace/x" in reply["message"], reply
+
+    def fails_oddly(conn, req) -> None:
+        raise OSError(5, "Input/output error")
+
+    reply = _ask(fails_oddly, {})
+    assert reply is not None and reply["code"] == "io_error", reply
+
+
+def test_a_lost_connection_is_not_answered_and_does_not_raise() -> None:
+    def client_gone(conn, req) -> None:
+        raise A.ConnectionLost(104, "Connection reset by peer")
+
+    assert _ask(client_gone, {}) is None

@@ -100,6 +100,7 @@ async def test_a_refused_create_is_audited_with_its_codes_status(tmp_path: Path)
         NetworkService(store, tmp_path, NetworkSettings()),
         default_quota={"max_sandboxes": 0},
         check_templates=False,
+        default_template="host",
     )
     acme = Caller(tenant="acme", key_id="k1", admin=False)
     with pytest.raises(QuotaExceeded):

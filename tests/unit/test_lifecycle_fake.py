@@ -47,6 +47,7 @@ class World:
             TemplateStore(self.root / "templates"),
             NetworkService(self.store, self.root, NetworkSettings()),
             check_templates=False,
+            default_template="host",
             **kwargs,  # type: ignore[arg-type]
         )
         m.states.subscribe(self.changes.append)

@@ -33,6 +33,7 @@ def manager(tmp_path: Path) -> SandboxManager:
         TemplateStore(tmp_path / "templates"),
         NetworkService(store, tmp_path, NetworkSettings()),
         check_templates=False,
+        default_template="host",
     )
 
 

@@ -8,11 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from agentbox import vocab
-from agentbox.agent import code_host
-from agentbox.core import errors, requests, states
-from agentbox.sdk import protocol
-from agentbox.templates import spec
+# The agent's modules import each other as top-level modules, as inside a sandbox.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src/agentbox/agent"))
+
+from agentbox import vocab  # noqa: E402
+from agentbox.agent import code_host  # noqa: E402
+from agentbox.core import errors, requests, states  # noqa: E402
+from agentbox.sdk import protocol  # noqa: E402
+from agentbox.templates import spec  # noqa: E402
 
 
 def test_languages_are_one_list() -> None:
@@ -21,6 +24,18 @@ def test_languages_are_one_list() -> None:
     # The in-sandbox code host runs alone (stdlib only), so it keeps a copy: it must agree.
     assert code_host.LANGUAGES == vocab.LANGUAGES
     assert vocab.DEFAULT_LANGUAGE == "python"
+
+
+def test_the_agent_knows_the_users_the_runtime_makes() -> None:
+    # The agent's modules import each other as top-level modules (it runs alone in the
+    # sandbox): its literal is read, not imported.
+    tree = ast.parse((Path(code_host.__file__).parent / "users.py").read_text())
+    (ids,) = [
+        ast.literal_eval(n.value)
+        for n in tree.body
+        if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "IDS"
+    ]
+    assert ids == {"user": vocab.USER_UID, "root": 0}
 
 
 def test_states_are_one_enum() -> None:

@@ -123,6 +123,11 @@ def writable_root_dirs() -> list[str]:
 # ---------------------------------------------------------------- connection helpers
 
 
+class ConnectionLost(OSError):
+    """The client's connection failed (reset, closed, timed out): there is nobody to answer.
+    Any other OSError an operation lets out is its own failure, and is answered."""
+
+
 class Conn:
     def __init__(self, sock: _socket.socket) -> None:
         self.sock = sock
@@ -130,7 +135,10 @@ class Conn:
         self.body_done = False  # whether an upload's body has been read to its end
 
     def _exact(self, n: int) -> bytes:
-        data = self.rfile.read(n)
+        try:
+            data = self.rfile.read(n)
+        except OSError as e:
+            raise ConnectionLost(e.errno, e.strerror) from e
         if len(data) != n:
             raise EOFError
         return data
@@ -141,7 +149,10 @@ class Conn:
         return kind, self._exact(length) if length else b""
 
     def send(self, frame: bytes) -> None:
-        self.sock.sendall(frame)
+        try:
+            self.sock.sendall(frame)
+        except OSError as e:
+            raise ConnectionLost(e.errno, e.strerror) from e
 
     def reply(self, obj: dict) -> None:
         self.send(P.encode_json(obj))
@@ -1415,6 +1426,7 @@ INLINE_OPS = frozenset(
 
 def serve_one(sock: _socket.socket, inline: bool = False) -> None:
     conn = Conn(sock)
+    req: dict = {}
     try:
         kind, payload = conn.recv()
         if kind != P.KIND_JSON:
@@ -1435,8 +1447,14 @@ def serve_one(sock: _socket.socket, inline: bool = False) -> None:
             conn.reply(e.reply)
         except OSError:
             pass
-    except (EOFError, OSError, P.ProtocolError):
-        pass
+    except (EOFError, ConnectionLost, P.ProtocolError):
+        pass  # the client is gone (or spoke nonsense): nobody to answer
+    except OSError as e:  # the operation's own failure, not the connection's: answered
+        path = req.get("path") if isinstance(req.get("path"), str) else req.get("op", "")
+        try:
+            conn.reply(os_error(e, str(path)).reply)
+        except OSError:
+            pass
     except Exception as e:  # noqa: BLE001 - one bad request must not take the agent down
         try:
             conn.reply(P.error("agent_error", f"{type(e).__name__}: {e}"))

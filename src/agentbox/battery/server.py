@@ -126,6 +126,7 @@ def main() -> None:
     p.add_argument("--egress-resolve", action="append", default=[])
     p.add_argument("--host-path", action="append", default=[])
     p.add_argument("--template-dir", type=Path, default=None)
+    p.add_argument("--default-template", default="host")
     a = p.parse_args()
     flags = {w for w in a.weaken.split(",") if w}
     unknown = flags - WEAKENINGS.keys() - EGRESS_WEAKENINGS.keys() - SERVER_WEAKENINGS.keys()
@@ -150,6 +151,7 @@ def main() -> None:
         template_dir=a.template_dir,
         network=network,
         limits=limits,
+        default_template=a.default_template,
     )
 
 

@@ -233,7 +233,10 @@ class Server:
             for p in self.bind_host:
                 argv += ["--bind-host", p]
         argv += ["--host", "127.0.0.1", "--port", str(self.port), "--data-dir", str(self.data_dir)]
-        argv += self.options
+        # Sandboxes that name no template run on the host's userland: the battery runs inside
+        # a network namespace of its own, where `base` (the shipped default) cannot be built.
+        # Checks of a built template's writable root name the battery's own template.
+        argv += ["--default-template", "host", *self.options]
         env = dict(os.environ, AGENTBOX_ADMIN_KEY=self.admin_key, **self.extra_env)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(

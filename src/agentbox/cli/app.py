@@ -141,6 +141,11 @@ def serve(
     template_dir: Annotated[Path | None, typer.Option(
         help="Where built templates live.",
         show_default="AGENTBOX_TEMPLATE_DIR, else DATA_DIR/templates")] = None,
+    default_template: Annotated[str | None, typer.Option(
+        help="What a create that names no template gets: a template's name, or host (the "
+        "host's userland, read-only, nothing to build). A shipped one not built yet is built "
+        "at start-up (`agentbox setup` builds it ahead).",
+        show_default="AGENTBOX_DEFAULT_TEMPLATE, else base")] = None,
     egress_allow_cidr: Annotated[list[str] | None, typer.Option(
         "--egress-allow-cidr", help="Let egress policies reach this otherwise refused address "
         "range, e.g. 10.20.0.0/16 (repeatable).")] = None,
@@ -167,7 +172,7 @@ def serve(
         "have not shown a valid API key.", show_default="a quarter of the descriptor limit"
     )] = None,
     host_path: Annotated[list[str] | None, typer.Option(
-        "--host-path", help="A host path sandboxes of the default template see read-only, "
+        "--host-path", help="A host path sandboxes of the host template see read-only, "
         "e.g. /usr/local (hidden otherwise) or /etc/pip.conf (repeatable).")] = None,
     log_retention_days: Annotated[float, typer.Option(
         min=0, help="Audit and egress log rows older than this are deleted.")] = 30.0,
@@ -184,7 +189,12 @@ def serve(
     from agentbox.core.network import NetworkSettings
     from agentbox.server.app import serve as run_server  # the server is heavy: load on use
     from agentbox.server.limits import ServerLimits
+    from agentbox.templates import valid_name
 
+    default_template = default_template or config.default_template()
+    if not valid_name(default_template):
+        raise typer.BadParameter(f"{default_template!r} is not a template name",
+                                 param_hint="--default-template")
     for name in (n.strip() for n in runtime.split(",")):
         if name not in runtimes.available():
             raise typer.BadParameter(
@@ -224,7 +234,91 @@ def serve(
                    max_connections=max_connections,
                    logs=LogLimits(retention_days=log_retention_days, max_rows=log_max_rows)),
                runtime_name=runtime,
-               runtime_config={"host_paths": host_path} if host_path else None)
+               runtime_config={"host_paths": host_path} if host_path else None,
+               default_template=default_template)
+
+
+@app.command()
+def setup(
+    data_dir: Annotated[Path | None, typer.Option(
+        help="The server's state dir.", show_default="AGENTBOX_DATA_DIR, /var/lib/agentbox as "
+        "root, else ~/.local/share/agentbox")] = None,
+    template_dir: Annotated[Path | None, typer.Option(
+        help="Where built templates live.",
+        show_default="AGENTBOX_TEMPLATE_DIR, else DATA_DIR/templates")] = None,
+    template: Annotated[list[str] | None, typer.Option(
+        "--template", help="A shipped template to build (repeatable), e.g. code-interpreter.",
+        show_default="the default template: AGENTBOX_DEFAULT_TEMPLATE, else base")] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Print every log line.")] = False,
+) -> None:
+    """Prepare this machine for `serve`: build the default template (a minimal Debian, from
+    Debian's mirror; a few minutes the first time, seconds when cached), showing its progress,
+    so that the first sandbox starts at once. Run as root, before `serve`."""
+    from agentbox.templates import BuildError, TemplateStore, builtin_spec_path, load_spec
+
+    names = template or [config.default_template()]
+    if "host" in names:
+        err.print("host is the host's own userland: nothing to build", highlight=False)
+        names = [n for n in names if n != "host"]
+    specs = {}
+    for name in names:
+        path = builtin_spec_path(name)
+        if path is None:
+            shipped = ", ".join(sorted(p.stem for p in _shipped_specs()))
+            raise typer.BadParameter(f"{name!r} is not a shipped template; shipped: {shipped} "
+                                     "(build your own with `agentbox template build SPEC`)",
+                                     param_hint="--template")
+        specs[name] = load_spec(path.read_text(), path.parent)
+    if not specs:
+        return
+    if os.geteuid() != 0:
+        err.print("[red]error:[/red] setup builds templates as root (mmdebstrap, chroot); run it "
+                  "as root, or serve with --default-template host", highlight=False)
+        raise typer.Exit(1)
+    data_dir = data_dir or config.default_data_dir()
+    data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if _locked(data_dir / "server.lock"):
+        err.print(f"[red]error:[/red] a server is running on {escape(str(data_dir))}: build "
+                  "through it (`agentbox template build NAME`), it knows what its sandboxes use",
+                  highlight=False)
+        raise typer.Exit(1)
+    store = TemplateStore(template_dir or config.default_template_dir() or data_dir / "templates")
+    for name, spec in specs.items():
+        started = time.monotonic()
+        try:
+            with _build_progress(verbose, f"{name}: ") as on_event:
+                info = store.build(spec, on_event)
+        except BuildError as e:
+            err.print(f"[red]error:[/red] template {escape(name)} could not be built: "
+                      f"{escape(str(e))}", highlight=False)
+            err.print("agentbox can still serve the host's userland: serve with "
+                      "--default-template host", highlight=False)
+            raise typer.Exit(1) from None
+        out.print(f"template [bold]{escape(name)}[/bold] is ready ({_size(info.size_bytes)}, "
+                  f"{time.monotonic() - started:.0f} s)", highlight=False)
+
+
+def _shipped_specs() -> list[Path]:
+    from agentbox.templates.spec import SPECS_DIR
+
+    return sorted(SPECS_DIR.glob("*.toml"))
+
+
+def _locked(path: Path) -> bool:
+    """Whether another process holds this flock (a server's lock on its data dir)."""
+    import fcntl
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
 
 
 # `keys` goes through the server's API (POST /v1/keys, with an admin key) when given --api-url
@@ -1085,6 +1179,42 @@ def _size(n: int) -> str:
     return f"{n / (1 << 20):.0f} MiB"
 
 
+@contextlib.contextmanager
+def _build_progress(verbose: bool, label: str = "") -> Iterator[Callable[[dict[str, Any]], None]]:
+    """A progress bar on stderr fed by a build's events (step i/n, cached or building, the
+    last log line; every line with `verbose`). Not on a terminal (a log file), each step is
+    a line of its own."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[note]}"),
+                  TimeElapsedColumn(), console=err, transient=False) as progress:
+        task = progress.add_task(f"{label}build", total=None, note="")
+
+        def on_event(event: dict[str, Any]) -> None:
+            kind = event.get("type")
+            if kind == "step":
+                note = "cached" if event.get("cached") else "building"
+                if event.get("skipped"):
+                    note = "nothing to do"
+                progress.update(task, total=event.get("total"), completed=event.get("index", 0),
+                                description=f"{label}step {event.get('name')}", note=note)
+                if not err.is_terminal:
+                    index = int(event.get("index", 0)) + 1
+                    progress.console.print(f"{escape(label)}[{index}/{event.get('total')}] "
+                                           f"{escape(str(event.get('name')))}: {note}",
+                                           highlight=False)
+            elif kind == "step_done":
+                progress.update(task, completed=int(event.get("index", 0)) + 1)
+            elif kind == "log":
+                line = str(event.get("line", ""))
+                if verbose:
+                    progress.console.print(escape(line), highlight=False)
+                progress.update(task, note=escape(line[-50:]))
+
+        yield on_event
+        progress.update(task, description=f"{label}done", note="")
+
+
 @template_app.command("build")
 def template_build(
     ctx: typer.Context,
@@ -1093,8 +1223,6 @@ def template_build(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Print every log line.")] = False,
 ) -> None:
     """Build a template, streaming its log; unchanged steps come from the cache."""
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
     path = Path(spec)
     text: str | None = None
     if path.suffix == ".toml" or path.exists():
@@ -1105,30 +1233,12 @@ def template_build(
                       highlight=False)
             raise typer.Exit(1) from None
     templates = Templates(**_conn(ctx), request_timeout=3600)
-    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[note]}"),
-                  TimeElapsedColumn(), console=err, transient=False) as progress:
-        task = progress.add_task("build", total=None, note="")
-
-        def on_event(event: dict[str, Any]) -> None:
-            kind = event.get("type")
-            if kind == "step":
-                note = "cached" if event.get("cached") else "building"
-                progress.update(task, total=event.get("total"), completed=event.get("index", 0),
-                                description=f"step {event.get('name')}", note=note)
-            elif kind == "step_done":
-                progress.update(task, completed=int(event.get("index", 0)) + 1)
-            elif kind == "log":
-                line = str(event.get("line", ""))
-                if verbose:
-                    progress.console.print(escape(line), highlight=False)
-                progress.update(task, note=escape(line[-50:]))
-
+    with _build_progress(verbose) as on_event:
         try:
             info = templates.build(spec=text, builtin=None if text is not None else spec,
                                    on_event=on_event, spec_dir=str(path.parent))
         finally:
             templates.close()
-        progress.update(task, description="done", note="")
     out.print(f"built [bold]{escape(info.name)}[/bold] ({_size(info.size_bytes)}, "
               f"key {info.key})")
 

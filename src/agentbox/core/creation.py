@@ -27,7 +27,7 @@ from agentbox.core.errors import (
 from agentbox.core.network import SandboxEgressSetup, SandboxNetwork, new_access_token
 from agentbox.core.requests import CreateRequest, check_envs, check_metadata
 from agentbox.core.states import SandboxState
-from agentbox.core.template_service import DEFAULT_TEMPLATE, TEMPLATE_ROOTFS
+from agentbox.core.template_service import TEMPLATE_ROOTFS
 from agentbox.egress.policy import EgressPolicy
 from agentbox.egress.proxy import HTTP_PORT, SOCKS_PORT
 from agentbox.runtimes.base import Resources, Runtime, RuntimeError_, SandboxSpec
@@ -56,7 +56,7 @@ class Creation:
 
     async def create(self, caller: Caller, req: CreateRequest) -> SandboxRow:
         started = time.monotonic()
-        template = req.template or DEFAULT_TEMPLATE
+        template = self.core.template_service.resolve(req.template)
         check_envs(req.envs)
         check_metadata(req.metadata)
         quota = self.core.quota(caller.tenant)

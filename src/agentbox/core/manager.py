@@ -54,6 +54,7 @@ from agentbox.core.states import LIVE_FILTER, UNHEALTHY, SandboxState
 from agentbox.core.supervision import Supervisor
 from agentbox.core.table import SandboxTable
 from agentbox.core.template_service import (
+    DEFAULT_TEMPLATE,
     TemplateCheck,
     TemplateService,
 )
@@ -97,6 +98,7 @@ class SandboxManager:
         ping_timeout: float = AGENT_PING_TIMEOUT_S,
         default_quota: dict[str, Any] | None = None,
         check_templates: bool = True,
+        default_template: str = DEFAULT_TEMPLATE,
     ) -> None:
         """`default_quota`: values of every tenant's quota until an admin sets its own, over
         those derived from this host. The disk settings come from the environment."""
@@ -116,10 +118,11 @@ class SandboxManager:
         self.admission = Admission(store, self.runtimes, self.disk, self.default_quota, self.audit)
         self.templates = templates
         self.network = network
-        self.template_service = TemplateService(self, check_templates)
+        self.template_service = TemplateService(self, check_templates, default_template)
         self.pool_service = PoolService(self)
         self.pools = WarmPools(
-            pool_sizes or {}, self.pool_service.make_member, self.pool_service.end_member
+            {self.template_service.resolve(k): v for k, v in (pool_sizes or {}).items()},
+            self.pool_service.make_member, self.pool_service.end_member
         )
         # What only this process knows of live sandboxes, shared by every service.
         self.table = SandboxTable()
@@ -261,6 +264,7 @@ class SandboxManager:
         await self.supervisor.reconcile()
         if self.template_service.check_at_start:
             await self.template_service.check_templates()
+            self.template_service.prepare_default()
         self._tasks = [
             asyncio.create_task(self.supervisor.reaper()),
             asyncio.create_task(self.supervisor.health()),

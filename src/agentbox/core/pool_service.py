@@ -17,7 +17,7 @@ from agentbox.core.network import SandboxNetwork, new_access_token
 from agentbox.core.pools import MAX_POOL_SIZE, POOL_TENANT
 from agentbox.core.requests import CreateRequest
 from agentbox.core.states import SandboxState
-from agentbox.core.template_service import DEFAULT_TEMPLATE
+from agentbox.core.template_service import HOST_TEMPLATE
 from agentbox.runtimes.base import Resources
 from agentbox.store.db import SandboxRow
 from agentbox.templates import builtin_spec_path
@@ -115,7 +115,8 @@ class PoolService:
     async def set_pool_size(self, caller: Caller, template: str, size: int) -> dict[str, Any]:
         if not 0 <= size <= MAX_POOL_SIZE:
             raise InvalidRequest(f"pool size must be between 0 and {MAX_POOL_SIZE}")
-        if template != DEFAULT_TEMPLATE and (
+        template = self.core.template_service.resolve(template)
+        if template != HOST_TEMPLATE and (
             self.core.templates.get(template) is None and builtin_spec_path(template) is None
         ):
             raise NotFound(f"unknown template {template!r}; build it first", template=template)

@@ -15,7 +15,7 @@ ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 @dataclass
 class CreateRequest:
-    template: str = "default"
+    template: str | None = None  # None: the server's default (`--default-template`)
     timeout: float = 300
     metadata: dict[str, str] = field(default_factory=dict)
     envs: dict[str, str] = field(default_factory=dict)

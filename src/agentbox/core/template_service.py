@@ -33,7 +33,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("agentbox.manager")
 
-DEFAULT_TEMPLATE = "default"  # the host's own userland, read-only
+HOST_TEMPLATE = "host"  # no built tree: the host's own userland, read-only
+DEFAULT_TEMPLATE = "base"  # the shipped default: a minimal Debian with a writable root
+# Names the server's default template (`--default-template`) in requests and pool settings.
+DEFAULT_ALIAS = "default"
 # Where the control plane notes a sandbox's template tree in its runtime state (rootfs_in_use).
 TEMPLATE_ROOTFS = "template_rootfs"
 TEMPLATE_CHECK_S = 120.0  # a template whose check sandbox takes longer to start has failed
@@ -49,8 +52,11 @@ class TemplateCheck:
 
 
 class TemplateService:
-    def __init__(self, core: SandboxManager, check_at_start: bool) -> None:
+    def __init__(
+        self, core: SandboxManager, check_at_start: bool, default: str = DEFAULT_TEMPLATE
+    ) -> None:
         self.core = core
+        self.default = default  # what a create that names no template gets
         self._template_locks: dict[str, asyncio.Lock] = {}
         # First-use builds of shipped templates -> how far they got (shown on `building` rows).
         self._builds: dict[str, dict[str, Any]] = {}
@@ -58,19 +64,26 @@ class TemplateService:
         self.template_checks: dict[str, TemplateCheck] = {}
         self.check_at_start = check_at_start
 
+    def resolve(self, name: str | None) -> str:
+        """The template a request means: no name, or `default`, is the server's default."""
+        return self.default if name in (None, "", DEFAULT_ALIAS) else name
+
+    def known(self) -> list[str]:
+        """Every template a create may name now: the host userland and the built ones."""
+        return [HOST_TEMPLATE, *sorted(t.name for t in self.core.templates.list())]
+
     async def template(self, name: str) -> TemplateInfo | None:
         """The built template `name` (None for the host userland); a shipped template that
         was never built is built now, once, however many creates wait for it."""
-        if name == DEFAULT_TEMPLATE:
+        if name == HOST_TEMPLATE:
             return None
         info = self.core.templates.get(name)
         if info is not None:
             return info
         spec_path = builtin_spec_path(name)
         if spec_path is None:
-            names = [DEFAULT_TEMPLATE, *sorted(t.name for t in self.core.templates.list())]
             raise NotFound(
-                f"unknown template {name!r}; built: {', '.join(names)}; build one with "
+                f"unknown template {name!r}; built: {', '.join(self.known())}; build one with "
                 "`agentbox template build SPEC`",
                 template=name,
             )
@@ -92,7 +105,15 @@ class TemplateService:
                 except (BuildError, OSError) as e:  # OSError: the template store's own disk
                     if not isinstance(e, BuildError):
                         log.exception("building template %s failed", name)
-                    raise SandboxUnavailable(f"template {name} could not be built: {e}") from None
+                    hint = (
+                        f"; `agentbox setup` builds it with its log, or name template "
+                        f"{HOST_TEMPLATE!r} (the host's userland, read-only)"
+                        if name == self.default
+                        else ""
+                    )
+                    raise SandboxUnavailable(
+                        f"template {name} could not be built: {e}{hint}"
+                    ) from None
                 finally:
                     self._builds.pop(name, None)
         return info
@@ -100,7 +121,7 @@ class TemplateService:
     def needs_build(self, template: str) -> bool:
         """Whether a create of `template` waits for a first-use build of a shipped template."""
         return (
-            template != DEFAULT_TEMPLATE
+            template != HOST_TEMPLATE
             and self.core.templates.get(template) is None
             and builtin_spec_path(template) is not None
         )
@@ -125,7 +146,7 @@ class TemplateService:
         """At start-up: start one sandbox of each ready template (the host userland included)
         and run a command in it, so that a template that cannot start is known, and why, before
         a client finds out (the log, /v1/health and the template's `check` say it)."""
-        names = [DEFAULT_TEMPLATE, *sorted(t.name for t in self.core.templates.list())]
+        names = self.known()
         for name in names:
             self.template_checks[name] = TemplateCheck("checking")
         limit = asyncio.Semaphore(2)
@@ -153,6 +174,37 @@ class TemplateService:
                     self.template_checks[name] = TemplateCheck("ok", seconds=took)
 
         await asyncio.gather(*(check(n) for n in names))
+
+    def prepare_default(self) -> None:
+        """At start-up: when the default template is a shipped one not built yet, build it in
+        the background (creates that name no template wait for it, as `building`), then check
+        it like the others. `agentbox setup` builds it ahead, with its log."""
+        if not self.needs_build(self.default):
+            return
+        self.template_checks[self.default] = TemplateCheck("building")
+        log.info(
+            "the default template %s is not built: building it now (creates wait for it; "
+            "`agentbox setup` builds it ahead of `serve`)",
+            self.default,
+        )
+
+        async def build() -> None:
+            started = time.monotonic()
+            try:
+                await self.template(self.default)
+                await asyncio.wait_for(self._check_template(self.default), TEMPLATE_CHECK_S)
+            except (AgentboxError, TimeoutError) as e:
+                why = e.message if isinstance(e, AgentboxError) else "its check timed out"
+                self.template_checks[self.default] = TemplateCheck("failed", why)
+                log.error("the default template %s is not usable: %s", self.default, why)
+            else:
+                took = round(time.monotonic() - started, 2)
+                self.template_checks[self.default] = TemplateCheck("ok", seconds=took)
+                log.info("the default template %s is ready (%.1f s)", self.default, took)
+
+        task = asyncio.create_task(build())
+        self.core.watchers.add(task)
+        task.add_done_callback(self.core.watchers.discard)
 
     async def _check_template(self, template: str) -> None:
         row = await self.core.creation.start_reserved(CHECK_TENANT, template, TEMPLATE_CHECK_S)

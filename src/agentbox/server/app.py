@@ -24,6 +24,7 @@ from agentbox.core.logs import LogKeeper
 from agentbox.core.manager import SandboxManager
 from agentbox.core.network import NetworkService, NetworkSettings
 from agentbox.core.runtimes import Runtimes
+from agentbox.core.template_service import DEFAULT_TEMPLATE
 from agentbox.server import logfilter, surfaces
 from agentbox.server.errors import install_handlers
 from agentbox.server.gateway import PortGateway, PortTarget
@@ -48,6 +49,7 @@ def create_app(
     network: NetworkSettings | None = None,
     limits: ServerLimits | None = None,
     with_surfaces: Sequence[Surface] | None = None,
+    default_template: str = DEFAULT_TEMPLATE,
 ) -> FastAPI:
     """The HTTP API over one data dir and its runtimes (`runtime_name`: comma-separated names,
     the first the default for new sandboxes; `runtime_config` goes to its constructor).
@@ -55,7 +57,8 @@ def create_app(
     Templates live in `template_dir` (default `<data_dir>/templates`; servers may share one);
     `warm_pools` maps template names to pool sizes; `network` holds the operator's egress and
     exposed-ports settings; `limits` what clients may make the server spend; `with_surfaces`
-    the surfaces served (default: every one available, the /v1 API first).
+    the surfaces served (default: every one available, the /v1 API first);
+    `default_template` what a create that names none gets (`host`: the host's userland).
     """
     data_dir = data_dir.resolve()
     limits = limits or ServerLimits()
@@ -110,7 +113,7 @@ def create_app(
         }
         manager = SandboxManager(
             store, runtime, templates, netsvc, warm_pools, default_quota=limits.tenant_quota,
-            **health,
+            default_template=default_template, **health,
         )  # fmt: skip
         await manager.start()
         log_keeper = LogKeeper(store, limits.logs)
@@ -231,6 +234,7 @@ def serve(
     warm_pools: dict[str, int] | None = None,
     network: NetworkSettings | None = None,
     limits: ServerLimits | None = None,
+    default_template: str = DEFAULT_TEMPLATE,
 ) -> None:
     """Run the server in the foreground until SIGINT/SIGTERM (sandboxes keep running)."""
     import uvicorn
@@ -264,6 +268,7 @@ def serve(
         warm_pools,
         network,
         limits,
+        default_template=default_template,
     )
     started = time.monotonic()
     log.info(

@@ -73,7 +73,13 @@ RuntimeName = Annotated[str, Field(max_length=32, pattern=r"^[a-z][a-z0-9_-]*$")
 
 
 class CreateSandboxBody(Strict):
-    template: str | None = Field("default", max_length=128)
+    template: str | None = Field(
+        None,
+        max_length=128,
+        description="a built or shipped template, or `host` (the host's userland, read-only); "
+        "null or `default`: the server's default template (`base` unless the server says "
+        "otherwise: /v1/health `default_template`)",
+    )
     timeout: float = Field(300, gt=0, le=10**9, description="seconds until the sandbox is killed")
     metadata: dict[str, str] = Field(default_factory=dict)
     envs: dict[str, str] = Field(default_factory=dict)

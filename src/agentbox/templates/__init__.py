@@ -12,6 +12,7 @@ from agentbox.templates.spec import (
     TemplateSpec,
     builtin_spec_path,
     load_spec,
+    valid_name,
 )
 from agentbox.templates.store import BuildError, TemplateInfo, TemplateStore
 
@@ -24,4 +25,5 @@ __all__ = [
     "TemplateStore",
     "builtin_spec_path",
     "load_spec",
+    "valid_name",
 ]

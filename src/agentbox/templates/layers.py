@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agentbox.runtimes.process.userns import ROOT_CAPS, USER_UID, USER_VENV
+from agentbox.vocab import ROOT_CAPS, USER_UID, USER_VENV
 
 # Kill the whole step if the thread that started it dies, and give it private mounts and pids.
 ISOLATE = (

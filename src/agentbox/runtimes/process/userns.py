@@ -20,22 +20,10 @@ import os
 import subprocess
 
 from agentbox.runtimes.uids import BLOCK
+from agentbox.vocab import ROOT_CAPS, USER_UID, USER_VENV
 
-# Docker's default set less NET_RAW, MKNOD (useless in a user namespace) and AUDIT_WRITE; never
-# SYS_ADMIN, NET_ADMIN, SYS_PTRACE, SYS_MODULE, SYS_RAWIO or the like.
-ROOT_CAPS = (
-    "CAP_CHOWN",
-    "CAP_DAC_OVERRIDE",
-    "CAP_FOWNER",
-    "CAP_FSETID",
-    "CAP_KILL",
-    "CAP_SETGID",
-    "CAP_SETUID",
-    "CAP_SETPCAP",
-    "CAP_NET_BIND_SERVICE",
-    "CAP_SYS_CHROOT",
-    "CAP_SETFCAP",
-)
+__all__ = ["ROOT_CAPS", "USER_UID", "USER_VENV"]  # the sandbox model's, used with these
+
 CAP_NUMBERS = {
     "CAP_CHOWN": 0,
     "CAP_DAC_OVERRIDE": 1,
@@ -50,8 +38,6 @@ CAP_NUMBERS = {
     "CAP_SETFCAP": 31,
 }
 ROOT_CAP_MASK = sum(1 << CAP_NUMBERS[c] for c in ROOT_CAPS)
-USER_UID = 1000  # the sandbox's `user`, inside its namespace
-USER_VENV = "opt/venv"  # a built template's Python environment of `user`'s (templates/layers.py)
 
 
 class UsernsError(Exception):

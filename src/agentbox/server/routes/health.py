@@ -28,6 +28,9 @@ def router() -> APIRouter:
             "runtime": core.runtimes.get(core.runtimes.default).capabilities(),
             "runtimes": core.runtimes.info(),
             "templates": checks,
+            # What a create that names no template gets (`building` in `templates` while the
+            # server builds it at start-up).
+            "default_template": core.manager.template_service.default,
         }
 
     return r

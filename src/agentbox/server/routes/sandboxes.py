@@ -78,7 +78,7 @@ def _create_request(body: m.CreateSandboxBody) -> CreateRequest:
     if body.allow_internet_access is not None:
         network = {**(network or {}), "allow_internet_access": body.allow_internet_access}
     return CreateRequest(
-        template=body.template or "default",
+        template=body.template,
         timeout=body.timeout,
         metadata=body.metadata,
         envs=body.envs,
