@@ -175,13 +175,41 @@ def pss_kb(pid: int) -> int:
     return 0
 
 
+# Where benchmarks keep the default template (`base`), built once per machine (a minute or two
+# from Debian's mirror the first time). AGENTBOX_BENCH_DEFAULT_TEMPLATE=host benchmarks the
+# host's userland instead.
+BENCH_TEMPLATE_DIR = Path(
+    os.environ.get("AGENTBOX_BENCH_TEMPLATE_DIR", "/var/tmp/agentbox-bench-templates")
+)
+
+
+def default_template() -> str:
+    return os.environ.get("AGENTBOX_BENCH_DEFAULT_TEMPLATE", "base")
+
+
+def ensure_template(template_dir: Path, name: str) -> None:
+    """Build the shipped template `name` in `template_dir` (found in its cache when built)."""
+    from agentbox.templates import TemplateStore, builtin_spec_path, load_spec
+
+    spec = builtin_spec_path(name)
+    if spec is None:
+        raise RuntimeError(f"{name} is not a shipped template")
+    t0 = time.monotonic()
+    TemplateStore(template_dir).build(load_spec(spec.read_text(), spec.parent))
+    if time.monotonic() - t0 > 5:
+        print(f"[setup] built template {name} in {template_dir} "
+              f"({time.monotonic() - t0:.0f} s)", file=sys.stderr)
+
+
 @dataclass
 class BenchServer:
-    """One `agentbox` server process with a private data dir; a context manager."""
+    """One `agentbox` server process with a private data dir; a context manager. Sandboxes
+    that name no template get `default_template` (built ahead in the template dir)."""
 
     name: str
     warm_pools: dict[str, int] | None = None
     template_dir: Path | None = None
+    default_template: str = field(default_factory=default_template)
     network: dict[str, Any] | None = None  # NetworkSettings fields (`serve --egress-*`)
     root: Path = field(init=False)
     data_dir: Path = field(init=False)
@@ -205,6 +233,9 @@ class BenchServer:
     def __enter__(self) -> BenchServer:
         # The sandboxes' uids must traverse the data dir: mkdtemp's 0700 is widened by the
         # runtime itself (0711); its parent /tmp is world-traversable.
+        if self.default_template != "host":
+            self.template_dir = self.template_dir or BENCH_TEMPLATE_DIR
+            ensure_template(self.template_dir, self.default_template)
         self.root = Path(tempfile.mkdtemp(prefix=f"agentbox-bench-{self.name}-"))
         self.data_dir = self.root
         self.port = free_port()
@@ -224,7 +255,7 @@ class BenchServer:
                 "from agentbox.core.network import NetworkSettings; "
                 f"serve('127.0.0.1', {self.port}, Path({str(self.data_dir)!r}), "
                 f"template_dir=None if {tdir!r} is None else Path({tdir!r}), "
-                f"warm_pools={self.warm_pools!r}, "
+                f"warm_pools={self.warm_pools!r}, default_template={self.default_template!r}, "
                 f"network=NetworkSettings(**{self.network!r}) if {self.network!r} else None)")
         self.log_path = Path(tempfile.gettempdir()) / f"{self.root.name}.server.log"
         log = open(self.log_path, "ab")

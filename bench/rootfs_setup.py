@@ -2,7 +2,8 @@
 
 The steps the process runtime adds for issue 14, each timed alone with the runtime's own code
 (runtimes/process/userns.py, rootfs.py, workspace.py), on a built template tree:
-- the user namespace (helper spawned as the block's first uid, maps, nesting limit);
+- the user namespace (a child of the long-lived helper takes the block's first uid and
+  unshares; the maps; the nesting limit);
 - the disk image with its root layer (mkfs + mount + the upper/work/workspace dirs), beside
   the plain workspace image it replaces;
 - the accounts written into the upper layer, the idmapped lower and the overlay mount;

@@ -276,7 +276,7 @@ def _pools(srv: ServerHandle, key: str | None = None) -> dict[str, dict[str, Any
 def _wait_pool_ready(srv: ServerHandle, within: float = 60) -> dict[str, Any]:
     deadline = time.monotonic() + within
     while True:
-        pool = _pools(srv)["default"]
+        pool = _pools(srv)["host"]
         if pool["ready"] == 1 and pool["starting"] == 0:
             return pool
         assert time.monotonic() < deadline, f"the pool never filled: {pool}"
@@ -294,12 +294,12 @@ def _claim(srv: ServerHandle, key: str) -> str:
 
 def test_pool_stats_show_each_tenant_only_its_own_hits(pooled: ServerHandle) -> None:
     mine, other = pooled.make_key("pool-mine"), pooled.make_key("pool-other")
-    before = _pools(pooled)["default"]
+    before = _pools(pooled)["host"]
     sid = _claim(pooled, mine)
-    admin = _pools(pooled)["default"]
+    admin = _pools(pooled)["host"]
     assert admin["hits"] == before["hits"] + 1
-    assert _pools(pooled, mine)["default"]["hits"] == 1
-    seen_by_other = _pools(pooled, other)["default"]
+    assert _pools(pooled, mine)["host"]["hits"] == 1
+    seen_by_other = _pools(pooled, other)["host"]
     assert seen_by_other["hits"] == 0 and seen_by_other["misses"] == 0, seen_by_other
     assert seen_by_other["size"] == 1 and seen_by_other["last_error"] is None
     with pooled.client(mine) as c:

@@ -678,6 +678,21 @@ def test_memory_bomb_is_contained(server, client, boxes) -> None:
             assert int(usage.read_text()) <= 256 * 1024 * 1024
 
 
+def test_the_agent_is_the_out_of_memory_killers_last_choice(client, boxes) -> None:
+    # Every command (and sudo's root process, and what they fork) is born with a raised
+    # score, so under memory pressure a sandbox loses a command, not the agent (which would
+    # end it). $PPID of the command's shell is the agent. No command can lower its own.
+    a = boxes.new()
+    r = h.run(
+        client,
+        a,
+        "cat /proc/$PPID/oom_score_adj /proc/self/oom_score_adj; "
+        "sudo cat /proc/self/oom_score_adj; (sleep 0; cat /proc/self/oom_score_adj); "
+        "sudo sh -c 'echo 0 > /proc/self/oom_score_adj' 2>/dev/null || echo refused",
+    )
+    assert r.ok and r.stdout.split() == ["0", "500", "500", "500", "refused"], r
+
+
 # ---------------------------------------------------------------- kill leaves nothing behind
 
 

@@ -1432,7 +1432,7 @@ def serve_one(sock: _socket.socket, inline: bool = False) -> None:
         if kind != P.KIND_JSON:
             raise OpError("invalid_request", "a request starts with a JSON frame")
         req = P.decode_json(payload)
-        op = OPS.get(req.get("op"))
+        op = OPS.get(str(req.get("op")))
         if op is None:
             raise OpError("invalid_request", f"unknown op {req.get('op')!r}")
         if inline and req.get("op") not in INLINE_OPS:
@@ -1450,7 +1450,7 @@ def serve_one(sock: _socket.socket, inline: bool = False) -> None:
     except (EOFError, ConnectionLost, P.ProtocolError):
         pass  # the client is gone (or spoke nonsense): nobody to answer
     except OSError as e:  # the operation's own failure, not the connection's: answered
-        path = req.get("path") if isinstance(req.get("path"), str) else req.get("op", "")
+        path = req.get("path") if isinstance(req.get("path"), str) else str(req.get("op"))
         try:
             conn.reply(os_error(e, str(path)).reply)
         except OSError:

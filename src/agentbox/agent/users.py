@@ -35,6 +35,7 @@ CAP_SETUID = 7
 # Set by `configure` at the agent's start.
 DEFAULT = "user"
 CAN_SWITCH = False  # the agent is its sandbox's root: it can run as either
+OOM_FD = -1  # the agent's own /proc/self/oom_score_adj, opened before Landlock closes /proc
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -46,8 +47,12 @@ class UserError(Exception):
 
 
 def configure(default: str) -> None:
-    global DEFAULT, CAN_SWITCH
+    global DEFAULT, CAN_SWITCH, OOM_FD
     DEFAULT = default if default in NAMES else "user"
+    try:
+        OOM_FD = os.open("/proc/self/oom_score_adj", os.O_WRONLY | os.O_CLOEXEC)
+    except OSError:
+        OOM_FD = -1
     # Root of its own user namespace with CAP_SETUID (not the capability-less uid 0 a server
     # without root gives a template whose user is root).
     CAN_SWITCH = os.getuid() == 0 and _has_cap(CAP_SETUID)
@@ -115,8 +120,39 @@ def _sys(name: str, *args: int) -> None:
         raise OSError(e, f"{name}: {os.strerror(e)}")
 
 
+# The out-of-memory score every process the agent starts is born with (half the memory
+# limit's worth above the agent's 0): under memory pressure a sandbox loses a command, not its
+# agent (which would end the whole sandbox). The agent raises its own score while it starts
+# one (the child copies it at fork) and lowers it again: lowering the agent's below 0 for good
+# would need CAP_SYS_RESOURCE, which a server's root may lack (in a container, say), and
+# Landlock keeps the agent from writing a child's (and a command from lowering its own).
+CHILD_OOM_SCORE_ADJ = b"500"
+_spawn_lock = threading.Lock()
+
+
 @contextlib.contextmanager
 def spawning_as(name: str) -> Iterator[None]:
+    """Children the agent starts meanwhile (in this thread) run as `name`, with the raised
+    out-of-memory score. One spawn at a time: the score is the whole process's."""
+    with _spawn_lock:
+        _oom_score(CHILD_OOM_SCORE_ADJ)
+        try:
+            with _as(name):
+                yield
+        finally:
+            _oom_score(b"0")
+
+
+def _oom_score(value: bytes) -> None:
+    if OOM_FD >= 0:
+        try:
+            os.write(OOM_FD, value)
+        except OSError:
+            pass
+
+
+@contextlib.contextmanager
+def _as(name: str) -> Iterator[None]:
     """Children this thread starts meanwhile run as `name`.
 
     The kernel keeps credentials per thread, and the raw syscalls (not glibc's wrappers, which

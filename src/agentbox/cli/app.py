@@ -446,7 +446,8 @@ def _offline(work: Callable[[], T]) -> T:
 def create(
     ctx: typer.Context,
     template: Annotated[str | None, typer.Option(
-        help="Template name.", show_default="default, the host's own userland")] = None,
+        help="Template name (host: the host's own userland, read-only).",
+        show_default="the server's default template, base unless it says otherwise")] = None,
     timeout: Annotated[float, typer.Option(help="Seconds until the sandbox ends.")] = 300,
     metadata: Annotated[list[str] | None, typer.Option(
         "--metadata", "-m", help="KEY=VALUE label (repeatable).")] = None,

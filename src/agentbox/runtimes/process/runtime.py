@@ -4,7 +4,7 @@ Layers, outermost first: a block of 65,536 host uids of its own, onto which its 
 (made by the server: userns.py) maps its 0-65535, so its root and `user` are host ids that own
 nothing else; a cgroup with memory/pids/CPU limits joined before exec, rlimits, a new session,
 every namespace unshared (user, pid, mount, net, ipc, uts, cgroup) with only loopback inside; on
-the default template a minimal read-only view of the host userland (an allow-listed /etc, no
+the `host` template a minimal read-only view of the host userland (an allow-listed /etc, no
 /usr/local, /proc files with the sandbox's own figures: hostview.py), on a built one the
 template copy-on-write (rootfs.py); a writable /workspace on its own size-limited filesystem and
 a size-limited tmpfs /tmp; the sandbox's root holding only userns.ROOT_CAPS, `user` none; no
