@@ -145,6 +145,46 @@ def test_default_names_the_default_and_host_the_host_userland(base_server: Serve
         assert r.status_code == 404 and "built: host, base" in r.json()["message"], r.text
 
 
+def test_a_default_that_cannot_be_built_says_why_and_is_tried_again(
+    tmp_path: Path, base_template: Path
+) -> None:
+    store = tmp_path / "templates"
+    seed_template_store(store)
+    # No tree can be made where built templates go (as without a mirror: the build fails).
+    (store / "rootfs").mkdir(mode=0o755)
+    subprocess.run(["chattr", "+i", str(store / "rootfs")], check=True)
+    srv = start_server(tmp_path, ["--template-dir", str(store), "--default-template", "base"])
+    try:
+        seen = _health_until(srv.url, {"ok", "failed"})
+        assert seen[-1]["templates"]["base"] == "failed", seen[-1]
+        assert seen[-1]["status"] == "degraded", seen[-1]
+        assert srv.log_path is not None
+        log = srv.log_path.read_text()
+        assert "the default template base is not usable" in log, log[-3000:]
+        assert "`agentbox setup` builds it with its log, or name template 'host'" in log, log
+        key = srv.make_key("base-fails")
+        with srv.client(key) as c:
+            r = c.post("/v1/sandboxes", json={"template": "host", "timeout": 60})
+            assert r.status_code == 201, r.text  # the host's userland needs no build
+            subprocess.run(["chattr", "-i", str(store / "rootfs")], check=True)
+            # The next create that names no template builds it again, and it works.
+            r = c.post("/v1/sandboxes", json={"timeout": 60})
+            assert r.status_code == 202 and r.json()["state"] == "building", r.text
+            sid = r.json()["sandbox_id"]
+            deadline = time.monotonic() + 120
+            waiting = ("building", "starting")
+            while (info := c.get(f"/v1/sandboxes/{sid}").json())["state"] in waiting:
+                assert time.monotonic() < deadline, info
+                time.sleep(0.2)
+            assert info["state"] == "running" and info["template"] == "base", info
+        health = httpx.get(f"{srv.url}/v1/health").json()
+        assert "base" not in health["templates"] and health["status"] == "ok", health
+        srv.kill_all_sandboxes()
+    finally:
+        subprocess.run(["chattr", "-i", str(store / "rootfs")], check=False)
+        srv.stop()
+
+
 # ------------------------------------------------------------------------------ agentbox setup
 
 

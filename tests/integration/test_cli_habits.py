@@ -249,7 +249,8 @@ def test_help_shows_every_default() -> None:
         timeout=60,
         env={**os.environ, "COLUMNS": "200"},
     )
-    assert "[default: (default, the host's own userland)]" in r.stdout, r.stdout
+    shown = "[default: (the server's default template, base unless it says otherwise)]"
+    assert shown in r.stdout, r.stdout
     assert "[default: 300]" in r.stdout
 
 

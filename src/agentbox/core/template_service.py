@@ -116,6 +116,11 @@ class TemplateService:
                     ) from None
                 finally:
                     self._builds.pop(name, None)
+                check = self.template_checks.get(name)
+                if check is not None and check.status == "failed":
+                    # A build that failed at start-up (no mirror then) and works now: not
+                    # failed any more, and not checked either.
+                    del self.template_checks[name]
         return info
 
     def needs_build(self, template: str) -> bool:

@@ -85,6 +85,7 @@ for line in sys.stdin:
     pid = os.fork()
     if pid == 0:
         os.close(ready_r); os.close(go_w)
+        os.close(0); os.close(1)  # the server's pipes: nothing running as the block's uid has them
         os._exit(child(base, nesting, ready_w, go_r))
     os.close(ready_w); os.close(go_r)
     if os.read(ready_r, 1) == b"u":
