@@ -179,9 +179,9 @@ def test_a_default_that_cannot_be_built_says_why_and_is_tried_again(
             assert info["state"] == "running" and info["template"] == "base", info
         health = httpx.get(f"{srv.url}/v1/health").json()
         assert "base" not in health["templates"] and health["status"] == "ok", health
-        srv.kill_all_sandboxes()
     finally:
         subprocess.run(["chattr", "-i", str(store / "rootfs")], check=False)
+        srv.kill_all_sandboxes()
         srv.stop()
 
 
