@@ -254,7 +254,13 @@ def setup(
     """Prepare this machine for `serve`: build the default template (a minimal Debian, from
     Debian's mirror; a few minutes the first time, seconds when cached), showing its progress,
     so that the first sandbox starts at once. Run as root, before `serve`."""
-    from agentbox.templates import BuildError, TemplateStore, builtin_spec_path, load_spec
+    from agentbox.templates import (
+        BuildError,
+        TemplateStore,
+        builtin_spec_names,
+        builtin_spec_path,
+        load_spec,
+    )
 
     names = template or [config.default_template()]
     if "host" in names:
@@ -264,7 +270,7 @@ def setup(
     for name in names:
         path = builtin_spec_path(name)
         if path is None:
-            shipped = ", ".join(sorted(p.stem for p in _shipped_specs()))
+            shipped = ", ".join(builtin_spec_names())
             raise typer.BadParameter(f"{name!r} is not a shipped template; shipped: {shipped} "
                                      "(build your own with `agentbox template build SPEC`)",
                                      param_hint="--template")
@@ -296,12 +302,6 @@ def setup(
             raise typer.Exit(1) from None
         out.print(f"template [bold]{escape(name)}[/bold] is ready ({_size(info.size_bytes)}, "
                   f"{time.monotonic() - started:.0f} s)", highlight=False)
-
-
-def _shipped_specs() -> list[Path]:
-    from agentbox.templates.spec import SPECS_DIR
-
-    return sorted(SPECS_DIR.glob("*.toml"))
 
 
 def _locked(path: Path) -> bool:

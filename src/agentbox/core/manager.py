@@ -78,14 +78,6 @@ AGENT_PING_TIMEOUT_S = 5.0  # no answer in this long: the sandbox is `unhealthy`
 LIVE = LIVE_FILTER  # a list filter: every state of a sandbox not ended
 
 
-def builtin_spec_names() -> list[str]:
-    """Templates agentbox ships a spec for (built on first use)."""
-    import agentbox.templates
-
-    specs = Path(agentbox.templates.__file__).parent / "specs"
-    return sorted(p.stem for p in specs.glob("*.toml"))
-
-
 class SandboxManager:
     def __init__(
         self,

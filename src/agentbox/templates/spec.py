@@ -102,6 +102,11 @@ def valid_name(name: str) -> bool:
     return isinstance(name, str) and NAME_RE.fullmatch(name) is not None
 
 
+def builtin_spec_names() -> list[str]:
+    """Templates agentbox ships a spec for (built on first use)."""
+    return sorted(p.stem for p in SPECS_DIR.glob("*.toml"))
+
+
 def builtin_spec_path(name: str) -> Path | None:
     """The shipped spec for `name` (src/agentbox/templates/specs/<name>.toml), if there is one."""
     if not valid_name(name):

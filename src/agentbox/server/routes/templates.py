@@ -10,11 +10,10 @@ from typing import Any
 from fastapi import APIRouter, Response
 
 from agentbox.core.errors import InvalidRequest, NotFound
-from agentbox.core.manager import builtin_spec_names
 from agentbox.server import models as m
 from agentbox.server.routes.deps import RESPONSES, Admin, Mgr, Who
 from agentbox.server.streaming import ndjson
-from agentbox.templates import SpecError, builtin_spec_path, load_spec
+from agentbox.templates import SpecError, builtin_spec_names, builtin_spec_path, load_spec
 
 
 def router() -> APIRouter:
