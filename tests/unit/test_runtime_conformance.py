@@ -183,3 +183,46 @@ def test_optional_capabilities_match_the_declared_features(
     feats = runtime.features()
     assert isinstance(runtime, Pausable) == feats.pause
     assert isinstance(runtime, Snapshottable) == feats.snapshot
+
+
+async def test_runtimes_sharing_a_data_dir_keep_to_their_own(data_dir: Path) -> None:
+    """Two runtimes over one data dir (a server serving several tiers) each have their own
+    corner of the host: neither lists, removes or unmounts the other's sandboxes, and closing
+    one leaves the other's shared trees mounted."""
+    if shutil.which("bwrap") is None:
+        pytest.skip("bubblewrap is not installed")
+    from agentbox.runtimes.process.runtime import ProcessRuntime
+
+    class Twin(ProcessRuntime):
+        name = "twin"
+        host_namespace = "twin"
+
+    ours, theirs = "sbx_c0nf0rmanceours1", "sbx_c0nf0rmancetheirs"
+    process, twin = ProcessRuntime(data_dir=data_dir), Twin(data_dir=data_dir)
+    mine = await process.create(SandboxSpec(ours, "default", Resources(disk_mb=64)))
+    other = await twin.create(SandboxSpec(theirs, "default", Resources(disk_mb=64)))
+    try:
+        assert await process.list_sandboxes() == {ours}
+        assert await twin.list_sandboxes() == {theirs}
+        # A stray of one (no record) is nothing to the other: its destroy finds nothing.
+        await process.destroy(theirs, None, keep_workspace=False)
+        assert await twin.is_alive(theirs, other)
+        client = AgentClient(twin.agent_address(theirs, other).socket_path, connect_timeout=5)
+        assert (await client.ping(5)).get("ok") is True
+        await process.destroy(ours, mine, keep_workspace=False)
+        await process.close()  # nothing of its own left: it drops its own scaffolding
+        assert await twin.is_alive(theirs, other)
+        assert await twin.list_sandboxes() == {theirs}
+        assert (await client.ping(5)).get("ok") is True
+        assert (await twin.create(SandboxSpec(ours, "default", Resources(disk_mb=64))))["uid"]
+        await twin.destroy(ours, None, keep_workspace=False)
+        at = {name: type(rt).host_footprint(data_dir) for name, rt in (("p", process), ("t", twin))}
+        assert not set(at["p"].dirs) & set(at["t"].dirs)
+        assert at["p"].cgroup_groups != at["t"].cgroup_groups
+        assert at["p"].lease_owners != at["t"].lease_owners
+    finally:
+        await twin.destroy(theirs, None, keep_workspace=False)
+        await process.destroy(ours, None, keep_workspace=False)
+        await twin.close()
+        await process.close()
+    assert await twin.list_sandboxes() == set() == await process.list_sandboxes()

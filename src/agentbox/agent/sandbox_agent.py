@@ -1475,16 +1475,39 @@ def _arg(name: str) -> str | None:
     return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else None
 
 
+def listen_at(path: str) -> _socket.socket:
+    """The control channel as a socket the agent binds itself, in a directory the runtime binds
+    in from the host (where a runtime cannot hand over a listening descriptor). Only the
+    sandbox's root may connect: 0600, and its directory is the runtime's to keep private."""
+    try:
+        os.unlink(path)  # a previous agent's
+    except FileNotFoundError:
+        pass
+    listener = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)  # not inheritable
+    old = os.umask(0o177)
+    try:
+        listener.bind(path)
+    finally:
+        os.umask(old)
+    os.chmod(path, 0o600)
+    listener.listen(128)
+    return listener
+
+
 def main() -> None:
     global LANDLOCK_ABI, WORKSPACE, WEAKENED, LEAKED_FD, DEFAULT_CWD
-    fd = int(sys.argv[sys.argv.index("--listen-fd") + 1])
     WORKSPACE = _arg("--workspace") or WORKSPACE
     DEFAULT_CWD = os.getcwd()
     WEAKENED = frozenset(filter(None, (_arg("--weaken") or "").split(",")))
     users.configure(_arg("--user") or "user")
     LEAKED_FD = int(_arg("--leak-fd") or -1)
-    os.set_inheritable(fd, False)  # commands must never reach the control channel
-    listener = _socket.socket(fileno=fd)
+    path = _arg("--listen-path")
+    if path is not None:
+        listener = listen_at(path)
+    else:
+        fd = int(sys.argv[sys.argv.index("--listen-fd") + 1])
+        os.set_inheritable(fd, False)  # commands must never reach the control channel
+        listener = _socket.socket(fileno=fd)
     _libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: sandboxed code cannot read agent memory
     if "no-landlock" not in WEAKENED:
         writable = [WORKSPACE, "/tmp", "/dev/shm"]

@@ -117,26 +117,29 @@ class Ctx:
     def sandbox_pids(self, box: Box) -> list[int]:
         """Host pids of the sandbox's processes, found by their cgroup (the bwrap monitor,
         outside the sandbox's namespaces, excluded)."""
-        marker = f"/{self.footprint().cgroup_group}/{self.digest()}/{box.id}"
+        markers = [f"/{g}/{self.digest()}/{box.id}" for g in self.footprint().cgroup_groups]
         state = self.runtime_state(box)
         pids = []
         for p in os.listdir("/proc"):
             if not p.isdigit() or int(p) == state.get("bwrap_pid"):
                 continue
             try:
-                if marker in Path(f"/proc/{p}/cgroup").read_text():
-                    pids.append(int(p))
+                cgroups = Path(f"/proc/{p}/cgroup").read_text()
             except OSError:
-                pass
+                continue
+            if any(m in cgroups for m in markers):
+                pids.append(int(p))
         return pids
 
     def runtime_state(self, box: Box) -> dict[str, Any]:
-        try:
-            return json.loads(
-                (self.server.data_dir / "sandboxes" / box.id / "runtime.json").read_text()
-            )
-        except (OSError, ValueError):
-            return {}
+        """What the runtime recorded of the sandbox (runtime.json in its dir, in whichever of
+        the footprint's directories holds it)."""
+        for d in self.footprint().dirs:
+            try:
+                return json.loads((d / box.id / "runtime.json").read_text())
+            except (OSError, ValueError):
+                continue
+        return {}
 
 
 @dataclass(frozen=True)

@@ -7,16 +7,17 @@ own records, which are what is being checked). Where to look is each installed r
 module knows the kinds of things a Linux host holds, not any runtime's layout:
 
 - processes: helper processes (bwrap, mkfs, mount, ...) whose argv names a directory of the
-  footprint or a path below its roots; processes in a cgroup below `<cgroup_group>*/<scope>`;
-  and every process running as a uid of the sandbox range that no *other* data dir's cgroup
-  accounts for (a sandbox process that left its cgroup can only be recognised by its uid);
+  footprint or a path below its roots; processes in a cgroup below `<group>*/<scope>` for any
+  of its cgroup groups; and every process running as a uid of the sandbox range that no *other*
+  data dir's cgroup accounts for (a sandbox process that left its cgroup can only be
+  recognised by its uid);
 - mounts at or below the footprint's roots (`/proc/self/mountinfo`);
-- cgroup directories `<cgroup_group>/<scope>` and below, in every mounted hierarchy (v1
-  controllers, the hybrid `unified` tree, or a pure v2 root);
+- cgroup directories `<group>/<scope>` and below, for each of its groups, in every mounted
+  hierarchy (v1 controllers, the hybrid `unified` tree, or a pure v2 root);
 - loop devices whose backing file lies below the roots;
 - network namespaces (other than the host's) held by those processes;
 - entries of the footprint's directories (and those directories themselves, but for the data
-  dir's own), and the uid leases of the data dir.
+  dir's own), and the uid leases of the data dir's runtimes.
 
 `diff(before, after)` lists what appeared ("leaked ...") and what disappeared ("removed ...") as
 human-readable lines; an empty list means the host is as it was. Standard library only and no
@@ -31,9 +32,10 @@ import os
 import re
 import time
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from agentbox import runtimes
 from agentbox.runtimes.base import HostFootprint
@@ -50,21 +52,31 @@ _LABELS = {
     "entries": "entry",
 }
 _SANDBOX_ID = re.compile(r"sbx_[0-9A-Za-z]+")
+T = TypeVar("T")
 
 
 def footprint(data_dir: Path) -> HostFootprint:
-    """Where the installed runtimes leave things for `data_dir`'s sandboxes, as one footprint
-    (today one runtime has one; a second merges its paths into these)."""
+    """Where the installed runtimes leave things for `data_dir`'s sandboxes, as one footprint:
+    their paths, cgroup groups and lease owners together (each runtime has its own corner of
+    the host; the data dir's scope and the uid range are the same for all)."""
     found = [
         fp
         for name in runtimes.available()
         if (fp := _footprint_of(name, Path(data_dir))) != HostFootprint()
     ]
     if len(found) > 1:
-        dirs = tuple(dict.fromkeys(d for fp in found for d in fp.dirs))
-        roots = tuple(dict.fromkeys(r for fp in found for r in fp.roots))
-        return dataclasses.replace(found[0], dirs=dirs, roots=roots)
+        return dataclasses.replace(
+            found[0],
+            dirs=_union(fp.dirs for fp in found),
+            roots=_union(fp.roots for fp in found),
+            cgroup_groups=_union(fp.cgroup_groups for fp in found),
+            lease_owners=_union(fp.lease_owners for fp in found),
+        )
     return found[0] if found else HostFootprint()
+
+
+def _union(parts: Iterable[tuple[T, ...]]) -> tuple[T, ...]:
+    return tuple(dict.fromkeys(x for part in parts for x in part))
 
 
 def _footprint_of(name: str, data_dir: Path) -> HostFootprint:
@@ -78,9 +90,10 @@ def digest_of(data_dir: Path) -> str:
     return footprint(data_dir).scope or ""
 
 
-def _scope_re(group: str | None) -> re.Pattern[str]:
+def _scope_re(groups: tuple[str, ...]) -> re.Pattern[str]:
     """A cgroup path naming some data dir's scope: .../<group>[-suffix]/<12 hex digest>[/...]"""
-    return re.compile(r"/" + re.escape(group or "agentbox") + r"[^/]*/([0-9a-f]{12})(?:/|$)")
+    names = "|".join(re.escape(g) for g in groups or ("agentbox",))
+    return re.compile(r"/(?:" + names + r")[^/]*/([0-9a-f]{12})(?:/|$)")
 
 
 @dataclass
@@ -209,15 +222,15 @@ def _processes(
     me = os.getpid()
     digest = fp.scope or ""
     uid_lo, uid_hi = fp.uid_range or (0, 0)
-    scope_re = _scope_re(fp.cgroup_group)
+    scope_re = _scope_re(fp.cgroup_groups)
     # Every process's parent and the data dir (digest) its cgroup or argv names, if any: a
     # sandbox-uid process outside every scope's cgroup is told apart by its ancestors. A root
     # named after the scope (a per-data-dir tree such as /run/agentbox/<digest>) names the
     # owner of any process whose argv has a path below a sibling of it.
     family: dict[int, tuple[int, str | None]] = {}
-    parents = [str(r.parent) for r in fp.roots if r.name == digest]
+    parents = sorted({str(r.parent) for r in fp.roots if r.name.split("-")[0] == digest})
     bind_re = re.compile(
-        "(?:" + "|".join(re.escape(p) for p in parents) + r")/([0-9a-f]{12})/"
+        "(?:" + "|".join(re.escape(p) for p in parents) + r")/([0-9a-f]{12})(?:-[a-z]+)?/"
         if parents
         else r"(?!)"
     )
@@ -351,14 +364,16 @@ def _mounts(roots: list[str], mountinfo: str) -> list[str]:
 
 
 def _cgroup_dirs(fp: HostFootprint, root: Path) -> list[str]:
-    if fp.cgroup_group is None or fp.scope is None:
+    if not fp.cgroup_groups or fp.scope is None:
         return []
-    group, digest = fp.cgroup_group, fp.scope
-    bases = [root / group / digest]
+    digest = fp.scope
     try:
-        bases += [root / c / group / digest for c in sorted(os.listdir(root))]
+        hierarchies = sorted(os.listdir(root))
     except OSError:
-        pass
+        hierarchies = []
+    bases = []
+    for group in fp.cgroup_groups:
+        bases += [root / group / digest, *(root / c / group / digest for c in hierarchies)]
     out: set[str] = set()
     for base in bases:
         if not base.is_dir():
@@ -399,9 +414,10 @@ def _entries(data_dir: Path, fp: HostFootprint) -> list[str]:
             out += [str(base / n) for n in sorted(os.listdir(base))]
         except OSError:
             pass
-    if fp.uid_leases is not None and fp.scope is not None:
-        leases = UidLeases(fp.scope, fp.uid_leases)
-        out += [f"uid lease {uid} -> {sid}" for uid, sid in sorted(leases.held().items())]
+    if fp.uid_leases is not None:
+        for owner in fp.lease_owners:
+            held = UidLeases(owner, fp.uid_leases).held()
+            out += [f"uid lease {uid} -> {sid}" for uid, sid in sorted(held.items())]
     return sorted(set(out))
 
 

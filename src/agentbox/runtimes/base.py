@@ -108,12 +108,14 @@ class HostFootprint:
     dirs: tuple[Path, ...] = ()
     # Trees below which mounts, loop-device backing files and process arguments are its.
     roots: tuple[Path, ...] = ()
-    # cgroup directories are `<controller root>/<cgroup_group>/<scope>`.
-    cgroup_group: str | None = None
+    # cgroup directories are `<controller root>/<group>/<scope>` for each of cgroup_groups.
+    cgroup_groups: tuple[str, ...] = ()
     scope: str | None = None
-    # Host uids its sandboxes run as ([start, end)), and where their leases live (uids.py).
+    # Host uids its sandboxes run as ([start, end)), where their leases live and the owners
+    # they are leased to (uids.py).
     uid_range: tuple[int, int] | None = None
     uid_leases: Path | None = None
+    lease_owners: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Per-sandbox cgroups on v1 (one directory per controller) and v2 (one unified directory).
 
-Every sandbox gets `agentbox/<sandbox_id>` under each controller it uses. The server (root)
+Every sandbox gets `agentbox/<scope>/<sandbox_id>` under each controller it uses. The server (root)
 creates it, writes the limits, and the sandbox's first process joins it before it execs bwrap,
 so nothing the sandbox ever forks is outside. Killing a sandbox kills what is left in the group
 and removes the directories: nothing stays behind untracked.
@@ -50,16 +50,18 @@ def _read_kv(path: Path) -> dict[str, int]:
 class Cgroups:
     """The agentbox part of the host's cgroup tree, whichever version the host runs."""
 
-    def __init__(self, scope: str, root: Path = CGROUP_ROOT) -> None:
-        """`scope` names this server's subtree (`agentbox/<scope>/<sandbox_id>`): servers with
-        different data dirs on one host must never see each other's sandboxes as strays."""
+    def __init__(self, scope: str, root: Path = CGROUP_ROOT, group: str = GROUP) -> None:
+        """`scope` names this server's subtree (`<group>/<scope>/<sandbox_id>`): servers with
+        different data dirs on one host must never see each other's sandboxes as strays, nor
+        runtimes sharing a data dir each other's (each has its own `group`)."""
         self.root = root
+        self.group = group
         self.v2 = (root / "cgroup.controllers").exists()
         if self.v2:
-            self.base = {"unified": root / GROUP / scope}
+            self.base = {"unified": root / group / scope}
         else:
             self.base = {
-                c: root / c / GROUP / scope for c in _V1_CONTROLLERS if (root / c).is_dir()
+                c: root / c / group / scope for c in _V1_CONTROLLERS if (root / c).is_dir()
             }
         self.available = bool(self.base) and os.geteuid() == 0
         if self.available:

@@ -34,6 +34,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -127,8 +128,41 @@ def _proc_start_time(pid: int) -> int | None:
     return int(fields[19])
 
 
+@dataclass(frozen=True)
+class HostLayout:
+    """Where one runtime keeps the sandboxes of one data dir on the host. Each runtime over a
+    data dir has its own (its `host_namespace`): several can serve one data dir side by side
+    and none ever lists, adopts, unmounts or removes another's sandboxes or shared trees."""
+
+    sandboxes: Path  # per sandbox: its dir (image, state, log), private to root
+    kept: Path  # the workspaces kept after their sandbox ended
+    kept_mounts: Path  # read-only mounts of kept workspaces while someone reads them
+    bind_root: Path  # the root-owned, traverse-only tree sandboxes bind from (see __init__)
+    cgroup_group: str  # cgroups are <controller>/<group>/<scope>/<sandbox id>
+    scope: str  # the data dir's name on the host (its digest)
+    lease_owner: str  # the owner of its uid leases (uids.py)
+
+    @classmethod
+    def of(cls, data_dir: Path, namespace: str = "") -> HostLayout:
+        data_dir = Path(data_dir).resolve()
+        digest = _digest(data_dir)
+        sfx = f"-{namespace}" if namespace else ""
+        return cls(
+            sandboxes=data_dir / f"sandboxes{sfx}",
+            kept=data_dir / f"kept-workspaces{sfx}",
+            kept_mounts=data_dir / f"kept-mounts{sfx}",
+            bind_root=RUN_ROOT / f"{digest}{sfx}",
+            cgroup_group=f"{GROUP}{sfx}",
+            scope=digest,
+            lease_owner=f"{digest}{sfx}",
+        )
+
+
 class ProcessRuntime(Runtime):
     name: ClassVar[str] = "process"
+    # The runtime's own corner of the host for a data dir (HostLayout): "" for this one, the
+    # tier's name for the runtimes built on it.
+    host_namespace: ClassVar[str] = ""
 
     def __init__(
         self,
@@ -139,14 +173,13 @@ class ProcessRuntime(Runtime):
         """`host_paths`: host paths the operator lets sandboxes of the host userland see
         read-only (`agentbox serve --host-path`): below /etc copied into the generated /etc,
         elsewhere bound at the same place (/usr/local shows only when listed)."""
-        if shutil.which("bwrap") is None:
-            raise RuntimeError_("bubblewrap (bwrap) is not installed: apt-get install bubblewrap")
+        self._require_tools()
         if not Path(SANDBOX_PYTHON).exists():
             raise RuntimeError_(f"{SANDBOX_PYTHON} is missing: apt-get install python3")
-        self.root = data_dir / "sandboxes"
-        self.kept_root = data_dir / "kept-workspaces"
-        # Where kept workspaces are mounted read-only while someone reads them.
-        self.kept_mounts = data_dir / "kept-mounts"
+        self.layout = HostLayout.of(data_dir, self.host_namespace)
+        self.root = self.layout.sandboxes
+        self.kept_root = self.layout.kept
+        self.kept_mounts = self.layout.kept_mounts
         self.root.mkdir(parents=True, exist_ok=True)
         os.chmod(data_dir, 0o700)
         os.chmod(self.root, 0o700)
@@ -158,9 +191,8 @@ class ProcessRuntime(Runtime):
         # bwrap already runs as the sandbox's uid when it resolves its bind sources, and the
         # data dir is private to root (and may sit below other private dirs). So what bwrap
         # binds lives in a root-owned, traverse-only tree of its own, one per data dir.
-        digest = _digest(data_dir)
         if self.is_root:
-            self.bind_root = RUN_ROOT / digest
+            self.bind_root = self.layout.bind_root
             for d in (RUN_ROOT, self.bind_root):
                 d.mkdir(mode=0o711, exist_ok=True)
                 os.chmod(d, 0o711)
@@ -176,7 +208,7 @@ class ProcessRuntime(Runtime):
         self.cpus = sorted(os.sched_getaffinity(0))
         self.cpus_of: dict[str, list[int]] = {}
         self.cpu_lock = threading.Lock()  # create runs in worker threads: one pick at a time
-        self.cgroups = Cgroups(scope=digest)
+        self.cgroups = Cgroups(scope=self.layout.scope, group=self.layout.cgroup_group)
         if use_loop is None:
             use_loop = (
                 self.is_root
@@ -190,10 +222,15 @@ class ProcessRuntime(Runtime):
         self._drop_kept_mounts()
         self.seccomp = build_filter()
         self.children: dict[str, subprocess.Popen] = {}
-        self.uids = UidLeases(owner=digest)
+        self.uids = UidLeases(owner=self.layout.lease_owner)
         self.netns = NamespaceSockets()
 
     # ------------------------------------------------------------------ setup
+
+    def _require_tools(self) -> None:
+        """Refuse to start without what this runtime runs sandboxes with."""
+        if shutil.which("bwrap") is None:
+            raise RuntimeError_("bubblewrap (bwrap) is not installed: apt-get install bubblewrap")
 
     def _mounts_shared_trees(self) -> bool:
         """Whether the trees every sandbox shares get tmpfs mounts of their own (root only)."""
@@ -279,15 +316,15 @@ class ProcessRuntime(Runtime):
     @classmethod
     def host_footprint(cls, data_dir: Path) -> HostFootprint:
         data_dir = Path(data_dir).resolve()
-        digest = _digest(data_dir)
-        bind_root = RUN_ROOT / digest
+        at = HostLayout.of(data_dir, cls.host_namespace)
         return HostFootprint(
-            dirs=(data_dir / "sandboxes", data_dir / "kept-workspaces", bind_root),
-            roots=(data_dir, bind_root),
-            cgroup_group=GROUP,
-            scope=digest,
+            dirs=(at.sandboxes, at.kept, at.bind_root),
+            roots=(data_dir, at.bind_root),
+            cgroup_groups=(at.cgroup_group,),
+            scope=at.scope,
             uid_range=UID_RANGE,
             uid_leases=LEASES,
+            lease_owners=(at.lease_owner,),
         )
 
     def resource_ceilings(self) -> dict[str, Ceiling]:
@@ -373,23 +410,7 @@ class ProcessRuntime(Runtime):
             argv += ["--perms", "0444", "--ro-bind-data", str(fds["passwd"]), "/etc/passwd"]
             argv += ["--perms", "0444", "--ro-bind-data", str(fds["group"]), "/etc/group"]
         argv += ["--chdir", spec.workdir, "--clearenv"]
-        env = {
-            "PATH": SANDBOX_PATH,
-            "HOME": "/workspace",
-            "USER": "user",
-            "LOGNAME": "user",
-            "SHELL": "/bin/bash",
-            "LANG": "C.UTF-8",
-            "TERM": "xterm-256color",
-            "TMPDIR": "/tmp",
-            "AGENTBOX_SANDBOX_ID": spec.sandbox_id,
-        }
-        if spec.rootfs and Path(spec.rootfs, userns.USER_VENV, "pyvenv.cfg").is_file():
-            # `user`'s Python environment first (pip, console scripts, the kernel's python).
-            env["PATH"] = f"/{userns.USER_VENV}/bin:{SANDBOX_PATH}"
-            env["VIRTUAL_ENV"] = f"/{userns.USER_VENV}"
-        env.update(spec.envs)
-        for k, v in env.items():
+        for k, v in sandbox_env(spec).items():
             argv += ["--setenv", k, v]
         for path in spec.files:
             argv += ["--perms", "0444", "--ro-bind-data", str(fds[f"file:{path}"]), path]
@@ -955,6 +976,33 @@ class ProcessRuntime(Runtime):
                 state = json.loads((sdir / STATE_FILE).read_text())
             except (OSError, ValueError):
                 state = {}
+        self._stop(sid, state)
+        if not rootfs.unmount(self.bind_root / sid):
+            raise RuntimeError_(f"could not unmount the root filesystem of sandbox {sid}")
+        if not workspace.destroy(sdir, self.bind_root / sid, keep=keep_workspace):
+            raise RuntimeError_(f"could not unmount the workspace of sandbox {sid}")
+        if not self.cgroups.remove(sid):
+            raise RuntimeError_(f"could not remove the cgroups of sandbox {sid}")
+        if keep_workspace and sdir.exists():
+            # Kept workspaces leave the sandboxes tree so reconciliation never mistakes them
+            # for a leftover sandbox.
+            kept = self.kept_root / sid
+            kept.parent.mkdir(mode=0o700, exist_ok=True)
+            for name in (SOCKET_NAME, STATE_FILE, "runtime.log"):
+                try:
+                    (sdir / name).unlink()
+                except FileNotFoundError:
+                    pass
+            sdir.rename(kept)
+        else:
+            shutil.rmtree(sdir, ignore_errors=True)
+        uid = state.get("uid")
+        self.uids.release(sid, uid if isinstance(uid, int) else None)
+        with self.cpu_lock:
+            self.cpus_of.pop(sid, None)
+
+    def _stop(self, sid: str, state: dict[str, Any]) -> None:
+        """End every process of the sandbox, and the launcher that started it."""
         # Killing the pid namespace's init takes every process in the namespace with it.
         for pid_key, start_key in (("init_pid", "init_start"), ("bwrap_pid", "bwrap_start")):
             pid = state.get(pid_key)
@@ -983,34 +1031,31 @@ class ProcessRuntime(Runtime):
                 if time.monotonic() > deadline:
                     break
                 time.sleep(0.005)
-        if not rootfs.unmount(self.bind_root / sid):
-            raise RuntimeError_(f"could not unmount the root filesystem of sandbox {sid}")
-        if not workspace.destroy(sdir, self.bind_root / sid, keep=keep_workspace):
-            raise RuntimeError_(f"could not unmount the workspace of sandbox {sid}")
-        if not self.cgroups.remove(sid):
-            raise RuntimeError_(f"could not remove the cgroups of sandbox {sid}")
-        if keep_workspace and sdir.exists():
-            # Kept workspaces leave the sandboxes tree so reconciliation never mistakes them
-            # for a leftover sandbox.
-            kept = self.kept_root / sid
-            kept.parent.mkdir(mode=0o700, exist_ok=True)
-            for name in (SOCKET_NAME, STATE_FILE, "runtime.log"):
-                try:
-                    (sdir / name).unlink()
-                except FileNotFoundError:
-                    pass
-            sdir.rename(kept)
-        else:
-            shutil.rmtree(sdir, ignore_errors=True)
-        uid = state.get("uid")
-        self.uids.release(sid, uid if isinstance(uid, int) else None)
-        with self.cpu_lock:
-            self.cpus_of.pop(sid, None)
 
     def _kill_everything(self, sid: str) -> bool:
         """Kill every process of the sandbox (its cgroup), daemons that left its pid
         namespace's reach included; False if some would not die."""
         return self.cgroups.kill_all(sid)
+
+
+def sandbox_env(spec: SandboxSpec) -> dict[str, str]:
+    """The environment the sandbox's agent starts with (and hands on to what it runs)."""
+    env = {
+        "PATH": SANDBOX_PATH,
+        "HOME": "/workspace",
+        "USER": "user",
+        "LOGNAME": "user",
+        "SHELL": "/bin/bash",
+        "LANG": "C.UTF-8",
+        "TERM": "xterm-256color",
+        "TMPDIR": "/tmp",
+        "AGENTBOX_SANDBOX_ID": spec.sandbox_id,
+    }
+    if spec.rootfs and Path(spec.rootfs, userns.USER_VENV, "pyvenv.cfg").is_file():
+        # `user`'s Python environment first (pip, console scripts, the kernel's python).
+        env["PATH"] = f"/{userns.USER_VENV}/bin:{SANDBOX_PATH}"
+        env["VIRTUAL_ENV"] = f"/{userns.USER_VENV}"
+    return env | spec.envs
 
 
 def parent_dirs(path: str) -> list[str]:
