@@ -28,6 +28,21 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   apt-get install -y -qq "${need_apt[@]}" >/dev/null
 fi
 
+# The isolation tiers beyond `process`: `container` runs runc, `gvisor` runs runsc (their
+# recommends, CRIU among them, are not needed).
+need_oci=()
+command -v runc >/dev/null || need_oci+=(runc)
+command -v runsc >/dev/null || need_oci+=(runsc)
+if [ ${#need_oci[@]} -gt 0 ]; then
+  if [ "$(id -u)" != 0 ]; then
+    echo "agentbox: the container and gvisor tiers need: ${need_oci[*]} (run as root)" >&2
+  else
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends "${need_oci[@]}" >/dev/null
+  fi
+fi
+
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi

@@ -19,7 +19,7 @@ import httpx
 import pytest
 from _rel import Background, RelServer, private_server, run_ok, sandbox_pids
 
-from agentbox.runtimes.process.runtime import _proc_start_time
+from agentbox.runtimes.process.runtime import proc_start_time
 
 pytestmark = pytest.mark.reliability
 
@@ -35,7 +35,7 @@ def _ts(rfc3339: str) -> float:
 
 
 def _alive(state: dict[str, Any]) -> bool:
-    return _proc_start_time(state["init_pid"]) == state["init_start"]
+    return proc_start_time(state["init_pid"]) == state["init_start"]
 
 
 def test_ttl_accuracy_many_sandboxes(srv: RelServer) -> None:

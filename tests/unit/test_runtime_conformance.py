@@ -46,6 +46,12 @@ def _process_weakened(data_dir: Path) -> Runtime:
     return WeakenedProcessRuntime(data_dir=data_dir, weaken=["no-limits", "same-uid"])
 
 
+def _container(data_dir: Path) -> Runtime:
+    from agentbox.runtimes.oci.runtime import ContainerRuntime
+
+    return ContainerRuntime(data_dir=data_dir)
+
+
 _shared_fakes: dict[Path, FakeRuntime] = {}
 
 
@@ -56,6 +62,7 @@ def _fake(data_dir: Path) -> Runtime:
 
 
 RUNTIMES: dict[str, Callable[[Path], Runtime]] = {
+    "container": _container,
     "fake": _fake,
     "process": _process,
     "process-weakened": _process_weakened,
@@ -72,6 +79,8 @@ def anyio_backend() -> str:
 def make(request: pytest.FixtureRequest) -> Callable[[Path], Runtime]:
     if request.param.startswith("process") and shutil.which("bwrap") is None:
         pytest.skip("bubblewrap is not installed")
+    if request.param == "container" and shutil.which("runc") is None:
+        pytest.skip("runc is not installed (scripts/install.sh installs it)")
     return RUNTIMES[request.param]
 
 

@@ -230,17 +230,40 @@ class Cgroups:
                 time.sleep(0.01)  # the last processes are still being torn down
         return False
 
+    def _everywhere(self) -> list[Path]:
+        """This scope's group in every mounted hierarchy, not only the controllers it limits
+        with (an OCI runtime joins a sandbox to all of them)."""
+        if self.v2:
+            return list(self.base.values())
+        try:
+            hierarchies = [h for h in self.root.iterdir() if h.is_dir() and not h.is_symlink()]
+        except OSError:
+            return list(self.base.values())
+        scope = next(iter(self.base.values())).name if self.base else None
+        if scope is None:
+            return []
+        return [h / self.group / scope for h in sorted(hierarchies)]
+
+    def sweep(self, sandbox_id: str) -> bool:
+        """Remove the sandbox's groups in every hierarchy; False if one would not go."""
+        ok = True
+        for base in self._everywhere():
+            ok = self._rmdir(base / sandbox_id) and ok
+        return ok
+
     def remove_scope(self) -> None:
-        """Remove this server's (empty) scope groups."""
-        for base in self.base.values():
+        """Remove this server's (empty) scope groups, in every hierarchy."""
+        for base in {*self.base.values(), *self._everywhere()}:
             try:
                 base.rmdir()
             except OSError:
                 pass
 
-    def list_ids(self) -> set[str]:
+    def list_ids(self, everywhere: bool = False) -> set[str]:
+        """Sandboxes with a group here: in the controllers it limits with, or (`everywhere`) in
+        any mounted hierarchy."""
         ids: set[str] = set()
-        for base in self.base.values():
+        for base in self._everywhere() if everywhere else self.base.values():
             try:
                 ids.update(p.name for p in base.iterdir() if p.is_dir())
             except OSError:

@@ -33,7 +33,7 @@ import subprocess
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -80,8 +80,8 @@ CAP_SYS_RESOURCE = 24
 # What of the host a sandbox sees, read-only: /usr (but not /usr/local, unless the operator
 # lists it) and a generated /etc (hostview.py). Deliberately not /home, /root, /opt, /srv, /mnt,
 # /var or /run: user data, credentials and the server's own data live there.
-_MERGED_USR_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
-_USR_LOCAL = "/usr/local"
+MERGED_USR_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+USR_LOCAL = "/usr/local"
 SANDBOX_PATH = f"/usr/local/sbin:/usr/local/bin:{AGENT_BIN}:/usr/sbin:/usr/bin:/sbin:/bin"
 _PIPE_PAYLOAD_MAX = 16384  # well below a pipe's buffer: the write must not block
 
@@ -116,7 +116,7 @@ def _can_raise_rlimits() -> bool:
     return False
 
 
-def _proc_start_time(pid: int) -> int | None:
+def proc_start_time(pid: int) -> int | None:
     """Start time (clock ticks since boot) of a live, non-zombie process; None if gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
@@ -469,7 +469,7 @@ class ProcessRuntime(Runtime):
             args += ["--ro-bind", "/etc", "/etc"]
         else:
             args += ["--ro-bind", str(self.etc_dir), "/etc", *self._host_path_args()]
-        for link in _MERGED_USR_LINKS:
+        for link in MERGED_USR_LINKS:
             p = Path(link)
             if p.is_symlink():
                 args += ["--symlink", os.readlink(p), link]
@@ -481,12 +481,12 @@ class ProcessRuntime(Runtime):
         """/usr/local hidden under an empty read-only tmpfs unless the operator lists it; the
         operator's other host paths bound read-only (those below /etc are in its copy, the rest
         of /usr is visible anyway)."""
-        mask = _USR_LOCAL not in self.host_paths and os.path.isdir(_USR_LOCAL)
-        args = ["--tmpfs", _USR_LOCAL] if mask else []
+        mask = USR_LOCAL not in self.host_paths and os.path.isdir(USR_LOCAL)
+        args = ["--tmpfs", USR_LOCAL] if mask else []
         for p in self.host_paths:
-            if not p.startswith(("/etc/", "/usr/")) or (mask and p.startswith(_USR_LOCAL + "/")):
+            if not p.startswith(("/etc/", "/usr/")) or (mask and p.startswith(USR_LOCAL + "/")):
                 args += [*parent_dirs(p), "--ro-bind", p, p]
-        return [*args, "--remount-ro", _USR_LOCAL] if mask else args
+        return [*args, "--remount-ro", USR_LOCAL] if mask else args
 
     def _proc_args(self, fds: dict[str, int]) -> list[str]:
         """The sandbox's own figures over /proc's machine-wide files (see hostview.py)."""
@@ -697,13 +697,13 @@ class ProcessRuntime(Runtime):
             init_pid = self._init_pid(info_r, proc)
         finally:
             os.close(info_r)
-        self._wait_for_agent(sock_path, proc, sdir)
+        self._wait_for_agent(sock_path, lambda: proc.poll() is None, sdir)
         self._hold_netns(spec.sandbox_id, init_pid)
         return {
             "bwrap_pid": proc.pid,
-            "bwrap_start": _proc_start_time(proc.pid),
+            "bwrap_start": proc_start_time(proc.pid),
             "init_pid": init_pid,
-            "init_start": _proc_start_time(init_pid),
+            "init_start": proc_start_time(init_pid),
             "socket": str(sock_path),
         }
 
@@ -764,7 +764,9 @@ class ProcessRuntime(Runtime):
         raise RuntimeError_("the sandbox failed to start (bwrap gave no child pid)")
 
     @staticmethod
-    def _wait_for_agent(sock_path: Path, proc: subprocess.Popen, sdir: Path) -> None:
+    def _wait_for_agent(sock_path: Path, alive: Callable[[], bool], sdir: Path) -> None:
+        """Until the agent answers a ping on `sock_path`; an error with the sandbox's log when
+        it stops being `alive` or does not answer within 15 s."""
         from agentbox.agent import protocol as P
 
         deadline = time.monotonic() + 15
@@ -779,7 +781,7 @@ class ProcessRuntime(Runtime):
                         return
             except OSError:
                 pass
-            if proc.poll() is not None or time.monotonic() > deadline:
+            if not alive() or time.monotonic() > deadline:
                 log = (sdir / "runtime.log").read_text(errors="replace")[-2000:]
                 raise RuntimeError_(
                     f"the sandbox agent did not start: {log.strip() or 'no output'}"
@@ -802,16 +804,16 @@ class ProcessRuntime(Runtime):
             pid, start = state.get(pid_key), state.get(start_key)
             if pid_key == "bwrap_pid" and pid_key not in state:
                 continue
-            if not (isinstance(pid, int) and start is not None and _proc_start_time(pid) == start):
+            if not (isinstance(pid, int) and start is not None and proc_start_time(pid) == start):
                 return False
         return True
 
     def _hold_netns(self, sandbox_id: str, init_pid: int | None) -> None:
         if not init_pid:
             return
-        start = _proc_start_time(init_pid)
+        start = proc_start_time(init_pid)
         try:
-            self.netns.open(sandbox_id, init_pid, lambda: _proc_start_time(init_pid) == start)
+            self.netns.open(sandbox_id, init_pid, lambda: proc_start_time(init_pid) == start)
         except (OSError, NetnsError) as e:
             logging.getLogger(__name__).warning("sandbox %s: no netns handle: %s", sandbox_id, e)
 
@@ -941,7 +943,7 @@ class ProcessRuntime(Runtime):
             with self.cpu_lock:
                 self.cpus_of[sandbox_id] = state["cpus"]
         pid, start = state.get("init_pid"), state.get("init_start")
-        if isinstance(pid, int) and start is not None and _proc_start_time(pid) == start:
+        if isinstance(pid, int) and start is not None and proc_start_time(pid) == start:
             self._hold_netns(sandbox_id, pid)
 
     async def close(self) -> None:
@@ -1009,7 +1011,7 @@ class ProcessRuntime(Runtime):
             if (
                 pid
                 and state.get(start_key) is not None
-                and _proc_start_time(pid) == state[start_key]
+                and proc_start_time(pid) == state[start_key]
             ):
                 try:
                     os.kill(pid, signal.SIGKILL)
@@ -1027,7 +1029,7 @@ class ProcessRuntime(Runtime):
         else:
             pid = state.get("bwrap_pid")
             deadline = time.monotonic() + 5
-            while pid and _proc_start_time(pid) == state.get("bwrap_start"):
+            while pid and proc_start_time(pid) == state.get("bwrap_start"):
                 if time.monotonic() > deadline:
                     break
                 time.sleep(0.005)

@@ -1,0 +1,223 @@
+"""Every isolation tier end to end, through one real server that serves them all: commands as
+`user` and as root, files, code, egress through the proxy (allowed and refused), an exposed
+port, limits, a kept workspace and re-adoption after a restart. The same checks for each tier
+(`isolation` on create); a tier whose runtime binary this machine lacks is skipped, saying so.
+"""
+
+from __future__ import annotations
+
+import shlex
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import ServerHandle, create_sandbox, run, start_server
+
+pytestmark = pytest.mark.timeout(240)
+
+FORK_BOMB = """
+import subprocess
+procs = []
+try:
+    while len(procs) < 200:
+        procs.append(subprocess.Popen(["sleep", "30"]))
+except OSError as e:
+    print("refused after", len(procs), e.strerror)
+for p in procs:
+    p.kill()
+"""
+BINARIES = {"process": "bwrap", "container": "runc"}
+TIERS = [t for t, b in BINARIES.items() if shutil.which(b)]
+MISSING = [t for t, b in BINARIES.items() if not shutil.which(b)]
+
+
+class Upstream:
+    """An HTTP server on 127.0.0.1 counting the requests it got."""
+
+    def __init__(self) -> None:
+        self.paths: list[str] = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                outer.paths.append(self.path)
+                out = b"upstream says hi\n"
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.httpd.server_address[1]
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+
+@pytest.fixture(scope="module")
+def upstream() -> Iterator[Upstream]:
+    up = Upstream()
+    yield up
+    up.httpd.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiers_server(
+    tmp_path_factory: pytest.TempPathFactory, code_template: Path
+) -> Iterator[ServerHandle]:
+    args = ["--runtime", ",".join(TIERS), "--template-dir", str(code_template)]
+    args += ["--egress-allow-cidr", "127.0.0.0/8", "--egress-resolve", "up.test=127.0.0.1"]
+    handle = start_server(tmp_path_factory.mktemp("tiers"), args)
+    yield handle
+    handle.kill_all_sandboxes()
+    handle.stop()
+
+
+@pytest.fixture(params=[*TIERS, *MISSING])
+def tier(request: pytest.FixtureRequest) -> str:
+    if request.param in MISSING:
+        pytest.skip(f"{BINARIES[request.param]} is not installed (scripts/install.sh installs it)")
+    return str(request.param)
+
+
+@pytest.fixture
+def client(tiers_server: ServerHandle) -> Iterator[httpx.Client]:
+    key = tiers_server.make_key(f"tiers-{time.monotonic_ns() % 10**9}")
+    with tiers_server.client(key) as c:
+        yield c
+
+
+def test_health_lists_every_tier(tiers_server: ServerHandle) -> None:
+    body = httpx.get(f"{tiers_server.url}/v1/health").json()
+    assert sorted(body["runtimes"]) == sorted(TIERS), body["runtimes"]
+
+
+def test_commands_files_and_users(client: httpx.Client, tier: str) -> None:
+    info = create_sandbox(client, template="base", runtime=tier)
+    sid = info["sandbox_id"]
+    assert info["runtime"] == tier
+    res = run(client, sid, "id -un; sudo id -un; grep ^Seccomp: /proc/self/status; pwd")
+    assert res.exit_code == 0, res
+    assert res.stdout.split() == ["user", "root", "Seccomp:", "2", "/workspace"], res.stdout
+    # Its own uid block: the sandbox's 0 is not the host's.
+    uid_map = run(client, sid, "cat /proc/self/uid_map").stdout.split()
+    assert uid_map[0] == "0" and uid_map[1] != "0" and uid_map[2] == "65536", uid_map
+    # Files through the API land where commands see them, owned by `user`.
+    r = client.put(f"/v1/sandboxes/{sid}/files", params={"path": "/workspace/a.txt"}, content=b"hi")
+    assert r.status_code in (200, 201), r.text
+    res = run(client, sid, "stat -c '%U %s' /workspace/a.txt; echo more >> /workspace/a.txt")
+    assert res.stdout.strip() == "user 2", res
+    r = client.get(f"/v1/sandboxes/{sid}/files", params={"path": "/workspace/a.txt"})
+    assert r.content == b"himore\n"
+    # The writable root: root installs system-wide, `user` cannot.
+    assert run(client, sid, "sudo touch /usr/local/bin/x && echo ok").stdout.strip() == "ok"
+    assert run(client, sid, "touch /usr/local/bin/y").exit_code != 0
+    # No new user namespaces, no mounts, however asked.
+    res = run(client, sid, "sudo unshare -U true; sudo unshare -m true", user="root")
+    assert res.exit_code != 0 and "Operation not permitted" in res.stderr, res
+    client.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_host_userland(client: httpx.Client, tier: str) -> None:
+    sid = create_sandbox(client, template="host", runtime=tier)["sandbox_id"]
+    res = run(client, sid, "ls /usr/bin/python3 && touch /tmp/t /var/tmp/v && ls / | tr '\\n' ' '")
+    assert res.exit_code == 0, res
+    assert "workspace" in res.stdout and "home" not in res.stdout.split(), res.stdout
+    assert run(client, sid, "touch /usr/x").exit_code != 0  # the host's /usr, read-only
+    assert run(client, sid, "cat /etc/machine-id").exit_code != 0  # not in the generated /etc
+    client.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_run_code(client: httpx.Client, tier: str) -> None:
+    sid = create_sandbox(client, template="code-interpreter", runtime=tier)["sandbox_id"]
+    with client.stream(
+        "POST", f"/v1/sandboxes/{sid}/code/execute", json={"code": "x = 6 * 7\nprint(x)"}
+    ) as r:
+        assert r.status_code == 200, r.read()
+        body = r.read().decode()
+    assert "42" in body, body
+    client.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_egress_through_the_proxy(client: httpx.Client, tier: str, upstream: Upstream) -> None:
+    allowed = create_sandbox(client, runtime=tier, network={"allow_out": ["up.test"]})
+    url = f"http://up.test:{upstream.port}/from-{tier}"
+    res = run(client, allowed["sandbox_id"], f"curl -sS -m 10 {url}")
+    assert res.stdout == "upstream says hi\n", res
+    assert f"/from-{tier}" in upstream.paths
+    denied = create_sandbox(client, runtime=tier)
+    res = run(client, denied["sandbox_id"], f"curl -sS -m 10 -i {url}-denied")
+    assert "403" in res.stdout and "network policy" in res.stdout, res
+    assert f"/from-{tier}-denied" not in upstream.paths
+    # No way around the proxy: no interface but loopback.
+    res = run(client, denied["sandbox_id"], "ls /sys/class/net 2>/dev/null || ip -o link")
+    assert "eth" not in res.stdout and "veth" not in res.stdout, res
+    for info in (allowed, denied):
+        client.delete(f"/v1/sandboxes/{info['sandbox_id']}")
+
+
+def test_an_exposed_port(client: httpx.Client, tier: str, tiers_server: ServerHandle) -> None:
+    info = create_sandbox(client, runtime=tier)
+    sid = info["sandbox_id"]
+    run(client, sid, "echo served > /workspace/index.html", timeout=5)
+    run(client, sid, "nohup python3 -m http.server -d /workspace 8000 >/tmp/h.log 2>&1 &")
+    deadline = time.monotonic() + 15
+    while True:
+        r = httpx.get(
+            f"{tiers_server.url}/v1/sandboxes/{sid}/ports/8000/index.html",
+            headers={"X-Access-Token": info["access_token"]},
+        )
+        if r.status_code == 200 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert r.status_code == 200 and r.text == "served\n", r.text
+    client.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_limits_hold(client: httpx.Client, tier: str) -> None:
+    sid = create_sandbox(
+        client, runtime=tier, resources={"memory_mb": 128, "pids": 64, "disk_mb": 64}
+    )["sandbox_id"]
+    res = run(client, sid, "python3 -c 'b = bytearray(512 * 2**20); print(len(b))'")
+    assert res.exit_code != 0 and res.end.get("violation", {}).get("code") == "memory_limit", res
+    res = run(client, sid, f"python3 -c {shlex.quote(FORK_BOMB)}")
+    assert "refused after" in res.stdout and "Resource temporarily unavailable" in res.stdout, res
+    assert int(res.stdout.split()[2]) < 64, res.stdout
+    res = run(client, sid, "dd if=/dev/zero of=/workspace/big bs=1M count=200 2>&1; true")
+    assert "No space left on device" in res.stdout, res
+    assert run(client, sid, "echo alive").stdout == "alive\n"  # the sandbox survived all three
+    client.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_kept_workspace(client: httpx.Client, tier: str) -> None:
+    sid = create_sandbox(client, runtime=tier, keep_workspace=True)["sandbox_id"]
+    run(client, sid, "echo kept > /workspace/k.txt")
+    assert client.delete(f"/v1/sandboxes/{sid}").status_code == 204
+    r = client.get(f"/v1/workspaces/{sid}/files", params={"path": "/workspace/k.txt"})
+    assert r.status_code == 200 and r.content == b"kept\n", r.text
+    assert client.delete(f"/v1/workspaces/{sid}").status_code == 204
+
+
+def test_restart_readopts(tmp_path: Path, tier: str) -> None:
+    srv = start_server(tmp_path, ["--runtime", ",".join(TIERS)])
+    try:
+        with srv.client() as c:
+            sid = create_sandbox(c, runtime=tier)["sandbox_id"]
+            run(c, sid, "nohup sleep 300 >/dev/null 2>&1 & echo $! > /workspace/pid")
+        srv.stop()
+        srv.start()
+        with srv.client() as c:
+            info = c.get(f"/v1/sandboxes/{sid}").json()
+            assert info["state"] == "running" and info["runtime"] == tier, info
+            res = run(c, sid, "kill -0 $(cat /workspace/pid) && echo still")
+            assert res.stdout == "still\n", res
+            assert c.delete(f"/v1/sandboxes/{sid}").status_code == 204
+    finally:
+        srv.kill_all_sandboxes()
+        srv.stop()
