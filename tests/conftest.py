@@ -53,10 +53,12 @@ class ServerHandle:
         return key
 
     def start(self) -> None:
-        """Start the server. Its default template is `host` unless `extra_args` name one (see
-        start_server)."""
+        """Start the server. Its default template is `host` and it serves the `process` tier
+        alone, unless `extra_args` say otherwise (see start_server)."""
         env = dict(os.environ, AGENTBOX_ADMIN_KEY=self.admin_key)
         default = [] if "--default-template" in self.extra_args else ["--default-template", "host"]
+        if "--runtime" not in self.extra_args:
+            default += ["--runtime", "process"]  # the other tiers where a test asks for them
         self.log_path = self.data_dir.parent / f"server-{self.port}.log"
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(

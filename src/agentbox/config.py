@@ -31,7 +31,8 @@ def local_admin_key(data_dir: Path | None = None) -> str | None:
 
 
 def parse_pool_sizes(items: list[str]) -> dict[str, int]:
-    """`TEMPLATE=N` items (from `--warm-pool` and AGENTBOX_WARM_POOLS, comma-separated)."""
+    """`TEMPLATE=N` or `TEMPLATE@RUNTIME=N` items (from `--warm-pool` and AGENTBOX_WARM_POOLS,
+    comma-separated)."""
     sizes: dict[str, int] = {}
     for item in items:
         for part in filter(None, (p.strip() for p in item.split(","))):

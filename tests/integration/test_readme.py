@@ -63,7 +63,13 @@ def _block(predicate: str) -> Block:
 
 
 def test_every_block_is_run_or_says_why_not() -> None:
-    run_here = {"bash scripts/serve.sh", "agentbox keys create", "sbx.files.write", "run_code"}
+    run_here = {
+        "bash scripts/serve.sh",
+        "agentbox keys create",
+        "sbx.files.write",
+        "run_code",
+        'isolation="gvisor"',
+    }
     for block in readme_blocks():
         if block.lang not in ("sh", "python", "bash"):
             continue  # diagrams, tables
@@ -289,6 +295,12 @@ def _run_python(readme: Readme, block: Block, timeout: float) -> list[str]:
 def test_the_python_quick_start(readme: Readme) -> None:
     calls = _run_python(readme, _block("sbx.files.write"), timeout=120)
     assert calls[0] == "hi from the sandbox\n 0\n" and calls[1] == "done\n\n", calls
+
+
+def test_the_isolation_example(readme: Readme) -> None:
+    if shutil.which("runsc") is None:
+        pytest.skip("runsc is not installed (scripts/install.sh installs it)")
+    _run_python(readme, _block('isolation="gvisor"'), timeout=120)
 
 
 def test_the_code_interpreter_example_builds_its_template_on_first_use(readme: Readme) -> None:

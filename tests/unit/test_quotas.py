@@ -26,8 +26,8 @@ def test_every_resource_a_sandbox_can_ask_for_has_a_quota_cap() -> None:
     caps = set(quotas.RESOURCE_CAPS.values()) | {"max_descriptors", "max_total_descriptors"}
     caps |= {"max_total_disk_mb", "max_sandboxes", "max_timeout"}
     assert caps == set(default)
-    # Besides the caps, which runtimes its sandboxes use (unset: the server's, any).
-    assert set(QuotaBody.model_fields) == caps | {"default_runtime", "runtimes"}
+    # Besides the caps, which runtimes its sandboxes use (unset: the server's, any; no floor).
+    assert set(QuotaBody.model_fields) == caps | {"default_runtime", "runtimes", "min_isolation"}
     # The defaults let a sandbox with default resources be created.
     assert quotas.sandbox_resources({}, default, {}) == Resources()
 

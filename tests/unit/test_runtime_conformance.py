@@ -52,6 +52,12 @@ def _container(data_dir: Path) -> Runtime:
     return ContainerRuntime(data_dir=data_dir)
 
 
+def _gvisor(data_dir: Path) -> Runtime:
+    from agentbox.runtimes.oci.runtime import GvisorRuntime
+
+    return GvisorRuntime(data_dir=data_dir)
+
+
 _shared_fakes: dict[Path, FakeRuntime] = {}
 
 
@@ -64,6 +70,7 @@ def _fake(data_dir: Path) -> Runtime:
 RUNTIMES: dict[str, Callable[[Path], Runtime]] = {
     "container": _container,
     "fake": _fake,
+    "gvisor": _gvisor,
     "process": _process,
     "process-weakened": _process_weakened,
 }
@@ -79,8 +86,9 @@ def anyio_backend() -> str:
 def make(request: pytest.FixtureRequest) -> Callable[[Path], Runtime]:
     if request.param.startswith("process") and shutil.which("bwrap") is None:
         pytest.skip("bubblewrap is not installed")
-    if request.param == "container" and shutil.which("runc") is None:
-        pytest.skip("runc is not installed (scripts/install.sh installs it)")
+    binary = {"container": "runc", "gvisor": "runsc"}.get(request.param)
+    if binary is not None and shutil.which(binary) is None:
+        pytest.skip(f"{binary} is not installed (scripts/install.sh installs it)")
     return RUNTIMES[request.param]
 
 

@@ -34,6 +34,7 @@ if TYPE_CHECKING:  # the agent imports subprocess lazily: most sandboxes idle wi
 
 WORKSPACE = "/workspace"
 DEFAULT_CWD = WORKSPACE  # where commands start: the template's working dir (the agent's cwd)
+CHANNEL_DIR = ""  # the host directory its socket is in (--listen-path), if any
 # Layers switched off for the security battery's positive controls (runtimes/process/weaken.py);
 # empty in every real sandbox.
 WEAKENED: frozenset = frozenset()
@@ -309,15 +310,54 @@ def open_dir(parts: list[str], flags: int = os.O_PATH) -> int:
             return os.open(path, flags | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError as e:
             raise os_error(e, path) from None
-    how = _OpenHow(
-        flags | os.O_DIRECTORY | os.O_CLOEXEC, 0, _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_MAGICLINKS
-    )
-    fd = _libc.syscall(
-        437, -100, path.encode("utf-8", "surrogateescape"), ctypes.byref(how), ctypes.sizeof(how)
-    )
-    if fd < 0:
-        raise os_error(OSError(ctypes.get_errno(), ""), path)
-    return fd
+    global _OPENAT2
+    if _OPENAT2:
+        how = _OpenHow(
+            flags | os.O_DIRECTORY | os.O_CLOEXEC, 0, _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_MAGICLINKS
+        )
+        raw = path.encode("utf-8", "surrogateescape")
+        fd = _libc.syscall(437, -100, raw, ctypes.byref(how), ctypes.sizeof(how))
+        if fd >= 0:
+            return fd
+        err = ctypes.get_errno()
+        if err != errno.ENOSYS:
+            raise os_error(OSError(err, ""), path)
+        _OPENAT2 = False  # a kernel without it (gVisor's): the same walk by hand
+    return _walk_dirs(parts, flags)
+
+
+_OPENAT2 = True
+
+
+def _walk_dirs(parts: list[str], flags: int) -> int:
+    """open_dir without openat2: one component at a time from /, none followed if a symlink
+    (O_NOFOLLOW with O_DIRECTORY refuses one: ELOOP, as openat2 says)."""
+    fd = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for i, name in enumerate(parts):
+            last = i == len(parts) - 1
+            mode = (flags if last else os.O_PATH) | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+            try:
+                nxt = os.open(name, mode, dir_fd=fd)
+            except OSError as e:
+                err = e.errno
+                if err == errno.ENOTDIR:
+                    try:
+                        if stat.S_ISLNK(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
+                            err = errno.ELOOP
+                    except OSError:
+                        pass
+                raise os_error(OSError(err, e.strerror), join(parts[: i + 1])) from None
+            os.close(fd)
+            fd = nxt
+        if not parts and flags != os.O_PATH:
+            nxt = os.open("/", flags | os.O_DIRECTORY | os.O_CLOEXEC)
+            os.close(fd)
+            fd = nxt
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def parent_of(parts: list[str], create: bool = False) -> int:
@@ -1391,6 +1431,40 @@ def op_ping(conn: Conn, req: dict) -> None:
     conn.reply({"ok": True, "version": P.VERSION, "pid": os.getpid(), "landlock": LANDLOCK_ABI})
 
 
+def _port(req: dict) -> int:
+    port = req.get("port")
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+        raise OpError("invalid_request", "port must be a number from 1 to 65535")
+    return port
+
+
+def op_net_connect(conn: Conn, req: dict) -> None:
+    """Connect to a port on the sandbox's loopback; once answered, this connection carries that
+    stream's bytes (relay.py)."""
+    import relay
+
+    port = _port(req)
+    try:
+        target = relay.connect_loopback(port, float(req.get("timeout") or 10))
+    except OSError as e:
+        code = "port_not_open" if e.errno == errno.ECONNREFUSED else "upstream_error"
+        raise OpError(code, f"127.0.0.1:{port}: {e.strerror or e}", errno=e.errno or 0) from None
+    conn.reply({"ok": True})
+    relay.RELAYS.pair(_socket.socket(fileno=os.dup(conn.sock.fileno())), target)
+
+
+def op_net_listen(conn: Conn, req: dict) -> None:
+    """Listen on a port of the sandbox's loopback and relay each connection to the Unix socket
+    `to` (the egress proxy's, in the channel directory only the sandbox's root may enter)."""
+    import relay
+
+    to = req.get("to")
+    if not CHANNEL_DIR or not isinstance(to, str) or os.path.dirname(to) != CHANNEL_DIR:
+        raise OpError("invalid_request", "to must be a socket in the agent's channel directory")
+    relay.RELAYS.listen(_port(req), to)
+    conn.reply({"ok": True})
+
+
 OPS = {
     "ping": op_ping,
     "fs.stat": op_stat,
@@ -1412,6 +1486,8 @@ OPS = {
     "code.call": op_code_call,
     "code.execute": op_code_execute,
     "env.set": op_env_set,
+    "net.connect": op_net_connect,
+    "net.listen": op_net_listen,
 }
 
 
@@ -1495,7 +1571,7 @@ def listen_at(path: str) -> _socket.socket:
 
 
 def main() -> None:
-    global LANDLOCK_ABI, WORKSPACE, WEAKENED, LEAKED_FD, DEFAULT_CWD
+    global LANDLOCK_ABI, WORKSPACE, WEAKENED, LEAKED_FD, DEFAULT_CWD, CHANNEL_DIR
     WORKSPACE = _arg("--workspace") or WORKSPACE
     DEFAULT_CWD = os.getcwd()
     WEAKENED = frozenset(filter(None, (_arg("--weaken") or "").split(",")))
@@ -1504,6 +1580,7 @@ def main() -> None:
     path = _arg("--listen-path")
     if path is not None:
         listener = listen_at(path)
+        CHANNEL_DIR = os.path.dirname(path)
     else:
         fd = int(sys.argv[sys.argv.index("--listen-fd") + 1])
         os.set_inheritable(fd, False)  # commands must never reach the control channel

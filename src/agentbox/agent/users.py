@@ -198,6 +198,17 @@ def fs_ids(uid: int, gid: int) -> Iterator[None]:
     if not CAN_SWITCH or (uid, gid) == (0, 0):
         yield
         return
+    if not _FSUID_WORKS:
+        # A kernel that keeps the filesystem ids at the effective ones (gVisor's): switch this
+        # thread's effective ids instead (the saved ids stay 0, so they come back, caps too).
+        _sys("setresgid", -1, gid, -1)
+        _sys("setresuid", -1, uid, -1)
+        try:
+            yield
+        finally:
+            _sys("setresuid", -1, 0, -1)
+            _sys("setresgid", -1, 0, -1)
+        return
     _libc.setfsgid(gid)
     _libc.setfsuid(uid)
     try:
@@ -205,6 +216,19 @@ def fs_ids(uid: int, gid: int) -> Iterator[None]:
     finally:
         _libc.setfsuid(0)
         _libc.setfsgid(0)
+
+
+def _fsuid_works() -> bool:
+    """Whether setfsuid changes this thread's filesystem uid here (set, read back, restore)."""
+    if os.geteuid() != 0:
+        return True  # nothing will be switched
+    _libc.setfsuid(IDS["user"])
+    now = _libc.setfsuid(-1)  # an invalid id changes nothing and returns the current one
+    _libc.setfsuid(0)
+    return bool(now == IDS["user"])
+
+
+_FSUID_WORKS = _fsuid_works()
 
 
 # ---------------------------------------------------------------- sudo

@@ -91,8 +91,10 @@ def digest_of(data_dir: Path) -> str:
 
 
 def _scope_re(groups: tuple[str, ...]) -> re.Pattern[str]:
-    """A cgroup path naming some data dir's scope: .../<group>[-suffix]/<12 hex digest>[/...]"""
-    names = "|".join(re.escape(g) for g in groups or ("agentbox",))
+    """A cgroup path naming some data dir's scope: .../<group>[-suffix]/<12 hex digest>[/...],
+    for this footprint's groups and every agentbox tier's (another tier's sandbox is not ours
+    to report)."""
+    names = "|".join(re.escape(g) for g in ("agentbox", *groups))
     return re.compile(r"/(?:" + names + r")[^/]*/([0-9a-f]{12})(?:/|$)")
 
 

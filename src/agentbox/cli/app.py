@@ -181,7 +181,8 @@ def serve(
         )] = 1_000_000,
     runtime: Annotated[str, typer.Option(
         help="Isolation runtimes to serve, comma-separated; the first is the default for "
-        "sandboxes that name none.")] = "process",
+        "sandboxes that name none. One of the others that cannot run on this host is left "
+        "out (GET /v1/health says why).")] = "process,container,gvisor",
 ) -> None:
     """Run the agentbox server in the foreground."""
     from agentbox import runtimes
@@ -473,6 +474,9 @@ def create(
     runtime: Annotated[str | None, typer.Option(
         help="Isolation runtime (GET /v1/health lists those served).",
         show_default="the tenant's default, else the server's")] = None,
+    isolation: Annotated[str | None, typer.Option(
+        help="Isolation tier: process, container or gvisor (the tiers' name for --runtime).",
+        show_default="the tenant's default, else the server's")] = None,
 ) -> None:
     """Create a sandbox and print its id.
 
@@ -488,6 +492,7 @@ def create(
         template=template, timeout=timeout, metadata=_pairs(metadata, "--metadata"),
         envs=_pairs(env, "--env"), resources=Resources(cpu_count=cpu, memory_mb=memory_mb),
         keep_workspace=keep_workspace, network=network, secrets=secret, runtime=runtime,
+        isolation=isolation,
         on_progress=lambda progress: print(f"{progress} ...", file=sys.stderr, flush=True),
         **_conn(ctx))
     sbx.close()

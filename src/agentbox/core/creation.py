@@ -77,14 +77,9 @@ class Creation:
             wants_network=not net.policy.is_empty or net.public_ports,
             keep_workspace=req.keep_workspace,
         )
-        # Secrets need their placeholders and the CA in place from the start: no pool (and
-        # its members run on the server's default runtime).
-        if (
-            resources == Resources()
-            and not req.keep_workspace
-            and not req.secrets
-            and req.runtime == self.core.runtimes.default
-        ):
+        # Secrets need their placeholders and the CA in place from the start: no pool. Pools
+        # are per template and runtime.
+        if resources == Resources() and not req.keep_workspace and not req.secrets:
             row = await self.core.pool_service.claim(caller, template, req, quota, started, net)
             if row is not None:
                 return row
@@ -412,19 +407,21 @@ class Creation:
                     f"template {tpl.name}: the code interpreter did not start: {e.message}"
                 ) from None
 
-    async def start_reserved(self, tenant: str, template: str, lifetime: float) -> SandboxRow:
+    async def start_reserved(
+        self, tenant: str, template: str, lifetime: float, runtime: str | None = None
+    ) -> SandboxRow:
         """Start a sandbox for the control plane's own use (a pool member, a start-up check):
         default resources, no network, no secrets, owned by a reserved tenant no key can be."""
         tpl = await self.core.template(template)
         sandbox_id = "sbx_" + secrets.token_hex(8)
-        req = CreateRequest(template=template, timeout=lifetime)
+        runtime = runtime or self.core.runtimes.default
+        req = CreateRequest(template=template, timeout=lifetime, runtime=runtime)
         net = SandboxNetwork(EgressPolicy())
         egress = self.core.network.setup(tenant, sandbox_id, [], str(tpl.rootfs) if tpl else None)
         self.insert(sandbox_id, tenant, template, req, Resources(), net, egress)
         return await self.start(
-            sandbox_id, tpl, template, Resources(), {}, lifetime, egress, net, tenant,
-            self.core.runtimes.default,
-        )  # fmt: skip
+            sandbox_id, tpl, template, Resources(), {}, lifetime, egress, net, tenant, runtime
+        )
 
     async def run_true(self, row: SandboxRow) -> None:
         """Run `true` in the sandbox (hidden from its command list): it works end to end, and

@@ -113,7 +113,7 @@ class SandboxManager:
         self.template_service = TemplateService(self, check_templates, default_template)
         self.pool_service = PoolService(self)
         self.pools = WarmPools(
-            {self.template_service.resolve(k): v for k, v in (pool_sizes or {}).items()},
+            {self.pool_service.name(k): v for k, v in (pool_sizes or {}).items()},
             self.pool_service.make_member, self.pool_service.end_member
         )
         # What only this process knows of live sandboxes, shared by every service.

@@ -14,7 +14,7 @@ from agentbox.agent.client import AgentOpError, AgentUnavailable
 from agentbox.core.auth import Caller
 from agentbox.core.errors import InvalidRequest, NotFound, SandboxUnavailable
 from agentbox.core.network import SandboxNetwork, new_access_token
-from agentbox.core.pools import MAX_POOL_SIZE, POOL_TENANT
+from agentbox.core.pools import MAX_POOL_SIZE, POOL_TENANT, pool_name, split_pool_name
 from agentbox.core.requests import CreateRequest
 from agentbox.core.states import SandboxState
 from agentbox.core.template_service import HOST_TEMPLATE
@@ -44,12 +44,14 @@ class PoolService:
         net: SandboxNetwork,
     ) -> SandboxRow | None:
         """Hand a ready pool member to the caller; None when there is none (a cold create)."""
-        if template not in self.core.pools.pools:
+        assert req.runtime is not None
+        name = pool_name(template, req.runtime, self.core.runtimes.default)
+        if name not in self.core.pools.pools:
             return None
         lock = self.core.table.tenant_lock(caller.tenant)
         async with lock:
             await self.core.admission.check_capacity(caller, quota, started, Resources())
-            sid = self.core.pools.take(template, self.usable_member, caller.tenant)
+            sid = self.core.pools.take(name, self.usable_member, caller.tenant)
             if sid is None:
                 return None
             now = time.time()
@@ -88,16 +90,27 @@ class PoolService:
         )
         return row
 
-    async def make_member(self, template: str) -> str:
+    def name(self, given: str) -> str:
+        """A pool's name as the server keeps it: the template resolved (`default`), the
+        runtime dropped when it is the server's default."""
+        template, runtime = split_pool_name(given)
+        template = self.core.template_service.resolve(template)
+        default = self.core.runtimes.default
+        return pool_name(template, runtime or default, default)
+
+    async def make_member(self, name: str) -> str:
         self.core.admission.check_free_space(None, time.monotonic())
-        row = await self.core.creation.start_reserved(POOL_TENANT, template, POOL_LIFETIME_S)
+        template, runtime = split_pool_name(name)
+        row = await self.core.creation.start_reserved(
+            POOL_TENANT, template, POOL_LIFETIME_S, runtime or self.core.runtimes.default
+        )
         sandbox_id = row.sandbox_id
         try:
             await self.core.creation.run_true(row)
         except SandboxUnavailable as e:
             await self.core.lifecycle.end(row, SandboxState.FAILED, "failed")
             raise SandboxUnavailable(f"the new pool member did not work: {e.message}") from None
-        self.core.audit(None, "pool.refill", sandbox_id, tenant=POOL_TENANT, template=template)
+        self.core.audit(None, "pool.refill", sandbox_id, tenant=POOL_TENANT, template=name)
         return sandbox_id
 
     async def end_member(self, sandbox_id: str) -> None:
@@ -113,13 +126,18 @@ class PoolService:
         return self.core.pools.stats(None if caller.admin else caller.tenant)
 
     async def set_pool_size(self, caller: Caller, template: str, size: int) -> dict[str, Any]:
+        """`template` names the pool: a template, `@RUNTIME` for another runtime than the
+        server's default (`code-interpreter@gvisor`)."""
         if not 0 <= size <= MAX_POOL_SIZE:
             raise InvalidRequest(f"pool size must be between 0 and {MAX_POOL_SIZE}")
-        template = self.core.template_service.resolve(template)
+        name = self.name(template)
+        template, runtime = split_pool_name(name)
+        if runtime is not None:
+            self.core.runtimes.get(runtime)  # one this server serves
         if template != HOST_TEMPLATE and (
             self.core.templates.get(template) is None and builtin_spec_path(template) is None
         ):
             raise NotFound(f"unknown template {template!r}; build it first", template=template)
-        pool = await self.core.pools.set_size(template, size)
-        self.core.audit(caller, "pool.set", template=template, size=size)
+        pool = await self.core.pools.set_size(name, size)
+        self.core.audit(caller, "pool.set", template=name, size=size)
         return pool.stats()

@@ -1,4 +1,4 @@
-"""Warm pools: per template, sandboxes created and fully started ahead of demand.
+"""Warm pools: per template and runtime, sandboxes created and fully started ahead of demand.
 
 A member is an ordinary sandbox (a store row, a runtime state, reconciled on restart like any
 other) owned by the reserved tenant `POOL_TENANT`, which no API key can have, so it counts
@@ -30,9 +30,21 @@ RETRY_AFTER_FAILURE_S = 5.0
 REFILL_DELAY_S = 0.05
 
 
+def pool_name(template: str, runtime: str, default_runtime: str) -> str:
+    """A pool's name: its template, with `@RUNTIME` when that is not the server's default
+    (`code-interpreter`, `code-interpreter@gvisor`)."""
+    return template if runtime == default_runtime else f"{template}@{runtime}"
+
+
+def split_pool_name(name: str) -> tuple[str, str | None]:
+    """(template, runtime or None for the server's default) of a pool's name."""
+    template, sep, runtime = name.partition("@")
+    return template, (runtime if sep else None)
+
+
 @dataclass
 class Pool:
-    template: str
+    template: str  # the pool's name: its template, `@RUNTIME` when not the default (above)
     size: int
     ready: deque[str] = field(default_factory=deque)
     starting: int = 0
@@ -62,6 +74,7 @@ class Pool:
         )
         return {
             "template": self.template,
+            "runtime": split_pool_name(self.template)[1],
             "size": self.size,
             "ready": len(self.ready),
             "starting": self.starting,

@@ -12,12 +12,18 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from agentbox.core.errors import InvalidRequest, SandboxUnavailable
-from agentbox.runtimes.base import RESOURCE_NAMES, Runtime, RuntimeFeatures
+from agentbox.runtimes.base import ISOLATION_RANKS, RESOURCE_NAMES, Runtime, RuntimeFeatures
 from agentbox.store.db import SandboxRow
 
 
 class Runtimes:
-    def __init__(self, runtimes: Mapping[str, Runtime], default: str) -> None:
+    def __init__(
+        self,
+        runtimes: Mapping[str, Runtime],
+        default: str,
+        unavailable: Mapping[str, str] | None = None,
+    ) -> None:
+        """`unavailable`: runtimes asked for that could not start on this host, and why."""
         if default not in runtimes:
             raise ValueError(f"the default runtime {default!r} is not among {sorted(runtimes)}")
         for name, rt in runtimes.items():
@@ -25,6 +31,7 @@ class Runtimes:
                 raise ValueError(f"the runtime registered as {name!r} calls itself {rt.name!r}")
         self._by_name = dict(runtimes)
         self.default = default
+        self.unavailable = dict(unavailable or {})
         # Declared once: what a runtime can do on this host does not change while it runs.
         self._features = {name: rt.features() for name, rt in self._by_name.items()}
 
@@ -36,12 +43,17 @@ class Runtimes:
     def __iter__(self) -> Iterator[Runtime]:
         return iter(self._by_name.values())
 
+    def names(self) -> list[str]:
+        return list(self._by_name)
+
     def get(self, name: str) -> Runtime:
         found = self._by_name.get(name)
         if found is None:
+            why = self.unavailable.get(name)
+            how = f"it cannot run on this host: {why}" if why else "add it with --runtime"
             raise InvalidRequest(
-                f"runtime {name!r} is not served here; this server has: "
-                f"{', '.join(self._by_name)} (the operator adds one with --runtime)",
+                f"runtime {name!r} is not served here ({how}); this server has: "
+                f"{', '.join(self._by_name)}",
                 setting="runtime",
             )
         return found
@@ -67,10 +79,23 @@ class Runtimes:
 
     def choose(self, requested: str | None, quota: Mapping[str, Any]) -> str:
         """The runtime of a new sandbox: asked for, else the tenant's default, else the
-        server's. A tenant may only use runtimes its quota allows (`runtimes`, all if unset)."""
+        server's. A tenant may only use runtimes its quota allows (`runtimes`, all if unset),
+        and none weaker than its floor (`min_isolation`): a default below the floor gives way
+        to the weakest served tier that meets it, a request below it is refused."""
         name = requested or quota.get("default_runtime") or self.default
         self.get(name)
         allowed = quota.get("runtimes")
+        floor = quota.get("min_isolation")
+        if floor is not None and self._rank(name) < ISOLATION_RANKS.get(floor, 0):
+            meeting = self._meeting(floor, allowed)
+            if requested is not None or not meeting:
+                have = ", ".join(meeting) or f"none is served here ({', '.join(self.names())})"
+                raise InvalidRequest(
+                    f"this tenant's sandboxes need at least {floor} isolation, and {name} is "
+                    f"weaker; use {have}",
+                    setting="quota.min_isolation",
+                )
+            name = meeting[0]
         if allowed is not None and name not in allowed:
             raise InvalidRequest(
                 f"runtime {name!r} is not allowed for this tenant; it may use: "
@@ -78,6 +103,18 @@ class Runtimes:
                 setting="quota.runtimes",
             )
         return name
+
+    def _rank(self, name: str) -> int:
+        return self._features[name].isolation
+
+    def _meeting(self, floor: str, allowed: list[str] | None) -> list[str]:
+        """Served runtimes at or above the tier `floor` (and allowed), weakest first."""
+        need = ISOLATION_RANKS.get(floor, 0)
+        found = [
+            n for n in self._by_name
+            if self._rank(n) >= need and (allowed is None or n in allowed)
+        ]  # fmt: skip
+        return sorted(found, key=self._rank)
 
     def check_request(
         self,
@@ -120,6 +157,25 @@ class Runtimes:
             }
             for name, rt in self._by_name.items()
         }
+
+    def tiers(self) -> dict[str, dict[str, Any]]:
+        """Per isolation tier: whether this server serves it, and if not, why."""
+        from agentbox import runtimes as registry
+
+        out: dict[str, dict[str, Any]] = {}
+        for tier in ISOLATION_RANKS:
+            if tier in self._by_name:
+                out[tier] = {"served": True, "default": tier == self.default}
+                continue
+            why = self.unavailable.get(tier)
+            if why is None:
+                try:
+                    why = registry.factory(tier).unavailable()  # type: ignore[attr-defined]
+                except (registry.UnknownRuntime, AttributeError):
+                    why = "not installed"
+                why = why or "available on this host, not served (agentbox serve --runtime)"
+            out[tier] = {"served": False, "reason": why}
+        return out
 
     async def close(self) -> None:
         for rt in self._by_name.values():

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from agentbox.agent.client import AgentClient, AgentOpError, AgentUnavailable
 from agentbox.core.errors import AgentboxError
 from agentbox.core.network import SandboxNetwork
-from agentbox.core.pools import CHECK_TENANT, POOL_TENANT
+from agentbox.core.pools import CHECK_TENANT, POOL_TENANT, pool_name
 from agentbox.core.states import SandboxState
 from agentbox.store.db import SandboxRow
 
@@ -71,8 +71,13 @@ class Supervisor:
                 return
             runtime = self.core.runtimes.for_row(row)
             if not await runtime.is_alive(sid, row.runtime_state):
+                # A sandbox that went over its memory limit where that ends the whole sandbox
+                # (gVisor's kernel is one process to the host's OOM killer) says so.
+                oom = runtime.limit_counters(sid).get("oom_kill", 0) > 0
                 try:
-                    await self.core.lifecycle.end(row, SandboxState.KILLED, "vanished")
+                    await self.core.lifecycle.end(
+                        row, SandboxState.KILLED, "memory_limit" if oom else "vanished"
+                    )
                 except AgentboxError:
                     pass
                 return
@@ -148,9 +153,8 @@ class Supervisor:
                     runtime,
                 )
                 self.core.table.running[row.sandbox_id] = row
-                if row.tenant == POOL_TENANT and not self.core.pools.adopt(
-                    row.template, row.sandbox_id
-                ):
+                name = pool_name(row.template, row.runtime, self.core.runtimes.default)
+                if row.tenant == POOL_TENANT and not self.core.pools.adopt(name, row.sandbox_id):
                     await self.core.lifecycle.end(row, SandboxState.KILLED, "pool_shrunk")
                     counts["pool_removed"] += 1
                     continue

@@ -87,6 +87,9 @@ class RuntimeFeatures:
     kept_workspaces: bool = False
     # Every sandbox runs under host uids of its own, from the host-wide allocator (uids.py).
     own_uids: bool = False
+    # How strongly its sandboxes are kept from the host's kernel, for a tenant's floor
+    # (`quota.min_isolation`): ISOLATION_RANKS names the tiers; 0 is none to speak of.
+    isolation: int = 0
     # Later issues: pause/resume and snapshots (a disk image and memory the core can copy).
     pause: bool = False
     snapshot: bool = False
@@ -95,6 +98,11 @@ class RuntimeFeatures:
         out = asdict(self)
         out["enforces"] = sorted(self.enforces)
         return out
+
+
+# The isolation tiers, weakest first: a shared kernel behind namespaces, seccomp and Landlock;
+# an OCI container (the same kernel, set up by runc); a user-space kernel (gVisor).
+ISOLATION_RANKS = {"process": 1, "container": 2, "gvisor": 3}
 
 
 @dataclass(frozen=True)
@@ -221,6 +229,12 @@ class Runtime(ABC):
     def features(self) -> RuntimeFeatures:
         """What it can do on this host (see RuntimeFeatures); the default declares nothing."""
         return RuntimeFeatures()
+
+    @classmethod
+    def unavailable(cls) -> str | None:
+        """Why it cannot run sandboxes on this host (a missing tool, no root), or None;
+        callable without an instance, and cheap (health asks it)."""
+        return None
 
     @classmethod
     def host_footprint(cls, data_dir: Path) -> HostFootprint:

@@ -769,6 +769,7 @@ class AsyncSandbox:
         request_timeout: float = 60,
         on_progress: Callable[[BuildProgress], None] | None = None,
         runtime: str | None = None,
+        isolation: str | None = None,
     ) -> AsyncSandbox:
         """Start a sandbox that lives `timeout` seconds unless extended with set_timeout.
 
@@ -776,7 +777,8 @@ class AsyncSandbox:
         "allow_internet_access": bool, "allow_public_traffic": bool}; None = the tenant's
         default); `allow_internet_access` overrides that one field. `secrets` names tenant
         secrets (see `Secrets`) the sandbox gets as placeholder environment variables.
-        `runtime` picks the isolation runtime (None: the tenant's default, else the server's).
+        `isolation` picks the isolation tier: "process", "container" or "gvisor" (`runtime`
+        is the same choice by runtime name; None: the tenant's default, else the server's).
 
         A shipped template used for the first time is built first (a minute or two): the
         server answers at once with a `building` sandbox and this waits until it runs, passing
@@ -796,6 +798,7 @@ class AsyncSandbox:
                     secrets,
                     allow_internet_access,
                     runtime,
+                    isolation,
                 )
             )
             try:

@@ -112,6 +112,7 @@ class SandboxInfo:
     error: str | None = None
     build: BuildProgress | None = None
     runtime: str = ""  # the isolation runtime it runs on
+    isolation: str | None = None  # its tier (process, container, gvisor), when it is one
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> SandboxInfo:
@@ -126,6 +127,7 @@ class SandboxInfo:
             network=NetworkInfo.from_json(data.get("network")),
             secrets=_strings(data.get("secrets")), access_token=data.get("access_token") or None,
             domain=data.get("domain") or None, runtime=str(data.get("runtime") or ""),
+            isolation=data.get("isolation") or None,
         )
 
 

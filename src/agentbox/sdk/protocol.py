@@ -197,10 +197,12 @@ def create_sandbox(template: str | None, timeout: float, metadata: Mapping[str, 
                    keep_workspace: bool, network: NetworkSpec | None = None,
                    secrets: Sequence[str] | None = None,
                    allow_internet_access: bool | None = None,
-                   runtime: str | None = None) -> Call[SandboxInfo]:
+                   runtime: str | None = None,
+                   isolation: str | None = None) -> Call[SandboxInfo]:
     """`network` None takes the tenant's default policy; `allow_internet_access` is E2B's
     shorthand, applied over `network` by the server; `secrets` are names of tenant secrets;
-    `runtime` None takes the tenant's default runtime, else the server's."""
+    `runtime` (or `isolation`, for a tier) None takes the tenant's default runtime, else the
+    server's."""
     if isinstance(resources, Resources):
         res = resources.to_json()
     else:
@@ -219,6 +221,8 @@ def create_sandbox(template: str | None, timeout: float, metadata: Mapping[str, 
         body["secrets"] = _names(secrets, "secrets")
     if runtime is not None:
         body["runtime"] = runtime
+    if isolation is not None:
+        body["isolation"] = isolation
     return Call("POST", "/v1/sandboxes", _sandbox, json=body)
 
 

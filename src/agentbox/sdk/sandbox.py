@@ -750,6 +750,7 @@ class Sandbox:
         request_timeout: float = 60,
         on_progress: Callable[[BuildProgress], None] | None = None,
         runtime: str | None = None,
+        isolation: str | None = None,
     ) -> Sandbox:
         """Start a sandbox that lives `timeout` seconds unless extended with set_timeout.
 
@@ -757,7 +758,8 @@ class Sandbox:
         "allow_internet_access": bool, "allow_public_traffic": bool}; None = the tenant's
         default); `allow_internet_access` overrides that one field. `secrets` names tenant
         secrets (see `Secrets`) the sandbox gets as placeholder environment variables.
-        `runtime` picks the isolation runtime (None: the tenant's default, else the server's).
+        `isolation` picks the isolation tier: "process", "container" or "gvisor" (`runtime`
+        is the same choice by runtime name; None: the tenant's default, else the server's).
 
         A shipped template used for the first time is built first (a minute or two): the
         server answers at once with a `building` sandbox and this waits until it runs, passing
@@ -777,6 +779,7 @@ class Sandbox:
                     secrets,
                     allow_internet_access,
                     runtime,
+                    isolation,
                 )
             )
             try:

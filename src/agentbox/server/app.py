@@ -25,6 +25,7 @@ from agentbox.core.manager import SandboxManager
 from agentbox.core.network import NetworkService, NetworkSettings
 from agentbox.core.runtimes import Runtimes
 from agentbox.core.template_service import DEFAULT_TEMPLATE
+from agentbox.runtimes.base import RuntimeError_
 from agentbox.server import logfilter, surfaces
 from agentbox.server.errors import install_handlers
 from agentbox.server.gateway import PortGateway, PortTarget
@@ -215,9 +216,24 @@ def open_runtimes(
     wanted = list(dict.fromkeys(n.strip() for n in names.split(",") if n.strip()))
     if not wanted:
         raise ValueError("no runtime named: give at least one, e.g. --runtime process")
-    opened = {wanted[0]: get_runtime(wanted[0], data_dir=data_dir, **(default_config or {}))}
-    opened |= {name: get_runtime(name, data_dir=data_dir) for name in wanted[1:]}
-    return Runtimes(opened, wanted[0])
+    config = default_config or {}
+    opened = {wanted[0]: get_runtime(wanted[0], data_dir=data_dir, **config)}
+    unavailable: dict[str, str] = {}
+    for name in wanted[1:]:
+        # Another tier that cannot run here (not installed, no root) does not stop the server:
+        # health says why, and a create asking for it is refused saying so.
+        try:
+            opened[name] = get_runtime(name, data_dir=data_dir, **_shared(config))
+        except RuntimeError_ as e:
+            log.warning("runtime %s is not served: %s", name, e)
+            unavailable[name] = str(e)
+    return Runtimes(opened, wanted[0], unavailable)
+
+
+def _shared(config: dict[str, Any]) -> dict[str, Any]:
+    """What of the default runtime's configuration the others take too (the operator's host
+    paths apply to every tier that shows the host's userland)."""
+    return {k: v for k, v in config.items() if k == "host_paths"}
 
 
 def _chosen(given: Sequence[Surface] | None) -> list[Surface]:

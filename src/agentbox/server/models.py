@@ -5,9 +5,10 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from agentbox.core import ports
+from agentbox.runtimes.base import ISOLATION_RANKS
 from agentbox.store.db import SandboxRow
 
 
@@ -70,6 +71,7 @@ class NetworkBody(Strict):
 
 
 RuntimeName = Annotated[str, Field(max_length=32, pattern=r"^[a-z][a-z0-9_-]*$")]
+Isolation = Literal["process", "container", "gvisor"]
 
 
 class CreateSandboxBody(Strict):
@@ -101,6 +103,19 @@ class CreateSandboxBody(Strict):
         description="the isolation runtime (GET /v1/health lists those served); default: the "
         "tenant's default_runtime, else the server's",
     )
+    isolation: Isolation | None = Field(
+        None,
+        description="the isolation tier: process, container or gvisor (another name for "
+        "`runtime`, limited to the tiers)",
+    )
+
+    @model_validator(mode="after")
+    def _one_runtime(self) -> CreateSandboxBody:
+        if self.isolation is not None and self.runtime not in (None, self.isolation):
+            raise ValueError(
+                f"runtime {self.runtime!r} and isolation {self.isolation!r} disagree; give one"
+            )
+        return self
 
 
 class SecretBody(Strict):
@@ -145,6 +160,7 @@ class SandboxInfo(BaseModel):
     tenant: str
     template: str
     runtime: str
+    isolation: str | None = None  # its tier, when its runtime is one
     state: str
     metadata: dict[str, str]
     created_at: str
@@ -177,6 +193,7 @@ class SandboxInfo(BaseModel):
             tenant=row.tenant,
             template=row.template,
             runtime=row.runtime,
+            isolation=row.runtime if row.runtime in ISOLATION_RANKS else None,
             state=row.state,
             metadata=row.metadata,
             created_at=rfc3339(row.created_at) or "",
@@ -332,6 +349,12 @@ class QuotaBody(Strict):
     runtimes: list[RuntimeName] | None = Field(
         None, max_length=16, description="the runtimes its sandboxes may use (default: all)"
     )
+    min_isolation: Isolation | None = Field(
+        None,
+        description="the weakest isolation tier its sandboxes may run on (process < container "
+        "< gvisor); a create asking for a weaker one is refused, one asking for none gets the "
+        "weakest served tier that meets it",
+    )
 
 
 class ErrorBody(BaseModel):
@@ -437,7 +460,8 @@ class PoolBody(Strict):
 
 
 class PoolStats(BaseModel):
-    template: str
+    template: str  # the pool's name: its template, `@RUNTIME` unless the server's default
+    runtime: str | None = None  # None: the server's default runtime
     size: int
     ready: int
     starting: int

@@ -3,8 +3,8 @@
 The bundle describes what bwrap's command line describes on the process tier, in the terms an
 OCI runtime takes: the same namespaces (the user namespace the server made, joined by path),
 the same mounts (the template's copy-on-write root or a skeleton with the host's /usr, the
-workspace, the agent tree, sized tmpfs), the sandbox root's `ROOT_CAPS` and cgroup limits (its
-rlimits it inherits from the runtime binary: see runtime.py). What an OCI runtime does not
+workspace, the agent tree, sized tmpfs), the sandbox root's `ROOT_CAPS`, cgroup limits and (on
+a runtime with a kernel of its own) rlimits. What an OCI runtime does not
 offer, the agent does itself on start (main.py): its seccomp filter (the process tier's own
 program, loaded with no_new_privs before anything else runs) and the reaping init.
 """
@@ -12,6 +12,7 @@ program, loaded with no_new_privs before anything else runs) and the reaping ini
 from __future__ import annotations
 
 import os
+import resource
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,12 @@ from agentbox.runtimes.base import Resources
 from agentbox.vocab import ROOT_CAPS
 
 OCI_VERSION = "1.0.2"
+RLIMIT_NAMES = {
+    resource.RLIMIT_NOFILE: "RLIMIT_NOFILE",
+    resource.RLIMIT_FSIZE: "RLIMIT_FSIZE",
+    resource.RLIMIT_CORE: "RLIMIT_CORE",
+    resource.RLIMIT_NPROC: "RLIMIT_NPROC",
+}
 CHANNEL_DIR = "/run/agentbox/chan"  # where the agent binds its socket, a host dir bound in
 CHANNEL_SOCKET = f"{CHANNEL_DIR}/agent.sock"
 
@@ -78,8 +85,9 @@ class Bundle:
     resources: Resources
     uid_base: int
     size: int
-    userns_path: Path
+    userns_path: Path | None  # joined; None: a new one with the same mapping
     cgroups_path: str
+    rlimits: list[tuple[int, int]]  # (resource.RLIMIT_*, value): set by the runtime itself
     cpus: list[int] | None  # a cpuset, when the sandbox gets fewer than all CPUs
     mounts: list[dict[str, Any]] = field(default_factory=list)
     masked: list[str] = field(default_factory=list)
@@ -93,6 +101,9 @@ class Bundle:
             cpu["cpus"] = ",".join(str(c) for c in self.cpus)
         memory = r.memory_mb * 1024 * 1024
         caps = list(ROOT_CAPS)
+        user_ns: dict[str, str] = {"type": "user"}
+        if self.userns_path is not None:
+            user_ns["path"] = str(self.userns_path)
         return {
             "ociVersion": OCI_VERSION,
             "hostname": self.hostname,
@@ -104,6 +115,10 @@ class Bundle:
                 "env": [f"{k}={v}" for k, v in self.env.items()],
                 "cwd": self.cwd,
                 "noNewPrivileges": True,
+                "rlimits": [
+                    {"type": RLIMIT_NAMES[res], "hard": value, "soft": value}
+                    for res, value in self.rlimits
+                ],
                 "capabilities": {
                     "bounding": caps,
                     "effective": caps,
@@ -115,7 +130,7 @@ class Bundle:
             "mounts": self.mounts,
             "linux": {
                 "namespaces": [
-                    {"type": "user", "path": str(self.userns_path)},
+                    user_ns,
                     *({"type": t} for t in ("pid", "network", "ipc", "uts", "mount", "cgroup")),
                 ],
                 "uidMappings": [{"containerID": 0, "hostID": self.uid_base, "size": self.size}],

@@ -16,23 +16,33 @@ loopback through its network namespace exactly as on the process tier.
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
+import dataclasses
+import hashlib
 import json
+import logging
 import os
+import re
 import resource
 import shutil
 import signal
+import socket
 import subprocess
 from pathlib import Path
 from typing import Any, ClassVar
 
-from agentbox.runtimes.base import RuntimeError_, SandboxSpec
+from agentbox.agent import protocol as P
+from agentbox.agent.client import AgentClient, AgentOpError, AgentUnavailable
+from agentbox.runtimes.base import Resources, RuntimeError_, RuntimeFeatures, SandboxSpec
 from agentbox.runtimes.oci import bundle
 from agentbox.runtimes.oci.bundle import CHANNEL_DIR, CHANNEL_SOCKET, Bundle
 from agentbox.runtimes.process import hostview, rootfs
+from agentbox.runtimes.process.cgroups import CgroupLimits
 from agentbox.runtimes.process.runtime import (
     AGENT_MOUNT,
     MERGED_USR_LINKS,
+    NPROC_SLACK,
     SANDBOX_PYTHON,
     USR_LOCAL,
     ProcessRuntime,
@@ -46,6 +56,7 @@ CHANNEL = "chan"  # below a sandbox's bind dir: bound at CHANNEL_DIR
 FILES = "files"  # below a sandbox's bind dir: generated files the bundle binds in
 USERNS = "userns"  # below a sandbox's bind dir: the user namespace, bound while runc joins it
 OCI_LOG = "oci.log"
+_SANDBOX_ID = re.compile(r"sbx_[0-9A-Za-z]+")
 # The host userland's skeleton root: every mount point the bundle uses.
 _SKELETON_DIRS = [
     "/usr",
@@ -63,6 +74,7 @@ _SKELETON_DIRS = [
 _MS_BIND = 4096
 _MNT_DETACH = 2
 _libc = ctypes.CDLL(None, use_errno=True)
+log = logging.getLogger(__name__)
 
 
 class OciRuntime(ProcessRuntime):
@@ -70,17 +82,25 @@ class OciRuntime(ProcessRuntime):
 
     binary: ClassVar[str]
     package: ClassVar[str]  # the Debian package that has it
+    # Whether the binary joins the user namespace the server made (by path), or makes one
+    # with the same mapping itself.
+    joins_userns: ClassVar[bool] = True
+    # Whether the sandbox's rlimits are in the bundle (a runtime with a kernel of its own
+    # applies them there), or inherited from the binary.
+    rlimits_in_bundle: ClassVar[bool] = False
+    # Whether the sandbox's /proc is the host kernel's (files with its own figures are bound
+    # over the machine-wide ones), or the runtime's own.
+    host_proc: ClassVar[bool] = True
 
-    def _require_tools(self) -> None:
-        if shutil.which(self.binary) is None:
-            raise RuntimeError_(
-                f"{self.binary} is not installed: apt-get install {self.package} "
-                "(or scripts/install.sh)"
-            )
+    @classmethod
+    def unavailable(cls) -> str | None:
+        if shutil.which(cls.binary) is None:
+            return f"{cls.binary} is not installed: apt-get install {cls.package}"
         if os.geteuid() != 0:
-            raise RuntimeError_(f"the {self.name} runtime needs a server running as root")
+            return f"the {cls.name} runtime needs a server running as root"
         if not rootfs.supported():
-            raise RuntimeError_(f"the {self.name} runtime needs idmapped mounts (x86_64, arm64)")
+            return f"the {cls.name} runtime needs idmapped mounts (x86_64, arm64)"
+        return super().unavailable()
 
     def __init__(self, data_dir: Path, **config: Any) -> None:
         super().__init__(data_dir=data_dir, **config)
@@ -123,10 +143,11 @@ class OciRuntime(ProcessRuntime):
         bundle_dir.mkdir(mode=0o700)
         (bundle_dir / "config.json").write_text(json.dumps(config))
         userns_file = bind_dir / USERNS
-        userns_file.touch(mode=0o600)
-        _bind(f"/proc/self/fd/{ns}", userns_file)
+        if self.joins_userns:
+            userns_file.touch(mode=0o600)
+            _bind(f"/proc/self/fd/{ns}", userns_file)
         pid_file = sdir / "init.pid"
-        limits = self._rlimits(spec.resources)
+        limits = [] if self.rlimits_in_bundle else self._rlimits(spec.resources)
 
         def inherited_limits() -> None:
             # The sandbox inherits them from the binary: it cannot set them on the sandbox's
@@ -151,7 +172,8 @@ class OciRuntime(ProcessRuntime):
         except subprocess.TimeoutExpired:
             raise RuntimeError_(f"{self.binary} did not start the sandbox within 60 s") from None
         finally:
-            _unbind(userns_file)  # the sandbox holds its namespace now
+            if self.joins_userns:
+                _unbind(userns_file)  # the sandbox holds its namespace now
         if done.returncode != 0:
             raise RuntimeError_(f"{self.binary} could not start the sandbox: {_tail(sdir)}")
         init_pid = int(pid_file.read_text())
@@ -164,6 +186,9 @@ class OciRuntime(ProcessRuntime):
             "init_start": init_start,
             "socket": str(sock),
         }
+
+    def _run_env(self) -> dict[str, str]:
+        return {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
 
     def _bundle(
         self, spec: SandboxSpec, bind_dir: Path, ws: Path, uid: int, cpus: list[int]
@@ -186,13 +211,15 @@ class OciRuntime(ProcessRuntime):
                 "noexec",
             ),
         ]  # fmt: skip
-        masked = [d for d in hostview.PROC_MASKED_DIRS if os.path.isdir(d)]
+        masked = []
         files = bind_dir / FILES
-        for n, (path, data) in enumerate(self._proc_files(spec, cpus).items()):
-            if path in bundle.PROC_BINDABLE:
-                mounts.append(bundle.bind(_write(files / f"proc{n}", data), path))
-            else:
-                masked.append(path)  # an OCI runtime binds nothing else below /proc
+        if self.host_proc:
+            masked += [d for d in hostview.PROC_MASKED_DIRS if os.path.isdir(d)]
+            for n, (path, data) in enumerate(self._proc_files(spec, cpus).items()):
+                if path in bundle.PROC_BINDABLE:
+                    mounts.append(bundle.bind(_write(files / f"proc{n}", data), path))
+                else:
+                    masked.append(path)  # an OCI runtime binds nothing else below /proc
         for n, (path, data) in enumerate(spec.files.items()):
             mounts.append(bundle.bind(_write(files / f"file{n}", data), path))
         args = [SANDBOX_PYTHON, "-E", "-s", "-S", f"{AGENT_MOUNT}/main.py", "--init"]
@@ -210,9 +237,10 @@ class OciRuntime(ProcessRuntime):
             resources=r,
             uid_base=uid,
             size=BLOCK,
-            userns_path=bind_dir / USERNS,
+            userns_path=bind_dir / USERNS if self.joins_userns else None,
+            rlimits=self._rlimits(r) if self.rlimits_in_bundle else [],
             cgroups_path=f"/{self.layout.cgroup_group}/{self.layout.scope}/{spec.sandbox_id}",
-            cpus=cpus if len(cpus) < len(self.cpus) else None,
+            cpus=cpus if self.host_proc and len(cpus) < len(self.cpus) else None,
             mounts=mounts,
             masked=masked,
         )
@@ -275,7 +303,11 @@ class OciRuntime(ProcessRuntime):
             capture_output=True,
             timeout=30,
         )
-        shutil.rmtree(self.state_root / sid, ignore_errors=True)  # what delete left, if any
+        for left in self.state_root.glob(f"{sid}*"):  # what delete left, if anything
+            if left.is_dir() and not left.is_symlink():
+                shutil.rmtree(left, ignore_errors=True)
+            else:
+                left.unlink(missing_ok=True)
         # The binary joins the sandbox to every controller; ours are removed by destroy.
         if not self.cgroups.sweep(sid):
             raise RuntimeError_(f"could not remove the cgroups of sandbox {sid}")
@@ -283,7 +315,7 @@ class OciRuntime(ProcessRuntime):
     async def list_sandboxes(self) -> set[str]:
         ids = await super().list_sandboxes()
         if self.state_root.is_dir():
-            ids |= {p.name for p in self.state_root.iterdir() if p.name.startswith("sbx_")}
+            ids |= {m[0] for p in self.state_root.iterdir() if (m := _SANDBOX_ID.match(p.name))}
         ids |= self.cgroups.list_ids(everywhere=True)
         return ids
 
@@ -328,3 +360,183 @@ def _tail(sdir: Path) -> str:
         if text:
             parts.append(text[-1500:])
     return " | ".join(parts) or "no output"
+
+
+# runsc as Debian 12 has it (0.0~20221219): only the ptrace platform works on hosts like ours
+# (no systrap in that build; kvm needs a real KVM). No network of its own: the sandbox's
+# netstack has loopback only, reached through the agent (relay.py). Host Unix sockets: the
+# agent binds its own and connects to the egress proxy's, both in the channel directory.
+GVISOR_FLAGS = ("--platform=ptrace", "--network=none", "--host-uds=all", "--cpu-num-from-quota")
+COMPAT_SRC = Path(__file__).with_name("gvisor_compat.c")
+COMPAT_LIB = "lib/gvisor-compat.so"  # below the agent tree
+# Host memory the sentry and the gofer take beside what the sandbox's programs use: the host
+# cgroup allows this much more than the sandbox's limit (which the sandbox sees as its RAM).
+SENTRY_MEMORY_MB = 160
+# The sandbox's process limit is RLIMIT_NPROC, enforced by its own kernel. The host pids cgroup
+# is a backstop above it: on the ptrace platform one sandbox process costs the host about a
+# dozen tasks (its stub process's threads, the sentry's threads serving it; measured: 78
+# sleeping processes, 1,012 host tasks), and an idle sandbox about 60.
+def _host_pids(pids: int) -> int:
+    return 16 * (pids + NPROC_SLACK) + 128
+
+
+class GvisorRuntime(OciRuntime):
+    """`gvisor`: an OCI sandbox run by runsc, whose programs talk to gVisor's user-space kernel
+    (the sentry) instead of the host's."""
+
+    name: ClassVar[str] = "gvisor"
+    host_namespace: ClassVar[str] = "gvisor"
+    binary: ClassVar[str] = "runsc"
+    package: ClassVar[str] = "runsc"
+    joins_userns: ClassVar[bool] = False  # runsc makes its own (same mapping) for the gofer
+    rlimits_in_bundle: ClassVar[bool] = True
+    # The sentry's /proc shows only the sandbox, and its CPU count follows the quota (no
+    # cpuset: runsc 2022 cannot set one up below groups it made itself).
+    host_proc: ClassVar[bool] = False
+
+    def __init__(self, data_dir: Path, **config: Any) -> None:
+        super().__init__(data_dir, **config)
+        self.compat = self._install_compat(Path(data_dir))
+        if self.compat is not None and self.etc_dir is not None:
+            # The host userland's /etc (this runtime's own copy).
+            (self.etc_dir / "ld.so.preload").write_text(self.compat + "\n")
+
+    def _global_args(self, log: Path) -> list[str]:
+        return [*super()._global_args(log), *GVISOR_FLAGS]
+
+    def _install_compat(self, data_dir: Path) -> str | None:
+        """Build (once per source) and install the statx shim (gvisor_compat.c); None, with a
+        warning, when there is no C compiler."""
+        source = COMPAT_SRC.read_bytes()
+        digest = hashlib.sha256(source).hexdigest()[:16]
+        cache = data_dir / "cache" / f"gvisor-compat-{digest}.so"
+        if not cache.exists():
+            cc = shutil.which("cc") or shutil.which("gcc")
+            if cc is None:
+                log.warning("no C compiler: gvisor sandboxes lack %s (ls, stat fail)", COMPAT_LIB)
+                return None
+            cache.parent.mkdir(mode=0o700, exist_ok=True)
+            tmp = cache.with_suffix(".tmp")
+            done = subprocess.run(
+                [cc, "-O2", "-shared", "-fPIC", "-o", str(tmp), str(COMPAT_SRC)],
+                capture_output=True, text=True, timeout=120,
+            )  # fmt: skip
+            if done.returncode != 0:
+                log.warning("cannot build %s: %s", COMPAT_LIB, done.stderr[-500:])
+                return None
+            tmp.replace(cache)
+        target = self.agent_dir / COMPAT_LIB
+        target.parent.mkdir(mode=0o755, exist_ok=True)
+        shutil.copyfile(cache, target)
+        os.chmod(target, 0o644)
+        return f"{AGENT_MOUNT}/{COMPAT_LIB}"
+
+    def capabilities(self) -> dict[str, Any]:
+        return {
+            **super().capabilities(),
+            "platform": "ptrace",
+            "compat_shim": self.compat is not None,
+            # Not the sandbox's own block: every gVisor kernel runs as the host's nobody.
+            "sentry_uid": 65534,
+        }
+
+    def features(self) -> RuntimeFeatures:
+        return dataclasses.replace(super().features(), own_uids=False)
+
+    def _cgroup_limits(self, r: Resources) -> CgroupLimits:
+        return CgroupLimits(
+            memory_bytes=(r.memory_mb + SENTRY_MEMORY_MB) * 1024 * 1024,
+            pids=_host_pids(r.pids),
+            cpu_count=r.cpu_count,
+        )
+
+    def _mount_root(self, spec: SandboxSpec, bind_dir: Path, base: int, ns: int) -> dict[str, Any]:
+        out = super()._mount_root(spec, bind_dir, base, ns)
+        if self.compat is not None:
+            _preload(bind_dir / rootfs.ROOT, self.compat, base)
+        return out
+
+    def _hold_netns(self, sandbox_id: str, init_pid: int | None) -> None:
+        """Nothing to hold: the sandbox's network is the sentry's, reached through the agent."""
+
+    async def listen_inside(
+        self, sandbox_id: str, state: dict[str, Any], port: int
+    ) -> socket.socket:
+        """A host Unix listener in the sandbox's channel directory, which the agent relays the
+        sandbox's 127.0.0.1:`port` to (only the sandbox's root may enter the directory)."""
+        chan = Path(state["socket"]).parent
+        path = chan / f"egress-{port}.sock"
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            path.unlink(missing_ok=True)  # a previous server's
+            listener.bind(str(path))
+            os.chown(path, state["uid"], state["uid"])
+            os.chmod(path, 0o600)
+            listener.listen(128)
+            client = AgentClient(Path(state["socket"]), connect_timeout=5)
+            await client.call(
+                {"op": "net.listen", "port": port, "to": f"{CHANNEL_DIR}/{path.name}"}, 10
+            )
+        except (OSError, AgentUnavailable, AgentOpError) as e:
+            listener.close()
+            raise RuntimeError_(f"cannot serve port {port} in sandbox {sandbox_id}: {e}") from None
+        return listener
+
+    async def connect_inside(
+        self, sandbox_id: str, state: dict[str, Any], port: int, timeout: float = 10.0
+    ) -> socket.socket:
+        """A connection to the agent that, once it answers, carries the bytes of its own
+        connection to `port` on the sandbox's loopback."""
+        loop = asyncio.get_running_loop()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            async with asyncio.timeout(timeout + 1):
+                await loop.sock_connect(sock, state["socket"])
+                request = {"op": "net.connect", "port": port, "timeout": timeout}
+                await loop.sock_sendall(sock, P.encode_json(request))
+                kind, length = P.HEADER.unpack(await _recv_exact(loop, sock, P.HEADER.size))
+                if kind != P.KIND_JSON or length > 65536:
+                    raise RuntimeError_("the sandbox's agent answered a relay with nonsense")
+                reply = P.decode_json(await _recv_exact(loop, sock, length))
+        except (OSError, TimeoutError, P.ProtocolError, EOFError) as e:
+            sock.close()
+            if isinstance(e, ConnectionRefusedError):
+                raise RuntimeError_(f"the agent of sandbox {sandbox_id} is not answering") from None
+            raise RuntimeError_(f"cannot reach port {port} in sandbox {sandbox_id}: {e}") from None
+        except BaseException:
+            sock.close()
+            raise
+        if reply.get("ok") is True:
+            return sock
+        sock.close()
+        if reply.get("code") == "port_not_open":
+            raise ConnectionRefusedError(f"nothing listens on port {port} in sandbox {sandbox_id}")
+        why = reply.get("message")
+        raise RuntimeError_(f"cannot reach port {port} in sandbox {sandbox_id}: {why}")
+
+
+async def _recv_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        chunk = await loop.sock_recv(sock, n - len(buf))
+        if not chunk:
+            raise EOFError("the sandbox's agent closed the connection")
+        buf += chunk
+    return buf
+
+
+def _preload(root: Path, lib: str, base: int) -> None:
+    """Add `lib` to the sandbox's /etc/ld.so.preload (through its mounted root: the sandbox's
+    root owns the file, and may remove the line)."""
+    etc = root / "etc"
+    path = etc / "ld.so.preload"
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        lines = []
+    if lib in lines:
+        return
+    path.write_text("\n".join([*lines, lib]) + "\n")
+    os.chown(path, base, base)
+    os.chmod(path, 0o644)

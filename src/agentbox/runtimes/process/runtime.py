@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from agentbox.runtimes.base import (
+    ISOLATION_RANKS,
     AgentAddress,
     Ceiling,
     HostFootprint,
@@ -67,6 +68,7 @@ AGENT_FILES = (
     "js_repl.js",
     "login_path.sh",
     "users.py",
+    "relay.py",
 )
 SUDO_SRC = "sudo.py"  # installed as bin/sudo
 AGENT_MOUNT = "/.agentbox"
@@ -229,8 +231,15 @@ class ProcessRuntime(Runtime):
 
     def _require_tools(self) -> None:
         """Refuse to start without what this runtime runs sandboxes with."""
+        why = self.unavailable()
+        if why is not None:
+            raise RuntimeError_(why)
+
+    @classmethod
+    def unavailable(cls) -> str | None:
         if shutil.which("bwrap") is None:
-            raise RuntimeError_("bubblewrap (bwrap) is not installed: apt-get install bubblewrap")
+            return "bubblewrap (bwrap) is not installed: apt-get install bubblewrap"
+        return None
 
     def _mounts_shared_trees(self) -> bool:
         """Whether the trees every sandbox shares get tmpfs mounts of their own (root only)."""
@@ -311,6 +320,7 @@ class ProcessRuntime(Runtime):
             network=True,
             kept_workspaces=True,
             own_uids=self.is_root,
+            isolation=ISOLATION_RANKS.get(self.name, 0),
         )
 
     @classmethod

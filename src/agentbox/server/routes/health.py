@@ -27,6 +27,8 @@ def router() -> APIRouter:
             # every runtime served, with its declared features.
             "runtime": core.runtimes.get(core.runtimes.default).capabilities(),
             "runtimes": core.runtimes.info(),
+            # Every isolation tier: served here, or why not (not installed, not asked for).
+            "tiers": core.runtimes.tiers(),
             "templates": checks,
             # What a create that names no template gets (`building` in `templates` while the
             # server builds it at start-up).

@@ -86,7 +86,7 @@ def _create_request(body: m.CreateSandboxBody) -> CreateRequest:
         keep_workspace=body.keep_workspace,
         network=network,
         secrets=body.secrets,
-        runtime=body.runtime,
+        runtime=body.isolation or body.runtime,
     )
 
 
