@@ -11,7 +11,7 @@ network stack of its own that the server cannot enter (gVisor's netstack).
 
 Every relay lives on one thread with a selector (threads count against the sandbox's process
 limit): per direction at most BUFFER bytes wait, and a half-close is passed on.
-`close_all` ends every relay and listener (a checkpoint wants no host socket open).
+`close_relays` ends every relay (a checkpoint wants no host socket open).
 """
 
 from __future__ import annotations
@@ -82,10 +82,13 @@ class Relays:
             self.listeners[port] = (sock, to)
         self._post("listener", port)
 
-    def close_all(self) -> None:
-        """End every relay and listener (their sandbox-side connections too)."""
+    def close_relays(self) -> None:
+        """End every relay (both sides); the listeners on the sandbox's loopback stay (they
+        are the sandbox kernel's own sockets, not the host's)."""
+        if self.thread is None:
+            return
         done = threading.Event()
-        self._post("close_all", done)
+        self._post("close_relays", done)
         done.wait(5)
 
     # ------------------------------------------------------------------ the relay thread
@@ -117,8 +120,9 @@ class Relays:
                 with self.lock:
                     sock, _ = self.listeners[arg]  # type: ignore[index]
                 self.sel.register(sock, selectors.EVENT_READ, ("listener", arg))
-            elif what == "close_all":
-                self._close_everything()
+            elif what == "close_relays":
+                for pair in list(self.pairs):
+                    self._close_pair(pair)
                 arg.set()  # type: ignore[attr-defined]
 
     def _accept(self, port: int) -> None:
@@ -207,17 +211,6 @@ class Relays:
         if pair in self.pairs:
             self.pairs.remove(pair)
 
-    def _close_everything(self) -> None:
-        for pair in list(self.pairs):
-            self._close_pair(pair)
-        with self.lock:
-            listeners, self.listeners = self.listeners, {}
-        for sock, _ in listeners.values():
-            try:
-                self.sel.unregister(sock)
-            except (KeyError, ValueError):
-                pass
-            sock.close()
 
 
 RELAYS = Relays()

@@ -1496,13 +1496,15 @@ OPS = {
 # the loop until it ended, and nothing else, not even the kill that would end it, got through.
 INLINE_OPS = frozenset(
     {"ping", "fs.stat", "fs.list", "fs.mkdir", "fs.remove", "fs.rename"}
-    | {"exec.info", "exec.list", "exec.stdin", "exec.kill"}
+    | {"exec.info", "exec.list", "exec.stdin", "exec.kill", "quiesce"}
 )
 
 
 def serve_one(sock: _socket.socket, inline: bool = False) -> None:
     conn = Conn(sock)
     req: dict = {}
+    if CHANNEL is not None:
+        CHANNEL.track(sock)
     try:
         kind, payload = conn.recv()
         if kind != P.KIND_JSON:
@@ -1537,6 +1539,8 @@ def serve_one(sock: _socket.socket, inline: bool = False) -> None:
         except OSError:
             pass
     finally:
+        if CHANNEL is not None:
+            CHANNEL.untrack(sock)
         try:
             conn.rfile.close()
             sock.close()
@@ -1549,6 +1553,71 @@ LANDLOCK_ABI = 0
 
 def _arg(name: str) -> str | None:
     return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else None
+
+
+class Channel:
+    """The agent's own socket (--listen-path) and the connections it accepted. `quiesce`
+    closes all of them (a gVisor checkpoint fails while the sandbox holds a host socket);
+    SIGUSR2, sent once the checkpoint is over, binds it again. Commands keep running and
+    their output keeps being buffered meanwhile."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.lock = threading.Lock()
+        self.conns: set[_socket.socket] = set()
+        self.listener: _socket.socket | None = listen_at(path)
+        self.wanted = False  # SIGUSR2 came: bind again
+
+    def track(self, sock: _socket.socket) -> None:
+        with self.lock:
+            self.conns.add(sock)
+
+    def untrack(self, sock: _socket.socket) -> None:
+        with self.lock:
+            self.conns.discard(sock)
+
+    def quiesce(self, keep: _socket.socket) -> None:
+        """Close the listener and every connection but `keep` (the quiesce request's own,
+        which its server closes after the answer), and every relay."""
+        import relay
+
+        with self.lock:
+            listener, self.listener = self.listener, None
+            conns = [c for c in self.conns if c is not keep]
+        if listener is not None:
+            try:
+                listener.shutdown(_socket.SHUT_RDWR)  # wakes the accept loop
+            except OSError:
+                pass
+            listener.close()
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        for c in conns:
+            try:
+                c.shutdown(_socket.SHUT_RDWR)
+            except OSError:
+                pass
+        relay.RELAYS.close_relays()
+
+    def reopen(self) -> None:
+        with self.lock:
+            if self.listener is None:
+                self.listener = listen_at(self.path)
+
+
+CHANNEL: Channel | None = None
+
+
+def op_quiesce(conn: Conn, req: dict) -> None:
+    if CHANNEL is None:
+        raise OpError("unsupported", "this agent's channel is not its own to close")
+    CHANNEL.quiesce(keep=conn.sock)
+    conn.reply({"ok": True})
+
+
+OPS["quiesce"] = op_quiesce
 
 
 def listen_at(path: str) -> _socket.socket:
@@ -1571,16 +1640,25 @@ def listen_at(path: str) -> _socket.socket:
 
 
 def main() -> None:
-    global LANDLOCK_ABI, WORKSPACE, WEAKENED, LEAKED_FD, DEFAULT_CWD, CHANNEL_DIR
+    global LANDLOCK_ABI, WORKSPACE, WEAKENED, LEAKED_FD, DEFAULT_CWD, CHANNEL_DIR, CHANNEL
     WORKSPACE = _arg("--workspace") or WORKSPACE
     DEFAULT_CWD = os.getcwd()
     WEAKENED = frozenset(filter(None, (_arg("--weaken") or "").split(",")))
     users.configure(_arg("--user") or "user")
     LEAKED_FD = int(_arg("--leak-fd") or -1)
     path = _arg("--listen-path")
+    listener: _socket.socket | None
     if path is not None:
-        listener = listen_at(path)
+        CHANNEL = Channel(path)
+        listener = CHANNEL.listener
         CHANNEL_DIR = os.path.dirname(path)
+        import signal
+
+        def reopen_wanted(_signum: int, _frame: object) -> None:
+            assert CHANNEL is not None
+            CHANNEL.wanted = True
+
+        signal.signal(signal.SIGUSR2, reopen_wanted)
     else:
         fd = int(sys.argv[sys.argv.index("--listen-fd") + 1])
         os.set_inheritable(fd, False)  # commands must never reach the control channel
@@ -1595,6 +1673,15 @@ def main() -> None:
     users.serve_sudo()
     threading.stack_size(512 * 1024)
     while True:
+        if CHANNEL is not None:
+            if CHANNEL.wanted:
+                CHANNEL.wanted = False
+                CHANNEL.reopen()
+            listener = CHANNEL.listener
+            if listener is None:  # quiesced: until SIGUSR2
+                time.sleep(0.02)
+                continue
+        assert listener is not None
         try:
             conn_fd, _ = listener._accept()  # type: ignore[attr-defined]  # accept4(CLOEXEC)
             sock = _socket.socket(fileno=conn_fd)

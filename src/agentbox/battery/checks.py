@@ -105,9 +105,11 @@ class Ctx:
         return self.footprint().scope or ""
 
     def bind_root(self) -> Path:
-        """The runtime's per-data-dir tree outside the data dir (what sandboxes are bound from)."""
+        """The per-data-dir tree outside the data dir of the runtime under attack (what its
+        sandboxes are bound from)."""
         data = self.server.data_dir.resolve()
-        outside = [r for r in self.footprint().roots if not r.is_relative_to(data)]
+        own = inventory.footprint_of(self.server.runtime, data)
+        outside = [r for r in own.roots if not r.is_relative_to(data)]
         assert outside, "the runtime names no tree outside the data dir"
         return outside[0]
 

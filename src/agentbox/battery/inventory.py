@@ -62,7 +62,7 @@ def footprint(data_dir: Path) -> HostFootprint:
     found = [
         fp
         for name in runtimes.available()
-        if (fp := _footprint_of(name, Path(data_dir))) != HostFootprint()
+        if (fp := footprint_of(name, Path(data_dir))) != HostFootprint()
     ]
     if len(found) > 1:
         return dataclasses.replace(
@@ -79,7 +79,8 @@ def _union(parts: Iterable[tuple[T, ...]]) -> tuple[T, ...]:
     return tuple(dict.fromkeys(x for part in parts for x in part))
 
 
-def _footprint_of(name: str, data_dir: Path) -> HostFootprint:
+def footprint_of(name: str, data_dir: Path) -> HostFootprint:
+    """Where the one runtime `name` leaves things for `data_dir`'s sandboxes."""
     hook = getattr(runtimes.factory(name), "host_footprint", None)
     return hook(data_dir) if hook is not None else HostFootprint()
 

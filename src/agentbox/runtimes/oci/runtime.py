@@ -516,6 +516,32 @@ class GvisorRuntime(OciRuntime):
         raise RuntimeError_(f"cannot reach port {port} in sandbox {sandbox_id}: {why}")
 
 
+    # ------------------------------------------------------------------ checkpoint-safe
+
+    async def quiesce(self, sandbox_id: str, state: dict[str, Any]) -> None:
+        """Close every host socket the sandbox holds (the agent's own, its connections, the
+        relays): `runsc checkpoint` fails, and ends the sandbox, while one is open. Commands
+        keep running. `reopen` undoes it. (Snapshots themselves are the lifecycle's.)"""
+        client = AgentClient(Path(state["socket"]), connect_timeout=5)
+        try:
+            await client.call({"op": "quiesce"}, 10)
+        except (AgentUnavailable, AgentOpError) as e:
+            raise RuntimeError_(f"sandbox {sandbox_id} could not close its channels: {e}") from None
+
+    async def reopen(self, sandbox_id: str, state: dict[str, Any]) -> None:
+        """After a checkpoint (or one that failed): the agent binds its socket again, told by a
+        signal the runtime delivers (nothing can reach it through the host meanwhile)."""
+        sdir = self.root / sandbox_id
+        argv = [*self._global_args(sdir / OCI_LOG), "kill", sandbox_id, "USR2"]
+        done = await asyncio.to_thread(
+            subprocess.run, argv, stdin=subprocess.DEVNULL, capture_output=True, timeout=30
+        )
+        if done.returncode != 0:
+            raise RuntimeError_(f"cannot signal sandbox {sandbox_id}: {_tail(sdir)}")
+        sock = Path(state["socket"])
+        await asyncio.to_thread(self._wait_for_agent, sock, lambda: True, sdir)
+
+
 async def _recv_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int) -> bytes:
     buf = b""
     while len(buf) < n:
