@@ -208,6 +208,7 @@ class BenchServer:
 
     name: str
     warm_pools: dict[str, int] | None = None
+    runtimes: str = "process"  # `serve --runtime`: the tiers served, the first the default
     template_dir: Path | None = None
     default_template: str = field(default_factory=default_template)
     network: dict[str, Any] | None = None  # NetworkSettings fields (`serve --egress-*`)
@@ -256,6 +257,7 @@ class BenchServer:
                 f"serve('127.0.0.1', {self.port}, Path({str(self.data_dir)!r}), "
                 f"template_dir=None if {tdir!r} is None else Path({tdir!r}), "
                 f"warm_pools={self.warm_pools!r}, default_template={self.default_template!r}, "
+                f"runtime_name={self.runtimes!r}, "
                 f"network=NetworkSettings(**{self.network!r}) if {self.network!r} else None)")
         self.log_path = Path(tempfile.gettempdir()) / f"{self.root.name}.server.log"
         log = open(self.log_path, "ab")
@@ -332,13 +334,15 @@ def _install_signal_handlers() -> None:
 
 
 def _cgroup_dirs(sid: str) -> list[Path]:
-    """A sandbox's cgroup directories: agentbox/<sid>, or agentbox/<data-dir digest>/<sid>."""
-    bases = ([CGROUP_ROOT / "agentbox"] if cgroup_version() == "v2"
-             else [CGROUP_ROOT / c / "agentbox" for c in _V1_CONTROLLERS])
+    """A sandbox's cgroup directories, of every tier (agentbox[-tier]/<digest>/<sid>) in every
+    hierarchy (an OCI runtime joins them all)."""
+    hierarchies = ([CGROUP_ROOT] if cgroup_version() == "v2"
+                   else [h for h in CGROUP_ROOT.iterdir() if h.is_dir() and not h.is_symlink()])
     out = []
-    for base in bases:
-        out.append(base / sid)
-        out += [d for d in base.glob(f"*/{sid}")]
+    for h in hierarchies:
+        for base in h.glob("agentbox*"):
+            out.append(base / sid)
+            out += [d for d in base.glob(f"*/{sid}")]
     return out
 
 
@@ -356,9 +360,8 @@ def owned_roots(root: Path) -> list[Path]:
         data_dirs += [d for d in root.iterdir() if d.is_dir() and not d.is_symlink()]
     for d in data_dirs:
         digest = hashlib.sha256(str(d.resolve()).encode()).hexdigest()[:12]
-        bind = Path("/run/agentbox") / digest
-        if bind.exists():
-            roots.append(bind)
+        # One per tier: <digest> (process), <digest>-container, <digest>-gvisor.
+        roots += sorted(Path("/run/agentbox").glob(f"{digest}*"))
     return roots
 
 
@@ -366,7 +369,7 @@ def sandbox_ids(root: Path) -> set[str]:
     """Sandboxes created under `root` (its data dir and the runtime's bind tree for it)."""
     ids: set[str] = set()
     for r in owned_roots(root):
-        for sdir in (r / "sandboxes", r):
+        for sdir in (r / "sandboxes", r, *r.glob("sandboxes-*")):
             if sdir.is_dir():
                 ids |= {p.name for p in sdir.iterdir() if p.is_dir() and p.name.startswith("sbx")}
     return ids
