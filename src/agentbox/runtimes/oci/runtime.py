@@ -109,18 +109,24 @@ class OciRuntime(ProcessRuntime):
         os.chmod(self.agent_dir / SECCOMP_FILE, 0o444)
         self.state_root = self.bind_root / "oci"  # the binary's --root: its container states
         self.state_root.mkdir(mode=0o700, exist_ok=True)
+        self.version = self._version()  # once: health (unauthenticated) shows it
 
     def capabilities(self) -> dict[str, Any]:
-        return {**super().capabilities(), "oci_runtime": self.binary, "version": self._version()}
+        return {**super().capabilities(), "oci_runtime": self.binary, "version": self.version}
 
     def _version(self) -> str:
         try:
-            out = subprocess.run(
-                [self.binary, "--version"], capture_output=True, text=True, timeout=10
-            ).stdout
+            argv = [self.binary, "--version"]
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=10, env=self._env())
+            out = done.stdout
         except (OSError, subprocess.TimeoutExpired):
             return "unknown"
         return out.splitlines()[0] if out else "unknown"
+
+    @staticmethod
+    def _env() -> dict[str, str]:
+        """The binary's environment: nothing of the server's (its keys among it)."""
+        return {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
 
     def _global_args(self, log: Path) -> list[str]:
         return [self.binary, "--root", str(self.state_root), "--log", str(log)]
@@ -167,6 +173,7 @@ class OciRuntime(ProcessRuntime):
                     stderr=log,
                     timeout=60,
                     cwd=str(bundle_dir),
+                    env=self._env(),
                     preexec_fn=inherited_limits,
                 )
         except subprocess.TimeoutExpired:
@@ -186,9 +193,6 @@ class OciRuntime(ProcessRuntime):
             "init_start": init_start,
             "socket": str(sock),
         }
-
-    def _run_env(self) -> dict[str, str]:
-        return {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
 
     def _bundle(
         self, spec: SandboxSpec, bind_dir: Path, ws: Path, uid: int, cpus: list[int]
@@ -302,6 +306,7 @@ class OciRuntime(ProcessRuntime):
             stdin=subprocess.DEVNULL,
             capture_output=True,
             timeout=30,
+            env=self._env(),
         )
         for left in self.state_root.glob(f"{sid}*"):  # what delete left, if anything
             if left.is_dir() and not left.is_symlink():
@@ -515,7 +520,6 @@ class GvisorRuntime(OciRuntime):
         why = reply.get("message")
         raise RuntimeError_(f"cannot reach port {port} in sandbox {sandbox_id}: {why}")
 
-
     # ------------------------------------------------------------------ checkpoint-safe
 
     async def quiesce(self, sandbox_id: str, state: dict[str, Any]) -> None:
@@ -534,7 +538,12 @@ class GvisorRuntime(OciRuntime):
         sdir = self.root / sandbox_id
         argv = [*self._global_args(sdir / OCI_LOG), "kill", sandbox_id, "USR2"]
         done = await asyncio.to_thread(
-            subprocess.run, argv, stdin=subprocess.DEVNULL, capture_output=True, timeout=30
+            subprocess.run,
+            argv,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            timeout=30,
+            env=self._env(),
         )
         if done.returncode != 0:
             raise RuntimeError_(f"cannot signal sandbox {sandbox_id}: {_tail(sdir)}")
@@ -553,16 +562,20 @@ async def _recv_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: i
 
 
 def _preload(root: Path, lib: str, base: int) -> None:
-    """Add `lib` to the sandbox's /etc/ld.so.preload (through its mounted root: the sandbox's
-    root owns the file, and may remove the line)."""
-    etc = root / "etc"
-    path = etc / "ld.so.preload"
+    """Add `lib` to the sandbox's /etc/ld.so.preload (through its mounted root, following no
+    symlink a template may hold there: the sandbox's root owns the file and may drop the line)."""
+    nofollow = os.O_NOFOLLOW | os.O_CLOEXEC
+    etc = os.open(root / "etc", os.O_RDONLY | os.O_DIRECTORY | nofollow)
     try:
-        lines = path.read_text().splitlines()
-    except FileNotFoundError:
-        lines = []
-    if lib in lines:
-        return
-    path.write_text("\n".join([*lines, lib]) + "\n")
-    os.chown(path, base, base)
-    os.chmod(path, 0o644)
+        fd = os.open("ld.so.preload", os.O_RDWR | os.O_CREAT | nofollow, 0o644, dir_fd=etc)
+    finally:
+        os.close(etc)
+    with open(fd, "r+") as f:
+        lines = f.read().splitlines()
+        if lib in lines:
+            return
+        f.seek(0)
+        f.write("\n".join([*lines, lib]) + "\n")
+        f.truncate()
+        os.fchown(f.fileno(), base, base)
+        os.fchmod(f.fileno(), 0o644)
