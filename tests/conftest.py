@@ -7,6 +7,7 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -139,6 +140,16 @@ def start_server(tmp: Path, extra_args: list[str] | None = None) -> ServerHandle
     )
     handle.start()
     return handle
+
+
+@pytest.fixture
+def data_dir() -> Iterator[Path]:
+    """A fresh data dir for a runtime driven directly (no server). Under /var/tmp, not /tmp:
+    sandboxes see a /tmp of their own, and a data dir must not be inside a path they see."""
+    path = Path("/var/tmp") / f"agentbox-rt-{os.getpid()}-{time.monotonic_ns()}"
+    path.mkdir(mode=0o700)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

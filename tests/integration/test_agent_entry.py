@@ -9,7 +9,6 @@ positive control.
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,13 +47,6 @@ class SelfConfined(ProcessRuntime):
 def anyio_backend() -> str:
     return "asyncio"
 
-
-@pytest.fixture
-def data_dir() -> Iterator[Path]:
-    path = Path("/var/tmp") / f"agentbox-agent-entry-{id(object())}"
-    path.mkdir(mode=0o700)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 async def _run(client: AgentClient, cmd: str) -> tuple[str, dict[str, Any]]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -33,13 +32,6 @@ COUNTER = "nohup sh -c 'while true; do echo x >> /tmp/ticks; sleep 0.05; done' >
 def anyio_backend() -> str:
     return "asyncio"
 
-
-@pytest.fixture
-def data_dir() -> Iterator[Path]:
-    path = Path("/var/tmp") / f"agentbox-gvisor-ckpt-{id(object())}"
-    path.mkdir(mode=0o700)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 async def _run(client: AgentClient, cmd: str) -> str:

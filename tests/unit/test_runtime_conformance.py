@@ -92,15 +92,6 @@ def make(request: pytest.FixtureRequest) -> Callable[[Path], Runtime]:
     return RUNTIMES[request.param]
 
 
-@pytest.fixture
-def data_dir() -> object:
-    # Not under /tmp: the process runtime's sandboxes get a private /tmp of their own, and its
-    # data dir must not be inside a path sandboxes see.
-    path = Path("/var/tmp") / f"agentbox-conformance-{id(object())}"
-    path.mkdir(mode=0o700)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
 
 async def _answers(runtime: Runtime, state: dict) -> bool:
     client = AgentClient(runtime.agent_address(SID, state).socket_path, connect_timeout=5)

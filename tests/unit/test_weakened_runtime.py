@@ -9,7 +9,7 @@ import ast
 import inspect
 import os
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -41,14 +41,6 @@ def test_the_production_runtime_has_no_weakening() -> None:
     strings = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant)}
     assert "--weaken" not in strings and "--leak-fd" not in strings
 
-
-@pytest.fixture
-def data_dir() -> Iterator[Path]:
-    # Not under /tmp, which sandboxes see as their own (as in the conformance suite).
-    path = Path("/var/tmp") / f"agentbox-weakened-{os.getpid()}-{id(object())}"
-    path.mkdir(mode=0o700)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

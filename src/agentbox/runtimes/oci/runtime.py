@@ -26,7 +26,6 @@ import os
 import re
 import resource
 import shutil
-import signal
 import socket
 import subprocess
 from pathlib import Path
@@ -46,6 +45,7 @@ from agentbox.runtimes.process.runtime import (
     SANDBOX_PYTHON,
     USR_LOCAL,
     ProcessRuntime,
+    kill_if_same,
     proc_start_time,
     sandbox_env,
 )
@@ -290,13 +290,8 @@ class OciRuntime(ProcessRuntime):
     # ------------------------------------------------------------------ stop
 
     def _stop(self, sid: str, state: dict[str, Any]) -> None:
-        pid, start = state.get("init_pid"), state.get("init_start")
-        if isinstance(pid, int) and start is not None and proc_start_time(pid) == start:
-            # The pid namespace's init: the kernel ends everything else in it.
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        # The pid namespace's init: the kernel ends everything else in it.
+        kill_if_same(state.get("init_pid"), state.get("init_start"))
         if not self._kill_everything(sid):
             raise RuntimeError_(f"could not kill every process of sandbox {sid}")
         sdir = self.root / sid

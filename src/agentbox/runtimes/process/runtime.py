@@ -130,6 +130,15 @@ def proc_start_time(pid: int) -> int | None:
     return int(fields[19])
 
 
+def kill_if_same(pid: Any, start: Any) -> None:
+    """SIGKILL `pid` if it is still the process that started at `start` (not a reused pid)."""
+    if isinstance(pid, int) and start is not None and proc_start_time(pid) == start:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 @dataclass(frozen=True)
 class HostLayout:
     """Where one runtime keeps the sandboxes of one data dir on the host. Each runtime over a
@@ -1016,17 +1025,8 @@ class ProcessRuntime(Runtime):
     def _stop(self, sid: str, state: dict[str, Any]) -> None:
         """End every process of the sandbox, and the launcher that started it."""
         # Killing the pid namespace's init takes every process in the namespace with it.
-        for pid_key, start_key in (("init_pid", "init_start"), ("bwrap_pid", "bwrap_start")):
-            pid = state.get(pid_key)
-            if (
-                pid
-                and state.get(start_key) is not None
-                and proc_start_time(pid) == state[start_key]
-            ):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        kill_if_same(state.get("init_pid"), state.get("init_start"))
+        kill_if_same(state.get("bwrap_pid"), state.get("bwrap_start"))
         if not self._kill_everything(sid):
             raise RuntimeError_(f"could not kill every process of sandbox {sid}")
         child = self.children.pop(sid, None)
