@@ -188,6 +188,7 @@ def main() -> None:
             print(f"  floor: bare {binary} of /bin/true: {H.fmt_ms(s)}")
     with H.BenchServer("tiers", runtimes=",".join(served),
                        template_dir=H.BENCH_TEMPLATE_DIR) as srv:
+        srv.set_quota(max_total_descriptors=1 << 40, max_sandboxes=100)
         with srv.client() as c:
             for tier in served:
                 row: dict[str, Any] = {}

@@ -213,8 +213,12 @@ def _info_boot_id(ctx: Ctx) -> Verdict:
     v = blocked(f"boot ids {ids[0][:8]}…, {ids[1][:8]}…; the host's {host[:8]}…")
     if host in ids:
         v.add_break("READ", "a sandbox reads the host's boot id")
-    if ids[0] == ids[1]:
+    if ids[0] == ids[1] and ids[0]:
         v.add_break("READ", "two sandboxes share a boot id")
+    if not any(ids):
+        # Masked (a tier that cannot give each sandbox one: runc binds nothing there): it
+        # names nothing, neither the host nor a neighbour.
+        v.evidence = f"boot_id reads empty in both sandboxes; the host's {host[:8]}…"
     return v
 
 

@@ -27,7 +27,7 @@ RLIMIT_NAMES = {
     resource.RLIMIT_CORE: "RLIMIT_CORE",
     resource.RLIMIT_NPROC: "RLIMIT_NPROC",
 }
-CHANNEL_DIR = "/run/agentbox/chan"  # where the agent binds its socket, a host dir bound in
+CHANNEL_DIR = "/run/agentbox-chan"  # where the agent binds its socket, a host dir bound in
 CHANNEL_SOCKET = f"{CHANNEL_DIR}/agent.sock"
 
 # /proc files an OCI runtime lets a bundle bind over (runc: checkProcMount); the sandbox's own
@@ -176,9 +176,8 @@ def base_mounts(tmp_mb: int, var_tmp: bool) -> list[dict[str, Any]]:
 
 
 def skeleton(root: Path, dirs: list[str], links: dict[str, str]) -> None:
-    """An empty, root-owned root for the host userland: the mount points the bundle uses and
-    the merged-/usr links. The sandbox's root cannot make mount points in it (read-only)."""
-    root.mkdir(mode=0o755, exist_ok=True)
+    """Fill the empty `root` of a host-userland sandbox: the mount points the bundle uses and
+    the merged-/usr links (the sandbox's root cannot make mount points in it: read-only)."""
     for d in dirs:
         (root / d.lstrip("/")).mkdir(mode=0o755, parents=True, exist_ok=True)
     for link, target in links.items():

@@ -72,6 +72,7 @@ _SKELETON_DIRS = [
     "/root",
 ]
 _MS_BIND = 4096
+_MS_NOSUID, _MS_NODEV = 2, 4
 _MNT_DETACH = 2
 _libc = ctypes.CDLL(None, use_errno=True)
 log = logging.getLogger(__name__)
@@ -138,11 +139,10 @@ class OciRuntime(ProcessRuntime):
     ) -> dict[str, Any]:
         sid = spec.sandbox_id
         bind_dir = self.bind_root / sid
-        chan = bind_dir / CHANNEL
-        chan.mkdir(mode=0o700)
-        os.chown(chan, uid, uid)  # the sandbox's root binds the agent's socket in it
-        files = bind_dir / FILES
-        files.mkdir(mode=0o755)
+        # Both on tmpfs mounts of their own, so that the sandbox's mountinfo, which shows a
+        # bind's path inside its filesystem, names no host path.
+        chan = _small_tmpfs(bind_dir / CHANNEL, 0o700, uid)  # the agent binds its socket here
+        _small_tmpfs(bind_dir / FILES, 0o755, 0)  # generated files the bundle binds in
         sock = chan / "agent.sock"
         config = self._bundle(spec, bind_dir, ws, uid, cpus).config()
         bundle_dir = sdir / "bundle"
@@ -251,7 +251,11 @@ class OciRuntime(ProcessRuntime):
 
     def _skeleton(self, root: Path, uid: int) -> None:
         """The host userland's root: the mount points, owned by the sandbox's root as bwrap's
-        own root is, then mounted read-only by the runtime."""
+        own root is, on a tmpfs of its own (mountinfo names no host path), then mounted
+        read-only by the runtime."""
+        # No nosuid/nodev of its own: runsc's gofer remounts the root read-only from a user
+        # namespace, where a flag the mount has cannot be dropped (it holds only directories).
+        _small_tmpfs(root, 0o755, uid, flags=0)
         dirs = [*_SKELETON_DIRS, *self._host_path_points()]
         links = {"/var/tmp": "/tmp"}
         for link in MERGED_USR_LINKS:
@@ -327,6 +331,17 @@ class ContainerRuntime(OciRuntime):
     host_namespace: ClassVar[str] = "container"
     binary: ClassVar[str] = "runc"
     package: ClassVar[str] = "runc"
+
+
+def _small_tmpfs(path: Path, mode: int, owner: int, flags: int = _MS_NOSUID | _MS_NODEV) -> Path:
+    """A fresh 4 MiB tmpfs at `path` (made), owned by `owner`; unmounted by destroy with
+    everything else below the sandbox's bind dir."""
+    path.mkdir(mode=0o700)
+    opts = f"size=4m,mode={mode:o},uid={owner},gid={owner}".encode()
+    if _libc.mount(b"tmpfs", str(path).encode(), b"tmpfs", flags, opts) != 0:
+        err = ctypes.get_errno()
+        raise RuntimeError_(f"cannot mount a tmpfs at {path}: {os.strerror(err)}")
+    return path
 
 
 def _write(path: Path, data: bytes) -> Path:
