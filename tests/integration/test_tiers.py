@@ -122,6 +122,9 @@ def test_commands_files_and_users(client: httpx.Client, tier: str) -> None:
     # The writable root: root installs system-wide, `user` cannot.
     assert run(client, sid, "sudo touch /usr/local/bin/x && echo ok").stdout.strip() == "ok"
     assert run(client, sid, "touch /usr/local/bin/y").exit_code != 0
+    # Its fence (Landlock, or mounts where the kernel has none): nothing new directly in /.
+    res = run(client, sid, "sudo touch /abx-top; sudo touch /etc/abx-etc && echo etc")
+    assert res.stdout.strip() == "etc" and "/abx-top" in res.stderr, res
     # No new user namespaces, no mounts, however asked.
     res = run(client, sid, "sudo unshare -U true; sudo unshare -m true", user="root")
     assert res.exit_code != 0 and "Operation not permitted" in res.stderr, res

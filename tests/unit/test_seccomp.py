@@ -53,6 +53,10 @@ print("af_alg", sock(38, socket.SOCK_SEQPACKET))
 print("socketpair_inet6", probe(53, 10, 1, 0, 0))
 print("personality_query", probe(135, 0xFFFFFFFF))
 print("personality_no_aslr", probe(135, 0x0040000))
+# Device nodes are refused, FIFOs are not (here the caller is host root: only the filter stops it)
+print("mknod_chr", probe(133, b"/tmp/c", 0o020600, os.makedev(1, 3)))
+print("mknodat_blk", probe(259, -100, b"/tmp/b", 0o060600, os.makedev(7, 0)))
+print("mknodat_fifo", probe(259, -100, b"/tmp/f", 0o010600, 0))
 """
 
 
@@ -62,7 +66,8 @@ def test_filter_blocks_under_bwrap(tmp_path) -> None:
     bpf.write_bytes(build_filter())
     with open(bpf, "rb") as f:
         out = subprocess.run(
-            ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--seccomp",
+            ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
+             "--seccomp",
              str(f.fileno()), "--", sys.executable, "-c", PROBE],
             pass_fds=[f.fileno()], capture_output=True, text=True, timeout=30,
         )
@@ -75,5 +80,6 @@ def test_filter_blocks_under_bwrap(tmp_path) -> None:
         # socketpair(AF_INET6) passes the filter and fails in the kernel (EOPNOTSUPP/EFAULT)
         "socketpair_inet6": results.get("socketpair_inet6"),
         "personality_query": "OK", "personality_no_aslr": "EPERM",
+        "mknod_chr": "EPERM", "mknodat_blk": "EPERM", "mknodat_fifo": "OK",
     }, out.stderr
     assert results["socketpair_inet6"] != "EAFNOSUPPORT"

@@ -65,3 +65,20 @@ def test_a_block_it_cannot_map_is_an_error_not_a_hang() -> None:
     # Ids beyond what the kernel maps: the write of the map fails, the request says so.
     with pytest.raises(userns.UsernsError, match="could not map|failed"):
         userns.make(2**32 - 10)
+
+
+def test_a_namespace_for_a_runtime_binary_maps_what_it_is_told() -> None:
+    """GvisorRuntime's: root stays host root, `nobody` is the block's last id, the rest of the
+    block maps to itself, nesting allowed (runsc makes namespaces inside)."""
+    lines = [(0, 0, 1), (65534, BASE + 65535, 1), (BASE, BASE, 65535)]
+    fd = userns.make_mapped(lines)
+    try:
+        out = _inside(
+            fd, "cat /proc/self/uid_map /proc/self/gid_map; unshare --user true; echo rc=$?"
+        )
+    finally:
+        os.close(fd)
+    got = [tuple(int(x) for x in line.split()) for line in out.splitlines()[:-1]]
+    assert sorted(got[:3]) == sorted(lines) and sorted(got[3:]) == sorted(lines), out
+    assert out.splitlines()[-1] == "rc=0", out
+    assert userns.mapped_range(os.getpid()) is None  # the host's own namespace

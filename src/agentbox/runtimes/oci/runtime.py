@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import dataclasses
 import hashlib
 import json
 import logging
@@ -33,11 +32,11 @@ from typing import Any, ClassVar
 
 from agentbox.agent import protocol as P
 from agentbox.agent.client import AgentClient, AgentOpError, AgentUnavailable
-from agentbox.runtimes.base import Resources, RuntimeError_, RuntimeFeatures, SandboxSpec
+from agentbox.runtimes.base import Resources, RuntimeError_, SandboxSpec
 from agentbox.runtimes.oci import bundle
 from agentbox.runtimes.oci.bundle import CHANNEL_DIR, CHANNEL_SOCKET, Bundle
-from agentbox.runtimes.process import hostview, rootfs
-from agentbox.runtimes.process.cgroups import CgroupLimits
+from agentbox.runtimes.process import hostview, rootfs, userns
+from agentbox.runtimes.process.cgroups import CGROUP_ROOT, CgroupLimits
 from agentbox.runtimes.process.runtime import (
     AGENT_MOUNT,
     MERGED_USR_LINKS,
@@ -54,6 +53,7 @@ from agentbox.runtimes.uids import BLOCK
 SECCOMP_FILE = "seccomp.bpf"  # in the agent tree, which every sandbox binds read-only
 CHANNEL = "chan"  # below a sandbox's bind dir: bound at CHANNEL_DIR
 FILES = "files"  # below a sandbox's bind dir: generated files the bundle binds in
+FENCE = "fence"  # below a sandbox's bind dir: a read-only root over a writable one
 USERNS = "userns"  # below a sandbox's bind dir: the user namespace, bound while runc joins it
 OCI_LOG = "oci.log"
 _SANDBOX_ID = re.compile(r"sbx_[0-9A-Za-z]+")
@@ -74,6 +74,8 @@ _SKELETON_DIRS = [
 _MS_BIND = 4096
 _MS_NOSUID, _MS_NODEV = 2, 4
 _MNT_DETACH = 2
+_CLONE_NEWCGROUP = 0x02000000
+_CLONE_NEWUSER = 0x10000000
 _libc = ctypes.CDLL(None, use_errno=True)
 log = logging.getLogger(__name__)
 
@@ -89,9 +91,26 @@ class OciRuntime(ProcessRuntime):
     # Whether the sandbox's rlimits are in the bundle (a runtime with a kernel of its own
     # applies them there), or inherited from the binary.
     rlimits_in_bundle: ClassVar[bool] = False
-    # Whether the sandbox's /proc is the host kernel's (files with its own figures are bound
-    # over the machine-wide ones), or the runtime's own.
+    # Whether the sandbox's /proc is the host kernel's (the host's machine-wide files the
+    # binary lets a bundle bind over get the sandbox's own figures, the rest are masked), or
+    # the runtime's own (every file with the sandbox's figures is bound over its kernel's).
     host_proc: ClassVar[bool] = True
+    # Whether the sandbox gets a cpuset cgroup of its CPUs (nproc tells what it may use).
+    cpuset: ClassVar[bool] = True
+    # Whether the agent's Landlock fence holds in the sandbox (the kernel has Landlock): if
+    # not, the bundle draws the writable root's fence with mounts (not /dev's: gVisor
+    # refuses `> /dev/null` on a read-only /dev).
+    landlock: ClassVar[bool] = True
+    # Whether `<binary> delete` runs once every process of the sandbox is gone (else its state
+    # is removed here, and its cgroups by the sweep that follows either way).
+    delete_after_kill: ClassVar[bool] = True
+    # How many of the sandbox's block of host ids its user namespace maps.
+    id_map_size: ClassVar[int] = BLOCK
+    # Whether the binary runs in a cgroup namespace of its own (it would leave the host
+    # processes it starts in the server's: runsc).
+    cgroupns_outside: ClassVar[bool] = False
+    # Entries of the runtime's own /dev to cover: path -> "dir" or "file".
+    hidden_devices: ClassVar[dict[str, str]] = {}
 
     @classmethod
     def unavailable(cls) -> str | None:
@@ -144,23 +163,30 @@ class OciRuntime(ProcessRuntime):
         chan = _small_tmpfs(bind_dir / CHANNEL, 0o700, uid)  # the agent binds its socket here
         _small_tmpfs(bind_dir / FILES, 0o755, 0)  # generated files the bundle binds in
         sock = chan / "agent.sock"
-        config = self._bundle(spec, bind_dir, ws, uid, cpus).config()
+        config = self._oci_config(self._bundle(spec, bind_dir, ws, uid, cpus).config(), spec)
         bundle_dir = sdir / "bundle"
         bundle_dir.mkdir(mode=0o700)
         (bundle_dir / "config.json").write_text(json.dumps(config))
         userns_file = bind_dir / USERNS
-        if self.joins_userns:
+        joins = self.joins_userns and ns >= 0
+        if joins:
             userns_file.touch(mode=0o600)
             _bind(f"/proc/self/fd/{ns}", userns_file)
         pid_file = sdir / "init.pid"
         limits = [] if self.rlimits_in_bundle else self._rlimits(spec.resources)
+        own_cgroupns = self.cgroupns_outside
+        binary_ns = self._binary_userns(uid)
 
-        def inherited_limits() -> None:
+        def binary_context() -> None:
             # The sandbox inherits them from the binary: it cannot set them on the sandbox's
             # init itself (a prlimit on another uid needs CAP_SYS_RESOURCE, which root may not
             # have), and the binary, run as root, is exempt from RLIMIT_NPROC.
             for res, value in limits:
                 resource.setrlimit(res, (value, value))
+            if binary_ns is not None and _libc.setns(binary_ns, _CLONE_NEWUSER) != 0:
+                os._exit(121)
+            if own_cgroupns and _libc.unshare(_CLONE_NEWCGROUP) != 0:
+                os._exit(120)
 
         try:
             with open(sdir / "runtime.log", "ab") as log:
@@ -174,13 +200,15 @@ class OciRuntime(ProcessRuntime):
                     timeout=60,
                     cwd=str(bundle_dir),
                     env=self._env(),
-                    preexec_fn=inherited_limits,
+                    preexec_fn=binary_context,
                 )
         except subprocess.TimeoutExpired:
             raise RuntimeError_(f"{self.binary} did not start the sandbox within 60 s") from None
         finally:
-            if self.joins_userns:
+            if joins:
                 _unbind(userns_file)  # the sandbox holds its namespace now
+            if binary_ns is not None:
+                os.close(binary_ns)
         if done.returncode != 0:
             raise RuntimeError_(f"{self.binary} could not start the sandbox: {_tail(sdir)}")
         init_pid = int(pid_file.read_text())
@@ -202,8 +230,15 @@ class OciRuntime(ProcessRuntime):
         if spec.rootfs and not writable_root:
             raise RuntimeError_(f"the {self.name} runtime runs built templates copy-on-write only")
         var_tmp = bool(spec.rootfs) and not Path(spec.rootfs or "", "var/tmp").is_symlink()
-        mounts = bundle.base_mounts(r.tmp_mb, var_tmp)
         root = bind_dir / rootfs.ROOT  # the overlay the server mounted, or a skeleton
+        mounts = []
+        if writable_root and self._fence_by_mounts():
+            # The fence the agent draws with Landlock elsewhere, drawn with mounts: a
+            # read-only root of the overlay's top-level entries, each of its directories but
+            # the kept ones bound writable.
+            mounts += self._fenced_root(root, bind_dir / FENCE, uid)
+            root = bind_dir / FENCE
+        mounts += bundle.base_mounts(r.tmp_mb, var_tmp)
         if not writable_root:
             self._skeleton(root, uid)
             mounts += self._host_userland_mounts()
@@ -219,11 +254,22 @@ class OciRuntime(ProcessRuntime):
         files = bind_dir / FILES
         if self.host_proc:
             masked += [d for d in hostview.PROC_MASKED_DIRS if os.path.isdir(d)]
-            for n, (path, data) in enumerate(self._proc_files(spec, cpus).items()):
-                if path in bundle.PROC_BINDABLE:
-                    mounts.append(bundle.bind(_write(files / f"proc{n}", data), path))
-                else:
-                    masked.append(path)  # an OCI runtime binds nothing else below /proc
+            proc_files = self._proc_files(spec, cpus)
+        else:
+            # The runtime's kernel numbers the sandbox's CPUs from 0.
+            proc_files = self._proc_files(spec, list(range(len(cpus))))
+        for n, (path, data) in enumerate(proc_files.items()):
+            if not self.host_proc or path in bundle.PROC_BINDABLE:
+                mounts.append(bundle.bind(_write(files / f"proc{n}", data), path))
+            else:
+                masked.append(path)  # runc binds nothing else below the host's /proc
+        for path, kind in self.hidden_devices.items():
+            # What the runtime's kernel puts in /dev beyond the standard nodes: covered by an
+            # empty directory or file (not a device: nothing behind it).
+            if kind == "dir":
+                mounts.append(bundle.tmpfs(path, 1, 0o755, "ro"))
+            else:
+                mounts.append(bundle.bind(_write(files / "empty", b""), path))
         for n, (path, data) in enumerate(spec.files.items()):
             mounts.append(bundle.bind(_write(files / f"file{n}", data), path))
         args = [SANDBOX_PYTHON, "-E", "-s", "-S", f"{AGENT_MOUNT}/main.py", "--init"]
@@ -234,20 +280,34 @@ class OciRuntime(ProcessRuntime):
         args += self._agent_flags({})
         return Bundle(
             root=root,
-            root_readonly=not writable_root,
+            root_readonly=not writable_root or self._fence_by_mounts(),
             args=args,
             env=sandbox_env(spec),
             cwd=spec.workdir,
             resources=r,
             uid_base=uid,
-            size=BLOCK,
+            size=self.id_map_size,
             userns_path=bind_dir / USERNS if self.joins_userns else None,
             rlimits=self._rlimits(r) if self.rlimits_in_bundle else [],
             cgroups_path=f"/{self.layout.cgroup_group}/{self.layout.scope}/{spec.sandbox_id}",
-            cpus=cpus if self.host_proc and len(cpus) < len(self.cpus) else None,
+            cpus=cpus if self.cpuset and len(cpus) < len(self.cpus) else None,
             mounts=mounts,
             masked=masked,
         )
+
+    def _binary_userns(self, uid: int) -> int | None:
+        """A user namespace the binary runs in (a descriptor the caller closes), or None: the
+        server's."""
+        return None
+
+    def _oci_config(self, config: dict[str, Any], spec: SandboxSpec) -> dict[str, Any]:
+        """The bundle's config as given to the binary: as rendered."""
+        return config
+
+    def _fence_by_mounts(self) -> bool:
+        """Whether a writable root's fence is drawn with mounts (no Landlock in the sandbox's
+        kernel)."""
+        return not self.landlock
 
     def _skeleton(self, root: Path, uid: int) -> None:
         """The host userland's root: the mount points, owned by the sandbox's root as bwrap's
@@ -270,6 +330,31 @@ class OciRuntime(ProcessRuntime):
                 os.chown(os.path.join(dirpath, name), uid, uid, follow_symlinks=False)
         os.chmod(root / "root", 0o700)
         os.chmod(root / "tmp", 0o1777)  # a tmpfs takes the mode of the directory it covers
+
+    def _fenced_root(self, overlay: Path, fence: Path, uid: int) -> list[dict[str, Any]]:
+        """Fill `fence` (a tmpfs, mounted read-only by the binary) with the overlay's
+        top-level entries; the mounts that bind its writable directories and files in."""
+        _small_tmpfs(fence, 0o755, uid, flags=0)  # no locked flags: runsc remounts it
+        kept = {"proc", "dev", "sys", ".agentbox"}  # the agent's ROOT_KEPT (sandbox_agent.py)
+        covered = {"tmp", "run", "workspace"}  # the bundle mounts these
+        mounts = []
+        for e in sorted(os.scandir(overlay), key=lambda e: e.name):
+            target = fence / e.name
+            if e.is_symlink():
+                os.symlink(os.readlink(e.path), target)
+                os.lchown(target, uid, uid)
+            elif e.is_dir():
+                target.mkdir(mode=e.stat().st_mode & 0o7777)
+                os.chown(target, uid, uid)
+                if e.name not in kept | covered:
+                    mounts.append(bundle.bind(e.path, f"/{e.name}", writable=True))
+            elif e.is_file():
+                target.touch(mode=0o644)
+                mounts.append(bundle.bind(e.path, f"/{e.name}"))  # as Landlock: not writable
+        for d in ("proc", "dev", "tmp", "run", "workspace", AGENT_MOUNT.strip("/")):
+            (fence / d).mkdir(mode=0o755, exist_ok=True)
+        os.chmod(fence / "tmp", 0o1777)
+        return mounts
 
     def _host_path_points(self) -> list[str]:
         return [p for p in self.host_paths if not p.startswith(("/etc/", "/usr/"))]
@@ -300,13 +385,14 @@ class OciRuntime(ProcessRuntime):
             raise RuntimeError_(f"could not kill every process of sandbox {sid}")
         sdir = self.root / sid
         log = sdir / OCI_LOG if sdir.is_dir() else Path(os.devnull)
-        subprocess.run(
-            [*self._global_args(log), "delete", "--force", sid],
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            timeout=30,
-            env=self._env(),
-        )
+        if self.delete_after_kill:
+            subprocess.run(
+                [*self._global_args(log), "delete", "--force", sid],
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                timeout=30,
+                env=self._env(),
+            )
         for left in self.state_root.glob(f"{sid}*"):  # what delete left, if anything
             if left.is_dir() and not left.is_symlink():
                 shutil.rmtree(left, ignore_errors=True)
@@ -387,6 +473,9 @@ COMPAT_LIB = "lib/gvisor-compat.so"  # below the agent tree
 # Host memory the sentry and the gofer take beside what the sandbox's programs use: the host
 # cgroup allows this much more than the sandbox's limit (which the sandbox sees as its RAM).
 SENTRY_MEMORY_MB = 160
+NOBODY = 65534  # the id runsc runs the sentry as, in the namespace it runs in
+
+
 # The sandbox's process limit is RLIMIT_NPROC, enforced by its own kernel. The host pids cgroup
 # is a backstop above it: on the ptrace platform one sandbox process costs the host about a
 # dozen tasks (its stub process's threads, the sentry's threads serving it; measured: 78
@@ -405,12 +494,27 @@ class GvisorRuntime(OciRuntime):
     package: ClassVar[str] = "runsc"
     joins_userns: ClassVar[bool] = False  # runsc makes its own (same mapping) for the gofer
     rlimits_in_bundle: ClassVar[bool] = True
-    # The sentry's /proc shows only the sandbox, and its CPU count follows the quota (no
-    # cpuset: runsc 2022 cannot set one up below groups it made itself).
+    # The sentry's /proc shows only the sandbox (files with its own figures bound over it).
     host_proc: ClassVar[bool] = False
+    # On cgroup v1 the sandbox gets a cpuset, in groups made ready for it (cpuset_parents):
+    # the sentry's CPU count follows it (from the quota alone it would be at least 2).
+    cpuset: ClassVar[bool] = not Path("/sys/fs/cgroup/cgroup.controllers").exists()
+    # The sentry's own tun and FUSE devices (inert without CAP_NET_ADMIN or a mount, but
+    # sentry code a sandbox has no use for).
+    hidden_devices: ClassVar[dict[str, str]] = {"/dev/net": "dir", "/dev/fuse": "file"}
+    landlock: ClassVar[bool] = False  # not in gVisor's kernel (2022)
+    cgroupns_outside: ClassVar[bool] = True
+    # runsc delete polls until the sentry's pid is gone, zombie included: as long as the host's
+    # init takes to reap an orphan (1-2 s measured here). With every process of the sandbox
+    # gone, what else it does is remove its state and cgroups, done here without the wait.
+    delete_after_kill: ClassVar[bool] = False
+    # The block's last id is the sentry's (see _binary_userns): the sandbox maps the rest.
+    id_map_size: ClassVar[int] = BLOCK - 1
 
     def __init__(self, data_dir: Path, **config: Any) -> None:
         super().__init__(data_dir, **config)
+        if self.cpuset:
+            cpuset_parents(CGROUP_ROOT / "cpuset", self.layout.cgroup_group, self.layout.scope)
         self.compat = self._install_compat(Path(data_dir))
         if self.compat is not None and self.etc_dir is not None:
             # The host userland's /etc (this runtime's own copy).
@@ -451,12 +555,18 @@ class GvisorRuntime(OciRuntime):
             **super().capabilities(),
             "platform": "ptrace",
             "compat_shim": self.compat is not None,
-            # Not the sandbox's own block: every gVisor kernel runs as the host's nobody.
-            "sentry_uid": 65534,
+            # The last id of each sandbox's own block (not the host's nobody).
+            "sentry_uid": "own",
         }
 
-    def features(self) -> RuntimeFeatures:
-        return dataclasses.replace(super().features(), own_uids=False)
+    def _binary_userns(self, uid: int) -> int | None:
+        """runsc, run as root, starts each sandbox's kernel (the sentry, and the stub processes
+        the sandbox's code runs in) as host `nobody`, one uid for every sandbox on the host. In
+        this namespace its root is host root, its `nobody` the last id of the sandbox's own
+        block and the block maps to itself: the sentry runs as a uid no other sandbox has."""
+        return userns.make_mapped(
+            [(0, 0, 1), (NOBODY, uid + BLOCK - 1, 1), (uid, uid, self.id_map_size)]
+        )
 
     def _cgroup_limits(self, r: Resources) -> CgroupLimits:
         return CgroupLimits(
@@ -464,6 +574,14 @@ class GvisorRuntime(OciRuntime):
             pids=_host_pids(r.pids),
             cpu_count=r.cpu_count,
         )
+
+    def _rlimits(self, r: Resources) -> list[tuple[int, int]]:
+        # The sandbox's process count, kept by its own kernel (the host's pids cgroup counts
+        # the sentry's tasks): exactly the limit, no slack for host helpers.
+        return [
+            (res, r.pids if res == resource.RLIMIT_NPROC else value)
+            for res, value in super()._rlimits(r)
+        ]
 
     def _mount_root(self, spec: SandboxSpec, bind_dir: Path, base: int, ns: int) -> dict[str, Any]:
         out = super()._mount_root(spec, bind_dir, base, ns)
@@ -559,6 +677,23 @@ class GvisorRuntime(OciRuntime):
             raise RuntimeError_(f"cannot signal sandbox {sandbox_id}: {_tail(sdir)}")
         sock = Path(state["socket"])
         await asyncio.to_thread(self._wait_for_agent, sock, lambda: True, sdir)
+
+
+def cpuset_parents(root: Path, group: str, scope: str) -> None:
+    """Make the v1 cpuset groups above the sandboxes' with every CPU and memory node of the
+    host (a new cpuset group starts with none, and runsc 2022 fills in only the group it is
+    given, which cannot then take CPUs its parent lacks)."""
+    if not root.is_dir():
+        return
+    cpus = (root / "cpuset.cpus").read_text().strip()
+    mems = (root / "cpuset.mems").read_text().strip()
+    level = root
+    for part in (group, scope):
+        level = level / part
+        level.mkdir(exist_ok=True)
+        for name, value in (("cpuset.cpus", cpus), ("cpuset.mems", mems)):
+            if not (level / name).read_text().strip():
+                (level / name).write_text(value)
 
 
 async def _recv_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int) -> bytes:

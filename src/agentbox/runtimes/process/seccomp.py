@@ -112,6 +112,11 @@ _IOCTL = (16, 29)
 _SOCKET = (41, 198)
 _SOCKETPAIR = (53, 199)
 _PERSONALITY = (135, 92)
+# mknod(path, mode, dev) and mknodat(dirfd, path, mode, dev): arm64 has only mknodat.
+_MKNOD: tuple[int, int | None] = (133, None)
+_MKNODAT = (259, 33)
+_S_IFMT, _S_IFCHR, _S_IFBLK = 0o170000, 0o020000, 0o060000
+_BPF_ALU_AND_K = 0x54
 
 # Socket families a userland needs: unix, inet, inet6, netlink (getaddrinfo, `ip`). The rest
 # (vsock to the hypervisor, AF_ALG, packet, bluetooth, ...) are attack surface, and on kernels
@@ -189,6 +194,22 @@ def build_filter(machine: str | None = None) -> bytes:
         _Insn(_BPF_JEQ_K, _SOCKET[col], jt="socket", jf=0),
         _Insn(_BPF_JEQ_K, _SOCKETPAIR[col], jt="socket", jf=0),
         _Insn(_BPF_JEQ_K, _PERSONALITY[col], jt="personality", jf=0),
+        _Insn(_BPF_JEQ_K, _MKNODAT[col], jt="mknodat", jf=0),
+    ]
+    mknod = _MKNOD[col]
+    if mknod is not None:
+        p.append(_Insn(_BPF_JEQ_K, mknod, jt="mknod", jf=0))
+    p += [
+        _Insn(_BPF_RET_K, RET_ALLOW),
+        # Device nodes: the user namespace refuses them on the host kernel (no CAP_MKNOD
+        # there); a runtime with a kernel of its own may not (gVisor's tmpfs makes them).
+        # FIFOs, sockets and regular files stay allowed.
+        _Insn(_BPF_LD_W_ABS, _off_arg_low(1), label="mknod"),
+        _Insn(_BPF_JEQ_K, 0, jt="mknode", jf="mknode"),
+        _Insn(_BPF_LD_W_ABS, _off_arg_low(2), label="mknodat"),
+        _Insn(_BPF_ALU_AND_K, _S_IFMT, label="mknode"),
+        _Insn(_BPF_JEQ_K, _S_IFCHR, jt="eperm", jf=0),
+        _Insn(_BPF_JEQ_K, _S_IFBLK, jt="eperm", jf=0),
         _Insn(_BPF_RET_K, RET_ALLOW),
         _Insn(_BPF_LD_W_ABS, _off_arg_low(0), label="clone"),
         _Insn(_BPF_JSET_K, CLONE_NS_FLAGS, jt="eperm", jf=0),

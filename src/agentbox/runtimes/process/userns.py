@@ -106,12 +106,12 @@ class _Helper:
         self._lock = threading.Lock()
         self._proc: subprocess.Popen[str] | None = None
 
-    def make(self, base: int, size: int, nesting: bool) -> int:
+    def make(self, base: int, size: int, nesting: bool, maps: str = "") -> int:
         with self._lock:  # one request at a time: each takes about a millisecond
             for attempt in (1, 2):
                 proc = self._running()
                 try:
-                    return self._ask(proc, base, size, nesting)
+                    return self._ask(proc, base, size, nesting, maps)
                 except (BrokenPipeError, _HelperGone):
                     self._stop()
                     if attempt == 2:
@@ -147,7 +147,9 @@ class _Helper:
             raise _HelperGone
         return line.strip()
 
-    def _ask(self, proc: subprocess.Popen[str], base: int, size: int, nesting: bool) -> int:
+    def _ask(
+        self, proc: subprocess.Popen[str], base: int, size: int, nesting: bool, maps: str = ""
+    ) -> int:
         assert proc.stdin is not None
         proc.stdin.write(f"{base} {int(nesting)}\n")
         proc.stdin.flush()
@@ -159,7 +161,7 @@ class _Helper:
         try:
             for name in ("uid_map", "gid_map"):
                 with open(f"/proc/{pid}/{name}", "w") as f:
-                    f.write(f"0 {base} {size}\n")
+                    f.write(maps or f"0 {base} {size}\n")
             ns = os.open(f"/proc/{pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
             go = "go"
         except OSError as e:
@@ -189,9 +191,19 @@ def make(base: int, size: int = BLOCK, nesting: bool = False) -> int:
     return _helper.make(base, size, nesting)
 
 
+def make_mapped(lines: list[tuple[int, int, int]]) -> int:
+    """A descriptor of a new user namespace owned by host root, nesting allowed, that maps
+    each (inside, host, count) of `lines` (uids and gids alike): the namespace an OCI runtime
+    binary runs in, so that the ids it hands out are the sandbox's own host ids. The caller
+    closes the fd."""
+    maps = "".join(f"{inside} {host} {count}\n" for inside, host, count in lines)
+    return _helper.make(0, 0, True, maps)
+
+
 def mapped_range(pid: int) -> tuple[int, int] | None:
-    """(first host uid, count) of the single uid_map line of `pid`'s user namespace; None for
-    the host's own namespace, several lines, or a process gone."""
+    """(first host uid, count) of the single uid_map line of `pid`'s user namespace (whichever
+    id it maps them to: gVisor's sentry maps one, as its `nobody`); None for the host's own
+    namespace, several lines, or a process gone."""
     try:
         with open(f"/proc/{pid}/uid_map") as f:
             lines = f.read().split("\n")
@@ -201,6 +213,6 @@ def mapped_range(pid: int) -> tuple[int, int] | None:
     if len(lines) != 1:
         return None
     inside, outside, count = (int(x) for x in lines[0].split())
-    if inside != 0 or (outside == 0 and count == 4294967295):
+    if outside == 0 and count == 4294967295:
         return None
     return outside, count
