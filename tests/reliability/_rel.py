@@ -39,6 +39,7 @@ class RelServer:
     pre: inv.Inventory  # before the server first started: nothing of it on the host
     base: inv.Inventory | None = None  # right after it started, no sandboxes yet
     keys: dict[str, str] = field(default_factory=dict)  # tenant -> key
+    tier: str = "process"  # the runtime it serves
 
     @property
     def data_dir(self) -> Path:
@@ -84,12 +85,13 @@ class RelServer:
         self.handle.start()  # answers health only once reconcile has run
 
     def runtime_state(self, sandbox_id: str) -> dict[str, Any] | None:
-        try:
-            return json.loads(
-                (self.data_dir / "sandboxes" / sandbox_id / "runtime.json").read_text()
-            )
-        except (OSError, ValueError):
-            return None
+        """What the runtime recorded of the sandbox (in whichever tier's sandboxes dir)."""
+        for d in sorted(self.data_dir.glob("sandboxes*")):
+            try:
+                return json.loads((d / sandbox_id / "runtime.json").read_text())
+            except (OSError, ValueError):
+                continue
+        return None
 
     def inventory(self) -> inv.Inventory:
         return inv.take(self.data_dir)
@@ -167,13 +169,20 @@ def sweep(snapshot: inv.Inventory) -> None:
 
 
 @contextmanager
-def private_server(tmp: Path, check_clean: bool = True) -> Iterator[RelServer]:
-    """A server of the test's own; at the end everything is killed and the host must be
-    exactly as before the server started (checked, then swept either way)."""
+def private_server(
+    tmp: Path, check_clean: bool = True, runtime: str = "process"
+) -> Iterator[RelServer]:
+    """A server of the test's own, serving `runtime`; at the end everything is killed and the
+    host must be exactly as before the server started (checked, then swept either way)."""
     port = free_port()
     data_dir = tmp / f"data-{port}"
-    handle = ServerHandle(url=f"http://127.0.0.1:{port}", data_dir=data_dir, port=port)
-    srv = RelServer(handle=handle, pre=inv.take(data_dir))
+    handle = ServerHandle(
+        url=f"http://127.0.0.1:{port}",
+        data_dir=data_dir,
+        port=port,
+        extra_args=["--runtime", runtime],
+    )
+    srv = RelServer(handle=handle, pre=inv.take(data_dir), tier=runtime)
     # Nothing of this data dir yet; at most processes no data dir can be told to own (sandbox
     # uids outside every agentbox cgroup: another server's leftovers, if anything).
     owned = [p.describe() for p in srv.pre.processes if p.why != ["sandbox-uid"]]

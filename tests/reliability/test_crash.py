@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import sqlite3
 import subprocess
 import time
@@ -27,6 +28,17 @@ TICKS = 50  # background commands print one line per 0.1 s: they span the crash 
 @pytest.fixture
 def srv(tmp_path: Path) -> Iterator[RelServer]:
     with private_server(tmp_path) as s:
+        yield s
+
+
+TIERS = ["process"] + [
+    t for t, b in (("container", "runc"), ("gvisor", "runsc")) if shutil.which(b)
+]
+
+
+@pytest.fixture(params=TIERS)
+def tier_srv(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[RelServer]:
+    with private_server(tmp_path, runtime=request.param) as s:
         yield s
 
 
@@ -68,7 +80,9 @@ def _foreground(c: httpx.Client, sid: str, cmd: str) -> list[dict[str, Any]]:
     return got
 
 
-def test_crash_readopts_live_reaps_expired_keeps_data(srv: RelServer) -> None:
+def test_crash_readopts_live_reaps_expired_keeps_data(tier_srv: RelServer) -> None:
+    """On every tier: what runs survives two server crashes, re-adopted."""
+    srv = tier_srv
     blobs: dict[str, bytes] = {}
     with srv.client() as c:
         live = [c.post("/v1/sandboxes", json={"timeout": 120}).json()["sandbox_id"] for _ in (1, 2)]

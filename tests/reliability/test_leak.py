@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
 import time
 from collections import Counter
@@ -31,6 +32,8 @@ from _rel import (
     sandbox_pids,
 )
 
+from agentbox.battery import inventory
+
 pytestmark = pytest.mark.reliability
 
 FAULTS = (
@@ -44,15 +47,28 @@ FAULTS = (
     "kill_while_starting",
     "runtime_killed_mid_create",
 )
+# The other tiers have no bwrap: their init is the runtime's (on `container` the agent itself,
+# pid 1 of the sandbox; on `gvisor` the sentry, whose processes are no host processes at all),
+# and their launcher (runc, runsc) is what a create may lose mid-way.
+TIER_FAULTS = {
+    "process": FAULTS,
+    "container": tuple(f for f in FAULTS if not f.startswith("bwrap")),
+    "gvisor": tuple(f for f in FAULTS if not f.startswith("bwrap") and f != "agent_killed"),
+}
+LAUNCHER = {"process": "bwrap", "container": "runc", "gvisor": "runsc"}
 CYCLES = int(os.environ.get("AGENTBOX_LEAK_CYCLES", str(2 * len(FAULTS))))
 SEED = int(os.environ.get("AGENTBOX_LEAK_SEED", str(int(time.time()) % 100_000)))
 BODY = {"timeout": 300, "resources": {"disk_mb": 64, "memory_mb": 128}}
 WORK = "echo data > /workspace/f; (sleep 600 &); sleep 600 & echo started"
 
 
-@pytest.fixture
-def srv(tmp_path: Path) -> Iterator[RelServer]:
-    with private_server(tmp_path) as s:
+def _tiers() -> list[str]:
+    return ["process"] + [t for t in ("container", "gvisor") if shutil.which(LAUNCHER[t])]
+
+
+@pytest.fixture(params=_tiers())
+def srv(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[RelServer]:
+    with private_server(tmp_path, runtime=request.param) as s:
         yield s
 
 
@@ -113,7 +129,8 @@ def _wait_ended(c: httpx.Client, sid: str, within: float) -> dict:
 def _first_runtime_process(srv: RelServer, create: Background, comm: str) -> str | None:
     """SIGKILL the first process named `comm` whose argv names this server's sandbox trees,
     while `create` runs; what was killed (None if the create finished first)."""
-    needles = [f"{srv.data_dir.resolve()}/sandboxes/", f"/run/agentbox/{srv.digest}/"]
+    fp = inventory.footprint(srv.data_dir)
+    needles = [f"{d.resolve()}/" for d in (*fp.dirs, *fp.roots)]
     while create.thread.is_alive():
         for name in os.listdir("/proc"):
             if not name.isdigit():
@@ -150,7 +167,7 @@ def _cycle(srv: RelServer, fault: str, rng: random.Random, round_: int) -> str:
             # Kill the first runtime process of the new sandbox seen: mkfs, losetup, mount, bwrap.
             bg = Background(lambda: c.post("/v1/sandboxes", json=BODY))
             victim = _first_runtime_process(
-                srv, bg, rng.choice(("mkfs.ext4", "losetup", "mount", "bwrap"))
+                srv, bg, rng.choice(("mkfs.ext4", "losetup", "mount", LAUNCHER[srv.tier]))
             )
             created = bg.result()
             assert created.status_code in (201, 503), created.text
@@ -230,13 +247,19 @@ def _cycle(srv: RelServer, fault: str, rng: random.Random, round_: int) -> str:
 
 
 def test_leak_cycles_with_faults(srv: RelServer) -> None:
+    """On every tier; the other tiers one round of their faults unless AGENTBOX_LEAK_CYCLES
+    says (each round takes a few seconds more there)."""
     rng = random.Random(SEED)
-    print(f"\nleak test: {CYCLES} cycles, seed {SEED} (AGENTBOX_LEAK_SEED to replay)")
+    faults = TIER_FAULTS[srv.tier]
+    cycles = (
+        CYCLES if srv.tier == "process" or "AGENTBOX_LEAK_CYCLES" in os.environ else len(faults)
+    )
+    print(f"\nleak test, {srv.tier}: {cycles} cycles, seed {SEED} (AGENTBOX_LEAK_SEED to replay)")
     outcomes: Counter[str] = Counter()
-    for i in range(CYCLES):
-        fault = FAULTS[i % len(FAULTS)]
+    for i in range(cycles):
+        fault = faults[i % len(faults)]
         try:
-            outcome = _cycle(srv, fault, rng, i // len(FAULTS))
+            outcome = _cycle(srv, fault, rng, i // len(faults))
             seen = assert_usable_or_gone(srv)
         except AssertionError as e:
             raise AssertionError(f"cycle {i} ({fault}, seed {SEED}): {e}") from None

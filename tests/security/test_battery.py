@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -21,35 +22,90 @@ from agentbox.runtimes.process.weaken import WEAKENINGS, Weakening
 pytestmark = pytest.mark.security
 
 
-@pytest.mark.timeout(1500)
+# What the battery finds broken on a tier by design of the tier, each with the one thing its
+# evidence may name (docs/ISOLATION.md says why and what would close it). Anything else broken,
+# or these broken more widely, fails; one of them fixed fails too, until it is taken off here.
+KNOWN_GAPS: dict[str, dict[str, str]] = {
+    "gvisor": {
+        # runsc 2022's ptrace platform keeps the sentry and its stubs in the host's pid
+        # namespace (RequiresCurrentPIDNS); every other namespace is the sandbox's own.
+        "priv-namespaces": r"(pid \d+ shares the server's pid namespace(; )?)+",
+        # No Landlock in gVisor: the sandbox's root may add entries to its own /dev (a
+        # read-only /dev would refuse `> /dev/null` there); the rest of the fence is mounts.
+        "fs-root-fence": r"created \['/dev/abx-[0-9a-f]+'\]",
+    },
+}
+
+
+def _tiers() -> list[str]:
+    tiers = ["process"]
+    tiers += [
+        t for t, binary in (("container", "runc"), ("gvisor", "runsc")) if shutil.which(binary)
+    ]
+    return tiers
+
+
+@pytest.mark.timeout(3000)
 @pytest.mark.skipif(os.geteuid() != 0, reason="the battery needs root")
 def test_escape_battery(tmp_path: Path) -> None:
+    """The battery on every installed tier, as the committed scorecard is made: each check
+    BLOCKED (or N/A) on each tier's shipped configuration but for the tier's known gaps, and
+    every positive control BROKEN (on the tier weakened, or on the process tier where the tier
+    cannot be weakened so)."""
     md, js = tmp_path / "scorecard.md", tmp_path / "scorecard.json"
     templates = tmp_path / "templates"
     seed_template_store(templates)
+    tiers = _tiers()
     proc = subprocess.run(
         [
-            sys.executable, "-m", "agentbox.battery", "--markdown", str(md), "--json", str(js),
+            sys.executable,
+            "-m",
+            "agentbox.battery",
+            "--runtime",
+            ",".join(tiers),
+            "--markdown",
+            str(md),
+            "--json",
+            str(js),
             # The battery's template shares its Debian base with the test run's templates,
             # in a store of its own (the shared one's index stays the test run's).
-            "--template-dir", str(templates),
+            "--template-dir",
+            str(templates),
         ],  # fmt: skip
         capture_output=True,
         text=True,
-        timeout=1500,
+        timeout=2900,
     )
     assert js.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
-    card = json.loads(js.read_text())
-    checks = card["checks"]
-    report = "\n".join(
-        f"{c['id']}: default {c['default']['status']} {c['default']['evidence'][:200]} | "
-        f"control {c['control']['status']} {c['control']['evidence'][:200]}"
-        for c in checks
-        if c["default"]["status"] not in ("BLOCKED", "N/A") or c["control"]["status"] != "BROKEN"
-    )
+    card = json.loads(js.read_text())["tiers"]
+    assert list(card) == tiers
+    report = []
+    for tier, run in card.items():
+        known = KNOWN_GAPS.get(tier, {})
+        for c in run["checks"]:
+            status, evidence = c["default"]["status"], c["default"]["evidence"]
+            gap = known.get(c["id"])
+            if gap is not None:
+                named = re.sub(r" \[[0-9.]+s\]$", "", evidence)
+                if status != "BROKEN" or not re.fullmatch(gap, named):
+                    report.append(f"{tier} {c['id']}: known gap now {status}: {evidence[:300]}")
+            elif status not in ("BLOCKED", "N/A"):
+                report.append(f"{tier} {c['id']}: default {status} {evidence[:300]}")
+            if c["control"]["status"] != "BROKEN":
+                report.append(
+                    f"{tier} {c['id']}: control ({c['control']['tier']}) "
+                    f"{c['control']['status']} {c['control']['evidence'][:200]}"
+                )
+        assert run["info"]["leftovers"] == "none", (tier, run["info"]["leftovers"])
+    assert not report, "\n".join(report)
+    checks = card["process"]["checks"]
     assert len(checks) >= 40
-    assert not report, report
-    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert all(len(run["checks"]) == len(checks) for run in card.values())
+    if "container" in card:  # the container tier builds every weakening but unsandboxed
+        moved = {
+            c["id"] for c in card["container"]["checks"] if c["control"]["tier"] != "container"
+        }
+        assert moved == {c.id for c in CHECKS if "unsandboxed" in c.control}, moved
     groups = {c["group"] for c in checks}
     assert {
         "filesystem",
@@ -64,32 +120,9 @@ def test_escape_battery(tmp_path: Path) -> None:
         "host-info",
         "control-plane",
     } <= groups
-    assert f"**{len(checks)} checks**" in md.read_text()
-
-
-@pytest.mark.timeout(900)
-@pytest.mark.skipif(os.geteuid() != 0, reason="the battery needs root")
-@pytest.mark.skipif(shutil.which("runc") is None, reason="runc is not installed")
-def test_escape_battery_on_the_container_tier(tmp_path: Path) -> None:
-    """Every check BLOCKED (or N/A) on the container tier's shipped configuration. Positive
-    controls exist for the process tier only so far (docs/ISOLATION.md)."""
-    js = tmp_path / "scorecard.json"
-    templates = tmp_path / "templates"
-    seed_template_store(templates)
-    argv = [sys.executable, "-m", "agentbox.battery", "--runtime", "container", "--no-controls"]
-    argv += ["--markdown", str(tmp_path / "scorecard.md"), "--json", str(js)]
-    argv += ["--template-dir", str(templates)]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=900)
-    assert js.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
-    checks = json.loads(js.read_text())["checks"]
-    report = "\n".join(
-        f"{c['id']}: {c['default']['status']} {c['default']['evidence'][:300]}"
-        for c in checks
-        if c["default"]["status"] not in ("BLOCKED", "N/A")
-    )
-    assert len(checks) >= 40
-    assert not report, report
-    assert proc.returncode == 0, proc.stdout[-3000:]
+    text = md.read_text()
+    assert all(f"`{t}`" in text for t in tiers)
+    assert f"**{len(checks)} checks**" in text
 
 
 @pytest.mark.timeout(300)
@@ -102,7 +135,7 @@ def test_a_control_without_limits_gets_its_sandbox(tmp_path: Path) -> None:
     argv += ["--markdown", str(tmp_path / "scorecard.md"), "--json", str(js)]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=280)
     assert js.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
-    (check,) = json.loads(js.read_text())["checks"]
+    (check,) = json.loads(js.read_text())["tiers"]["process"]["checks"]
     assert check["control"]["weakening"] == "no-limits"
     assert check["default"]["status"] == "BLOCKED", check["default"]["evidence"]
     assert check["control"]["status"] == "BROKEN", check["control"]["evidence"]
@@ -164,3 +197,21 @@ def test_egress_open_switches_off_the_proxy_guards() -> None:
     assert NetworkSettings().egress_weaken == frozenset()
     cli = (Path(__file__).parents[2] / "src/agentbox/cli/app.py").read_text()
     assert "weaken" not in cli
+
+
+def test_controls_run_on_their_tier_where_it_can_be_weakened_so() -> None:
+    from agentbox.battery.server import control_tier, weakened_runtime
+    from agentbox.runtimes.oci.weaken import WEAKENED_TIERS
+
+    for cls in WEAKENED_TIERS.values():
+        assert cls.WEAKENABLE <= WEAKENINGS.keys()
+    assert control_tier("container", {"host-root", "no-seccomp"}) == ("container", "")
+    assert control_tier("gvisor", {"no-seccomp", "egress-open"}) == ("gvisor", "")
+    assert control_tier("gvisor", {"egress-open"}) == ("gvisor", "")  # the server's, any tier
+    tier, why = control_tier("gvisor", {"share-pid", "no-seccomp"})
+    assert tier == "process" and "share-pid" in why and "no-seccomp" not in why
+    assert control_tier("container", {"unsandboxed"})[0] == "process"
+    with pytest.raises(ValueError, match="share-pid"):
+        weakened_runtime("gvisor", {"share-pid"}, [])
+    name, config = weakened_runtime("gvisor", {"no-seccomp"}, [])
+    assert name == "gvisor-weakened" and config == {"weaken": ["no-seccomp"], "bind_host": []}

@@ -25,6 +25,7 @@ from agentbox.battery import inventory, netns
 from agentbox.battery.checks import CHECKS, Check, Ctx, ProbeFailed, Verdict, build_template
 from agentbox.battery.oracle import Oracle
 from agentbox.battery.scorecard import Row, render_json, render_markdown
+from agentbox.battery.server import control_tier
 from agentbox.battery.target import Server
 
 
@@ -78,7 +79,7 @@ def machine() -> dict[str, str]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(prog="python -m agentbox.battery", description=__doc__)
-    p.add_argument("--runtime", default="process")
+    p.add_argument("--runtime", default="process", help="a tier, or several: process,gvisor")
     p.add_argument("--markdown", type=Path, default=Path("SECURITY-SCORECARD.md"))
     p.add_argument("--json", type=Path, default=Path("security-scorecard.json"))
     p.add_argument("--only", default="", help="regex on check ids")
@@ -111,76 +112,136 @@ def main(argv: list[str] | None = None) -> int:
     shadow = Path("/etc/shadow")
     if shadow.exists():
         oracle.extra_secrets["/etc/shadow"] = shadow.read_text().splitlines()[0]
-    rows = {c.id: Row(c.id, c.group, c.title, "+".join(sorted(c.control))) for c in checks}
-    started = time.monotonic()
-    leftovers: list[str] = []
+    runs: list[TierRun] = []
+    # Controls run on the process tier, by profile: a later tier whose control falls back to
+    # the process tier takes the verdicts of the same run (the same experiment) from here.
+    on_process: dict[str, dict[str, Verdict]] = {}
     try:
-        for name, flags in profiles(checks, not a.no_controls):
-            todo = checks if name == "default" else [c for c in checks if c.control == flags]
-            bind = [str(oracle.canary_dir)] if "bind-host" in flags else []
-            server = Server(
-                workdir,
-                name,
-                flags,
-                bind,
-                oracle.server_env(),
-                a.runtime,
-                [
-                    *netns.server_options(),
-                    *oracle.server_options(),
-                    *("--template-dir", str(a.template_dir)),
-                ],
-            )
-            server.start()
-            print(f"== {a.runtime} / {name}: {len(todo)} checks", flush=True)
-            try:
-                for c in todo:
-                    ctx = Ctx(server, oracle, roles, a.template_dir)
-                    v = run_check(c, ctx)
-                    server.kill_boxes()
-                    if name == "default":
-                        rows[c.id].default = v
-                    else:
-                        rows[c.id].control_verdict = v
-                    mark = v.status + (f"({','.join(v.kinds)})" if v.kinds else "")
-                    print(f"  {c.id:32s} {mark:22s} {v.evidence[:110]}", flush=True)
-            finally:
-                server.stop()
-            if name == "default":
-                # After the shipped configuration's run the host must hold nothing of it.
-                left = inventory.take(server.data_dir)
-                leftovers = [line for items in left.items().values() for line in items]
+        for tier in a.runtime.split(","):
+            run = TierRun(tier, checks, [Row(c.id, c.group, c.title, "+".join(sorted(c.control)))
+                                         for c in checks])  # fmt: skip
+            run.attack(oracle, roles, workdir / tier, a.template_dir, not a.no_controls, on_process)
+            runs.append(run)
     finally:
         oracle.remove()
         if a.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
-    info = {
-        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "runtime": a.runtime,
-        "seconds": f"{time.monotonic() - started:.0f}",
-        "leftovers": "; ".join(leftovers)[:500] or "none",
-        "server_options": " ".join(netns.server_options()),
-        **machine(),
-    }
-    ordered = [rows[c.id] for c in checks]
-    a.markdown.write_text(render_markdown(ordered, info))
-    a.json.write_text(json.dumps(render_json(ordered, info), indent=2))
-    broken = [r.id for r in ordered if r.default.status == "BROKEN"]
-    errors = [r.id for r in ordered if r.default.status == "ERROR"]
-    weak = [] if a.no_controls else [r.id for r in ordered if r.control_verdict.status != "BROKEN"]
-    print(
-        f"{len(ordered)} checks: {len(broken)} BROKEN, {len(errors)} ERROR by default; "
-        f"{len(weak)} positive controls did not break. Scorecard: {a.markdown}",
-        flush=True,
-    )
-    for label, ids in (("BROKEN", broken), ("ERROR", errors), ("control not broken", weak)):
-        if ids:
-            print(f"  {label}: {', '.join(ids)}")
-    if leftovers:
-        print(f"  the default run left on the host: {leftovers[:5]}")
-    if broken or leftovers:
-        return 1
-    return 2 if errors or weak else 0
+    a.markdown.write_text(render_markdown([(r.rows, r.info) for r in runs]))
+    a.json.write_text(json.dumps(render_json([(r.rows, r.info) for r in runs]), indent=2))
+    status = 0
+    for run in runs:
+        status = max(status, run.report(a.markdown, controls=not a.no_controls))
+    return 1 if any(r.status == 1 for r in runs) else status
+
+
+class TierRun:
+    """The battery against one tier: its shipped configuration, then each positive control
+    (on the tier, weakened, or where the tier cannot be weakened so, on the process tier)."""
+
+    def __init__(self, tier: str, checks: list[Check], rows: list[Row]) -> None:
+        self.tier = tier
+        self.checks = checks
+        self.rows = rows
+        self.info: dict[str, str] = {}
+        self.status = 0
+
+    def attack(
+        self,
+        oracle: Oracle,
+        roles: dict[str, list[str]],
+        workdir: Path,
+        template_dir: Path,
+        controls: bool,
+        on_process: dict[str, dict[str, Verdict]],
+    ) -> None:
+        rows = {r.id: r for r in self.rows}
+        started = time.monotonic()
+        leftovers: list[str] = []
+        workdir.mkdir(parents=True, exist_ok=True)
+        for name, flags in profiles(self.checks, controls):
+            todo = (
+                self.checks if name == "default" else [c for c in self.checks if c.control == flags]
+            )
+            for (tier, why), group in self._by_tier(name, flags, todo).items():
+                if tier == "process" and all(c.id in on_process.get(name, {}) for c in group):
+                    print(
+                        f"== {self.tier} / {name}: {why}: the process tier's verdicts", flush=True
+                    )
+                    for c in group:
+                        rows[c.id].control_verdict = on_process[name][c.id]
+                        rows[c.id].control_tier = "process"
+                    continue
+                bind = [str(oracle.canary_dir)] if "bind-host" in flags else []
+                options = [*netns.server_options(), *oracle.server_options()]
+                options += ["--template-dir", str(template_dir)]
+                server = Server(workdir, name, flags, bind, oracle.server_env(), tier, options)
+                server.start()
+                print(f"== {self.tier} / {name}: {len(group)} checks {why}", flush=True)
+                try:
+                    for c in group:
+                        ctx = Ctx(server, oracle, roles, template_dir)
+                        v = run_check(c, ctx)
+                        server.kill_boxes()
+                        if name == "default":
+                            rows[c.id].default = v
+                        else:
+                            rows[c.id].control_verdict = v
+                            rows[c.id].control_tier = tier if tier != self.tier else ""
+                            if tier == "process":
+                                on_process.setdefault(name, {})[c.id] = v
+                        mark = v.status + (f"({','.join(v.kinds)})" if v.kinds else "")
+                        print(f"  {c.id:32s} {mark:22s} {v.evidence[:110]}", flush=True)
+                finally:
+                    server.stop()
+                if name == "default":
+                    # After the shipped configuration's run the host must hold nothing of it.
+                    left = inventory.take(server.data_dir)
+                    leftovers = [line for items in left.items().values() for line in items]
+        self.info = {
+            "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+            "runtime": self.tier,
+            "seconds": f"{time.monotonic() - started:.0f}",
+            "leftovers": "; ".join(leftovers)[:500] or "none",
+            "server_options": " ".join(netns.server_options()),
+            **machine(),
+        }
+
+    def _by_tier(
+        self, name: str, flags: frozenset[str], todo: list[Check]
+    ) -> dict[tuple[str, str], list[Check]]:
+        """The profile's checks by the tier they run on (and why not this one): the default
+        profile on this tier; a control on this tier weakened, unless it cannot be weakened
+        so or the check says its control cannot show a break here (control_elsewhere)."""
+        out: dict[tuple[str, str], list[Check]] = {}
+        for c in todo:
+            where = (self.tier, "")
+            if name != "default":
+                where = control_tier(self.tier, flags)
+                if where[0] == self.tier and self.tier in c.control_elsewhere:
+                    where = ("process", c.control_elsewhere[self.tier])
+            out.setdefault(where, []).append(c)
+        return out
+
+    def report(self, markdown: Path, controls: bool) -> int:
+        """Print the tier's outcome; its exit status (see the module's doc)."""
+        broken = [r.id for r in self.rows if r.default.status == "BROKEN"]
+        errors = [r.id for r in self.rows if r.default.status == "ERROR"]
+        weak = [r.id for r in self.rows if r.control_verdict.status != "BROKEN"] if controls else []
+        print(
+            f"{self.tier}: {len(self.rows)} checks: {len(broken)} BROKEN, {len(errors)} ERROR by "
+            f"default; {len(weak)} positive controls did not break. Scorecard: {markdown}",
+            flush=True,
+        )
+        for label, ids in (("BROKEN", broken), ("ERROR", errors), ("control not broken", weak)):
+            if ids:
+                print(f"  {label}: {', '.join(ids)}")
+        if self.info["leftovers"] != "none":
+            print(f"  the default run left on the host: {self.info['leftovers'][:300]}")
+        if broken or self.info["leftovers"] != "none":
+            self.status = 1
+        else:
+            self.status = 2 if errors or weak else 0
+        return self.status
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from agentbox.battery.target import BATTERY_RESOURCES, Box, Server
 from agentbox.runtimes.base import HostFootprint
 from agentbox.runtimes.process import userns
 from agentbox.runtimes.process.userns import ROOT_CAP_MASK
+from agentbox.runtimes.uids import BLOCK
 
 BLOCKED_ERRNOS = {"EPERM", "ENOSYS", "SIGSYS", "EACCES", "ABSENT"}
 
@@ -133,6 +134,23 @@ class Ctx:
                 pids.append(int(p))
         return pids
 
+    def cpu_seconds(self, box: Box) -> float | None:
+        """CPU time the sandbox's cgroup has used, read on the host (what the sandbox took from
+        the machine, whatever its own kernel tells it); None without one."""
+        root = Path("/sys/fs/cgroup")
+        for group in self.footprint().cgroup_groups:
+            rel = f"{group}/{self.digest()}/{box.id}"
+            try:
+                return int((root / "cpuacct" / rel / "cpuacct.usage").read_text()) / 1e9
+            except (OSError, ValueError):
+                pass
+            try:
+                stat = (root / rel / "cpu.stat").read_text().split()
+                return int(stat[stat.index("usage_usec") + 1]) / 1e6
+            except (OSError, ValueError, IndexError):
+                pass
+        return None
+
     def runtime_state(self, box: Box) -> dict[str, Any]:
         """What the runtime recorded of the sandbox (runtime.json in its dir, in whichever of
         the footprint's directories holds it)."""
@@ -153,6 +171,9 @@ class Check:
     fn: Callable[[Ctx], Verdict]
     bind_canary: bool = False
     needs_template: bool = False  # runs in a sandbox of the battery's built template
+    # Tiers on which the control cannot show the break, and why (the tier's own kernel has
+    # nothing the weakening would expose): the control runs on the process tier there.
+    control_elsewhere: dict[str, str] = field(default_factory=dict)
 
 
 CHECKS: list[Check] = []
@@ -165,9 +186,15 @@ def check(
     control: Iterable[str],
     bind_canary: bool = False,
     needs_template: bool = False,
+    control_elsewhere: dict[str, str] | None = None,
 ) -> Callable[[Callable[[Ctx], Verdict]], Callable[[Ctx], Verdict]]:
     def register(fn: Callable[[Ctx], Verdict]) -> Callable[[Ctx], Verdict]:
-        CHECKS.append(Check(id, group, title, frozenset(control), fn, bind_canary, needs_template))
+        CHECKS.append(
+            Check(
+                id, group, title, frozenset(control), fn, bind_canary, needs_template,
+                control_elsewhere or {},
+            )
+        )  # fmt: skip
         return fn
 
     return register
@@ -854,10 +881,15 @@ def _priv_uid_ranges(ctx: Ctx) -> Verdict:
             ranges.setdefault(box.id, set()).add(r)
             if not r[0] <= uid < r[0] + r[1]:
                 v.add_break("ESCAPE", f"{box.id}: pid {pid} runs as host uid {uid} outside {r}")
+    spans = []
     for box_id, found in ranges.items():
-        if len(found) != 1:
+        # One block per sandbox: its processes may map parts of it (gVisor's kernel runs as
+        # the block's last id, its file server maps the rest), never more than a block.
+        lo, hi = min(r[0] for r in found), max(r[0] + r[1] for r in found)
+        if hi - lo > BLOCK:
             v.add_break("ESCAPE", f"{box_id} has processes in several ranges {sorted(found)}")
-    spans = sorted((r[0], r[0] + r[1], box_id) for box_id, rs in ranges.items() for r in rs)
+        spans.append((lo, hi, box_id))
+    spans.sort()
     for (a0, a1, a), (b0, b1, b) in zip(spans, spans[1:], strict=False):
         if b0 < a1:
             v.add_break("ESCAPE", f"{a} [{a0}, {a1}) and {b} [{b0}, {b1}) overlap")
@@ -1132,6 +1164,7 @@ def _net_raw(ctx: Ctx) -> Verdict:
     "network",
     "vsock, AF_ALG and other non-IP socket families",
     ["no-seccomp"],
+    control_elsewhere={"gvisor": "gVisor's kernel has none of these families, seccomp or not"},
 )
 def _net_families(ctx: Ctx) -> Verdict:
     res = ctx.box().probe("sockets")
@@ -1524,13 +1557,21 @@ def _persistence(ctx: Ctx) -> Verdict:
     def held() -> bool:
         return any(key in line for line in Path("/proc/locks").read_text().splitlines())
 
+    where = "lock released"
     if not held():
-        return Verdict("ERROR", evidence=f"the daemon's lock never showed up ({out})")
+        # A kernel of the sandbox's own (gVisor's) keeps its locks: the host's list never
+        # shows them. The daemon must be alive in there, and after kill no host process of
+        # the sandbox (the kernel holding it) may be left.
+        pid = int(out.get("daemon_pid") or 0)
+        probe = f"kill -0 {pid} && {{ flock -n /workspace/.abx-lock true; echo held=$?; }}"
+        if not pid or "held=1" not in box.run(probe).stdout:
+            return Verdict("ERROR", evidence=f"the daemon's lock never showed up ({out})")
+        where = "the lock held inside the sandbox's own kernel, gone with it"
     r = box.kill()
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and (held() or ctx.sandbox_pids(box)):
         time.sleep(0.05)
-    v = blocked(f"kill -> HTTP {r.status_code}; lock released, no process left")
+    v = blocked(f"kill -> HTTP {r.status_code}; {where}, no process left")
     if held():
         v.add_break("ESCAPE", "the daemon still holds its flock 5 s after kill")
     left = ctx.sandbox_pids(box)
@@ -1576,7 +1617,9 @@ R = BATTERY_RESOURCES
     ["no-limits"],
 )
 def _res_fork(ctx: Ctx) -> Verdict:
-    box = ctx.box()
+    # Memory enough for pids processes on every tier (a process costs gVisor's kernel about
+    # 4.5 MiB of the sandbox's memory): the pids limit is what this check tries.
+    box = ctx.box(resources={"memory_mb": 512})
     out = box.probe("fork", limit=3 * R["pids"])
     if "forked" not in out:
         raise ProbeFailed(str(out)[:300])
@@ -1665,11 +1708,21 @@ def _res_cpu(ctx: Ctx) -> Verdict:
         return na("needs at least 2 CPUs to tell a limit from the machine")
     # Half a CPU: an unlimited spinner gets more than that even on a busy 2-CPU host.
     limit = 0.5
-    out = ctx.box(resources={"cpu_count": limit}).probe("cpu", workers=4, seconds=2.0)
+    box = ctx.box(resources={"cpu_count": limit})
+    box.run("true")
+    before = ctx.cpu_seconds(box)
+    out = box.probe("cpu", workers=4, seconds=2.0)
     if "cpu_s" not in out:
         raise ProbeFailed(str(out)[:300])
-    used = out["cpu_s"] / out["wall_s"]
-    v = blocked(f"{used:.2f} CPUs used with cpu_count={limit}")
+    after = ctx.cpu_seconds(box)
+    # The host's count when there is one (a kernel of the sandbox's own, gVisor's, counts
+    # its own way): the probe's wall time against the cgroup's CPU time over it (a little
+    # longer: the probe's start), else what the sandbox counted.
+    if before is not None and after is not None:
+        used, seen = (after - before) / out["wall_s"], "host cgroup"
+    else:
+        used, seen = out["cpu_s"] / out["wall_s"], "sandbox"
+    v = blocked(f"{used:.2f} CPUs used with cpu_count={limit} ({seen})")
     if used > limit * 1.25:
         v.add_break("DOS", f"{used:.2f} CPUs used with cpu_count={limit}")
     return v

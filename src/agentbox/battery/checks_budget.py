@@ -101,7 +101,9 @@ def _budget_descriptors(ctx: Ctx) -> Verdict:
     try:
         # The sandbox's own limits are not the point: its tenant may hold more descriptors
         # (pids × nofile) than the default share, set by the admin as an operator would.
-        tenant, roomy = "battery-budget", {"nofile": 1024, "pids": 1024}
+        # Memory for 150 idle commands on every tier (a process costs gVisor's kernel about
+        # 4.5 MiB of the sandbox's memory).
+        tenant, roomy = "battery-budget", {"nofile": 1024, "pids": 1024, "memory_mb": 2048}
         quota = {"max_descriptors": 2**21, "max_total_descriptors": 2**22}
         with ctx.server.client(ctx.server.admin_key) as admin:
             admin.put(f"/v1/tenants/{tenant}/quota", json=quota).raise_for_status()

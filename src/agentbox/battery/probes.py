@@ -20,6 +20,7 @@ import os
 import platform
 import signal
 import socket
+import stat
 import struct
 import sys
 import time
@@ -446,8 +447,19 @@ def probe_masked(paths: list[str]) -> dict:
     return {"results": out}
 
 
+def _inert(path: str) -> bool:
+    """An empty regular file or directory: what a runtime covers a device of its own with."""
+    try:
+        st = os.lstat(path)
+        if stat.S_ISREG(st.st_mode):
+            return st.st_size == 0
+        return stat.S_ISDIR(st.st_mode) and not os.listdir(path)
+    except OSError:
+        return False
+
+
 def probe_devices(nonce: str) -> dict:
-    out: dict = {"dev": sorted(os.listdir("/dev"))}
+    out: dict = {"dev": sorted(n for n in os.listdir("/dev") if not _inert(f"/dev/{n}"))}
     for p in (
         "/dev/mem",
         "/dev/kmem",
@@ -462,10 +474,13 @@ def probe_devices(nonce: str) -> dict:
         "/dev/fuse",
     ):
         try:
-            os.close(os.open(p, os.O_RDONLY | os.O_NONBLOCK))
-            out[p] = "OPENED"
+            fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK)
         except OSError as e:
             out[p] = oserr(e)
+            continue
+        mode = os.fstat(fd).st_mode
+        os.close(fd)
+        out[p] = "OPENED" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "NOT-A-DEVICE"
     node = f"/tmp/abx-node-{nonce}"
     try:
         os.mknod(node, 0o600 | 0o020000, os.makedev(1, 1))  # char 1:1 = /dev/mem
@@ -522,6 +537,9 @@ def probe_status(threads: int) -> dict:
         t.start()
     keys = ("Uid", "Gid", "CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb", "NoNewPrivs")
     out = {}
+    # A kernel whose status files lack the NoNewPrivs line (gVisor's) still answers prctl;
+    # threads share it with the one that made them.
+    nnp = ctypes.CDLL(None, use_errno=True).prctl(39, 0, 0, 0, 0)  # PR_GET_NO_NEW_PRIVS
     try:
         for tid in os.listdir("/proc/self/task"):
             fields = {}
@@ -530,6 +548,9 @@ def probe_status(threads: int) -> dict:
                     k, _, v = line.partition(":")
                     if k in (*keys, "Seccomp"):
                         fields[k] = v.strip()
+            if "NoNewPrivs" not in fields:
+                fields["NoNewPrivs"] = str(nnp)
+                fields["NoNewPrivs_from"] = "prctl"
             out[tid] = fields
     finally:
         stop.set()

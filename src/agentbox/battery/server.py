@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from agentbox import runtimes
 from agentbox.core.logs import LogLimits
 from agentbox.core.network import NetworkSettings
+from agentbox.runtimes.base import Runtime
+from agentbox.runtimes.oci.weaken import WEAKENED_TIERS
 from agentbox.runtimes.process.weaken import WEAKENINGS, WeakenedProcessRuntime
 from agentbox.server.app import serve
 from agentbox.server.gateway import RelayLimits
@@ -95,23 +97,42 @@ def weakened_network(flags: set[str], **settings: Any) -> NetworkSettings:
     return NetworkSettings(egress_weaken=frozenset(flags & EGRESS_WEAKENINGS.keys()), **settings)
 
 
+def control_tier(tier: str, flags: Iterable[str]) -> tuple[str, str]:
+    """The tier a positive control with `flags` runs on, and why if not `tier`: a tier is
+    weakened only in the ways it can be built (runtimes/oci/weaken.py); a control that needs
+    another runs on the process tier (its probe is the same; what it proves is that the probe
+    sees the break)."""
+    wanted = set(flags) & WEAKENINGS.keys()
+    if tier == "process" or not wanted:
+        return tier, ""
+    cls = WEAKENED_TIERS.get(tier)
+    missing = wanted - (cls.WEAKENABLE if cls is not None else frozenset())
+    if not missing:
+        return tier, ""
+    return "process", f"the {tier} tier cannot be weakened with {', '.join(sorted(missing))}"
+
+
 def weakened_runtime(
     names: str, flags: set[str], bind_host: list[str], host_paths: Sequence[str] = ()
 ) -> tuple[str, dict[str, Any] | None]:
     """The runtimes to serve and the default one's config: with runtime weakenings, the
-    weakened process runtime (registered here, in code, so no installation ever offers it)
-    in place of `process`. `host_paths`: as `agentbox serve --host-path`."""
+    weakened version of the first (registered here, in code, so no installation ever offers
+    it) in its place. `host_paths`: as `agentbox serve --host-path`."""
     weaken = sorted(flags & WEAKENINGS.keys())
     shown = {"host_paths": list(host_paths)} if host_paths else {}
     if not weaken and not bind_host:
         return names, shown or None
     first, *rest = names.split(",")
-    if first != "process":
-        raise ValueError(f"runtime weakenings are for the process runtime, not {first!r}")
-    name = WeakenedProcessRuntime.name
-    if name not in runtimes.available():
-        runtimes.register(name, WeakenedProcessRuntime)
-    return ",".join([name, *rest]), {"weaken": weaken, "bind_host": bind_host, **shown}
+    weakened: dict[str, type[Runtime]] = {"process": WeakenedProcessRuntime, **WEAKENED_TIERS}
+    if first not in weakened:
+        raise ValueError(f"no weakened version of the {first!r} runtime")
+    _, why = control_tier(first, [*weaken, *(["bind-host"] if bind_host else [])])
+    if why:
+        raise ValueError(why)
+    cls = weakened[first]
+    if cls.name not in runtimes.available():
+        runtimes.register(cls.name, cls)
+    return ",".join([cls.name, *rest]), {"weaken": weaken, "bind_host": bind_host, **shown}
 
 
 def main() -> None:
