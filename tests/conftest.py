@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import io
 import json
@@ -149,7 +150,27 @@ def data_dir() -> Iterator[Path]:
     path = Path("/var/tmp") / f"agentbox-rt-{os.getpid()}-{time.monotonic_ns()}"
     path.mkdir(mode=0o700)
     yield path
+    sweep_bind_roots(path)
     shutil.rmtree(path, ignore_errors=True)
+
+
+def sweep_bind_roots(data_dir: Path) -> None:
+    """Unmount and remove what the runtimes keep for `data_dir` outside it (its bind roots
+    under /run/agentbox), for a test whose runtime was not closed: the host keeps no
+    scaffolding of data dirs that no longer exist."""
+    from agentbox.battery import inventory
+    from agentbox.runtimes.process import hostview
+
+    data = data_dir.resolve()
+    for root in inventory.footprint(data_dir).roots:
+        if root.is_relative_to(data) or not root.is_dir():
+            continue
+        with open("/proc/self/mountinfo") as f:
+            points = [line.split()[4] for line in f]
+        for point in sorted((p for p in points if Path(p).is_relative_to(root)), reverse=True):
+            with contextlib.suppress(OSError):
+                hostview.detach(Path(point))
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
