@@ -18,11 +18,15 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from conftest import ServerHandle, free_port
 
 from agentbox.battery import inventory as inv
 
 LIVE = ("starting", "running")
+# The tiers this host runs (the process tier always; the others where their binary is installed).
+LAUNCHER = {"process": "bwrap", "container": "runc", "gvisor": "runsc"}
+TIERS = ["process"] + [t for t in ("container", "gvisor") if shutil.which(LAUNCHER[t])]
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -288,3 +292,10 @@ def sandbox_pids(snapshot: inv.Inventory, sandbox_id: str, comm: str | None = No
         and p.state not in ("Z", "X")
         and (comm is None or p.comm == comm)
     ]
+
+
+@pytest.fixture(params=TIERS)
+def tier_srv(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[RelServer]:
+    """A private server (private_server) of each tier in turn."""
+    with private_server(tmp_path, runtime=request.param) as s:
+        yield s

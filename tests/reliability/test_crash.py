@@ -7,7 +7,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import sqlite3
 import subprocess
 import time
@@ -18,7 +17,14 @@ from typing import Any
 
 import httpx
 import pytest
-from _rel import Background, RelServer, assert_usable_or_gone, private_server, run_ok
+from _rel import (  # noqa: F401 - tier_srv is a fixture
+    Background,
+    RelServer,
+    assert_usable_or_gone,
+    private_server,
+    run_ok,
+    tier_srv,
+)
 
 pytestmark = pytest.mark.reliability
 
@@ -28,17 +34,6 @@ TICKS = 50  # background commands print one line per 0.1 s: they span the crash 
 @pytest.fixture
 def srv(tmp_path: Path) -> Iterator[RelServer]:
     with private_server(tmp_path) as s:
-        yield s
-
-
-TIERS = ["process"] + [
-    t for t, b in (("container", "runc"), ("gvisor", "runsc")) if shutil.which(b)
-]
-
-
-@pytest.fixture(params=TIERS)
-def tier_srv(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[RelServer]:
-    with private_server(tmp_path, runtime=request.param) as s:
         yield s
 
 
@@ -80,7 +75,7 @@ def _foreground(c: httpx.Client, sid: str, cmd: str) -> list[dict[str, Any]]:
     return got
 
 
-def test_crash_readopts_live_reaps_expired_keeps_data(tier_srv: RelServer) -> None:
+def test_crash_readopts_live_reaps_expired_keeps_data(tier_srv: RelServer) -> None:  # noqa: F811
     """On every tier: what runs survives two server crashes, re-adopted."""
     srv = tier_srv
     blobs: dict[str, bytes] = {}

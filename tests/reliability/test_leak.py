@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 import signal
 import time
 from collections import Counter
@@ -24,6 +23,8 @@ from pathlib import Path
 import httpx
 import pytest
 from _rel import (
+    LAUNCHER,
+    TIERS,
     Background,
     RelServer,
     assert_usable_or_gone,
@@ -55,18 +56,13 @@ TIER_FAULTS = {
     "container": tuple(f for f in FAULTS if not f.startswith("bwrap")),
     "gvisor": tuple(f for f in FAULTS if not f.startswith("bwrap") and f != "agent_killed"),
 }
-LAUNCHER = {"process": "bwrap", "container": "runc", "gvisor": "runsc"}
 CYCLES = int(os.environ.get("AGENTBOX_LEAK_CYCLES", str(2 * len(FAULTS))))
 SEED = int(os.environ.get("AGENTBOX_LEAK_SEED", str(int(time.time()) % 100_000)))
 BODY = {"timeout": 300, "resources": {"disk_mb": 64, "memory_mb": 128}}
 WORK = "echo data > /workspace/f; (sleep 600 &); sleep 600 & echo started"
 
 
-def _tiers() -> list[str]:
-    return ["process"] + [t for t in ("container", "gvisor") if shutil.which(LAUNCHER[t])]
-
-
-@pytest.fixture(params=_tiers())
+@pytest.fixture(params=TIERS)
 def srv(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[RelServer]:
     with private_server(tmp_path, runtime=request.param) as s:
         yield s

@@ -128,10 +128,8 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(workdir, ignore_errors=True)
     a.markdown.write_text(render_markdown([(r.rows, r.info) for r in runs]))
     a.json.write_text(json.dumps(render_json([(r.rows, r.info) for r in runs]), indent=2))
-    status = 0
-    for run in runs:
-        status = max(status, run.report(a.markdown, controls=not a.no_controls))
-    return 1 if any(r.status == 1 for r in runs) else status
+    statuses = [run.report(a.markdown, controls=not a.no_controls) for run in runs]
+    return 1 if 1 in statuses else max(statuses)
 
 
 class TierRun:
@@ -169,7 +167,7 @@ class TierRun:
                     )
                     for c in group:
                         rows[c.id].control_verdict = on_process[name][c.id]
-                        rows[c.id].control_tier = "process"
+                        rows[c.id].control_tier, rows[c.id].control_why = "process", why
                     continue
                 bind = [str(oracle.canary_dir)] if "bind-host" in flags else []
                 options = [*netns.server_options(), *oracle.server_options()]
@@ -186,7 +184,8 @@ class TierRun:
                             rows[c.id].default = v
                         else:
                             rows[c.id].control_verdict = v
-                            rows[c.id].control_tier = tier if tier != self.tier else ""
+                            if tier != self.tier:
+                                rows[c.id].control_tier, rows[c.id].control_why = tier, why
                             if tier == "process":
                                 on_process.setdefault(name, {})[c.id] = v
                         mark = v.status + (f"({','.join(v.kinds)})" if v.kinds else "")

@@ -1710,16 +1710,17 @@ def _res_cpu(ctx: Ctx) -> Verdict:
     limit = 0.5
     box = ctx.box(resources={"cpu_count": limit})
     box.run("true")
-    before = ctx.cpu_seconds(box)
+    before, t0 = ctx.cpu_seconds(box), time.monotonic()
     out = box.probe("cpu", workers=4, seconds=2.0)
     if "cpu_s" not in out:
         raise ProbeFailed(str(out)[:300])
-    after = ctx.cpu_seconds(box)
-    # The host's count when there is one (a kernel of the sandbox's own, gVisor's, counts
-    # its own way): the probe's wall time against the cgroup's CPU time over it (a little
-    # longer: the probe's start), else what the sandbox counted.
+    after, t1 = ctx.cpu_seconds(box), time.monotonic()
+    # The host's count when there is a cpuacct group (a kernel of the sandbox's own, gVisor's,
+    # counts its own way): the cgroup's CPU time over the host's time between the two
+    # readings (the probe's start and the request included in both), else what the sandbox
+    # counted over the spin.
     if before is not None and after is not None:
-        used, seen = (after - before) / out["wall_s"], "host cgroup"
+        used, seen = (after - before) / (t1 - t0), "host cgroup"
     else:
         used, seen = out["cpu_s"] / out["wall_s"], "sandbox"
     v = blocked(f"{used:.2f} CPUs used with cpu_count={limit} ({seen})")

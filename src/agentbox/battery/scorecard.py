@@ -19,6 +19,7 @@ class Row:
     default: Verdict = field(default_factory=lambda: Verdict("N/A", evidence="not run"))
     control_verdict: Verdict = field(default_factory=lambda: Verdict("N/A", evidence="not run"))
     control_tier: str = ""  # the tier the control ran on, when not the one attacked
+    control_why: str = ""  # and why it did not run on the one attacked
 
 
 def _cell(v: Verdict) -> str:
@@ -43,9 +44,10 @@ def render_markdown(runs: list[tuple[list[Row], dict[str, str]]]) -> str:
         "canaries: a secret file outside every mount, listeners on loopback, gateway, node and",
         "metadata addresses and a DNS canary in a private network namespace, a host process,",
         "planted server secrets, and host-state snapshots. Each check also runs against a",
-        "deliberately weakened sandbox (its positive control), where it must report BROKEN; on a",
-        "tier that cannot be weakened that way, the control runs on the process tier (marked",
-        "`on process`): the probe is the same, and the control proves it sees the break.",
+        "deliberately weakened sandbox (its positive control), where it must report BROKEN;",
+        "where a tier cannot be weakened that way, or its own kernel has nothing the weakening",
+        "would expose, the control runs on the process tier (marked `on process`, the reason in",
+        "the tier's evidence): the probe is the same, and the control proves it sees the break.",
         "",
         f"- Machine: Linux {first['kernel']} {first['arch']}, {first['cpus']} CPUs, cgroups "
         f"{first['cgroups']}, Python {first['python']}",
@@ -108,7 +110,7 @@ def render_markdown(runs: list[tuple[list[Row], dict[str, str]]]) -> str:
             "|---|---|---|---|",
         ]
         for r in rows:
-            on = f" (on {r.control_tier})" if r.control_tier else ""
+            on = f" (on {r.control_tier}: {r.control_why})" if r.control_tier else ""
             lines.append(
                 f"| `{r.id}` | **{_cell(r.default)}** | {_md(r.default.evidence)} | "
                 f"{_cell(r.control_verdict)}{on}: {_md(r.control_verdict.evidence, 100)} |"
@@ -134,6 +136,7 @@ def render_json(runs: list[tuple[list[Row], dict[str, str]]]) -> dict[str, Any]:
                         "control": {
                             "weakening": r.control,
                             "tier": r.control_tier or info["runtime"],
+                            "why_there": r.control_why,
                             **v(r.control_verdict),
                         },
                     }

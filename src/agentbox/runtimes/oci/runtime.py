@@ -74,6 +74,11 @@ _SKELETON_DIRS = [
 _MS_BIND = 4096
 _MS_NOSUID, _MS_NODEV = 2, 4
 _MNT_DETACH = 2
+# Exit statuses of the binary's start context (binary_context in OciRuntime._spawn).
+_CONTEXT_FAILED = {
+    120: "cannot make a cgroup namespace for the binary",
+    121: "cannot enter the user namespace made for the binary",
+}
 _CLONE_NEWCGROUP = 0x02000000
 _CLONE_NEWUSER = 0x10000000
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -210,7 +215,8 @@ class OciRuntime(ProcessRuntime):
             if binary_ns is not None:
                 os.close(binary_ns)
         if done.returncode != 0:
-            raise RuntimeError_(f"{self.binary} could not start the sandbox: {_tail(sdir)}")
+            why = _CONTEXT_FAILED.get(done.returncode) or _tail(sdir)
+            raise RuntimeError_(f"{self.binary} could not start the sandbox: {why}")
         init_pid = int(pid_file.read_text())
         init_start = proc_start_time(init_pid)
         self._wait_for_agent(sock, lambda: proc_start_time(init_pid) == init_start, sdir)
@@ -334,7 +340,10 @@ class OciRuntime(ProcessRuntime):
     def _fenced_root(self, overlay: Path, fence: Path, uid: int) -> list[dict[str, Any]]:
         """Fill `fence` (a tmpfs, mounted read-only by the binary) with the overlay's
         top-level entries; the mounts that bind its writable directories and files in."""
-        _small_tmpfs(fence, 0o755, uid, flags=0)  # no locked flags: runsc remounts it
+        # No nosuid/nodev of its own: runsc's gofer remounts the root read-only from a user
+        # namespace, where a flag the mount has cannot be dropped (it holds only mount points
+        # and symlinks; reached through the sandbox's 0710 bind dir only).
+        _small_tmpfs(fence, 0o755, uid, flags=0)
         kept = {"proc", "dev", "sys", ".agentbox"}  # the agent's ROOT_KEPT (sandbox_agent.py)
         covered = {"tmp", "run", "workspace"}  # the bundle mounts these
         mounts = []
@@ -393,14 +402,18 @@ class OciRuntime(ProcessRuntime):
                 timeout=30,
                 env=self._env(),
             )
-        for left in self.state_root.glob(f"{sid}*"):  # what delete left, if anything
+        self._remove_state(sid)  # what delete left, if anything
+        # The binary joins the sandbox to every controller; ours are removed by destroy.
+        if not self.cgroups.sweep(sid):
+            raise RuntimeError_(f"could not remove the cgroups of sandbox {sid}")
+
+    def _remove_state(self, sid: str) -> None:
+        """Remove what the binary keeps of the sandbox under its --root."""
+        for left in self.state_root.glob(f"{sid}*"):
             if left.is_dir() and not left.is_symlink():
                 shutil.rmtree(left, ignore_errors=True)
             else:
                 left.unlink(missing_ok=True)
-        # The binary joins the sandbox to every controller; ours are removed by destroy.
-        if not self.cgroups.sweep(sid):
-            raise RuntimeError_(f"could not remove the cgroups of sandbox {sid}")
 
     async def list_sandboxes(self) -> set[str]:
         ids = await super().list_sandboxes()
@@ -498,7 +511,9 @@ class GvisorRuntime(OciRuntime):
     host_proc: ClassVar[bool] = False
     # On cgroup v1 the sandbox gets a cpuset, in groups made ready for it (cpuset_parents):
     # the sentry's CPU count follows it (from the quota alone it would be at least 2).
-    cpuset: ClassVar[bool] = not Path("/sys/fs/cgroup/cgroup.controllers").exists()
+    cpuset: ClassVar[bool] = (
+        not (CGROUP_ROOT / "cgroup.controllers").exists() and (CGROUP_ROOT / "cpuset").is_dir()
+    )
     # The sentry's own tun and FUSE devices (inert without CAP_NET_ADMIN or a mount, but
     # sentry code a sandbox has no use for).
     hidden_devices: ClassVar[dict[str, str]] = {"/dev/net": "dir", "/dev/fuse": "file"}

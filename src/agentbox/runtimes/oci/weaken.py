@@ -13,7 +13,6 @@ by the battery's own server, in code.
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -115,9 +114,7 @@ class _WeakenedOci(WeakenedProcessRuntime, OciRuntime):
         # until the battery's clean-up kills it. The binary's state goes (its delete would
         # kill the rest).
         kill_if_same(state.get("init_pid"), state.get("init_start"))
-        shutil.rmtree(self.state_root / sid, ignore_errors=True)
-        for left in self.state_root.glob(f"{sid}*"):
-            left.unlink(missing_ok=True)
+        self._remove_state(sid)
 
 
 class WeakenedContainerRuntime(_WeakenedOci, ContainerRuntime):

@@ -166,9 +166,14 @@ class _Helper:
             go = "go"
         except OSError as e:
             go, failed = "stop", e
-        proc.stdin.write(go + "\n")
-        proc.stdin.flush()
-        last = self._line(proc)
+        try:
+            proc.stdin.write(go + "\n")
+            proc.stdin.flush()
+            last = self._line(proc)
+        except BaseException:
+            if ns >= 0:
+                os.close(ns)  # the request is retried whole
+            raise
         if go != "go":
             raise UsernsError(f"could not map the user namespace's ids: {failed}")
         if last != "ok":
