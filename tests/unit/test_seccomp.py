@@ -54,9 +54,11 @@ print("socketpair_inet6", probe(53, 10, 1, 0, 0))
 print("personality_query", probe(135, 0xFFFFFFFF))
 print("personality_no_aslr", probe(135, 0x0040000))
 # Device nodes are refused, FIFOs are not (here the caller is host root: only the filter stops it)
-print("mknod_chr", probe(133, b"/tmp/c", 0o020600, os.makedev(1, 3)))
-print("mknodat_blk", probe(259, -100, b"/tmp/b", 0o060600, os.makedev(7, 0)))
-print("mknodat_fifo", probe(259, -100, b"/tmp/f", 0o010600, 0))
+import sys
+d = sys.argv[1].encode()
+print("mknod_chr", probe(133, d + b"/c", 0o020600, os.makedev(1, 3)))
+print("mknodat_blk", probe(259, -100, d + b"/b", 0o060600, os.makedev(7, 0)))
+print("mknodat_fifo", probe(259, -100, d + b"/f", 0o010600, 0))
 """
 
 
@@ -64,11 +66,13 @@ print("mknodat_fifo", probe(259, -100, b"/tmp/f", 0o010600, 0))
 def test_filter_blocks_under_bwrap(tmp_path) -> None:
     bpf = tmp_path / "f.bpf"
     bpf.write_bytes(build_filter())
+    nodes = tmp_path / "nodes"  # where the probe tries its device nodes (and a FIFO)
+    nodes.mkdir()
     with open(bpf, "rb") as f:
         out = subprocess.run(
-            ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
-             "--seccomp",
-             str(f.fileno()), "--", sys.executable, "-c", PROBE],
+            ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
+             "--bind", str(nodes), str(nodes), "--seccomp",
+             str(f.fileno()), "--", sys.executable, "-c", PROBE, str(nodes)],
             pass_fds=[f.fileno()], capture_output=True, text=True, timeout=30,
         )
     results = dict(line.split() for line in out.stdout.splitlines())
