@@ -18,6 +18,7 @@ import pytest
 
 from agentbox.agent.client import AgentClient, OutputChunk
 from agentbox.runtimes.base import Resources, SandboxSpec
+from agentbox.runtimes.oci.runtime import OCI_LOG
 
 pytestmark = [
     pytest.mark.anyio,
@@ -33,7 +34,6 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-
 async def _run(client: AgentClient, cmd: str) -> str:
     _, events = await client.run_command(cmd=cmd, timeout=20)
     out = b""
@@ -44,12 +44,12 @@ async def _run(client: AgentClient, cmd: str) -> str:
 
 
 async def test_quiesce_checkpoint_restore_reopen(data_dir: Path) -> None:
-    from agentbox.runtimes.oci.runtime import OCI_LOG, GvisorRuntime
+    from agentbox.runtimes.oci.runtime import PIDNS_FILE, GvisorRuntime, host_pid, run_in_pidns
+    from agentbox.runtimes.process.runtime import kill_if_same
 
     runtime = GvisorRuntime(data_dir=data_dir)
     state = await runtime.create(SandboxSpec(SID, "default", Resources(disk_mb=64)))
     sdir = runtime.root / SID
-    runsc = runtime._global_args(sdir / OCI_LOG)
     try:
         client = AgentClient(Path(state["socket"]), connect_timeout=5)
         await _run(client, f"echo before > /workspace/kept; {COUNTER}")
@@ -57,14 +57,20 @@ async def test_quiesce_checkpoint_restore_reopen(data_dir: Path) -> None:
         assert not os.path.exists(state["socket"])  # nothing of the host's is left open
         image = data_dir / "image"
         image.mkdir()
-        done = subprocess.run([*runsc, "checkpoint", "--image-path", str(image), SID])
+        argv = runtime.binary_argv(SID, state, "checkpoint", "--image-path", str(image), SID)
+        done = subprocess.run(argv)
         assert done.returncode == 0, (sdir / OCI_LOG).read_text()[-2000:]
-        subprocess.run([*runsc, "delete", "--force", SID], check=True)
+        # The checkpoint ended the sandbox: its pid namespace and runsc's state of it go.
+        kill_if_same(state["pidns_pid"], state["pidns_start"])
+        runtime._remove_state(SID)
         with open(sdir / "runtime.log", "ab") as log:
-            argv = [*runsc, "restore", "--detach", "--image-path", str(image)]
-            argv += ["--bundle", str(sdir / "bundle"), "--pid-file", str(sdir / "init.pid"), SID]
-            subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, check=True)
-        state["init_pid"] = int((sdir / "init.pid").read_text())
+            argv = [*runtime._global_args(sdir / OCI_LOG), "restore", "--detach"]
+            argv += ["--image-path", str(image), "--bundle", str(sdir / "bundle")]
+            argv += ["--pid-file", str(sdir / "init.pid"), SID]
+            pidns, rc = run_in_pidns(argv, log, sdir, sdir / PIDNS_FILE)
+        assert rc == 0 and pidns is not None, (sdir / OCI_LOG).read_text()[-2000:]
+        state["pidns_pid"], state["pidns_start"] = pidns
+        state["init_pid"] = host_pid(pidns[0], int((sdir / "init.pid").read_text()))
         await runtime.reopen(SID, state)
         assert (await client.ping(5)).get("ok") is True
         assert await _run(client, "cat /workspace/kept") == "before\n"
@@ -74,24 +80,24 @@ async def test_quiesce_checkpoint_restore_reopen(data_dir: Path) -> None:
         after, before = (int(x) for x in ticks.split())
         assert after > before > 0, ticks
     finally:
-        await runtime.destroy(SID, None, keep_workspace=False)
+        await runtime.destroy(SID, state, keep_workspace=False)
         await runtime.close()
 
 
 async def test_without_quiesce_the_checkpoint_fails(data_dir: Path) -> None:
     """The positive control: the agent's bound host socket alone makes runsc refuse."""
-    from agentbox.runtimes.oci.runtime import OCI_LOG, GvisorRuntime
+    from agentbox.runtimes.oci.runtime import GvisorRuntime
 
     runtime = GvisorRuntime(data_dir=data_dir)
-    await runtime.create(SandboxSpec(SID, "default", Resources(disk_mb=64)))
+    state = await runtime.create(SandboxSpec(SID, "default", Resources(disk_mb=64)))
     sdir = runtime.root / SID
     try:
         image = data_dir / "image"
         image.mkdir()
-        argv = [*runtime._global_args(sdir / OCI_LOG), "checkpoint", "--image-path", str(image)]
-        done = subprocess.run([*argv, SID], capture_output=True, text=True)
+        argv = runtime.binary_argv(SID, state, "checkpoint", "--image-path", str(image), SID)
+        done = subprocess.run(argv, capture_output=True, text=True)
         assert done.returncode != 0
         assert "host socket" in (sdir / OCI_LOG).read_text() + done.stderr
     finally:
-        await runtime.destroy(SID, None, keep_workspace=False)
+        await runtime.destroy(SID, state, keep_workspace=False)
         await runtime.close()

@@ -1,6 +1,7 @@
 """The escape battery, run as CI runs it: every check BLOCKED on the shipped configuration, every
 positive control BROKEN, at least 40 checks (issue 3). The run writes its scorecard to a temp
-dir; the committed SECURITY-SCORECARD.md comes from the documented full command."""
+dir (and, with AGENTBOX_BATTERY_KEEP=DIR, copies it there); the committed SECURITY-SCORECARD.md
+comes from the documented full command."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import seed_template_store
 
+from agentbox.battery.__main__ import CONTROL_PLANE_ONLY
 from agentbox.battery.checks import CHECKS
 from agentbox.battery.server import EGRESS_WEAKENINGS, SERVER_WEAKENINGS, control_tier
 from agentbox.runtimes.process.weaken import WEAKENINGS, Weakening
@@ -27,9 +29,6 @@ pytestmark = pytest.mark.security
 # or these broken more widely, fails; one of them fixed fails too, until it is taken off here.
 KNOWN_GAPS: dict[str, dict[str, str]] = {
     "gvisor": {
-        # runsc 2022's ptrace platform keeps the sentry and its stubs in the host's pid
-        # namespace (RequiresCurrentPIDNS); every other namespace is the sandbox's own.
-        "priv-namespaces": r"(pid \d+ shares the server's pid namespace(; )?)+",
         # No Landlock in gVisor: the sandbox's root may add entries to its own /dev (a
         # read-only /dev would refuse `> /dev/null` there); the rest of the fence is mounts.
         "fs-root-fence": r"created \['/dev/abx-[0-9a-f]+'\]",
@@ -77,6 +76,10 @@ def test_escape_battery(tmp_path: Path) -> None:
         timeout=2900,
     )
     assert js.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    keep = os.environ.get("AGENTBOX_BATTERY_KEEP")  # a directory: the scorecard is copied there
+    if keep:
+        for f in (md, js):
+            shutil.copy(f, Path(keep) / f.name)
     card = json.loads(js.read_text())["tiers"]
     assert list(card) == tiers
     report = []
@@ -106,11 +109,13 @@ def test_escape_battery(tmp_path: Path) -> None:
         must = {
             c.id
             for c in CHECKS
-            if control_tier(tier, c.control)[0] != tier or tier in c.control_elsewhere
+            if control_tier(tier, c.control)[0] != tier
+            or tier in c.control_elsewhere
+            or (tier != "process" and c.control <= CONTROL_PLANE_ONLY)
         }
         assert moved == must, (tier, moved ^ must)
     if "gvisor" in card:  # pinned: a check quietly losing its gVisor control fails here
-        assert sum(c["control"]["tier"] != "gvisor" for c in card["gvisor"]["checks"]) == 51
+        assert sum(c["control"]["tier"] != "gvisor" for c in card["gvisor"]["checks"]) == 57
     groups = {c["group"] for c in checks}
     assert {
         "filesystem",

@@ -132,6 +132,24 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if 1 in statuses else max(statuses)
 
 
+# Weakenings of the API and the port gateway alone: their code is the same whatever the tier,
+# so their positive controls run once, on the process tier (the default runs on every tier).
+CONTROL_PLANE_ONLY = frozenset({"server-unguarded", "gateway-unbounded"})
+
+
+def control_where(tier: str, c: Check) -> tuple[str, str]:
+    """The tier `c`'s positive control runs on when the battery attacks `tier`, and why if not
+    that one (control_tier, then what the check itself says)."""
+    where = control_tier(tier, c.control)
+    if where[0] != tier or tier == "process":
+        return where
+    if tier in c.control_elsewhere:
+        return "process", c.control_elsewhere[tier]
+    if c.control <= CONTROL_PLANE_ONLY:
+        return "process", "the weakening is the control plane's, the same whatever the tier"
+    return where
+
+
 class TierRun:
     """The battery against one tier: its shipped configuration, then each positive control
     (on the tier, weakened, or where the tier cannot be weakened so, on the process tier)."""
@@ -215,9 +233,7 @@ class TierRun:
         for c in todo:
             where = (self.tier, "")
             if name != "default":
-                where = control_tier(self.tier, flags)
-                if where[0] == self.tier and self.tier in c.control_elsewhere:
-                    where = ("process", c.control_elsewhere[self.tier])
+                where = control_where(self.tier, c)
             out.setdefault(where, []).append(c)
         return out
 

@@ -24,6 +24,7 @@ import logging
 import os
 import re
 import resource
+import select
 import shutil
 import socket
 import subprocess
@@ -41,6 +42,7 @@ from agentbox.runtimes.process.runtime import (
     AGENT_MOUNT,
     MERGED_USR_LINKS,
     NPROC_SLACK,
+    RUN_ROOT,
     SANDBOX_PYTHON,
     USR_LOCAL,
     ProcessRuntime,
@@ -56,6 +58,7 @@ FILES = "files"  # below a sandbox's bind dir: generated files the bundle binds 
 FENCE = "fence"  # below a sandbox's bind dir: a read-only root over a writable one
 USERNS = "userns"  # below a sandbox's bind dir: the user namespace, bound while runc joins it
 OCI_LOG = "oci.log"
+PIDNS_FILE = "pidns.json"  # in a sandbox's dir: the init of its binary's pid namespace
 _SANDBOX_ID = re.compile(r"sbx_[0-9A-Za-z]+")
 # The host userland's skeleton root: every mount point the bundle uses.
 _SKELETON_DIRS = [
@@ -73,11 +76,14 @@ _SKELETON_DIRS = [
 ]
 _MS_BIND = 4096
 _MS_NOSUID, _MS_NODEV = 2, 4
+_MS_REC, _MS_SLAVE = 0x4000, 0x80000
+_CLONE_NEWNS = 0x00020000
 _MNT_DETACH = 2
 # Exit statuses of the binary's start context (binary_context in OciRuntime._spawn).
 _CONTEXT_FAILED = {
     120: "cannot make a cgroup namespace for the binary",
     121: "cannot enter the user namespace made for the binary",
+    122: "cannot make a mount namespace for the binary",
 }
 _CLONE_NEWCGROUP = 0x02000000
 _CLONE_NEWUSER = 0x10000000
@@ -114,6 +120,9 @@ class OciRuntime(ProcessRuntime):
     # Whether the binary runs in a cgroup namespace of its own (it would leave the host
     # processes it starts in the server's: runsc).
     cgroupns_outside: ClassVar[bool] = False
+    # Whether the binary, and all it starts, runs in a pid namespace of its own (runsc on the
+    # ptrace platform leaves the sentry in the namespace it is run in: the host's).
+    own_pidns: ClassVar[bool] = False
     # Entries of the runtime's own /dev to cover: path -> "dir" or "file".
     hidden_devices: ClassVar[dict[str, str]] = {}
 
@@ -180,6 +189,7 @@ class OciRuntime(ProcessRuntime):
         pid_file = sdir / "init.pid"
         limits = [] if self.rlimits_in_bundle else self._rlimits(spec.resources)
         own_cgroupns = self.cgroupns_outside
+        own_pidns, own_mounts = self.own_pidns, str(bind_dir)
         binary_ns = self._binary_userns(uid)
 
         def binary_context() -> None:
@@ -188,25 +198,32 @@ class OciRuntime(ProcessRuntime):
             # have), and the binary, run as root, is exempt from RLIMIT_NPROC.
             for res, value in limits:
                 resource.setrlimit(res, (value, value))
+            if own_pidns and not _without_other_sandboxes(own_mounts):
+                os._exit(122)
             if binary_ns is not None and _libc.setns(binary_ns, _CLONE_NEWUSER) != 0:
                 os._exit(121)
             if own_cgroupns and _libc.unshare(_CLONE_NEWCGROUP) != 0:
                 os._exit(120)
 
+        argv = [*self._global_args(sdir / OCI_LOG), "run", "--detach"]
+        argv += ["--pid-file", str(pid_file), "--bundle", str(bundle_dir), sid]
+        pidns: tuple[int, int | None] | None = None
         try:
             with open(sdir / "runtime.log", "ab") as log:
-                argv = [*self._global_args(sdir / OCI_LOG), "run", "--detach"]
-                argv += ["--pid-file", str(pid_file), "--bundle", str(bundle_dir), sid]
-                done = subprocess.run(
-                    argv,
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=log,
-                    timeout=60,
-                    cwd=str(bundle_dir),
-                    env=self._env(),
-                    preexec_fn=binary_context,
-                )
+                if self.own_pidns:
+                    record = sdir / PIDNS_FILE
+                    pidns, returncode = run_in_pidns(argv, log, bundle_dir, record, binary_context)
+                else:
+                    returncode = subprocess.run(
+                        argv,
+                        stdin=subprocess.DEVNULL,
+                        stdout=log,
+                        stderr=log,
+                        timeout=60,
+                        cwd=str(bundle_dir),
+                        env=self._env(),
+                        preexec_fn=binary_context,
+                    ).returncode
         except subprocess.TimeoutExpired:
             raise RuntimeError_(f"{self.binary} did not start the sandbox within 60 s") from None
         finally:
@@ -214,19 +231,31 @@ class OciRuntime(ProcessRuntime):
                 _unbind(userns_file)  # the sandbox holds its namespace now
             if binary_ns is not None:
                 os.close(binary_ns)
-        if done.returncode != 0:
-            why = _CONTEXT_FAILED.get(done.returncode) or _tail(sdir)
+        if returncode != 0:
+            if pidns is not None:
+                kill_if_same(*pidns)
+            why = _CONTEXT_FAILED.get(returncode) or _tail(sdir)
             raise RuntimeError_(f"{self.binary} could not start the sandbox: {why}")
-        init_pid = int(pid_file.read_text())
-        init_start = proc_start_time(init_pid)
-        self._wait_for_agent(sock, lambda: proc_start_time(init_pid) == init_start, sdir)
-        self._hold_netns(sid, init_pid)
-        return {
+        try:
+            init_pid = int(pid_file.read_text())
+            if pidns is not None:
+                init_pid = host_pid(pidns[0], init_pid)
+            init_start = proc_start_time(init_pid)
+            self._wait_for_agent(sock, lambda: proc_start_time(init_pid) == init_start, sdir)
+            self._hold_netns(sid, init_pid)
+        except BaseException:
+            if pidns is not None:  # outside the sandbox's cgroups: not killed with them
+                kill_if_same(*pidns)
+            raise
+        out = {
             "oci": self.binary,
             "init_pid": init_pid,
             "init_start": init_start,
             "socket": str(sock),
         }
+        if pidns is not None:
+            out["pidns_pid"], out["pidns_start"] = pidns
+        return out
 
     def _bundle(
         self, spec: SandboxSpec, bind_dir: Path, ws: Path, uid: int, cpus: list[int]
@@ -389,6 +418,7 @@ class OciRuntime(ProcessRuntime):
 
     def _stop(self, sid: str, state: dict[str, Any]) -> None:
         # The pid namespace's init: the kernel ends everything else in it.
+        kill_if_same(*self._pidns(sid, state))
         kill_if_same(state.get("init_pid"), state.get("init_start"))
         if not self._kill_everything(sid):
             raise RuntimeError_(f"could not kill every process of sandbox {sid}")
@@ -406,6 +436,28 @@ class OciRuntime(ProcessRuntime):
         # The binary joins the sandbox to every controller; ours are removed by destroy.
         if not self.cgroups.sweep(sid):
             raise RuntimeError_(f"could not remove the cgroups of sandbox {sid}")
+
+    def _pidns(self, sid: str, state: dict[str, Any]) -> tuple[Any, Any]:
+        """The init of the pid namespace the binary last ran in for the sandbox, if any: (pid,
+        start time) as recorded the moment it was known (a create cut short, or a restore,
+        has no state of it yet), else as the state has it."""
+        try:
+            pid, start = json.loads((self.root / sid / PIDNS_FILE).read_text())
+        except (OSError, ValueError, TypeError):
+            return state.get("pidns_pid"), state.get("pidns_start")
+        return pid, start
+
+    def binary_argv(self, sid: str, state: dict[str, Any], *args: str) -> list[str]:
+        """The argv running the binary on a started sandbox: in the pid and mount namespaces it
+        was started in, where it has them (its state numbers processes as that namespace does;
+        run from the host's, it would signal whatever host processes have those numbers)."""
+        argv = [*self._global_args(self.root / sid / OCI_LOG), *args]
+        pid, start = self._pidns(sid, state)
+        if pid is None:
+            return argv
+        if proc_start_time(pid) != start:
+            raise RuntimeError_(f"sandbox {sid} is not running")
+        return ["nsenter", f"--target={pid}", "--pid", "--", *argv]
 
     def _remove_state(self, sid: str) -> None:
         """Remove what the binary keeps of the sandbox under its --root."""
@@ -441,6 +493,99 @@ def _small_tmpfs(path: Path, mode: int, owner: int, flags: int = _MS_NOSUID | _M
         err = ctypes.get_errno()
         raise RuntimeError_(f"cannot mount a tmpfs at {path}: {os.strerror(err)}")
     return path
+
+
+# The first process of a pid namespace made for the binary (`sh -c SCRIPT sh ARGV...`), in a
+# mount namespace of its own with that pid namespace's /proc (runsc writes its gofer's id maps
+# there by the pid it sees). It tells its host pid, runs the binary, tells its status, then
+# stays as the namespace's init: the binary's daemons are reparented to it, and killing it from
+# the host ends them all.
+_PIDNS_INIT = """read -r me _ < /proc/self/stat; echo "$me"
+mount -t proc -o nosuid,nodev,noexec proc /proc || exit 125
+"$@" </dev/null >&2; rc=$?; echo "$rc"
+[ "$rc" = 0 ] || exit "$rc"
+exec sleep infinity </dev/null >/dev/null 2>&1"""
+_SANDBOX_MOUNT = re.compile(re.escape(str(RUN_ROOT)) + r"/[^/]+/sbx_[0-9A-Za-z]+(/|$)")
+
+
+def _without_other_sandboxes(own: str) -> bool:
+    """In a child about to start the binary: move to a mount namespace of its own (a slave of
+    the host's) without the mounts of other sandboxes. The launcher's mount namespace, whose
+    copy of the host's mounts is also the gofer's (runsc runs it with --setup-root=false), lives
+    as long as the sandbox: it would keep every other sandbox's workspace of the moment mounted
+    after that sandbox ended. (Detached here, in the host's user namespace: in the copy the
+    launcher makes from its own user namespace, they would be locked in.)"""
+    if _libc.unshare(_CLONE_NEWNS) != 0:
+        return False
+    if _libc.mount(b"none", b"/", None, _MS_REC | _MS_SLAVE, None) != 0:
+        return False
+    with open("/proc/self/mountinfo", "rb") as f:
+        points = [line.split()[4].decode() for line in f]
+    for point in reversed(points):  # the deepest first
+        if _SANDBOX_MOUNT.match(point) and point != own and not point.startswith(own + "/"):
+            _libc.umount2(point.encode(), _MNT_DETACH)
+    return True
+
+
+def run_in_pidns(
+    argv: list[str], log: Any, cwd: Path, record: Path, preexec: Any = None
+) -> tuple[tuple[int, int | None] | None, int]:
+    """Run the binary's `argv` in a pid namespace of its own whose init outlives it (see
+    _PIDNS_INIT); the init's host pid and start time, also written to `record` as soon as
+    known (None if it never said), and the binary's exit status."""
+    wrapped = ["setsid", "--fork", "unshare", "--pid", "--fork", "--mount", "sh", "-c"]
+    proc = subprocess.Popen(
+        [*wrapped, _PIDNS_INIT, "sh", *argv],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=log,
+        cwd=str(cwd),
+        env=OciRuntime._env(),
+        preexec_fn=preexec,
+    )
+    assert proc.stdout is not None
+    init: tuple[int, int | None] | None = None
+    try:
+        # setsid returns at once: its child (unshare) goes on, a child of the host's init.
+        if proc.wait(10) != 0:
+            return None, proc.returncode
+        words = []
+        for _ in range(2):
+            ready, _, _ = select.select([proc.stdout], [], [], 60)
+            if not ready:
+                if init is not None:
+                    kill_if_same(*init)
+                raise subprocess.TimeoutExpired(argv, 60)
+            word = proc.stdout.readline().decode(errors="replace").strip()
+            if not word.isdigit():
+                break
+            words.append(int(word))
+            if len(words) == 1:
+                init = (words[0], proc_start_time(words[0]))
+                record.write_text(json.dumps(init))
+    finally:
+        proc.stdout.close()
+    if len(words) != 2:
+        return init, 1
+    return init, words[1]
+
+
+def host_pid(init: int, ns_pid: int) -> int:
+    """The host pid of the process numbered `ns_pid` in the pid namespace whose init is `init`
+    (a child of it: the binary's daemons are reparented to it)."""
+    try:
+        children = Path(f"/proc/{init}/task/{init}/children").read_text().split()
+    except OSError:
+        children = []
+    for child in children:
+        try:
+            status = Path(f"/proc/{child}/status").read_text()
+        except OSError:
+            continue
+        for line in status.splitlines():
+            if line.startswith("NSpid:") and line.split()[-1] == str(ns_pid):
+                return int(child)
+    raise RuntimeError_(f"no process {ns_pid} in the pid namespace of process {init}")
 
 
 def _write(path: Path, data: bytes) -> Path:
@@ -519,6 +664,7 @@ class GvisorRuntime(OciRuntime):
     hidden_devices: ClassVar[dict[str, str]] = {"/dev/net": "dir", "/dev/fuse": "file"}
     landlock: ClassVar[bool] = False  # not in gVisor's kernel (2022)
     cgroupns_outside: ClassVar[bool] = True
+    own_pidns: ClassVar[bool] = True
     # runsc delete polls until the sentry's pid is gone, zombie included: as long as the host's
     # init takes to reap an orphan (1-2 s measured here). With every process of the sandbox
     # gone, what else it does is remove its state and cgroups, done here without the wait.
@@ -679,7 +825,7 @@ class GvisorRuntime(OciRuntime):
         """After a checkpoint (or one that failed): the agent binds its socket again, told by a
         signal the runtime delivers (nothing can reach it through the host meanwhile)."""
         sdir = self.root / sandbox_id
-        argv = [*self._global_args(sdir / OCI_LOG), "kill", sandbox_id, "USR2"]
+        argv = self.binary_argv(sandbox_id, state, "kill", sandbox_id, "USR2")
         done = await asyncio.to_thread(
             subprocess.run,
             argv,

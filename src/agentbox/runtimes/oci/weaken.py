@@ -112,7 +112,9 @@ class _WeakenedOci(WeakenedProcessRuntime, OciRuntime):
             return super()._stop(sid, state)
         # Only the sandbox's init: what it started lives on (the break the control shows),
         # until the battery's clean-up kills it. The binary's state goes (its delete would
-        # kill the rest).
+        # kill the rest). A pid namespace made for the binary goes (gvisor: its sandbox's
+        # processes are the sentry's, which end with it anyway).
+        kill_if_same(*self._pidns(sid, state))
         kill_if_same(state.get("init_pid"), state.get("init_start"))
         self._remove_state(sid)
 
