@@ -19,6 +19,7 @@ class SandboxState(StrEnum):
     BUILDING = "building"
     STARTING = "starting"
     RUNNING = "running"
+    PAUSED = "paused"  # frozen, memory kept; resumed on request (its TTL clock stopped)
     KILLED = "killed"  # asked to end (a kill, a vanished sandbox, a pool or check member)
     FAILED = "failed"  # could not start, or its build failed, or it broke beyond repair
     EXPIRED = "expired"  # its timeout passed

@@ -69,6 +69,7 @@ def test_every_block_is_run_or_says_why_not() -> None:
         "sbx.files.write",
         "run_code",
         'isolation="gvisor"',
+        "sbx.pause()",
     }
     for block in readme_blocks():
         if block.lang not in ("sh", "python", "bash"):
@@ -295,6 +296,10 @@ def _run_python(readme: Readme, block: Block, timeout: float) -> list[str]:
 def test_the_python_quick_start(readme: Readme) -> None:
     calls = _run_python(readme, _block("sbx.files.write"), timeout=120)
     assert calls[0] == "hi from the sandbox\n 0\n" and calls[1] == "done\n\n", calls
+
+
+def test_the_pause_example(readme: Readme) -> None:
+    _run_python(readme, _block("sbx.pause()"), timeout=120)
 
 
 def test_the_isolation_example(readme: Readme) -> None:

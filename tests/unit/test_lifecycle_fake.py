@@ -12,7 +12,12 @@ from pathlib import Path
 import pytest
 
 from agentbox.core.auth import Caller
-from agentbox.core.errors import QuotaExceeded, SandboxUnavailable
+from agentbox.core.errors import (
+    InvalidRequest,
+    QuotaExceeded,
+    SandboxNotRunning,
+    SandboxUnavailable,
+)
 from agentbox.core.lifecycle import InvalidTransition, StateChange
 from agentbox.core.manager import CreateRequest, SandboxManager
 from agentbox.core.network import NetworkService, NetworkSettings
@@ -86,7 +91,10 @@ def test_the_table_has_no_way_back_from_an_end() -> None:
         assert TRANSITIONS[end] == frozenset()
         assert not any(allowed(end, s) for s in SandboxState)
     assert allowed(S.BUILDING, S.STARTING) and not allowed(S.RUNNING, S.STARTING)
-    assert not allowed(S.RUNNING, "paused")  # no such state (yet)
+    assert allowed(S.RUNNING, S.PAUSED) and allowed(S.PAUSED, S.RUNNING)
+    assert not allowed(S.STARTING, S.PAUSED) and not allowed(S.PAUSED, S.STARTING)
+    assert all(allowed(S.PAUSED, end) for end in ENDED)
+    assert not allowed(S.RUNNING, "sleeping")  # no such state
 
 
 async def test_create_and_kill(world: World, mgr: SandboxManager) -> None:
@@ -199,3 +207,17 @@ async def test_only_the_state_writer_writes_states(world: World, mgr: SandboxMan
     await mgr.kill(ACME, row.sandbox_id)
     assert mgr.states.move(row.sandbox_id, S.RUNNING) is None
     assert mgr.get(ACME, row.sandbox_id).state == S.KILLED
+
+
+
+async def test_a_tier_that_cannot_pause_says_so(world: World, mgr: SandboxManager) -> None:
+    row = await mgr.create(ACME, CreateRequest())
+    with pytest.raises(InvalidRequest, match="fake isolation tier cannot pause") as e:
+        await mgr.pause(ACME, row.sandbox_id)
+    assert e.value.detail["setting"] == "isolation"
+    assert mgr.get(ACME, row.sandbox_id).state == S.RUNNING
+    # A resume of a running sandbox leaves it running; of an ended one, says it ended.
+    assert (await mgr.resume(ACME, row.sandbox_id)).state == S.RUNNING
+    await mgr.kill(ACME, row.sandbox_id)
+    with pytest.raises(SandboxNotRunning, match="killed"):
+        await mgr.resume(ACME, row.sandbox_id)

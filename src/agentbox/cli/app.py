@@ -540,7 +540,7 @@ def info(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Show one sandbox: state, times, resources, network policy, metadata."""
-    sbx = Sandbox.connect(sandbox_id, **_conn(ctx))
+    sbx = Sandbox.connect(sandbox_id, resume=False, **_conn(ctx))
     try:
         found = sbx.get_info()
     finally:
@@ -628,7 +628,7 @@ def kill(
     failed = False
     for sandbox_id in sandbox_ids:
         try:
-            sbx = Sandbox.connect(sandbox_id, **_conn(ctx))
+            sbx = Sandbox.connect(sandbox_id, resume=False, **_conn(ctx))
             try:
                 sbx.kill()
             finally:
@@ -638,6 +638,51 @@ def kill(
             failed = True
             continue
         print(f"killed {sandbox_id}")
+    if failed:
+        raise typer.Exit(1)
+
+
+@app.command()
+def pause(
+    ctx: typer.Context,
+    sandbox_ids: Annotated[list[str], typer.Argument(help="Sandboxes to pause.")],
+) -> None:
+    """Pause sandboxes: their processes are frozen with their memory, they use no CPU and
+    their timeout stops until `agentbox resume`."""
+    _each(ctx, sandbox_ids, lambda sbx: sbx.pause(), "paused")
+
+
+@app.command()
+def resume(
+    ctx: typer.Context,
+    sandbox_ids: Annotated[list[str], typer.Argument(help="Sandboxes to resume.")],
+    timeout: Annotated[
+        float | None,
+        typer.Option(help="Run on for at least this many seconds (default: the time it had "
+                     "left when it was paused)."),
+    ] = None,
+) -> None:
+    """Resume paused sandboxes (running ones are left running)."""
+    _each(ctx, sandbox_ids, lambda sbx: sbx.resume(timeout), "resumed")
+
+
+def _each(
+    ctx: typer.Context, sandbox_ids: list[str], act: Callable[[Sandbox], Any], done: str
+) -> None:
+    """Do `act` to each sandbox, saying which were done; exit 1 if any failed."""
+    failed = False
+    for sandbox_id in sandbox_ids:
+        try:
+            sbx = Sandbox.connect(sandbox_id, resume=False, **_conn(ctx))
+            try:
+                act(sbx)
+            finally:
+                sbx.close()
+        except AgentboxError as e:
+            _print_error(e, f"{sandbox_id}: ")
+            failed = True
+            continue
+        print(f"{done} {sandbox_id}")
     if failed:
         raise typer.Exit(1)
 
@@ -670,7 +715,7 @@ def network(
 
     e.g. agentbox network ID --allow pypi.org --allow files.pythonhosted.org
     """
-    sbx = Sandbox.connect(sandbox_id, **_conn(ctx))
+    sbx = Sandbox.connect(sandbox_id, resume=False, **_conn(ctx))
     try:
         if allow is None and deny is None and internet is None and public_ports is None:
             info = sbx.get_info()
@@ -715,7 +760,7 @@ def port_url(
         "/v1/sandboxes/ID/ports/PORT.")] = False,
 ) -> None:
     """Print a signed URL to a sandbox's port that works with no headers (curl, a browser)."""
-    sbx = Sandbox.connect(sandbox_id, **_conn(ctx))
+    sbx = Sandbox.connect(sandbox_id, resume=False, **_conn(ctx))
     try:
         url = sbx.get_url(port, expires_in=expires_in, path=path,
                           routing="host" if host_routing else "path")
@@ -731,7 +776,7 @@ def rotate_token(
 ) -> None:
     """Give a sandbox a new access token (printed): the old one and every signed port URL made
     with it stop working at once."""
-    sbx = Sandbox.connect(sandbox_id, **_conn(ctx))
+    sbx = Sandbox.connect(sandbox_id, resume=False, **_conn(ctx))
     try:
         print(sbx.rotate_access_token())
     finally:
@@ -834,7 +879,7 @@ def exec_command(
     """
     line = cmd[0] if len(cmd) == 1 else shlex.join(cmd)
     forward = not sys.stdin.isatty() if stdin is None else stdin
-    sbx = Sandbox.connect(sandbox_id, **_conn(ctx))
+    sbx = Sandbox.connect(sandbox_id, resume=False, **_conn(ctx))
     started: list[str] = []  # the command's id, once the server started it
     ended = threading.Event()
 
@@ -874,7 +919,7 @@ def logs(
 ) -> None:
     """Print a command's output from its start (what the sandbox still holds), following it
     until it ends; exits with its exit code."""
-    sbx = Sandbox.connect(sandbox_id, **_conn(ctx))
+    sbx = Sandbox.connect(sandbox_id, resume=False, **_conn(ctx))
     try:
         handle = sbx.commands.connect(cmd_id)
         result = handle.wait(on_stdout=_writer(sys.stdout), on_stderr=_writer(sys.stderr))
@@ -999,7 +1044,7 @@ def cp(
         sandbox_id, path = rdst
         if path.endswith("/") and src != "-":
             path += Path(src).name
-        sbx = Sandbox.connect(sandbox_id, **_conn(ctx))
+        sbx = Sandbox.connect(sandbox_id, resume=False, **_conn(ctx))
         try:
             if src == "-":
                 entry = sbx.files.write(path, sys.stdin.buffer)
@@ -1016,7 +1061,7 @@ def cp(
         return
     assert rsrc is not None
     sandbox_id, path = rsrc
-    sbx = Sandbox.connect(sandbox_id, **_conn(ctx))
+    sbx = Sandbox.connect(sandbox_id, resume=False, **_conn(ctx))
     try:
         chunks = sbx.files.read(path, format="stream")
         if dst == "-":
@@ -1153,7 +1198,7 @@ def run_code(
     """Run code in a sandbox's stateful interpreter; exit 1 if it raised."""
     if code == "-":
         code = sys.stdin.read()
-    sbx = Sandbox.connect(sandbox_id, **_conn(ctx))
+    sbx = Sandbox.connect(sandbox_id, resume=False, **_conn(ctx))
     try:
         stream = not as_json
         execution = sbx.run_code(
@@ -1327,7 +1372,7 @@ def files_ls(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """List a directory of a running sandbox, in path order."""
-    sbx = Sandbox.connect(sandbox_id, **_conn(ctx))
+    sbx = Sandbox.connect(sandbox_id, resume=False, **_conn(ctx))
     try:
         page = sbx.files.list(path, depth, cursor=cursor)
         found = list(page)

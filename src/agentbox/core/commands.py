@@ -12,7 +12,7 @@ import asyncio
 import codecs
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from agentbox.agent.client import AgentClient, AgentOpError, AgentUnavailable, OutputChunk
@@ -200,6 +200,15 @@ class CommandService:
             w.task = self._background(self._watch_ends(row, w))
         if verify:
             self._background(self._poll_ends(self.core.client(row, tracked=False), w, [cmd_id]))
+
+    def rewatch(self, row: SandboxRow) -> None:
+        """After a resume: watch again the commands whose ends were awaited when the sandbox
+        paused (the watch stops when it stops running)."""
+        w = self._command_watches.get(row.sandbox_id)
+        if w is not None and w.pending and (w.task is None or w.task.done()):
+            for cmd_id, watched in list(w.pending.items()):
+                w.pending[cmd_id] = replace(watched, row=row)
+            w.task = self._background(self._watch_ends(row, w))
 
     def _background(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.create_task(work)

@@ -47,6 +47,7 @@ class DiskSettings:
     min_free_mb: float = 2048  # AGENTBOX_MIN_FREE_DISK_MB
     min_free_percent: float = 5.0  # AGENTBOX_MIN_FREE_DISK_PERCENT
     kept_retention_s: float = 7 * 86_400  # AGENTBOX_KEPT_WORKSPACE_DAYS
+    paused_retention_s: float = 7 * 86_400  # AGENTBOX_PAUSED_RETENTION_DAYS
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> DiskSettings:
@@ -67,6 +68,10 @@ class DiskSettings:
             min_free_percent=number("AGENTBOX_MIN_FREE_DISK_PERCENT", defaults.min_free_percent),
             kept_retention_s=number(
                 "AGENTBOX_KEPT_WORKSPACE_DAYS", defaults.kept_retention_s / 86_400
+            )
+            * 86_400,
+            paused_retention_s=number(
+                "AGENTBOX_PAUSED_RETENTION_DAYS", defaults.paused_retention_s / 86_400
             )
             * 86_400,
         )

@@ -18,9 +18,16 @@ from typing import TYPE_CHECKING, Any
 
 from agentbox.core import ports
 from agentbox.core.auth import Caller
-from agentbox.core.errors import LimitExceeded, SandboxUnavailable
+from agentbox.core.errors import (
+    Conflict,
+    InvalidRequest,
+    LimitExceeded,
+    SandboxNotRunning,
+    SandboxUnavailable,
+)
 from agentbox.core.network import new_access_token
 from agentbox.core.states import INITIAL, SandboxState, allowed
+from agentbox.runtimes.base import Pausable, RuntimeError_
 from agentbox.store.db import SandboxRow, Store
 
 if TYPE_CHECKING:
@@ -183,6 +190,119 @@ class Lifecycle:
         self.core.audit(caller, "sandbox.timeout", sandbox_id, timeout=timeout)
         return self.core.get(caller, sandbox_id)
 
+    async def pause(self, caller: Caller, sandbox_id: str, keep_memory: bool = True) -> SandboxRow:
+        """Freeze a running sandbox with its memory: no CPU, its TTL clock stopped (what was
+        left comes back on resume), its agent, ports and files answering `paused` meanwhile.
+        It is kept for the paused retention, then ends."""
+        started = time.monotonic()
+        row = self.core.owned(caller, sandbox_id)
+        if row.state == SandboxState.PAUSED:
+            raise Conflict(f"sandbox {sandbox_id} is already paused", state=row.state)
+        row = self.core.running(caller, sandbox_id)
+        runtime = self.core.runtimes.for_row(row)
+        if not keep_memory:
+            raise InvalidRequest(
+                "a pause without memory (keep_memory=false) is not available yet; pause with "
+                "keep_memory=true, or kill the sandbox and keep its workspace",
+                setting="keep_memory",
+            )
+        if not self.core.runtimes.features(runtime.name).pause or not isinstance(runtime, Pausable):
+            raise InvalidRequest(
+                f"the {runtime.name} isolation tier cannot pause sandboxes on this server",
+                setting="isolation",
+            )
+        async with self.core.table.lock(sandbox_id):
+            row = self.core.running(caller, sandbox_id)
+            assert row.runtime_state is not None
+            # Nothing is served while it is frozen: requests in flight end now, saying why.
+            self.core.table.running.pop(sandbox_id, None)
+            self.core.table.unhealthy.pop(sandbox_id, None)
+            self.core.table.pausing.add(sandbox_id)
+            try:
+                self.core.table.abort_requests(sandbox_id)
+                try:
+                    state = await runtime.pause(sandbox_id, row.runtime_state)
+                except RuntimeError_ as e:
+                    self.core.table.running[sandbox_id] = row
+                    raise SandboxUnavailable(f"sandbox {sandbox_id} could not pause: {e}") from None
+                now = time.time()
+                change = self.core.states.move(
+                    sandbox_id,
+                    SandboxState.PAUSED,
+                    only_from=frozenset({SandboxState.RUNNING}),
+                    runtime_state=state,
+                    paused_at=now,
+                    ttl_left=max(0.0, row.end_at - now),
+                    end_at=now + self.core.paused_retention_s,
+                )
+                if change is None:  # ended meanwhile (its end waits for this lock)
+                    raise SandboxNotRunning(f"sandbox {sandbox_id} ended", state="ended")
+                paused = self.core.store.get_sandbox(sandbox_id)
+                if paused is not None:
+                    self.core.table.paused[sandbox_id] = paused
+            finally:
+                self.core.table.pausing.discard(sandbox_id)
+        self.core.wake.set()
+        self.core.audit(caller, "sandbox.pause", sandbox_id, started=started, keep_memory=True)
+        return self.core.get(caller, sandbox_id)
+
+    async def resume(
+        self, caller: Caller, sandbox_id: str, timeout: float | None = None
+    ) -> SandboxRow:
+        """Thaw a paused sandbox: it runs on with the TTL it had left at the pause, or
+        `timeout` seconds if that is longer (a resume extends, never shortens). A running
+        sandbox is left as it is (its timeout extended the same way)."""
+        started = time.monotonic()
+        row = self.core.owned(caller, sandbox_id)
+        if timeout is not None:
+            quota = self.core.quota(caller.tenant)
+            if not 0 < timeout <= quota["max_timeout"]:
+                raise LimitExceeded(
+                    f"timeout must be between 0 and {quota['max_timeout']} seconds",
+                    setting="quota.max_timeout",
+                    limit=quota["max_timeout"],
+                )
+        if row.state == SandboxState.RUNNING:
+            if timeout is not None and row.end_at < time.time() + timeout:
+                await self.set_timeout(caller, sandbox_id, timeout)
+            return self.core.get(caller, sandbox_id)
+        if row.state != SandboxState.PAUSED:
+            raise self.core.not_running(row)
+        runtime = self.core.runtimes.for_row(row)
+        async with self.core.table.lock(sandbox_id):
+            fresh = self.core.store.get_sandbox(sandbox_id)
+            if fresh is None or fresh.state != SandboxState.PAUSED:
+                return self.core.get(caller, sandbox_id)
+            assert fresh.runtime_state is not None and isinstance(runtime, Pausable)
+            try:
+                state = await runtime.resume(sandbox_id, fresh.runtime_state)
+            except RuntimeError_ as e:
+                raise SandboxUnavailable(f"sandbox {sandbox_id} could not resume: {e}") from None
+            ttl = fresh.ttl_left or 0.0
+            if timeout is not None:
+                ttl = max(ttl, timeout)
+            change = self.core.states.move(
+                sandbox_id,
+                SandboxState.RUNNING,
+                only_from=frozenset({SandboxState.PAUSED}),
+                runtime_state=state,
+                paused_at=None,
+                ttl_left=None,
+                end_at=time.time() + ttl,
+            )
+            now_row = self.core.store.get_sandbox(sandbox_id)
+            self.core.table.paused.pop(sandbox_id, None)
+            if change is not None and now_row is not None:
+                self.core.table.running[sandbox_id] = now_row
+                if self.core.table.adopted_paused.pop(sandbox_id, None) is not None:
+                    # Paused when this server started: what adoption does for running ones.
+                    await self.core.supervisor.serve_adopted(now_row, runtime)
+                else:
+                    self.core.commands.rewatch(now_row)
+        self.core.wake.set()
+        self.core.audit(caller, "sandbox.resume", sandbox_id, started=started, timeout=timeout)
+        return self.core.get(caller, sandbox_id)
+
     async def end(
         self, row: SandboxRow, state: SandboxState, reason: str, only_if_expired: bool = False
     ) -> bool:
@@ -190,6 +310,7 @@ class Lifecycle:
         runtime = self.core.runtimes.for_row(row)  # one it cannot reach stays as it is
         async with self.core.table.lock(row.sandbox_id):
             self.core.table.running.pop(row.sandbox_id, None)
+            self.core.table.paused.pop(row.sandbox_id, None)
             self.core.pools.forget(row.sandbox_id)
             fresh = self.core.store.get_sandbox(row.sandbox_id)
             if fresh is None or not fresh.live:

@@ -91,6 +91,7 @@ class SandboxManager:
         default_quota: dict[str, Any] | None = None,
         check_templates: bool = True,
         default_template: str = DEFAULT_TEMPLATE,
+        paused_retention_s: float | None = None,
     ) -> None:
         """`default_quota`: values of every tenant's quota until an admin sets its own, over
         those derived from this host. The disk settings come from the environment."""
@@ -121,6 +122,10 @@ class SandboxManager:
         self.watchers: set[asyncio.Task] = set()  # first-use builds
         self._tasks: list[asyncio.Task] = []
         self.wake = asyncio.Event()  # the reaper looks again (a deadline moved)
+        # How long a paused sandbox is kept before it ends (AGENTBOX_PAUSED_RETENTION_DAYS).
+        self.paused_retention_s = (
+            paused_retention_s if paused_retention_s is not None else disk.paused_retention_s
+        )
         self.health_interval = health_interval
         self.ping_timeout = ping_timeout
         # The services by job, over the agent access this object gives them.
@@ -162,14 +167,25 @@ class SandboxManager:
 
     def running(self, caller: Caller, sandbox_id: str) -> SandboxRow:
         row = self.owned(caller, sandbox_id)
-        if row.state != SandboxState.RUNNING:
-            reason = f" ({row.end_reason})" if row.end_reason else ""
-            raise SandboxNotRunning(
-                f"sandbox {sandbox_id} is {row.state}{reason}; create a new sandbox",
-                state=row.state,
-                end_reason=row.end_reason,
-            )
+        if row.state != SandboxState.RUNNING or sandbox_id in self.table.pausing:
+            raise self.not_running(row)
         return row
+
+    def not_running(self, row: SandboxRow) -> SandboxNotRunning:
+        """Why a request to a sandbox that is not running cannot be served, and what to do."""
+        sid = row.sandbox_id
+        if row.state == SandboxState.PAUSED or sid in self.table.pausing:
+            return SandboxNotRunning(
+                f"sandbox {sid} is paused; resume it first (POST /v1/sandboxes/{sid}/resume, "
+                "`agentbox resume`, Sandbox.resume())",
+                state=SandboxState.PAUSED.value,
+            )
+        reason = f" ({row.end_reason})" if row.end_reason else ""
+        return SandboxNotRunning(
+            f"sandbox {sid} is {row.state}{reason}; create a new sandbox",
+            state=row.state,
+            end_reason=row.end_reason,
+        )
 
     def reachable(self, caller: Caller, sandbox_id: str) -> SandboxRow:
         """A running sandbox whose agent answers (requests to a silent one fail at once)."""
@@ -191,6 +207,10 @@ class SandboxManager:
         members are nobody's yet."""
         row = self.table.running.get(sandbox_id)
         return row if row is not None and row.tenant != POOL_TENANT else None
+
+    def paused_row(self, sandbox_id: str) -> SandboxRow | None:
+        """A paused sandbox of any tenant (the ports gateway tells who may reach it so)."""
+        return self.table.paused.get(sandbox_id)
 
     async def connect_port(self, sandbox_id: str, port: int) -> Any:
         """A connection to `port` on a running sandbox's loopback, for the ports gateway."""
@@ -302,6 +322,10 @@ class SandboxManager:
             return from_agent(e.code, e.message, e.detail)
         fresh = self.store.get_sandbox(row.sandbox_id)
         ending = self.table.ending.get(row.sandbox_id)
+        if row.sandbox_id in self.table.pausing or (
+            fresh is not None and fresh.state == SandboxState.PAUSED and not ending
+        ):
+            return self.not_running(fresh or row)
         if fresh is None or fresh.state != SandboxState.RUNNING or ending:
             state = ending or (fresh.state if fresh else "gone")
             return SandboxNotRunning(
@@ -442,6 +466,14 @@ class SandboxManager:
 
     async def set_timeout(self, caller: Caller, sandbox_id: str, timeout: float) -> SandboxRow:
         return await self.lifecycle.set_timeout(caller, sandbox_id, timeout)
+
+    async def pause(self, caller: Caller, sandbox_id: str, keep_memory: bool = True) -> SandboxRow:
+        return await self.lifecycle.pause(caller, sandbox_id, keep_memory)
+
+    async def resume(
+        self, caller: Caller, sandbox_id: str, timeout: float | None = None
+    ) -> SandboxRow:
+        return await self.lifecycle.resume(caller, sandbox_id, timeout)
 
     async def set_network(
         self, caller: Caller, sandbox_id: str, network: dict[str, Any]

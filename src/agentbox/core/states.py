@@ -1,13 +1,16 @@
 """A sandbox's states and the moves between them: the one place they are written down.
 
-    (create) ──> building ──> starting ──> running
-                    │            │            │
-                    └────────────┴────────────┴──> killed | failed | expired   (ended: final)
+    (create) ──> building ──> starting ──> running <──> paused
+                    │            │            │           │
+                    └────────────┴────────────┴───────────┴──> killed | failed | expired
+                                                                     (ended: final)
 
 `building` waits for the first-use build of its template; `starting` is the runtime bringing it
-up; `running` serves. Every ended state is final: a sandbox never comes back (later issues add
-`paused` beside `running`, with its own arrows, here). `unhealthy` is not a state: it is shown
-instead of `running` while the sandbox's agent does not answer, and never stored.
+up; `running` serves. `paused`: its processes are frozen with their memory, its TTL clock stopped;
+`resume` makes it `running` again with the time it had left (a paused sandbox whose retention
+runs out ends `expired`, reason `paused_retention`). Every ended state is final: a sandbox never
+comes back. `unhealthy` is not a state: it is shown instead of `running` while the sandbox's agent
+does not answer, and never stored.
 """
 
 from __future__ import annotations
@@ -28,14 +31,17 @@ __all__ = [
 
 # What a sandbox is first stored as.
 INITIAL = frozenset({SandboxState.BUILDING, SandboxState.STARTING})
-LIVE = frozenset({SandboxState.BUILDING, SandboxState.STARTING, SandboxState.RUNNING})
+LIVE = frozenset(
+    {SandboxState.BUILDING, SandboxState.STARTING, SandboxState.RUNNING, SandboxState.PAUSED}
+)
 ENDED = frozenset({SandboxState.KILLED, SandboxState.FAILED, SandboxState.EXPIRED})
 
 # Every allowed move; anything else is a bug in whoever asked.
 TRANSITIONS: dict[SandboxState, frozenset[SandboxState]] = {
     SandboxState.BUILDING: frozenset({SandboxState.STARTING}) | ENDED,
     SandboxState.STARTING: frozenset({SandboxState.RUNNING}) | ENDED,
-    SandboxState.RUNNING: ENDED,
+    SandboxState.RUNNING: frozenset({SandboxState.PAUSED}) | ENDED,
+    SandboxState.PAUSED: frozenset({SandboxState.RUNNING}) | ENDED,
     SandboxState.KILLED: frozenset(),
     SandboxState.FAILED: frozenset(),
     SandboxState.EXPIRED: frozenset(),

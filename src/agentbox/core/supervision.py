@@ -17,6 +17,7 @@ from agentbox.core.errors import AgentboxError
 from agentbox.core.network import SandboxNetwork
 from agentbox.core.pools import CHECK_TENANT, POOL_TENANT, pool_name
 from agentbox.core.states import SandboxState
+from agentbox.runtimes.base import Runtime
 from agentbox.store.db import SandboxRow
 
 if TYPE_CHECKING:
@@ -36,11 +37,17 @@ class Supervisor:
         while True:
             now = time.time()
             for row in self.core.store.expired(now):
+                # A paused sandbox's end_at is the end of its retention.
+                paused = row.state == SandboxState.PAUSED
+                reason = "paused_retention" if paused else "timeout"
                 try:
                     if await self.core.lifecycle.end(
-                        row, SandboxState.EXPIRED, "timeout", only_if_expired=True
+                        row, SandboxState.EXPIRED, reason, only_if_expired=True
                     ):
-                        self.core.audit(None, "sandbox.expire", row.sandbox_id, tenant=row.tenant)
+                        self.core.audit(
+                            None, "sandbox.expire", row.sandbox_id, tenant=row.tenant,
+                            reason=reason,
+                        )  # fmt: skip
                 except AgentboxError:
                     pass
             nxt = self.core.store.next_deadline()
@@ -135,23 +142,25 @@ class Supervisor:
             elif row.tenant == CHECK_TENANT:  # a start-up check the last server left
                 await self.core.lifecycle.end(row, SandboxState.KILLED, "checked")
             elif row.end_at <= now:
-                await self.core.lifecycle.end(row, SandboxState.EXPIRED, "timeout")
-                self.core.audit(None, "sandbox.expire", row.sandbox_id, tenant=row.tenant)
+                reason = "paused_retention" if row.state == SandboxState.PAUSED else "timeout"
+                await self.core.lifecycle.end(row, SandboxState.EXPIRED, reason)
+                self.core.audit(
+                    None, "sandbox.expire", row.sandbox_id, tenant=row.tenant, reason=reason
+                )
                 counts["expired"] += 1
             elif not await runtime.is_alive(row.sandbox_id, row.runtime_state):
                 await self.core.lifecycle.end(row, SandboxState.KILLED, "vanished")
                 counts["vanished"] += 1
+            elif row.state == SandboxState.PAUSED:
+                # Left frozen; served (egress, commands watched) when it resumes.
+                runtime.adopt(row.sandbox_id, row.runtime_state)
+                known.add(row.sandbox_id)
+                self.core.table.adopted_paused[row.sandbox_id] = True
+                self.core.table.paused[row.sandbox_id] = row
+                counts["adopted"] += 1
             else:
                 runtime.adopt(row.sandbox_id, row.runtime_state)
                 known.add(row.sandbox_id)
-                await self.core.creation.serve_egress(
-                    row.sandbox_id,
-                    row.runtime_state,
-                    row.tenant,
-                    SandboxNetwork.from_dict(row.network),
-                    self.core.network.restore(row.sandbox_id, row.secrets or {}),
-                    runtime,
-                )
                 self.core.table.running[row.sandbox_id] = row
                 name = pool_name(row.template, row.runtime, self.core.runtimes.default)
                 if row.tenant == POOL_TENANT and not self.core.pools.adopt(name, row.sandbox_id):
@@ -159,20 +168,7 @@ class Supervisor:
                     counts["pool_removed"] += 1
                     continue
                 counts["adopted"] += 1
-                try:
-                    commands = await self.core.client(row).list_commands()
-                    audited: set[str] | None = None
-                    for info in commands:
-                        if not info.get("running"):
-                            # Ended while no server ran (or before a crash let it be
-                            # audited): audit it now, once.
-                            if audited is None:
-                                audited = self._audited_commands(row.sandbox_id)
-                            if info["cmd_id"] in audited:
-                                continue
-                        self.core.commands.watch(row, info["cmd_id"], info.get("cmd", ""), None, 0)
-                except (AgentUnavailable, AgentOpError, KeyError, TypeError):
-                    pass
+                await self.serve_adopted(row, runtime)
         for each in self.core.runtimes:
             for stray in await each.list_sandboxes() - known:
                 log.warning("removing stray sandbox %s (%s) no record explains", stray, each.name)
@@ -180,6 +176,33 @@ class Supervisor:
                 counts["strays"] += 1
         log.info("reconciled: %s", counts)
         return counts
+
+    async def serve_adopted(self, row: SandboxRow, runtime: Runtime) -> None:
+        """What a running sandbox found at start-up gets again from this server: the egress
+        proxy on its loopback, and its commands watched (those that ended meanwhile audited)."""
+        assert row.runtime_state is not None
+        await self.core.creation.serve_egress(
+            row.sandbox_id,
+            row.runtime_state,
+            row.tenant,
+            SandboxNetwork.from_dict(row.network),
+            self.core.network.restore(row.sandbox_id, row.secrets or {}),
+            runtime,
+        )
+        try:
+            commands = await self.core.client(row).list_commands()
+            audited: set[str] | None = None
+            for info in commands:
+                if not info.get("running"):
+                    # Ended while no server ran (or before a crash let it be audited): audit
+                    # it now, once.
+                    if audited is None:
+                        audited = self._audited_commands(row.sandbox_id)
+                    if info["cmd_id"] in audited:
+                        continue
+                self.core.commands.watch(row, info["cmd_id"], info.get("cmd", ""), None, 0)
+        except (AgentUnavailable, AgentOpError, KeyError, TypeError):
+            pass
 
     def _audited_commands(self, sandbox_id: str) -> set[str]:
         events = self.core.store.list_audit(None, sandbox_id, "command.run", None, 100_000)

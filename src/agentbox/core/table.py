@@ -26,6 +26,13 @@ class SandboxTable:
         self.ending: dict[str, str] = {}
         # Starting sandboxes a kill is waiting for: the start gives up instead of finishing.
         self.kill_pending: set[str] = set()
+        # Running sandboxes being paused: requests to them are told so.
+        self.pausing: set[str] = set()
+        # Paused sandboxes (kept exact as `running` is: the ports gateway asks per request).
+        self.paused: dict[str, SandboxRow] = {}
+        # Sandboxes found paused when this server started -> their egress setup, served once
+        # they resume (the proxy reaches a gVisor sandbox through its agent, frozen meanwhile).
+        self.adopted_paused: dict[str, Any] = {}
         # Running sandboxes whose agent did not answer its last ping -> why.
         self.unhealthy: dict[str, str] = {}
         # The open agent connections of callers' requests per sandbox (aborted when it turns
@@ -56,3 +63,5 @@ class SandboxTable:
         self._sandbox_locks.pop(sandbox_id, None)
         self.unhealthy.pop(sandbox_id, None)
         self.inflight.pop(sandbox_id, None)
+        self.adopted_paused.pop(sandbox_id, None)
+        self.paused.pop(sandbox_id, None)

@@ -113,6 +113,10 @@ class SandboxInfo:
     build: BuildProgress | None = None
     runtime: str = ""  # the isolation runtime it runs on
     isolation: str | None = None  # its tier (process, container, gvisor), when it is one
+    # While paused: since when, and the seconds it will run on for once resumed (`end_at` is
+    # then when the paused sandbox itself ends).
+    paused_at: datetime | None = None
+    timeout_left: float | None = None
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> SandboxInfo:
@@ -127,7 +131,8 @@ class SandboxInfo:
             network=NetworkInfo.from_json(data.get("network")),
             secrets=_strings(data.get("secrets")), access_token=data.get("access_token") or None,
             domain=data.get("domain") or None, runtime=str(data.get("runtime") or ""),
-            isolation=data.get("isolation") or None,
+            isolation=data.get("isolation") or None, paused_at=_time(data.get("paused_at")),
+            timeout_left=data.get("timeout_left"),
         )
 
 

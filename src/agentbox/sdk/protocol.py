@@ -312,6 +312,15 @@ def set_timeout(sandbox_id: str, timeout: float) -> Call[SandboxInfo]:
     return Call("POST", f"{_sbx(sandbox_id)}/timeout", _sandbox, json={"timeout": timeout})
 
 
+def pause_sandbox(sandbox_id: str, keep_memory: bool = True) -> Call[SandboxInfo]:
+    return Call("POST", f"{_sbx(sandbox_id)}/pause", _sandbox, json={"keep_memory": keep_memory})
+
+
+def resume_sandbox(sandbox_id: str, timeout: float | None = None) -> Call[SandboxInfo]:
+    body = {"timeout": timeout} if timeout is not None else {}
+    return Call("POST", f"{_sbx(sandbox_id)}/resume", _sandbox, json=body)
+
+
 def timeout_extends(info: SandboxInfo, timeout: float) -> bool:
     """Whether ending `timeout` seconds from now is later than the sandbox ends today: a
     connect with a timeout only ever extends a sandbox's life (as E2B's), never shortens it."""

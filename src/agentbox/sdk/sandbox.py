@@ -806,15 +806,19 @@ class Sandbox:
         api_key: str | None = None,
         api_url: str | None = None,
         request_timeout: float = 60,
+        resume: bool = True,
     ) -> Sandbox:
         """Attach to an existing sandbox; NotFoundError if it is not yours or does not exist.
 
         With `timeout`, the sandbox lives at least `timeout` seconds from now (set_timeout),
-        as with E2B's connect: a sandbox already set to live longer keeps its end."""
+        as with E2B's connect: a sandbox already set to live longer keeps its end. A paused
+        sandbox is resumed, as E2B's connect does (`resume=False` attaches to it paused)."""
         transport = Transport(p.resolve_config(api_key, api_url, request_timeout))
         try:
             info = transport.call(p.get_sandbox(sandbox_id))
-            if timeout is not None and p.timeout_extends(info, timeout):
+            if info.state == "paused" and resume:  # E2B's connect resumes a paused sandbox
+                info = transport.call(p.resume_sandbox(sandbox_id, timeout))
+            elif timeout is not None and p.timeout_extends(info, timeout):
                 info = transport.call(p.set_timeout(sandbox_id, timeout))
         except BaseException:
             transport.close()
@@ -978,6 +982,23 @@ class Sandbox:
         except NotFoundError:
             return False
         return info.state == SandboxState.RUNNING
+
+    def pause(
+        self, keep_memory: bool = True, *, request_timeout: float | None = None
+    ) -> SandboxInfo:
+        """Freeze the sandbox with its processes and memory: it uses no CPU and its timeout
+        stops until `resume` (or `connect`); commands, files and ports answer `paused`
+        meanwhile. A ConflictError if it is already paused."""
+        call = p.timed(p.pause_sandbox(self.sandbox_id, keep_memory), request_timeout)
+        return self._keep(self._transport.call(call))
+
+    def resume(
+        self, timeout: float | None = None, *, request_timeout: float | None = None
+    ) -> SandboxInfo:
+        """Thaw a paused sandbox: it runs on for the time it had left at the pause, or
+        `timeout` seconds if that is longer. A running sandbox is left running."""
+        call = p.timed(p.resume_sandbox(self.sandbox_id, timeout), request_timeout)
+        return self._keep(self._transport.call(call))
 
     @class_variant(_set_timeout_by_id)
     def set_timeout(self, timeout: float, *, request_timeout: float | None = None) -> SandboxInfo:

@@ -142,7 +142,7 @@ def create_app(
     # ------------------------------------------------------------------ exposed ports
 
     async def port_target(sandbox_id: str) -> PortTarget | None:
-        row = core.manager.running_row(sandbox_id)
+        row = core.manager.running_row(sandbox_id) or core.manager.paused_row(sandbox_id)
         if row is None or row.access_token is None:
             return None
         return PortTarget(
@@ -150,6 +150,7 @@ def create_app(
             tenant=row.tenant,
             access_token=row.access_token,
             public=bool((row.network or {}).get("allow_public_traffic")),
+            paused=row.state == "paused",
         )
 
     async def tenant_of_key(key: str) -> str | None:

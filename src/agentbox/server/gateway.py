@@ -54,6 +54,7 @@ from agentbox.core.errors import (
     Forbidden,
     InvalidRequest,
     NotFound,
+    SandboxNotRunning,
     Unauthorized,
 )
 from agentbox.server.errors import http_status
@@ -138,6 +139,7 @@ class PortTarget:
     tenant: str
     access_token: str
     public: bool  # ports public: no auth needed
+    paused: bool = False  # whoever may reach it hears so (nothing is relayed)
 
 
 @dataclass(frozen=True)
@@ -736,6 +738,8 @@ class PortGateway:
         request itself (its own credentials, not the port's access token); the relay budgets
         of the sandbox and its tenant still apply."""
         target = await self._lookup(route.sandbox_id)
+        if target is not None and target.paused:
+            target = None  # as for a sandbox that is not running
         path, _, query = route.target.partition(b"?")
         inner = dict(scope, path=unquote(path.decode("latin-1")), raw_path=path)
         inner["query_string"] = query
@@ -839,6 +843,12 @@ class PortGateway:
         set_cookie = await self._check_credentials(scope, headers, route, target, not_found)
         if found is None:
             raise not_found  # not reached: no credential matches the unguessable token
+        if found.paused:
+            sid = route.sandbox_id
+            raise SandboxNotRunning(
+                f"sandbox {sid} is paused; resume it first (POST /v1/sandboxes/{sid}/resume)",
+                state="paused",
+            )
         return found, set_cookie
 
     async def _check_credentials(

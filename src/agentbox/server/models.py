@@ -155,6 +155,22 @@ class TimeoutBody(Strict):
     timeout: float = Field(gt=0, le=10**9)
 
 
+class PauseBody(Strict):
+    keep_memory: bool = Field(
+        default=True,
+        description="keep its processes and their memory (frozen); false is not available yet",
+    )
+
+
+class ResumeBody(Strict):
+    timeout: float | None = Field(
+        default=None,
+        gt=0,
+        le=10**9,
+        description="seconds to run on for, if longer than the time it had left at the pause",
+    )
+
+
 class SandboxInfo(BaseModel):
     sandbox_id: str
     tenant: str
@@ -176,6 +192,10 @@ class SandboxInfo(BaseModel):
     # Why it failed after the create answered; how far the build a `building` one waits for got.
     error: str | None = None
     build: dict[str, Any] | None = None
+    # While paused: since when, and the seconds of its timeout it will have on resume (end_at
+    # is then when the paused sandbox itself ends, its retention).
+    paused_at: str | None = None
+    timeout_left: float | None = None
 
     @classmethod
     def of(
@@ -202,6 +222,8 @@ class SandboxInfo(BaseModel):
             end_reason=row.end_reason,
             resources=row.resources,
             keep_workspace=row.keep_workspace,
+            paused_at=rfc3339(row.paused_at),
+            timeout_left=row.ttl_left if row.state == "paused" else None,
         )
 
 

@@ -83,6 +83,10 @@ sandboxes = Table(
     Column("secrets", JSON, nullable=True),
     # Why it failed, when the failure came after the create answered (a first-use build).
     Column("error", String, nullable=True),
+    # While paused: since when, and the seconds of its TTL it had left (end_at is then the end
+    # of its retention as a paused sandbox).
+    Column("paused_at", Float, nullable=True),
+    Column("ttl_left", Float, nullable=True),
 )
 
 secrets = Table(
@@ -140,6 +144,8 @@ audit = Table(
 
 # Sorted: the order SQL sees them in must not depend on a set's iteration.
 LIVE_STATES = tuple(sorted(s.value for s in LIVE))
+# The states whose end_at the reaper keeps: a running sandbox's timeout, a paused one's retention.
+_TIMED = (SandboxState.PAUSED.value, SandboxState.RUNNING.value)
 
 # The longest value each text field of the two logs stores (characters; docs/API.md, "Audit and
 # egress logs"): sandboxes and clients choose these strings, and the disk must not pay for them.
@@ -225,6 +231,8 @@ class SandboxRow:
     access_token: str | None = None
     secrets: dict[str, str] | None = None
     error: str | None = None
+    paused_at: float | None = None
+    ttl_left: float | None = None
 
     @property
     def live(self) -> bool:
@@ -395,7 +403,7 @@ class Store:
         with self.engine.connect() as c:
             rows = c.execute(
                 select(sandboxes).where(
-                    sandboxes.c.state == SandboxState.RUNNING.value, sandboxes.c.end_at <= now
+                    sandboxes.c.state.in_(_TIMED), sandboxes.c.end_at <= now
                 )
             ).all()
         return [_row(r) for r in rows]
@@ -403,9 +411,7 @@ class Store:
     def next_deadline(self) -> float | None:
         with self.engine.connect() as c:
             return c.execute(
-                select(func.min(sandboxes.c.end_at)).where(
-                    sandboxes.c.state == SandboxState.RUNNING.value
-                )
+                select(func.min(sandboxes.c.end_at)).where(sandboxes.c.state.in_(_TIMED))
             ).scalar_one()
 
     def list_sandboxes(

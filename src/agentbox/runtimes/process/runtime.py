@@ -51,7 +51,7 @@ from agentbox.runtimes.base import (
     SandboxSpec,
 )
 from agentbox.runtimes.process import hostview, rootfs, userns, workspace
-from agentbox.runtimes.process.cgroups import GROUP, CgroupLimits, Cgroups
+from agentbox.runtimes.process.cgroups import GROUP, CgroupError, CgroupLimits, Cgroups
 from agentbox.runtimes.process.netns import NamespaceSockets, NetnsError
 from agentbox.runtimes.process.seccomp import build_filter
 from agentbox.runtimes.uids import BLOCK, LEASES, UID_RANGE, NoFreeUid, UidLeases
@@ -330,6 +330,7 @@ class ProcessRuntime(Runtime):
             kept_workspaces=True,
             own_uids=self.is_root,
             isolation=ISOLATION_RANKS.get(self.name, 0),
+            pause=self.cgroups.can_freeze,
         )
 
     @classmethod
@@ -826,6 +827,24 @@ class ProcessRuntime(Runtime):
             if not (isinstance(pid, int) and start is not None and proc_start_time(pid) == start):
                 return False
         return True
+
+    # ------------------------------------------------------------------ pause
+
+    async def pause(self, sandbox_id: str, state: dict[str, Any]) -> dict[str, Any]:
+        """Freeze every process of the sandbox in its cgroup: its memory stays where it is (in
+        RAM, counted as before), it gets no CPU. Idempotent."""
+        try:
+            await asyncio.to_thread(self.cgroups.freeze, sandbox_id)
+        except CgroupError as e:
+            raise RuntimeError_(str(e)) from None
+        return state
+
+    async def resume(self, sandbox_id: str, state: dict[str, Any]) -> dict[str, Any]:
+        try:
+            await asyncio.to_thread(self.cgroups.thaw, sandbox_id)
+        except CgroupError as e:
+            raise RuntimeError_(str(e)) from None
+        return state
 
     def _hold_netns(self, sandbox_id: str, init_pid: int | None) -> None:
         if not init_pid:

@@ -70,6 +70,34 @@ def router(links: Links) -> APIRouter:
     ) -> m.SandboxInfo:
         return links.sandbox(await mgr.set_timeout(who, sandbox_id, body.timeout), mgr)
 
+    @r.post(
+        "/v1/sandboxes/{sandbox_id}/pause",
+        response_model=m.SandboxInfo,
+        responses=RESPONSES,
+        tags=["sandboxes"],
+    )
+    async def pause_sandbox(
+        sandbox_id: str, mgr: Mgr, who: Who, body: m.PauseBody | None = None
+    ) -> m.SandboxInfo:
+        """Freeze the sandbox with its memory: no CPU, its timeout stopped; 409 if already
+        paused."""
+        keep = body.keep_memory if body is not None else True
+        return links.sandbox(await mgr.pause(who, sandbox_id, keep), mgr)
+
+    @r.post(
+        "/v1/sandboxes/{sandbox_id}/resume",
+        response_model=m.SandboxInfo,
+        responses=RESPONSES,
+        tags=["sandboxes"],
+    )
+    async def resume_sandbox(
+        sandbox_id: str, mgr: Mgr, who: Who, body: m.ResumeBody | None = None
+    ) -> m.SandboxInfo:
+        """Thaw a paused sandbox (a running one is left running); it gets the time it had left,
+        or `timeout` if longer."""
+        timeout = body.timeout if body is not None else None
+        return links.sandbox(await mgr.resume(who, sandbox_id, timeout), mgr)
+
     return r
 
 

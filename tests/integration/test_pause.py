@@ -1,0 +1,241 @@
+"""Pause and resume with memory kept: a paused sandbox's processes are frozen (no CPU, nothing
+runs) and its timeout clock stops; commands, files and ports answer `paused` with what to do;
+resume (or `Sandbox.connect`, as E2B's) thaws it with the time it had left, every process and
+file as it was, also after a server restart and over many cycles; a paused sandbox can be
+killed, and ends when its retention runs out.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import ServerHandle, create_sandbox, run, start_server
+
+from agentbox.sdk import Sandbox
+from agentbox.sdk.exceptions import ConflictError, InvalidArgumentError
+
+pytestmark = pytest.mark.timeout(120)
+
+# A process that counts in a file every 20 ms: frozen, it stops counting.
+COUNTER = "nohup sh -c 'while true; do echo x >> /tmp/ticks; sleep 0.02; done' >/dev/null 2>&1 &"
+
+
+def _ticks(c: httpx.Client, sid: str) -> int:
+    return int(run(c, sid, "wc -l < /tmp/ticks").stdout)
+
+
+@pytest.fixture
+def client(server: ServerHandle) -> Iterator[httpx.Client]:
+    with server.client(server.make_key(f"pause-{time.monotonic_ns()}")) as c:
+        yield c
+
+
+def test_pause_freezes_and_resume_thaws(client: httpx.Client) -> None:
+    c = client
+    sid = create_sandbox(c, timeout=60)["sandbox_id"]
+    run(c, sid, f"echo kept > /workspace/note; {COUNTER}")
+    time.sleep(0.3)
+    r = c.post(f"/v1/sandboxes/{sid}/pause", json={"keep_memory": True})
+    assert r.status_code == 200, r.text
+    info = r.json()
+    assert info["state"] == "paused" and info["paused_at"]
+    assert 50 < info["timeout_left"] <= 60
+    assert c.get(f"/v1/sandboxes/{sid}").json()["state"] == "paused"
+    listed = c.get("/v1/sandboxes", params={"state": "paused"}).json()["sandboxes"]
+    assert [s["sandbox_id"] for s in listed] == [sid]
+
+    # Nothing is served while paused, and the answer says what to do.
+    for req in (
+        c.build_request("POST", f"/v1/sandboxes/{sid}/commands", json={"cmd": "true"}),
+        c.build_request("GET", f"/v1/sandboxes/{sid}/files", params={"path": "note"}),
+        c.build_request("POST", f"/v1/sandboxes/{sid}/timeout", json={"timeout": 30}),
+    ):
+        r = c.send(req)
+        assert r.status_code == 409, (req.url, r.text)
+        assert r.json()["code"] == "sandbox_not_running" and "resume" in r.json()["message"]
+    again = c.post(f"/v1/sandboxes/{sid}/pause")
+    assert again.status_code == 409 and "already paused" in again.json()["message"]
+
+    time.sleep(1.0)  # frozen: the counter does not count
+    r = c.post(f"/v1/sandboxes/{sid}/resume")
+    assert r.status_code == 200 and r.json()["state"] == "running"
+    assert r.json()["paused_at"] is None and r.json()["timeout_left"] is None
+    first = _ticks(c, sid)
+    time.sleep(0.5)
+    second = _ticks(c, sid)
+    assert second - first >= 10  # counting again (25 a second when running)
+    assert run(c, sid, "cat /workspace/note").stdout == "kept\n"
+    # A resume of a running sandbox changes nothing.
+    assert c.post(f"/v1/sandboxes/{sid}/resume").json()["state"] == "running"
+    assert c.delete(f"/v1/sandboxes/{sid}").status_code == 204
+
+
+def test_no_cpu_while_paused(client: httpx.Client) -> None:
+    """The frozen counter made no progress: a tick count read just before the pause and just
+    after the resume differ by what runs between the reads, not by the paused second."""
+    c = client
+    sid = create_sandbox(c, timeout=60)["sandbox_id"]
+    run(c, sid, COUNTER)
+    time.sleep(0.3)
+    before = _ticks(c, sid)
+    c.post(f"/v1/sandboxes/{sid}/pause").raise_for_status()
+    time.sleep(2.0)  # 100 ticks if it ran
+    c.post(f"/v1/sandboxes/{sid}/resume").raise_for_status()
+    after = _ticks(c, sid)
+    assert after - before < 40, (before, after)
+    c.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_the_timeout_stops_while_paused(client: httpx.Client) -> None:
+    c = client
+    sid = create_sandbox(c, timeout=3)["sandbox_id"]
+    c.post(f"/v1/sandboxes/{sid}/pause").raise_for_status()
+    time.sleep(4)  # past its timeout, had it been running
+    info = c.get(f"/v1/sandboxes/{sid}").json()
+    assert info["state"] == "paused"
+    r = c.post(f"/v1/sandboxes/{sid}/resume")
+    assert r.json()["state"] == "running"
+    assert run(c, sid, "echo alive").stdout == "alive\n"
+    # The time it had left carries on: it expires within it.
+    deadline = time.time() + 10
+    while c.get(f"/v1/sandboxes/{sid}").json()["state"] == "running":
+        assert time.time() < deadline, "the resumed sandbox never expired"
+        time.sleep(0.2)
+    info = c.get(f"/v1/sandboxes/{sid}").json()
+    assert (info["state"], info["end_reason"]) == ("expired", "timeout")
+
+
+def test_resume_with_a_timeout_extends_never_shortens(client: httpx.Client) -> None:
+    c = client
+    sid = create_sandbox(c, timeout=100)["sandbox_id"]
+    c.post(f"/v1/sandboxes/{sid}/pause").raise_for_status()
+    r = c.post(f"/v1/sandboxes/{sid}/resume", json={"timeout": 5})
+    left = _left(r.json())
+    assert 90 < left <= 100  # the 5 s asked for is shorter: the time it had stays
+    c.post(f"/v1/sandboxes/{sid}/pause").raise_for_status()
+    r = c.post(f"/v1/sandboxes/{sid}/resume", json={"timeout": 500})
+    assert 490 < _left(r.json()) <= 500
+    bad = c.post(f"/v1/sandboxes/{sid}/resume", json={"timeout": -1})
+    assert bad.status_code == 422
+    c.delete(f"/v1/sandboxes/{sid}")
+
+
+def _left(info: dict) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(info["end_at"].replace("Z", "+00:00")).timestamp() - time.time()
+
+
+def test_kill_while_paused(client: httpx.Client, server: ServerHandle) -> None:
+    c = client
+    sid = create_sandbox(c, timeout=60)["sandbox_id"]
+    run(c, sid, COUNTER)
+    c.post(f"/v1/sandboxes/{sid}/pause").raise_for_status()
+    assert c.delete(f"/v1/sandboxes/{sid}").status_code == 204
+    info = c.get(f"/v1/sandboxes/{sid}").json()
+    assert (info["state"], info["end_reason"]) == ("killed", "killed")
+    assert not list(Path("/sys/fs/cgroup").glob(f"*/agentbox/*/{sid}"))  # nothing left frozen
+    assert c.post(f"/v1/sandboxes/{sid}/resume").status_code == 409
+
+
+def test_keep_memory_false_is_refused_for_now(client: httpx.Client) -> None:
+    c = client
+    sid = create_sandbox(c, timeout=60)["sandbox_id"]
+    r = c.post(f"/v1/sandboxes/{sid}/pause", json={"keep_memory": False})
+    assert r.status_code == 400 and "keep_memory" in r.json()["message"]
+    assert c.get(f"/v1/sandboxes/{sid}").json()["state"] == "running"
+    c.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_sdk_pause_resume_and_connect(server: ServerHandle) -> None:
+    key = server.make_key(f"pause-sdk-{time.monotonic_ns()}")
+    conn = {"api_key": key, "api_url": server.url}
+    with Sandbox.create(timeout=60, **conn) as sbx:
+        sbx.commands.run("echo 1 > /workspace/n")
+        with pytest.raises(InvalidArgumentError):
+            sbx.pause(keep_memory=False)
+        assert sbx.pause().state == "paused"
+        with pytest.raises(ConflictError):
+            sbx.pause()
+        with pytest.raises(ConflictError, match="resume"):
+            sbx.commands.run("true")
+        # connect(resume=False) attaches to it paused; connect() resumes it, as E2B's does.
+        attached = Sandbox.connect(sbx.sandbox_id, resume=False, **conn)
+        assert attached.get_info().state == "paused"
+        attached.close()
+        again = Sandbox.connect(sbx.sandbox_id, **conn)
+        assert again.get_info().state == "running"
+        assert again.commands.run("cat /workspace/n").stdout == "1\n"
+        again.pause()
+        assert again.resume(timeout=30).state == "running"
+        again.close()
+
+
+def test_many_cycles_keep_every_file_and_process(client: httpx.Client) -> None:
+    c = client
+    sid = create_sandbox(c, timeout=120)["sandbox_id"]
+    run(c, sid, "nohup sleep 1000 >/dev/null 2>&1 & echo $! > /tmp/sleeper")
+    for i in range(20):
+        run(c, sid, f"echo {i} >> /workspace/log")
+        c.post(f"/v1/sandboxes/{sid}/pause").raise_for_status()
+        c.post(f"/v1/sandboxes/{sid}/resume").raise_for_status()
+    assert run(c, sid, "cat /workspace/log").stdout == "".join(f"{i}\n" for i in range(20))
+    assert run(c, sid, "kill -0 $(cat /tmp/sleeper) && echo alive").stdout == "alive\n"
+    events = c.get("/v1/audit", params={"sandbox_id": sid, "limit": 200}).json()["events"]
+    actions = [e["action"] for e in events]
+    assert actions.count("sandbox.pause") == 20 and actions.count("sandbox.resume") == 20
+    c.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_paused_through_a_restart(fresh_server: ServerHandle) -> None:
+    srv = fresh_server
+    key = srv.make_key("pause-restart")
+    with srv.client(key) as c:
+        sid = create_sandbox(c, timeout=60)["sandbox_id"]
+        run(c, sid, "nohup sleep 1000 >/dev/null 2>&1 & echo $! > /tmp/sleeper")
+        r = c.post(
+            f"/v1/sandboxes/{sid}/commands",
+            json={"cmd": "sleep 1; echo done", "background": True},
+        )
+        cmd_id = r.json()["cmd_id"]
+        c.post(f"/v1/sandboxes/{sid}/pause").raise_for_status()
+    srv.stop(signal.SIGKILL)
+    srv.start()
+    with srv.client(key) as c:
+        assert c.get(f"/v1/sandboxes/{sid}").json()["state"] == "paused"
+        c.post(f"/v1/sandboxes/{sid}/resume").raise_for_status()
+        assert run(c, sid, "kill -0 $(cat /tmp/sleeper) && echo alive").stdout == "alive\n"
+        # The background command carried on after the resume, and its end is audited.
+        deadline = time.time() + 10
+        while True:
+            info = c.get(f"/v1/sandboxes/{sid}/commands/{cmd_id}").json()
+            if not info["running"]:
+                break
+            assert time.time() < deadline
+            time.sleep(0.1)
+        assert info["exit_code"] == 0
+        c.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_a_paused_sandbox_ends_with_its_retention(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AGENTBOX_PAUSED_RETENTION_DAYS", str(2 / 86_400))  # 2 s
+    srv = start_server(tmp_path)
+    try:
+        with srv.client(srv.make_key("pause-retention")) as c:
+            sid = create_sandbox(c, timeout=600)["sandbox_id"]
+            c.post(f"/v1/sandboxes/{sid}/pause").raise_for_status()
+            deadline = time.time() + 15
+            while (info := c.get(f"/v1/sandboxes/{sid}").json())["state"] == "paused":
+                assert time.time() < deadline, "the paused sandbox outlived its retention"
+                time.sleep(0.2)
+            assert (info["state"], info["end_reason"]) == ("expired", "paused_retention")
+    finally:
+        srv.kill_all_sandboxes()
+        srv.stop()
