@@ -72,6 +72,21 @@ def test_create_ls_kill(cli: Run) -> None:
     assert [s["sandbox_id"] for s in killed] == [sid]
 
 
+def test_pause_and_resume(cli: Run, sandbox_id: str) -> None:
+    r = cli("pause", sandbox_id)
+    assert r.returncode == 0 and r.stdout == f"paused {sandbox_id}\n", r.stderr
+    info = json.loads(cli("info", sandbox_id, "--json").stdout)  # looking does not wake it
+    assert info["state"] == "paused" and info["timeout_left"] > 60
+    r = cli("exec", sandbox_id, "--", "true")
+    assert r.returncode == 1 and "paused" in r.stderr and "resume" in r.stderr
+    again = cli("pause", sandbox_id)
+    assert again.returncode == 1 and "already paused" in again.stderr
+    r = cli("resume", sandbox_id, "--timeout", "300")
+    assert r.returncode == 0 and r.stdout == f"resumed {sandbox_id}\n", r.stderr
+    assert json.loads(cli("info", sandbox_id, "--json").stdout)["state"] == "running"
+    assert cli("exec", sandbox_id, "--", "echo back").stdout == "back\n"
+
+
 def test_exec_exit_codes_and_streams(cli: Run, sandbox_id: str) -> None:
     r = cli("exec", sandbox_id, "--", "echo out; echo err >&2; exit 3")
     assert (r.returncode, r.stdout, r.stderr) == (3, "out\n", "err\n")

@@ -237,7 +237,8 @@ def test_restart_readopts(tmp_path: Path, tier: str) -> None:
             # And one paused through the restart: it stays paused, then resumes whole.
             paused = create_sandbox(c, runtime=tier)["sandbox_id"]
             run(c, paused, "nohup sleep 300 >/dev/null 2>&1 & echo $! > /workspace/pid")
-            c.post(f"/v1/sandboxes/{paused}/pause").raise_for_status()
+            r = c.post(f"/v1/sandboxes/{paused}/pause")
+            assert r.status_code == 200, r.text
         srv.stop()
         srv.start()
         with srv.client() as c:

@@ -186,10 +186,36 @@ class OciRuntime(ProcessRuntime):
         if joins:
             userns_file.touch(mode=0o600)
             _bind(f"/proc/self/fd/{ns}", userns_file)
-        pid_file = sdir / "init.pid"
         limits = [] if self.rlimits_in_bundle else self._rlimits(spec.resources)
+        try:
+            started = self._launch(
+                sid, uid, limits, ["run", "--detach", "--bundle", str(bundle_dir)]
+            )
+        finally:
+            if joins:
+                _unbind(userns_file)  # the sandbox holds its namespace now
+        init_pid, init_start = started["init_pid"], started["init_start"]
+        try:
+            self._wait_for_agent(sock, lambda: proc_start_time(init_pid) == init_start, sdir)
+            self._hold_netns(sid, init_pid)
+        except BaseException:
+            # The binary's pid namespace is outside the sandbox's cgroups: not killed with them.
+            kill_if_same(started.get("pidns_pid"), started.get("pidns_start"))
+            raise
+        return {"oci": self.binary, "socket": str(sock), **started}
+
+    def _launch(
+        self, sid: str, uid: int, limits: list[tuple[int, int]], args: list[str]
+    ) -> dict[str, Any]:
+        """Run `<binary> ARGS --pid-file ... SID` (run or restore, detached) as the sandbox's
+        binary runs: its rlimits, the user, cgroup and pid namespaces made for it; the state
+        naming the sandbox's init (and the binary's pid namespace, if it has one)."""
+        sdir = self.root / sid
+        bundle_dir = sdir / "bundle"
+        pid_file = sdir / "init.pid"
+        pid_file.unlink(missing_ok=True)
         own_cgroupns = self.cgroupns_outside
-        own_pidns, own_mounts = self.own_pidns, str(bind_dir)
+        own_pidns, own_mounts = self.own_pidns, str(self.bind_root / sid)
         binary_ns = self._binary_userns(uid)
 
         def binary_context() -> None:
@@ -205,8 +231,7 @@ class OciRuntime(ProcessRuntime):
             if own_cgroupns and _libc.unshare(_CLONE_NEWCGROUP) != 0:
                 os._exit(120)
 
-        argv = [*self._global_args(sdir / OCI_LOG), "run", "--detach"]
-        argv += ["--pid-file", str(pid_file), "--bundle", str(bundle_dir), sid]
+        argv = [*self._global_args(sdir / OCI_LOG), *args, "--pid-file", str(pid_file), sid]
         pidns: tuple[int, int | None] | None = None
         try:
             with open(sdir / "runtime.log", "ab") as log:
@@ -227,8 +252,6 @@ class OciRuntime(ProcessRuntime):
         except subprocess.TimeoutExpired:
             raise RuntimeError_(f"{self.binary} did not start the sandbox within 60 s") from None
         finally:
-            if joins:
-                _unbind(userns_file)  # the sandbox holds its namespace now
             if binary_ns is not None:
                 os.close(binary_ns)
         if returncode != 0:
@@ -240,19 +263,11 @@ class OciRuntime(ProcessRuntime):
             init_pid = int(pid_file.read_text())
             if pidns is not None:
                 init_pid = host_pid(pidns[0], init_pid)
-            init_start = proc_start_time(init_pid)
-            self._wait_for_agent(sock, lambda: proc_start_time(init_pid) == init_start, sdir)
-            self._hold_netns(sid, init_pid)
-        except BaseException:
-            if pidns is not None:  # outside the sandbox's cgroups: not killed with them
+        except (OSError, ValueError, RuntimeError_) as e:
+            if pidns is not None:
                 kill_if_same(*pidns)
-            raise
-        out = {
-            "oci": self.binary,
-            "init_pid": init_pid,
-            "init_start": init_start,
-            "socket": str(sock),
-        }
+            raise RuntimeError_(f"{self.binary} started no sandbox init: {e}") from None
+        out: dict[str, Any] = {"init_pid": init_pid, "init_start": proc_start_time(init_pid)}
         if pidns is not None:
             out["pidns_pid"], out["pidns_start"] = pidns
         return out

@@ -316,6 +316,8 @@ class ProcessRuntime(Runtime):
             "disk_limit": self.use_loop,
             "seccomp": True,
             "per_sandbox_uid": self.is_root,
+            # A paused sandbox's memory: frozen in RAM (the cgroup freezer), None: no pause.
+            "pause_memory": "ram" if self.cgroups.can_freeze else None,
         }
 
     def features(self) -> RuntimeFeatures:
