@@ -57,12 +57,26 @@ def _marked(mark: str) -> list[Block]:
 
 
 def test_every_block_is_checked_or_says_why_not() -> None:
-    known = {"run", "shape of a sandbox", "network policy"}
+    known = {"run", "shape of a sandbox", "network policy", "states diagram"}
     for b in api_blocks():
         skipped = (b.mark or "").startswith("skip: ") and len(b.mark or "") > 12
         assert b.mark in known or skipped, (
             f"docs/API.md block {b.index} has no api-test mark (or skip reason):\n{b.body}"
         )
+
+
+def test_the_states_diagram_is_the_code_s() -> None:
+    """The lifecycle picture in docs/API.md is the one core/states.py documents, and every
+    state and move it draws is in the transition table."""
+    from agentbox.core import states
+
+    (block,) = _marked("states diagram")
+    drawn = [line.strip() for line in block.body.strip().splitlines()]
+    code = [line.strip() for line in (states.__doc__ or "").splitlines()]
+    assert all(line in code for line in drawn), drawn
+    for state in states.SandboxState:
+        assert state.value in block.body, state
+    assert states.allowed("running", "paused") and states.allowed("paused", "running")
 
 
 # ------------------------------------------------------------------------------ matching

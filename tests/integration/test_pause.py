@@ -239,3 +239,57 @@ def test_a_paused_sandbox_ends_with_its_retention(
     finally:
         srv.kill_all_sandboxes()
         srv.stop()
+
+
+def test_on_timeout_pause_and_auto_resume(client: httpx.Client, server: ServerHandle) -> None:
+    """lifecycle (E2B's names): at its timeout the sandbox pauses instead of ending, and a
+    request to it (a command, a file, its exposed port with credentials) resumes it."""
+    c = client
+    info = create_sandbox(c, timeout=2, lifecycle={"on_timeout": "pause", "auto_resume": True})
+    sid, token = info["sandbox_id"], {"X-Access-Token": info["access_token"]}
+    assert info["lifecycle"] == {"on_timeout": "pause", "auto_resume": True}
+    run(c, sid, "nohup python3 -m http.server 8124 >/dev/null 2>&1 & echo kept > /workspace/k")
+    deadline = time.time() + 10
+    while (info := c.get(f"/v1/sandboxes/{sid}").json())["state"] == "running":
+        assert time.time() < deadline, "it never paused at its timeout"
+        time.sleep(0.2)
+    assert info["state"] == "paused" and info["end_reason"] is None
+    assert info["timeout_left"] == 2  # its whole timeout again, once resumed
+    # A command wakes it.
+    assert run(c, sid, "cat /workspace/k").stdout == "kept\n"
+    assert c.get(f"/v1/sandboxes/{sid}").json()["state"] == "running"
+    # It pauses again at its timeout; a request to its port with its token wakes it.
+    deadline = time.time() + 10
+    while c.get(f"/v1/sandboxes/{sid}").json()["state"] != "paused":
+        assert time.time() < deadline
+        time.sleep(0.2)
+    port = f"{server.url}/v1/sandboxes/{sid}/ports/8124/"
+    assert httpx.get(port).status_code == 401  # no credentials: it stays paused
+    assert c.get(f"/v1/sandboxes/{sid}").json()["state"] == "paused"
+    assert httpx.get(port, headers=token).status_code == 200
+    events = c.get("/v1/audit", params={"sandbox_id": sid, "limit": 100}).json()["events"]
+    actions = [e["action"] for e in events]
+    assert actions.count("sandbox.pause") == 2 and actions.count("sandbox.resume") == 2
+    c.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_without_auto_resume_a_request_does_not_wake_it(client: httpx.Client) -> None:
+    c = client
+    sid = create_sandbox(c, timeout=60, lifecycle={"on_timeout": "pause"})["sandbox_id"]
+    c.post(f"/v1/sandboxes/{sid}/pause").raise_for_status()
+    r = c.post(f"/v1/sandboxes/{sid}/commands", json={"cmd": "true"})
+    assert r.status_code == 409 and "paused" in r.json()["message"]
+    assert c.get(f"/v1/sandboxes/{sid}").json()["state"] == "paused"
+    bad = c.post("/v1/sandboxes", json={"lifecycle": {"on_timeout": "sleep"}})
+    assert bad.status_code == 422 and "on_timeout" in bad.text
+    c.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_sdk_lifecycle(server: ServerHandle) -> None:
+    key = server.make_key(f"pause-sdk-life-{time.monotonic_ns()}")
+    life = {"on_timeout": "pause", "auto_resume": True}
+    with Sandbox.create(timeout=60, lifecycle=life, api_key=key, api_url=server.url) as sbx:
+        assert sbx.get_info().lifecycle == life
+        sbx.pause()
+        assert sbx.commands.run("echo woken").stdout == "woken\n"  # auto_resume
+        assert sbx.get_info().state == "running"

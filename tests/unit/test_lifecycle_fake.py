@@ -209,7 +209,6 @@ async def test_only_the_state_writer_writes_states(world: World, mgr: SandboxMan
     assert mgr.get(ACME, row.sandbox_id).state == S.KILLED
 
 
-
 async def test_a_tier_that_cannot_pause_says_so(world: World, mgr: SandboxManager) -> None:
     row = await mgr.create(ACME, CreateRequest())
     with pytest.raises(InvalidRequest, match="fake isolation tier cannot pause") as e:
@@ -221,3 +220,16 @@ async def test_a_tier_that_cannot_pause_says_so(world: World, mgr: SandboxManage
     await mgr.kill(ACME, row.sandbox_id)
     with pytest.raises(SandboxNotRunning, match="killed"):
         await mgr.resume(ACME, row.sandbox_id)
+
+
+async def test_a_lifecycle_that_pauses_needs_a_tier_that_can(
+    world: World, mgr: SandboxManager
+) -> None:
+    for lifecycle in ({"on_timeout": "pause"}, {"auto_resume": True}):
+        with pytest.raises(InvalidRequest, match="cannot pause") as e:
+            await mgr.create(ACME, CreateRequest(lifecycle=lifecycle))
+        assert e.value.detail["setting"] == "lifecycle"
+    # The default policy asks nothing of the tier.
+    row = await mgr.create(ACME, CreateRequest(lifecycle={"on_timeout": "kill"}))
+    assert row.lifecycle is None
+    await mgr.kill(ACME, row.sandbox_id)

@@ -48,7 +48,7 @@ class CodeService:
         if req.timeout:
             spec["timeout"] = req.timeout
         started = time.monotonic()
-        row = self.core.reachable(caller, sandbox_id)
+        row = await self.core.awake(caller, sandbox_id)
         detail = {"language": req.language, "context_id": req.context_id, "size": len(req.code)}
         # What the memory limit had killed before the cell: a kernel death beyond it is an OOM.
         baseline = self.core.limit_counters(row.sandbox_id)

@@ -107,7 +107,7 @@ class CommandService:
         """Start a background command; an audit watcher records how it ends."""
         spec = self._exec_spec(req)
         started = time.monotonic()
-        row = self.core.reachable(caller, sandbox_id)
+        row = await self.core.awake(caller, sandbox_id)
         self._check_watch_room(sandbox_id)
         baseline = self.core.limit_counters(sandbox_id)
         try:
@@ -124,7 +124,7 @@ class CommandService:
         """Start a foreground command; its events stream on the same agent connection."""
         spec = self._exec_spec(req)
         started = time.monotonic()
-        row = self.core.reachable(caller, sandbox_id)
+        row = await self.core.awake(caller, sandbox_id)
         self._check_watch_room(sandbox_id)  # its client may leave before the end
         baseline = self.core.limit_counters(sandbox_id)
         try:
@@ -308,7 +308,7 @@ class CommandService:
         self, caller: Caller, sandbox_id: str, cmd_id: str, offset: int = 0
     ) -> AsyncIterator[dict[str, Any]]:
         """API events for a command from `offset`: output as text, then `end`."""
-        row = self.core.reachable(caller, sandbox_id)
+        row = await self.core.awake(caller, sandbox_id)
         try:
             stream = await self.core.client(row).command_events(cmd_id, offset)
         except (AgentOpError, AgentUnavailable) as e:

@@ -20,6 +20,7 @@ from agentbox.agent.client import AgentClient, AgentOpError, AgentUnavailable
 from agentbox.core.auth import Caller
 from agentbox.core.errors import (
     AgentboxError,
+    InvalidRequest,
     LimitExceeded,
     SandboxNotRunning,
     SandboxUnavailable,
@@ -77,9 +78,12 @@ class Creation:
             wants_network=not net.policy.is_empty or net.public_ports,
             keep_workspace=req.keep_workspace,
         )
+        req = dataclasses.replace(req, lifecycle=self._lifecycle(req))
+        assert req.runtime is not None
         # Secrets need their placeholders and the CA in place from the start: no pool. Pools
         # are per template and runtime.
-        if resources == Resources() and not req.keep_workspace and not req.secrets:
+        plain = not req.keep_workspace and not req.secrets and req.lifecycle is None
+        if resources == Resources() and plain:
             row = await self.core.pool_service.claim(caller, template, req, quota, started, net)
             if row is not None:
                 return row
@@ -252,7 +256,31 @@ class Creation:
             network=net.to_dict(),
             access_token=new_access_token(),
             secrets=(egress.placeholders or None) if egress else None,
+            lifecycle=req.lifecycle,
         )
+
+    def _lifecycle(self, req: CreateRequest) -> dict[str, Any] | None:
+        """The lifecycle policy as stored (None: the default, killed at its timeout), checked
+        against the tier: pausing needs a runtime that can."""
+        if req.lifecycle is None:
+            return None
+        on_timeout = req.lifecycle.get("on_timeout", "kill")
+        auto_resume = bool(req.lifecycle.get("auto_resume", False))
+        if on_timeout not in ("kill", "pause"):
+            raise InvalidRequest(
+                f"lifecycle.on_timeout must be kill or pause, not {on_timeout!r}",
+                setting="lifecycle.on_timeout",
+            )
+        if on_timeout == "kill" and not auto_resume:
+            return None
+        assert req.runtime is not None
+        if not self.core.runtimes.features(req.runtime).pause:
+            raise InvalidRequest(
+                f"the {req.runtime} isolation tier cannot pause sandboxes on this server: no "
+                "lifecycle.on_timeout pause or auto_resume there",
+                setting="lifecycle",
+            )
+        return {"on_timeout": on_timeout, "auto_resume": auto_resume, "timeout": req.timeout}
 
     async def start(
         self,

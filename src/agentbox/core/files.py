@@ -42,7 +42,7 @@ class FileService:
     ) -> tuple[int, AsyncIterator[bytes]]:
         check_user(user)
         started = time.monotonic()
-        row = self.core.reachable(caller, sandbox_id)
+        row = await self.core.awake(caller, sandbox_id)
         try:
             size, chunks = await self.core.client(row).read_file(path, user)
         except (AgentOpError, AgentUnavailable) as e:
@@ -62,7 +62,7 @@ class FileService:
     ) -> dict[str, Any]:
         check_user(user)
         started = time.monotonic()
-        row = self.core.reachable(caller, sandbox_id)
+        row = await self.core.awake(caller, sandbox_id)
         try:
             reply = await self.core.client(row).write_file(path, chunks, user)
         except (AgentOpError, AgentUnavailable) as e:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from agentbox.core import ports
 from agentbox.core.auth import Caller
 from agentbox.core.errors import (
+    AgentboxError,
     Conflict,
     InvalidRequest,
     LimitExceeded,
@@ -213,38 +214,67 @@ class Lifecycle:
             )
         async with self.core.table.lock(sandbox_id):
             row = self.core.running(caller, sandbox_id)
-            assert row.runtime_state is not None
-            # Nothing is served while it is frozen: requests in flight end now, saying why.
-            self.core.table.running.pop(sandbox_id, None)
-            self.core.table.unhealthy.pop(sandbox_id, None)
-            self.core.table.pausing.add(sandbox_id)
-            try:
-                self.core.table.abort_requests(sandbox_id)
-                try:
-                    state = await runtime.pause(sandbox_id, row.runtime_state)
-                except RuntimeError_ as e:
-                    self.core.table.running[sandbox_id] = row
-                    raise SandboxUnavailable(f"sandbox {sandbox_id} could not pause: {e}") from None
-                now = time.time()
-                change = self.core.states.move(
-                    sandbox_id,
-                    SandboxState.PAUSED,
-                    only_from=frozenset({SandboxState.RUNNING}),
-                    runtime_state=state,
-                    paused_at=now,
-                    ttl_left=max(0.0, row.end_at - now),
-                    end_at=now + self.core.paused_retention_s,
-                )
-                if change is None:  # ended meanwhile (its end waits for this lock)
-                    raise SandboxNotRunning(f"sandbox {sandbox_id} ended", state="ended")
-                paused = self.core.store.get_sandbox(sandbox_id)
-                if paused is not None:
-                    self.core.table.paused[sandbox_id] = paused
-            finally:
-                self.core.table.pausing.discard(sandbox_id)
+            await self._freeze(row, runtime, ttl_left=max(0.0, row.end_at - time.time()))
         self.core.wake.set()
         self.core.audit(caller, "sandbox.pause", sandbox_id, started=started, keep_memory=True)
         return self.core.get(caller, sandbox_id)
+
+    async def pause_at_timeout(self, row: SandboxRow) -> bool:
+        """A sandbox created with lifecycle `on_timeout: pause` reached its timeout: paused
+        instead of ended, to run for its whole timeout again once resumed. False if it could
+        not be (it is then ended as any other)."""
+        runtime = self.core.runtimes.for_row(row)
+        period = float((row.lifecycle or {}).get("timeout") or 300)
+        async with self.core.table.lock(row.sandbox_id):
+            fresh = self.core.store.get_sandbox(row.sandbox_id)
+            if fresh is None or fresh.state != SandboxState.RUNNING:
+                return True  # ended or paused meanwhile: nothing to do
+            if fresh.end_at > time.time():
+                if row.sandbox_id not in self.core.table.running:
+                    self.core.table.running[row.sandbox_id] = fresh
+                return True  # its deadline moved
+            try:
+                await self._freeze(fresh, runtime, ttl_left=period)
+            except AgentboxError as e:
+                log.warning("sandbox %s could not pause at its timeout: %s", row.sandbox_id, e)
+                return False
+        self.core.audit(
+            None, "sandbox.pause", row.sandbox_id, tenant=row.tenant, reason="timeout"
+        )
+        return True
+
+    async def _freeze(self, row: SandboxRow, runtime: Any, ttl_left: float) -> None:
+        """Pause a running sandbox (its lock held): nothing is served while it is frozen, so
+        requests in flight end now, saying why."""
+        sandbox_id = row.sandbox_id
+        assert row.runtime_state is not None and isinstance(runtime, Pausable)
+        self.core.table.running.pop(sandbox_id, None)
+        self.core.table.unhealthy.pop(sandbox_id, None)
+        self.core.table.pausing.add(sandbox_id)
+        try:
+            self.core.table.abort_requests(sandbox_id)
+            try:
+                state = await runtime.pause(sandbox_id, row.runtime_state)
+            except RuntimeError_ as e:
+                self.core.table.running[sandbox_id] = row
+                raise SandboxUnavailable(f"sandbox {sandbox_id} could not pause: {e}") from None
+            now = time.time()
+            change = self.core.states.move(
+                sandbox_id,
+                SandboxState.PAUSED,
+                only_from=frozenset({SandboxState.RUNNING}),
+                runtime_state=state,
+                paused_at=now,
+                ttl_left=ttl_left,
+                end_at=now + self.core.paused_retention_s,
+            )
+            if change is None:  # ended meanwhile (its end waits for this lock)
+                raise SandboxNotRunning(f"sandbox {sandbox_id} ended", state="ended")
+            paused = self.core.store.get_sandbox(sandbox_id)
+            if paused is not None:
+                self.core.table.paused[sandbox_id] = paused
+        finally:
+            self.core.table.pausing.discard(sandbox_id)
 
     async def resume(
         self, caller: Caller, sandbox_id: str, timeout: float | None = None

@@ -187,6 +187,14 @@ class SandboxManager:
             end_reason=row.end_reason,
         )
 
+    async def awake(self, caller: Caller, sandbox_id: str) -> SandboxRow:
+        """`reachable`, after resuming the sandbox if it is paused and was created to be
+        woken by requests (lifecycle `auto_resume`)."""
+        row = self.owned(caller, sandbox_id)
+        if row.state == SandboxState.PAUSED and (row.lifecycle or {}).get("auto_resume"):
+            await self.lifecycle.resume(caller, sandbox_id)
+        return self.reachable(caller, sandbox_id)
+
     def reachable(self, caller: Caller, sandbox_id: str) -> SandboxRow:
         """A running sandbox whose agent answers (requests to a silent one fail at once)."""
         row = self.running(caller, sandbox_id)
@@ -368,7 +376,7 @@ class SandboxManager:
         """One operation on the caller's running sandbox through its agent (a typed method of
         AgentClient), audited as `action`; agent failures become core errors."""
         started = time.monotonic()
-        row = self.reachable(caller, sandbox_id)
+        row = await self.awake(caller, sandbox_id)
         try:
             result = await operation(self.client(row))
         except (AgentOpError, AgentUnavailable) as e:

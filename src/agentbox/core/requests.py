@@ -24,6 +24,8 @@ class CreateRequest:
     network: dict[str, Any] | None = None  # None: the tenant's default (else no egress)
     secrets: list[str] = field(default_factory=list)
     runtime: str | None = None  # None: the tenant's default, else the server's
+    # {"on_timeout": "kill" | "pause", "auto_resume": bool} (E2B's names); None: kill, no wake
+    lifecycle: dict[str, Any] | None = None
 
 
 @dataclass

@@ -37,6 +37,10 @@ class Supervisor:
         while True:
             now = time.time()
             for row in self.core.store.expired(now):
+                on_timeout = (row.lifecycle or {}).get("on_timeout")
+                if row.state == SandboxState.RUNNING and on_timeout == "pause":
+                    if await self.core.lifecycle.pause_at_timeout(row):
+                        continue
                 # A paused sandbox's end_at is the end of its retention.
                 paused = row.state == SandboxState.PAUSED
                 reason = "paused_retention" if paused else "timeout"

@@ -770,6 +770,7 @@ class AsyncSandbox:
         on_progress: Callable[[BuildProgress], None] | None = None,
         runtime: str | None = None,
         isolation: str | None = None,
+        lifecycle: Mapping[str, Any] | None = None,
     ) -> AsyncSandbox:
         """Start a sandbox that lives `timeout` seconds unless extended with set_timeout.
 
@@ -779,6 +780,8 @@ class AsyncSandbox:
         secrets (see `Secrets`) the sandbox gets as placeholder environment variables.
         `isolation` picks the isolation tier: "process", "container" or "gvisor" (`runtime`
         is the same choice by runtime name; None: the tenant's default, else the server's).
+        `lifecycle` ({"on_timeout": "kill" | "pause", "auto_resume": bool}, E2B's names): a
+        sandbox that pauses at its timeout instead of ending, and that requests wake.
 
         A shipped template used for the first time is built first (a minute or two): the
         server answers at once with a `building` sandbox and this waits until it runs, passing
@@ -799,6 +802,7 @@ class AsyncSandbox:
                     allow_internet_access,
                     runtime,
                     isolation,
+                    lifecycle,
                 )
             )
             try:

@@ -117,6 +117,7 @@ class SandboxInfo:
     # then when the paused sandbox itself ends).
     paused_at: datetime | None = None
     timeout_left: float | None = None
+    lifecycle: dict[str, Any] = field(default_factory=dict)  # on_timeout, auto_resume
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> SandboxInfo:
@@ -132,7 +133,7 @@ class SandboxInfo:
             secrets=_strings(data.get("secrets")), access_token=data.get("access_token") or None,
             domain=data.get("domain") or None, runtime=str(data.get("runtime") or ""),
             isolation=data.get("isolation") or None, paused_at=_time(data.get("paused_at")),
-            timeout_left=data.get("timeout_left"),
+            timeout_left=data.get("timeout_left"), lifecycle=dict(data.get("lifecycle") or {}),
         )
 
 

@@ -198,7 +198,8 @@ def create_sandbox(template: str | None, timeout: float, metadata: Mapping[str, 
                    secrets: Sequence[str] | None = None,
                    allow_internet_access: bool | None = None,
                    runtime: str | None = None,
-                   isolation: str | None = None) -> Call[SandboxInfo]:
+                   isolation: str | None = None,
+                   lifecycle: Mapping[str, Any] | None = None) -> Call[SandboxInfo]:
     """`network` None takes the tenant's default policy; `allow_internet_access` is E2B's
     shorthand, applied over `network` by the server; `secrets` are names of tenant secrets;
     `runtime` (or `isolation`, for a tier) None takes the tenant's default runtime, else the
@@ -223,6 +224,8 @@ def create_sandbox(template: str | None, timeout: float, metadata: Mapping[str, 
         body["runtime"] = runtime
     if isolation is not None:
         body["isolation"] = isolation
+    if lifecycle is not None:
+        body["lifecycle"] = dict(lifecycle)
     return Call("POST", "/v1/sandboxes", _sandbox, json=body)
 
 

@@ -151,7 +151,19 @@ def create_app(
             access_token=row.access_token,
             public=bool((row.network or {}).get("allow_public_traffic")),
             paused=row.state == "paused",
+            auto_resume=bool((row.lifecycle or {}).get("auto_resume")),
         )
+
+    async def wake_port(sandbox_id: str) -> bool:
+        row = core.manager.paused_row(sandbox_id)
+        if row is None or not (row.lifecycle or {}).get("auto_resume"):
+            return False
+        try:
+            await core.manager.resume(Caller(row.tenant, "port-gateway", False), sandbox_id)
+        except AgentboxError as e:
+            log.warning("sandbox %s: a port request could not resume it: %s", sandbox_id, e)
+            return False
+        return True
 
     async def tenant_of_key(key: str) -> str | None:
         try:
@@ -173,6 +185,7 @@ def create_app(
             connect=connect_port,
             limits=limits.relay,
             handlers=installed.ports,
+            wake=wake_port,
         )
         gateway_holder.append(gw)
         return gw

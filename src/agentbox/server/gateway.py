@@ -140,6 +140,7 @@ class PortTarget:
     access_token: str
     public: bool  # ports public: no auth needed
     paused: bool = False  # whoever may reach it hears so (nothing is relayed)
+    auto_resume: bool = False  # paused: a request with credentials resumes it (`wake`)
 
 
 @dataclass(frozen=True)
@@ -683,10 +684,13 @@ class PortGateway:
         max_connections: int = 100,
         limits: RelayLimits | None = None,
         handlers: Mapping[int, ASGIApp] | None = None,
+        wake: Callable[[str], Awaitable[bool]] | None = None,
     ) -> None:
         """`handlers`: ports served by the control plane itself rather than relayed to the
-        sandbox (an E2B envd endpoint): port -> ASGI app, see `_hand_over`."""
+        sandbox (an E2B envd endpoint): port -> ASGI app, see `_hand_over`. `wake`: resume a
+        paused sandbox created with auto_resume (whether it now runs)."""
         self.app = app
+        self._wake = wake
         self.handlers = dict(handlers or {})
         self.domain = domain
         self._lookup = lookup
@@ -843,6 +847,10 @@ class PortGateway:
         set_cookie = await self._check_credentials(scope, headers, route, target, not_found)
         if found is None:
             raise not_found  # not reached: no credential matches the unguessable token
+        if found.paused and found.auto_resume and not found.public and self._wake is not None:
+            # Woken only by a request that showed credentials (a public port asks none).
+            if await self._wake(route.sandbox_id):
+                found = await self._lookup(route.sandbox_id) or found
         if found.paused:
             sid = route.sandbox_id
             raise SandboxNotRunning(

@@ -93,6 +93,9 @@ class CreateSandboxBody(Strict):
     allow_internet_access: bool | None = Field(
         None, description="shorthand for network.allow_internet_access (E2B)"
     )
+    lifecycle: LifecycleBody | None = Field(
+        None, description="what its timeout does, and whether requests wake it when paused"
+    )
     secrets: list[Annotated[str, Field(max_length=64)]] = Field(
         default_factory=list,
         max_length=64,
@@ -155,6 +158,17 @@ class TimeoutBody(Strict):
     timeout: float = Field(gt=0, le=10**9)
 
 
+class LifecycleBody(Strict):
+    on_timeout: Literal["kill", "pause"] = Field(
+        "kill", description="at its timeout the sandbox is killed, or paused (resumable)"
+    )
+    auto_resume: bool = Field(
+        False,
+        description="a paused sandbox is resumed by the next request to it (its commands, "
+        "files, code, or its exposed ports with credentials) instead of answering `paused`",
+    )
+
+
 class PauseBody(Strict):
     keep_memory: bool = Field(
         default=True,
@@ -196,6 +210,7 @@ class SandboxInfo(BaseModel):
     # is then when the paused sandbox itself ends, its retention).
     paused_at: str | None = None
     timeout_left: float | None = None
+    lifecycle: dict[str, Any] | None = None
 
     @classmethod
     def of(
@@ -224,7 +239,16 @@ class SandboxInfo(BaseModel):
             keep_workspace=row.keep_workspace,
             paused_at=rfc3339(row.paused_at),
             timeout_left=row.ttl_left if row.state == "paused" else None,
+            lifecycle=_lifecycle(row.lifecycle),
         )
+
+
+def _lifecycle(stored: dict[str, Any] | None) -> dict[str, Any]:
+    stored = stored or {}
+    return {
+        "on_timeout": stored.get("on_timeout", "kill"),
+        "auto_resume": bool(stored.get("auto_resume", False)),
+    }
 
 
 class SandboxList(BaseModel):

@@ -87,6 +87,8 @@ sandboxes = Table(
     # of its retention as a paused sandbox).
     Column("paused_at", Float, nullable=True),
     Column("ttl_left", Float, nullable=True),
+    # {"on_timeout": "kill" | "pause", "auto_resume": bool, "timeout": its timeout at create}
+    Column("lifecycle", JSON, nullable=True),
 )
 
 secrets = Table(
@@ -233,6 +235,7 @@ class SandboxRow:
     error: str | None = None
     paused_at: float | None = None
     ttl_left: float | None = None
+    lifecycle: dict[str, Any] | None = None
 
     @property
     def live(self) -> bool:

@@ -115,6 +115,7 @@ def _create_request(body: m.CreateSandboxBody) -> CreateRequest:
         network=network,
         secrets=body.secrets,
         runtime=body.isolation or body.runtime,
+        lifecycle=body.lifecycle.model_dump() if body.lifecycle is not None else None,
     )
 
 
