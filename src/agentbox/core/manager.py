@@ -38,6 +38,7 @@ from agentbox.core.errors import (
 )
 from agentbox.core.files import FileService
 from agentbox.core.lifecycle import Lifecycle, SandboxStates
+from agentbox.core.metrics import Metrics
 from agentbox.core.network import (
     NetworkService,
 )
@@ -135,6 +136,7 @@ class SandboxManager:
         self.commands = CommandService(self)
         self.code = CodeService(self)
         self.supervisor = Supervisor(self)
+        self.metrics = Metrics(self)
         self.tenants = TenantService(store, network, self.admission, self.audit)
 
     # ------------------------------------------------------------------ quotas
@@ -289,6 +291,7 @@ class SandboxManager:
             asyncio.create_task(self.supervisor.reaper()),
             asyncio.create_task(self.supervisor.health()),
             asyncio.create_task(self.workspaces.run_expiry()),
+            asyncio.create_task(self.metrics.run()),
         ]
         self.pools.start()
 
@@ -474,6 +477,11 @@ class SandboxManager:
 
     async def set_timeout(self, caller: Caller, sandbox_id: str, timeout: float) -> SandboxRow:
         return await self.lifecycle.set_timeout(caller, sandbox_id, timeout)
+
+    def get_metrics(
+        self, caller: Caller, sandbox_id: str, start: float | None, end: float | None
+    ) -> builtins.list[dict[str, Any]]:
+        return self.metrics.get(caller, sandbox_id, start, end)
 
     async def pause(self, caller: Caller, sandbox_id: str, keep_memory: bool = True) -> SandboxRow:
         return await self.lifecycle.pause(caller, sandbox_id, keep_memory)

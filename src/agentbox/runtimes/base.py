@@ -245,6 +245,13 @@ class Runtime(ABC):
     def adopt(self, sandbox_id: str, state: dict[str, Any]) -> None:  # noqa: B027
         """Take over a live sandbox found after a restart (state this process must rebuild)."""
 
+    def usage(self, sandbox_id: str, state: dict[str, Any]) -> dict[str, float] | None:
+        """What the sandbox uses now, for its metrics: `cpu_seconds` (its CPU time so far),
+        `memory_bytes` (on the host: a gVisor sentry's own included) and `disk_bytes` (its
+        workspace's files); None if unknown.
+        Called from a worker thread, for every sandbox every few seconds: cheap."""
+        return None
+
     def limit_counters(self, sandbox_id: str) -> dict[str, int]:
         """Counters of limits hit so far (`oom_kill`, `pids_max`), to explain a failure."""
         return {}

@@ -14,6 +14,7 @@ import asyncio
 import builtins
 import contextlib
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from datetime import datetime
 from typing import Any, Literal, TypeVar, overload
 
 import httpx
@@ -43,6 +44,7 @@ from agentbox.sdk.models import (
     Resources,
     Result,
     SandboxInfo,
+    SandboxMetrics,
     SecretInfo,
     TemplateInfo,
 )
@@ -1007,6 +1009,19 @@ class AsyncSandbox:
         except NotFoundError:
             return False
         return info.state == SandboxState.RUNNING
+
+    async def get_metrics(
+        self,
+        start: datetime | float | None = None,
+        end: datetime | float | None = None,
+        *,
+        request_timeout: float | None = None,
+    ) -> builtins.list[SandboxMetrics]:
+        """The sandbox's CPU, memory and disk use over time, oldest first (sampled every few
+        seconds by the server and kept for an hour; none once it ended). `start`/`end`:
+        datetimes or unix seconds."""
+        call = p.timed(p.sandbox_metrics(self.sandbox_id, start, end), request_timeout)
+        return await self._transport.call(call)
 
     async def pause(
         self, keep_memory: bool = True, *, request_timeout: float | None = None

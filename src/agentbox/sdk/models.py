@@ -138,6 +138,31 @@ class SandboxInfo:
 
 
 @dataclass(frozen=True)
+class SandboxMetrics:
+    """One sample of a sandbox's use (E2B's fields): `cpu_used_pct` of its `cpu_count` CPUs
+    since the sample before, memory and disk in bytes."""
+
+    timestamp: datetime | None
+    cpu_count: float
+    cpu_used_pct: float
+    mem_used: int
+    mem_total: int
+    disk_used: int
+    disk_total: int
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> SandboxMetrics:
+        at = data.get("timestamp")
+        return cls(
+            timestamp=datetime.fromtimestamp(float(at), UTC) if at is not None else None,
+            cpu_count=float(data.get("cpu_count") or 0),
+            cpu_used_pct=float(data.get("cpu_used_pct") or 0),
+            mem_used=int(data.get("mem_used") or 0), mem_total=int(data.get("mem_total") or 0),
+            disk_used=int(data.get("disk_used") or 0), disk_total=int(data.get("disk_total") or 0),
+        )
+
+
+@dataclass(frozen=True)
 class BuildProgress:
     """A `building` sandbox waits for the first-use build of its template: how far it got."""
 

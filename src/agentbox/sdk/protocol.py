@@ -57,6 +57,7 @@ from agentbox.sdk.models import (
     Resources,
     Result,
     SandboxInfo,
+    SandboxMetrics,
     SecretInfo,
     TemplateInfo,
     Violation,
@@ -313,6 +314,22 @@ def kill_sandbox(sandbox_id: str) -> Call[None]:
 
 def set_timeout(sandbox_id: str, timeout: float) -> Call[SandboxInfo]:
     return Call("POST", f"{_sbx(sandbox_id)}/timeout", _sandbox, json={"timeout": timeout})
+
+
+def _seconds(when: datetime | float | None) -> float | None:
+    if when is None or isinstance(when, int | float):
+        return when
+    return (when if when.tzinfo else when.replace(tzinfo=UTC)).timestamp()
+
+
+def sandbox_metrics(sandbox_id: str, start: datetime | float | None,
+                    end: datetime | float | None) -> Call[list[SandboxMetrics]]:
+    params: list[tuple[str, str | int | float | bool | None]] = [
+        (k, v) for k, v in (("start", _seconds(start)), ("end", _seconds(end))) if v is not None
+    ]
+    return Call("GET", f"{_sbx(sandbox_id)}/metrics",
+                lambda r: [SandboxMetrics.from_json(m) for m in r.json()["metrics"]],
+                params=params)
 
 
 def pause_sandbox(sandbox_id: str, keep_memory: bool = True) -> Call[SandboxInfo]:

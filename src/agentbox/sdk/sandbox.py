@@ -9,6 +9,7 @@ import builtins
 import contextlib
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from datetime import datetime
 from typing import Any, Literal, TypeVar, overload
 
 import httpx
@@ -38,6 +39,7 @@ from agentbox.sdk.models import (
     Resources,
     Result,
     SandboxInfo,
+    SandboxMetrics,
     SecretInfo,
     TemplateInfo,
 )
@@ -986,6 +988,19 @@ class Sandbox:
         except NotFoundError:
             return False
         return info.state == SandboxState.RUNNING
+
+    def get_metrics(
+        self,
+        start: datetime | float | None = None,
+        end: datetime | float | None = None,
+        *,
+        request_timeout: float | None = None,
+    ) -> builtins.list[SandboxMetrics]:
+        """The sandbox's CPU, memory and disk use over time, oldest first (sampled every few
+        seconds by the server and kept for an hour; none once it ended). `start`/`end`:
+        datetimes or unix seconds."""
+        call = p.timed(p.sandbox_metrics(self.sandbox_id, start, end), request_timeout)
+        return self._transport.call(call)
 
     def pause(
         self, keep_memory: bool = True, *, request_timeout: float | None = None

@@ -16,7 +16,8 @@ from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 GROUP = "agentbox"
-_V1_CONTROLLERS = ("memory", "pids", "cpu", "freezer")
+# cpuacct: the CPU a sandbox used (metrics); no limit of its own.
+_V1_CONTROLLERS = ("memory", "pids", "cpu", "cpuacct", "freezer")
 
 
 @dataclass(frozen=True)
@@ -160,6 +161,20 @@ class Cgroups:
                     "max", 0
                 )
         return out
+
+    def cpu_seconds(self, sandbox_id: str) -> float | None:
+        """CPU time every process of the sandbox has used, in seconds."""
+        try:
+            if self.v2:
+                stat = _read_kv(self.base["unified"] / sandbox_id / "cpu.stat")
+                return stat["usage_usec"] / 1e6 if "usage_usec" in stat else None
+            for key in ("cpuacct", "cpu"):  # co-mounted as cpu,cpuacct on many hosts
+                usage = self.base.get(key)
+                if usage is not None and (usage / sandbox_id / "cpuacct.usage").exists():
+                    return int((usage / sandbox_id / "cpuacct.usage").read_text()) / 1e9
+        except (OSError, ValueError, KeyError):
+            return None
+        return None
 
     def memory_usage(self, sandbox_id: str) -> int | None:
         name = "memory.current" if self.v2 else "memory.usage_in_bytes"

@@ -884,6 +884,22 @@ class ProcessRuntime(Runtime):
     def storage_path(self) -> Path:
         return self.root
 
+    def usage(self, sandbox_id: str, state: dict[str, Any]) -> dict[str, float] | None:
+        if not self.cgroups.available:
+            return None
+        cpu, memory = self.cgroups.cpu_seconds(sandbox_id), self.cgroups.memory_usage(sandbox_id)
+        out = {}
+        if cpu is not None:
+            out["cpu_seconds"] = cpu
+        if memory is not None:
+            out["memory_bytes"] = float(memory)
+        try:  # what its files take now (the image's blocks lag behind the page cache)
+            fs = os.statvfs(self.bind_root / sandbox_id / workspace.MOUNT_NAME)
+            out["disk_bytes"] = float((fs.f_blocks - fs.f_bfree) * fs.f_frsize)
+        except OSError:
+            pass
+        return out or None
+
     def workspace_bytes(self, sandbox_id: str, state: dict[str, Any]) -> int | None:
         image = Path(state.get("dir") or self.root / sandbox_id) / workspace.IMAGE_NAME
         try:

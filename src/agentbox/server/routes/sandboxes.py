@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Response
 
@@ -69,6 +69,18 @@ def router(links: Links) -> APIRouter:
         sandbox_id: str, body: m.TimeoutBody, mgr: Mgr, who: Who
     ) -> m.SandboxInfo:
         return links.sandbox(await mgr.set_timeout(who, sandbox_id, body.timeout), mgr)
+
+    @r.get("/v1/sandboxes/{sandbox_id}/metrics", responses=RESPONSES, tags=["sandboxes"])
+    async def sandbox_metrics(
+        sandbox_id: str,
+        mgr: Mgr,
+        who: Who,
+        start: Annotated[float | None, Query(ge=0, le=1e11)] = None,
+        end: Annotated[float | None, Query(ge=0, le=1e11)] = None,
+    ) -> dict[str, Any]:
+        """CPU, memory and disk of a live sandbox over time (unix seconds `start`..`end`),
+        sampled every few seconds and kept for an hour (docs/API.md, "Metrics")."""
+        return {"metrics": mgr.get_metrics(who, sandbox_id, start, end)}
 
     @r.post(
         "/v1/sandboxes/{sandbox_id}/pause",
