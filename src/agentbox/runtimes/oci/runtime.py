@@ -510,12 +510,16 @@ def _small_tmpfs(path: Path, mode: int, owner: int, flags: int = _MS_NOSUID | _M
     return path
 
 
-# The first process of a pid namespace made for the binary (`sh -c SCRIPT sh ARGV...`), in a
-# mount namespace of its own with that pid namespace's /proc (runsc writes its gofer's id maps
-# there by the pid it sees). It tells its host pid, runs the binary, tells its status, then
-# stays as the namespace's init: the binary's daemons are reparented to it, and killing it from
-# the host ends them all.
-_PIDNS_INIT = """read -r me _ < /proc/self/stat; echo "$me"
+# The first process of a pid namespace made for the binary (`sh -c SCRIPT sh RECORD ARGV...`),
+# in a mount namespace of its own with that pid namespace's /proc (runsc writes its gofer's id
+# maps there by the pid it sees). It records its host pid and start time in RECORD (before
+# anything can start: a server that dies meanwhile leaves the next one what to kill), tells its
+# pid, runs the binary, tells its status, then stays as the namespace's init: the binary's
+# daemons are reparented to it, and killing it from the host ends them all.
+_PIDNS_INIT = """read -r me _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ _ start _ < /proc/self/stat
+record=$1; shift
+printf '[%s, %s]' "$me" "$start" > "$record.new" && mv -f "$record.new" "$record" || exit 126
+echo "$me"
 mount -t proc -o nosuid,nodev,noexec proc /proc || exit 125
 "$@" </dev/null >&2; rc=$?; echo "$rc"
 [ "$rc" = 0 ] || exit "$rc"
@@ -546,11 +550,12 @@ def run_in_pidns(
     argv: list[str], log: Any, cwd: Path, record: Path, preexec: Any = None
 ) -> tuple[tuple[int, int | None] | None, int]:
     """Run the binary's `argv` in a pid namespace of its own whose init outlives it (see
-    _PIDNS_INIT); the init's host pid and start time, also written to `record` as soon as
-    known (None if it never said), and the binary's exit status."""
+    _PIDNS_INIT, which writes `record`); the init's host pid and start time (None if it never
+    said), and the binary's exit status."""
     wrapped = ["setsid", "--fork", "unshare", "--pid", "--fork", "--mount", "sh", "-c"]
+    record.unlink(missing_ok=True)
     proc = subprocess.Popen(
-        [*wrapped, _PIDNS_INIT, "sh", *argv],
+        [*wrapped, _PIDNS_INIT, "sh", str(record), *argv],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=log,
@@ -577,7 +582,6 @@ def run_in_pidns(
             words.append(int(word))
             if len(words) == 1:
                 init = (words[0], proc_start_time(words[0]))
-                record.write_text(json.dumps(init))
     finally:
         proc.stdout.close()
     if len(words) != 2:
