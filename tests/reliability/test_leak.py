@@ -2,8 +2,9 @@
 
 Faults: the sandbox's agent or its pid-namespace init SIGKILLed right after create, its bwrap
 process killed (idle, and in the middle of a kill), the server SIGKILLed in the middle of a
-create and of a kill (then restarted, so reconciliation runs), and a kill that arrives while the
-sandbox is still starting. After every cycle each sandbox must be fully usable or cleanly gone;
+create and of a kill (then restarted, so reconciliation runs), a kill that arrives while the
+sandbox is still starting, a kill of a paused (or pausing) sandbox, and a server crash while a
+sandbox is paused (it must stay paused, then resume whole). After every cycle each sandbox must be fully usable or cleanly gone;
 at the end, with everything killed, the host inventory must equal the one before the server
 started.
 
@@ -47,6 +48,8 @@ FAULTS = (
     "server_killed_mid_kill",
     "kill_while_starting",
     "runtime_killed_mid_create",
+    "paused_then_killed",
+    "server_killed_while_paused",
 )
 # The other tiers have no bwrap: their init is the runtime's (on `container` the agent itself,
 # pid 1 of the sandbox; on `gvisor` the sentry, whose processes are no host processes at all),
@@ -226,6 +229,27 @@ def _cycle(srv: RelServer, fault: str, rng: random.Random, round_: int) -> str:
             _kill(state["bwrap_pid"])
             _kill(state["init_pid"])
             assert bg.result() == 204
+        elif fault == "paused_then_killed":
+            # Killed frozen (on even rounds mid-pause): nothing of it may stay behind frozen.
+            if round_ % 2 == 0:
+                r = c.post(f"/v1/sandboxes/{sid}/pause")
+                assert r.status_code == 200, r.text
+            else:
+                bg = Background(lambda: c.post(f"/v1/sandboxes/{sid}/pause"))
+                time.sleep(rng.uniform(0, 0.02))
+                assert _delete(c, sid) == 204
+                assert bg.result().status_code in (200, 409), bg.result().text
+            assert _delete(c, sid) == 204
+        elif fault == "server_killed_while_paused":
+            r = c.post(f"/v1/sandboxes/{sid}/pause")
+            assert r.status_code == 200, r.text
+            srv.crash()
+            srv.restart()
+            assert _state(c, sid)["state"] == "paused"
+            r = c.post(f"/v1/sandboxes/{sid}/resume")
+            assert r.status_code == 200 and r.json()["state"] == "running", r.text
+            assert run_ok(c, sid, "cat /workspace/f").strip() == "data"
+            assert _delete(c, sid) == 204
         elif fault == "server_killed_mid_kill":
             bg = Background(lambda: c.delete(f"/v1/sandboxes/{sid}"))
             time.sleep(rng.uniform(0, 0.05))
