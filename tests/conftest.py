@@ -110,7 +110,7 @@ class ServerHandle:
                 with self.client(key) as c:
                     token = None
                     while True:
-                        params = {"state": "running", "limit": 200}
+                        params = {"state": "live", "limit": 200}
                         if token:
                             params["next_token"] = token
                         r = c.get("/v1/sandboxes", params=params)
