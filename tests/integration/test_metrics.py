@@ -6,8 +6,8 @@ tenant's sandbox is not found."""
 from __future__ import annotations
 
 import time
-from datetime import timedelta
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 
 import httpx

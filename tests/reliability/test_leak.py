@@ -4,9 +4,9 @@ Faults: the sandbox's agent or its pid-namespace init SIGKILLed right after crea
 process killed (idle, and in the middle of a kill), the server SIGKILLed in the middle of a
 create and of a kill (then restarted, so reconciliation runs), a kill that arrives while the
 sandbox is still starting, a kill of a paused (or pausing) sandbox, and a server crash while a
-sandbox is paused (it must stay paused, then resume whole). After every cycle each sandbox must be fully usable or cleanly gone;
-at the end, with everything killed, the host inventory must equal the one before the server
-started.
+sandbox is paused (it must stay paused, then resume whole). After every cycle each sandbox must
+be fully usable or cleanly gone; at the end, with everything killed, the host inventory must
+equal the one before the server started.
 
     AGENTBOX_LEAK_CYCLES=200 AGENTBOX_LEAK_SEED=7 .venv/bin/pytest -q tests/reliability/test_leak.py
 """

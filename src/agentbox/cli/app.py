@@ -625,21 +625,7 @@ def kill(
     sandbox_ids: Annotated[list[str], typer.Argument(help="Sandboxes to kill.")],
 ) -> None:
     """Kill sandboxes."""
-    failed = False
-    for sandbox_id in sandbox_ids:
-        try:
-            sbx = Sandbox.connect(sandbox_id, resume=False, **_conn(ctx))
-            try:
-                sbx.kill()
-            finally:
-                sbx.close()
-        except AgentboxError as e:
-            _print_error(e, f"{sandbox_id}: ")
-            failed = True
-            continue
-        print(f"killed {sandbox_id}")
-    if failed:
-        raise typer.Exit(1)
+    _each(ctx, sandbox_ids, lambda sbx: sbx.kill(), "killed")
 
 
 @app.command()
@@ -658,8 +644,8 @@ def resume(
     sandbox_ids: Annotated[list[str], typer.Argument(help="Sandboxes to resume.")],
     timeout: Annotated[
         float | None,
-        typer.Option(help="Run on for at least this many seconds (default: the time it had "
-                     "left when it was paused)."),
+        typer.Option(help="Run on for at least this many seconds.",
+                     show_default="the time it had left when it was paused"),
     ] = None,
 ) -> None:
     """Resume paused sandboxes (running ones are left running)."""

@@ -169,8 +169,7 @@ class Lifecycle:
         await self.end(row, state=SandboxState.KILLED, reason="killed")
         self.core.audit(caller, "sandbox.kill", sandbox_id, status=204, started=started)
 
-    async def set_timeout(self, caller: Caller, sandbox_id: str, timeout: float) -> SandboxRow:
-        row = self.core.running(caller, sandbox_id)
+    def _check_timeout(self, caller: Caller, timeout: float) -> None:
         quota = self.core.quota(caller.tenant)
         if not 0 < timeout <= quota["max_timeout"]:
             raise LimitExceeded(
@@ -178,6 +177,10 @@ class Lifecycle:
                 setting="quota.max_timeout",
                 limit=quota["max_timeout"],
             )
+
+    async def set_timeout(self, caller: Caller, sandbox_id: str, timeout: float) -> SandboxRow:
+        row = self.core.running(caller, sandbox_id)
+        self._check_timeout(caller, timeout)
         # Under the sandbox's lock: `_end` holds it while tearing the sandbox down, and a
         # deadline moved (and the row re-cached as running) meanwhile would resurrect it.
         async with self.core.table.lock(row.sandbox_id):
@@ -285,13 +288,7 @@ class Lifecycle:
         started = time.monotonic()
         row = self.core.owned(caller, sandbox_id)
         if timeout is not None:
-            quota = self.core.quota(caller.tenant)
-            if not 0 < timeout <= quota["max_timeout"]:
-                raise LimitExceeded(
-                    f"timeout must be between 0 and {quota['max_timeout']} seconds",
-                    setting="quota.max_timeout",
-                    limit=quota["max_timeout"],
-                )
+            self._check_timeout(caller, timeout)
         if row.state == SandboxState.RUNNING:
             if timeout is not None and row.end_at < time.time() + timeout:
                 await self.set_timeout(caller, sandbox_id, timeout)
