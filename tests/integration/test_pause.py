@@ -293,3 +293,25 @@ def test_sdk_lifecycle(server: ServerHandle) -> None:
         sbx.pause()
         assert sbx.commands.run("echo woken").stdout == "woken\n"  # auto_resume
         assert sbx.get_info().state == "running"
+
+
+def test_a_timeout_passed_while_the_server_was_down_pauses(fresh_server: ServerHandle) -> None:
+    """A sandbox with lifecycle on_timeout pause whose timeout passed while no server ran is
+    paused by the next server, not ended."""
+    srv = fresh_server
+    key = srv.make_key("pause-downtime")
+    with srv.client(key) as c:
+        sid = create_sandbox(c, timeout=2, lifecycle={"on_timeout": "pause"})["sandbox_id"]
+        run(c, sid, "echo kept > /workspace/k")
+    srv.stop(signal.SIGKILL)
+    time.sleep(3)
+    srv.start()
+    with srv.client(key) as c:
+        deadline = time.time() + 10
+        while (info := c.get(f"/v1/sandboxes/{sid}").json())["state"] == "running":
+            assert time.time() < deadline, "never paused"
+            time.sleep(0.2)
+        assert info["state"] == "paused", info
+        c.post(f"/v1/sandboxes/{sid}/resume").raise_for_status()
+        assert run(c, sid, "cat /workspace/k").stdout == "kept\n"
+        c.delete(f"/v1/sandboxes/{sid}")

@@ -323,7 +323,10 @@ class Lifecycle:
                 self.core.table.running[sandbox_id] = now_row
                 if self.core.table.adopted_paused.pop(sandbox_id, None) is not None:
                     # Paused when this server started: what adoption does for running ones.
-                    await self.core.supervisor.serve_adopted(now_row, runtime)
+                    try:
+                        await self.core.supervisor.serve_adopted(now_row, runtime)
+                    except Exception:  # noqa: BLE001 - it runs: the resume stands
+                        log.exception("sandbox %s resumed, but not served again", sandbox_id)
                 else:
                     self.core.commands.rewatch(now_row)
         self.core.wake.set()
@@ -345,6 +348,8 @@ class Lifecycle:
             if only_if_expired and fresh.end_at > time.time():
                 if fresh.state == SandboxState.RUNNING:
                     self.core.table.running[fresh.sandbox_id] = fresh
+                elif fresh.state == SandboxState.PAUSED:  # paused while this waited
+                    self.core.table.paused[fresh.sandbox_id] = fresh
                 return False  # the deadline moved while we waited for the lock
             self.core.table.ending[fresh.sandbox_id] = state
             await self.core.network.forget(fresh.sandbox_id)
@@ -361,4 +366,5 @@ class Lifecycle:
             self.core.states.move(fresh.sandbox_id, state, end_reason=reason, ended_at=time.time())
         self.core.table.forget(row.sandbox_id)
         self.core.commands.forget(row.sandbox_id)
+        self.core.metrics.forget(row.sandbox_id)
         return True

@@ -4,7 +4,8 @@ Every `interval` seconds (AGENTBOX_METRICS_INTERVAL_S, default 5) the sampler as
 sandbox's runtime what it uses (its cgroups: CPU time and memory; its workspace image's real
 size) and keeps the last `keep` seconds (AGENTBOX_METRICS_KEEP_S, default an hour) of samples
 per sandbox in fixed-size rings of 4-byte floats: about 14 KiB a sandbox for an hour of 5 s
-samples, so 1,000 sandboxes hold about 14 MiB. A sandbox's samples go when it ends.
+samples, so 1,000 sandboxes hold about 14 MiB. A sandbox's samples go when it ends (`forget`,
+from the one place sandboxes end).
 
 A sample's CPU is the share of the sandbox's CPUs it used since the sample before (100 = all of
 `cpu_count` busy); a paused sandbox's is 0 and its memory is what it holds frozen.
@@ -112,9 +113,6 @@ class Metrics:
     def sample_all(self) -> None:
         table = self.core.table
         rows = [*table.running.values(), *table.paused.values()]
-        live = {row.sandbox_id for row in rows}
-        for gone in set(self.rings) - live:
-            del self.rings[gone]
         now = time.time()
         for row in rows:
             if row.runtime_state is None or not self.core.runtimes.serves(row):
@@ -141,6 +139,11 @@ class Metrics:
             ring.last_cpu, ring.last_at = cpu_s, now
             memory = used.get("memory_bytes", 0.0) / MiB
             ring.add(now, min(pct, 100.0), memory, (disk or 0) / MiB)
+
+    def forget(self, sandbox_id: str) -> None:
+        """The sandbox ended: its samples go (a sandbox between two lists, pausing say, keeps
+        them)."""
+        self.rings.pop(sandbox_id, None)
 
     def get(
         self, caller: Caller, sandbox_id: str, start: float | None, end: float | None

@@ -17,7 +17,7 @@ from agentbox.core.errors import AgentboxError
 from agentbox.core.network import SandboxNetwork
 from agentbox.core.pools import CHECK_TENANT, POOL_TENANT, pool_name
 from agentbox.core.states import SandboxState
-from agentbox.runtimes.base import Runtime
+from agentbox.runtimes.base import Pausable, Runtime, RuntimeError_
 from agentbox.store.db import SandboxRow
 
 if TYPE_CHECKING:
@@ -36,11 +36,18 @@ class Supervisor:
         """End sandboxes at their deadline: never before it, and within a few ms after it."""
         while True:
             now = time.time()
+            stuck = False  # a row past its deadline that cannot be ended now: no busy loop
             for row in self.core.store.expired(now):
+                if not self.core.runtimes.serves(row):
+                    stuck = True  # left for a server that serves its runtime
+                    continue
                 on_timeout = (row.lifecycle or {}).get("on_timeout")
                 if row.state == SandboxState.RUNNING and on_timeout == "pause":
-                    if await self.core.lifecycle.pause_at_timeout(row):
-                        continue
+                    try:
+                        if await self.core.lifecycle.pause_at_timeout(row):
+                            continue
+                    except Exception:  # noqa: BLE001 - the reaper must outlive any one sandbox
+                        log.exception("pausing sandbox %s at its timeout failed", row.sandbox_id)
                 # A paused sandbox's end_at is the end of its retention.
                 paused = row.state == SandboxState.PAUSED
                 reason = "paused_retention" if paused else "timeout"
@@ -53,9 +60,11 @@ class Supervisor:
                             reason=reason,
                         )  # fmt: skip
                 except AgentboxError:
-                    pass
+                    stuck = True
             nxt = self.core.store.next_deadline()
             delay = 1.0 if nxt is None else min(1.0, max(0.0, nxt - time.time()))
+            if stuck:
+                delay = max(delay, 0.5)
             self.core.wake.clear()
             # Not wait_for: in Python 3.11 it loses a cancellation that arrives as the event
             # is set (a create wakes the reaper as the server stops), and stop() would hang.
@@ -145,7 +154,7 @@ class Supervisor:
                 counts["failed"] += 1
             elif row.tenant == CHECK_TENANT:  # a start-up check the last server left
                 await self.core.lifecycle.end(row, SandboxState.KILLED, "checked")
-            elif row.end_at <= now:
+            elif row.end_at <= now and not self._pauses_at_timeout(row):
                 reason = "paused_retention" if row.state == SandboxState.PAUSED else "timeout"
                 await self.core.lifecycle.end(row, SandboxState.EXPIRED, reason)
                 self.core.audit(
@@ -156,13 +165,18 @@ class Supervisor:
                 await self.core.lifecycle.end(row, SandboxState.KILLED, "vanished")
                 counts["vanished"] += 1
             elif row.state == SandboxState.PAUSED:
-                # Left frozen; served (egress, commands watched) when it resumes.
+                # Left frozen (frozen again, had a crash come between its freeze and its
+                # record); served (egress, commands watched) when it resumes.
+                await self._match_freezer(row, runtime, frozen=True)
                 runtime.adopt(row.sandbox_id, row.runtime_state)
                 known.add(row.sandbox_id)
                 self.core.table.adopted_paused[row.sandbox_id] = True
                 self.core.table.paused[row.sandbox_id] = row
                 counts["adopted"] += 1
             else:
+                # Thawed, had a crash come between a freeze and its record (a running one
+                # past its deadline with lifecycle on_timeout pause: the reaper pauses it).
+                await self._match_freezer(row, runtime, frozen=False)
                 runtime.adopt(row.sandbox_id, row.runtime_state)
                 known.add(row.sandbox_id)
                 self.core.table.running[row.sandbox_id] = row
@@ -180,6 +194,26 @@ class Supervisor:
                 counts["strays"] += 1
         log.info("reconciled: %s", counts)
         return counts
+
+    @staticmethod
+    def _pauses_at_timeout(row: SandboxRow) -> bool:
+        on_timeout = (row.lifecycle or {}).get("on_timeout")
+        return row.state == SandboxState.RUNNING and on_timeout == "pause"
+
+    async def _match_freezer(self, row: SandboxRow, runtime: Runtime, frozen: bool) -> None:
+        """Make the sandbox frozen or not as its record says (both idempotent)."""
+        if not self.core.runtimes.features(runtime.name).pause or not isinstance(
+            runtime, Pausable
+        ):
+            return
+        assert row.runtime_state is not None
+        try:
+            if frozen:
+                await runtime.pause(row.sandbox_id, row.runtime_state)
+            else:
+                await runtime.resume(row.sandbox_id, row.runtime_state)
+        except RuntimeError_ as e:
+            log.warning("sandbox %s: its freezer does not match its record: %s", row.sandbox_id, e)
 
     async def serve_adopted(self, row: SandboxRow, runtime: Runtime) -> None:
         """What a running sandbox found at start-up gets again from this server: the egress

@@ -76,7 +76,7 @@ _SKELETON_DIRS = [
 ]
 _MS_BIND = 4096
 _MS_NOSUID, _MS_NODEV = 2, 4
-_MS_REC, _MS_SLAVE = 0x4000, 0x80000
+_MS_REC, _MS_PRIVATE = 0x4000, 0x40000
 _CLONE_NEWNS = 0x00020000
 _MNT_DETACH = 2
 # Exit statuses of the binary's start context (binary_context in OciRuntime._spawn).
@@ -216,6 +216,8 @@ class OciRuntime(ProcessRuntime):
         pid_file.unlink(missing_ok=True)
         own_cgroupns = self.cgroupns_outside
         own_pidns, own_mounts = self.own_pidns, str(self.bind_root / sid)
+        # Every tier's kept-workspace mounts of this data dir (kept-mounts, kept-mounts-TIER).
+        kept = (_mountinfo_escaped(self.layout.kept_mounts.parent / "kept-mounts"),)
         binary_ns = self._binary_userns(uid)
 
         def binary_context() -> None:
@@ -224,7 +226,7 @@ class OciRuntime(ProcessRuntime):
             # have), and the binary, run as root, is exempt from RLIMIT_NPROC.
             for res, value in limits:
                 resource.setrlimit(res, (value, value))
-            if own_pidns and not _without_other_sandboxes(own_mounts):
+            if own_pidns and not _without_other_sandboxes(own_mounts, kept):
                 os._exit(122)
             if binary_ns is not None and _libc.setns(binary_ns, _CLONE_NEWUSER) != 0:
                 os._exit(121)
@@ -463,8 +465,8 @@ class OciRuntime(ProcessRuntime):
         return pid, start
 
     def binary_argv(self, sid: str, state: dict[str, Any], *args: str) -> list[str]:
-        """The argv running the binary on a started sandbox: in the pid and mount namespaces it
-        was started in, where it has them (its state numbers processes as that namespace does;
+        """The argv running the binary on a started sandbox: in the pid namespace it was
+        started in, where it has one (its state numbers processes as that namespace does;
         run from the host's, it would signal whatever host processes have those numbers)."""
         argv = [*self._global_args(self.root / sid / OCI_LOG), *args]
         pid, start = self._pidns(sid, state)
@@ -524,26 +526,40 @@ mount -t proc -o nosuid,nodev,noexec proc /proc || exit 125
 "$@" </dev/null >&2; rc=$?; echo "$rc"
 [ "$rc" = 0 ] || exit "$rc"
 exec sleep infinity </dev/null >/dev/null 2>&1"""
-_SANDBOX_MOUNT = re.compile(re.escape(str(RUN_ROOT)) + r"/[^/]+/sbx_[0-9A-Za-z]+(/|$)")
+_SANDBOX_MOUNT = re.compile(re.escape(str(RUN_ROOT)).encode() + rb"/[^/]+/sbx_[0-9A-Za-z]+(/|$)")
 
 
-def _without_other_sandboxes(own: str) -> bool:
-    """In a child about to start the binary: move to a mount namespace of its own (a slave of
-    the host's) without the mounts of other sandboxes. The launcher's mount namespace, whose
+def _without_other_sandboxes(own: str, kept: tuple[bytes, ...]) -> bool:
+    """In a child about to start the binary: move to a mount namespace of its own (private, a
+    copy of the host's) without the mounts of other sandboxes. The launcher's mount namespace, whose
     copy of the host's mounts is also the gofer's (runsc runs it with --setup-root=false), lives
     as long as the sandbox: it would keep every other sandbox's workspace of the moment mounted
-    after that sandbox ended. (Detached here, in the host's user namespace: in the copy the
-    launcher makes from its own user namespace, they would be locked in.)"""
+    after that sandbox ended. `kept`: prefixes of the read-only mounts of kept workspaces
+    (escaped as mountinfo escapes them). (Detached here, in the host's user namespace: in the
+    copy the launcher makes from its own user namespace, they would be locked in.)"""
     if _libc.unshare(_CLONE_NEWNS) != 0:
         return False
-    if _libc.mount(b"none", b"/", None, _MS_REC | _MS_SLAVE, None) != 0:
+    # Private: no mount the host makes from now on reaches it (the copy the launcher makes
+    # would hold it for the sandbox's life).
+    if _libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None) != 0:
         return False
+    mine = own.encode()
     with open("/proc/self/mountinfo", "rb") as f:
-        points = [line.split()[4].decode() for line in f]
+        points = [line.split()[4] for line in f]
     for point in reversed(points):  # the deepest first
-        if _SANDBOX_MOUNT.match(point) and point != own and not point.startswith(own + "/"):
-            _libc.umount2(point.encode(), _MNT_DETACH)
+        if point == mine or point.startswith(mine + b"/"):
+            continue
+        if _SANDBOX_MOUNT.match(point) or any(point.startswith(p) for p in kept):
+            _libc.umount2(point, _MNT_DETACH)
     return True
+
+
+def _mountinfo_escaped(path: Path) -> bytes:
+    """`path` as /proc/self/mountinfo writes it (space, tab, newline and backslash octal)."""
+    out = os.fsencode(str(path))
+    for ch in (b"\\", b" ", b"\t", b"\n"):
+        out = out.replace(ch, b"\\%03o" % ord(ch))
+    return out
 
 
 def run_in_pidns(
@@ -556,6 +572,7 @@ def run_in_pidns(
     record.unlink(missing_ok=True)
     proc = subprocess.Popen(
         [*wrapped, _PIDNS_INIT, "sh", str(record), *argv],
+        bufsize=0,  # unbuffered: select() must see what readline() has not taken yet
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=log,

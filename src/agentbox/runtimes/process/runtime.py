@@ -893,9 +893,11 @@ class ProcessRuntime(Runtime):
             out["cpu_seconds"] = cpu
         if memory is not None:
             out["memory_bytes"] = float(memory)
+        mount = self.bind_root / sandbox_id / workspace.MOUNT_NAME
         try:  # what its files take now (the image's blocks lag behind the page cache)
-            fs = os.statvfs(self.bind_root / sandbox_id / workspace.MOUNT_NAME)
-            out["disk_bytes"] = float((fs.f_blocks - fs.f_bfree) * fs.f_frsize)
+            if os.path.ismount(mount):  # its own filesystem (not a directory of the host's)
+                fs = os.statvfs(mount)
+                out["disk_bytes"] = float((fs.f_blocks - fs.f_bfree) * fs.f_frsize)
         except OSError:
             pass
         return out or None
