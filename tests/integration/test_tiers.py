@@ -357,3 +357,57 @@ def test_warm_pools_per_tier(tiers_server: ServerHandle, client: httpx.Client) -
 
 def _pool(admin: httpx.Client, name: str) -> dict:
     return next(p for p in admin.get("/v1/pools").json()["pools"] if p["template"] == name)
+
+
+def test_snapshot_and_fork(client: httpx.Client, tier: str) -> None:
+    """A snapshot and a fork carry the whole disk (workspace and root layer) on every tier: a
+    sandbox started from either has the files as they were, owned by its own uids (it can
+    write them), and its own identity; a fork works from a paused sandbox too."""
+    info = create_sandbox(client, runtime=tier, template="base", envs={"FROM_CREATE": "yes"})
+    sid = info["sandbox_id"]
+    setup = "echo one > /workspace/a && mkdir -p /workspace/d && echo deep > /workspace/d/f"
+    assert run(client, sid, setup).exit_code == 0
+    assert (
+        run(client, sid, "echo rootfile > /opt/r && chmod 4755 /opt/r", user="root").exit_code == 0
+    )
+    name = f"snap-{tier}"
+    r = client.post(f"/v1/sandboxes/{sid}/snapshots", json={"name": name})
+    assert r.status_code == 201, r.text
+    snap = r.json()
+    assert snap["snapshot_id"].startswith("snap_") and snap["used_bytes"] > 0
+    assert snap["name"] == name and snap["sandbox_id"] == sid and snap["runtime"] == tier
+    run(client, sid, "echo after > /workspace/after")
+
+    child = create_sandbox(client, template=name)
+    cid = child["sandbox_id"]
+    assert child["runtime"] == tier and child["origin"] == {"snapshot": snap["snapshot_id"]}
+    out = run(client, cid, "cat /workspace/a /workspace/d/f /opt/r; ls /workspace; "
+              "stat -c '%U %a' /workspace/a /opt/r; echo $AGENTBOX_SANDBOX_ID")  # fmt: skip
+    assert out.stdout.split("\n")[:3] == ["one", "deep", "rootfile"], out.stdout
+    assert "after" not in out.stdout and "user 644" in out.stdout and "root 4755" in out.stdout
+    assert out.stdout.strip().endswith(cid)
+    assert run(client, cid, "echo mine >> /workspace/a && mkdir /workspace/new").exit_code == 0
+    assert run(client, sid, "cat /workspace/a").stdout == "one\n"  # the parent's is its own
+
+    # A fork, of a paused sandbox: two children with the disk as it is now.
+    assert client.post(f"/v1/sandboxes/{sid}/pause").status_code == 200
+    r = client.post(f"/v1/sandboxes/{sid}/fork", json={"count": 2})
+    assert r.status_code == 201, r.text
+    kids = r.json()["sandboxes"]
+    assert len({k["sandbox_id"] for k in kids} | {sid, cid}) == 4
+    assert len({k["access_token"] for k in kids}) == 2
+    assert client.get(f"/v1/sandboxes/{sid}").json()["state"] == "paused"
+    for k in kids:
+        assert k["origin"] == {"fork_of": sid} and k["state"] == "running"
+        out = run(
+            client, k["sandbox_id"], "cat /workspace/after; echo $FROM_CREATE; touch /workspace/w"
+        )
+        assert out.stdout == "after\nyes\n" and out.exit_code == 0, out
+    run(client, kids[0]["sandbox_id"], "echo k0 > /workspace/k")
+    assert run(client, kids[1]["sandbox_id"], "cat /workspace/k").exit_code != 0
+
+    assert client.delete(f"/v1/snapshots/{name}").status_code == 204
+    assert client.get(f"/v1/snapshots/{snap['snapshot_id']}").status_code == 404
+    assert run(client, cid, "cat /workspace/a").stdout == "one\nmine\n"  # its own copy
+    for s in (sid, cid, *[k["sandbox_id"] for k in kids]):
+        assert client.delete(f"/v1/sandboxes/{s}").status_code == 204

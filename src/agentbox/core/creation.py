@@ -13,15 +13,18 @@ import dataclasses
 import logging
 import secrets
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agentbox.agent.client import AgentClient, AgentOpError, AgentUnavailable
 from agentbox.core.auth import Caller
 from agentbox.core.errors import (
     AgentboxError,
+    Conflict,
     InvalidRequest,
     LimitExceeded,
+    NotFound,
     SandboxNotRunning,
     SandboxUnavailable,
 )
@@ -31,7 +34,7 @@ from agentbox.core.states import SandboxState
 from agentbox.core.template_service import TEMPLATE_ROOTFS
 from agentbox.egress.policy import EgressPolicy
 from agentbox.egress.proxy import HTTP_PORT, SOCKS_PORT
-from agentbox.runtimes.base import Resources, Runtime, RuntimeError_, SandboxSpec
+from agentbox.runtimes.base import DiskSource, Resources, Runtime, RuntimeError_, SandboxSpec
 from agentbox.store.db import DETAIL_STRING_CHARS, SandboxRow
 from agentbox.templates import TemplateInfo
 from agentbox.vocab import ErrorCode, status_of
@@ -47,6 +50,20 @@ BUILD_ALLOWANCE_S = 3600.0  # a `building` sandbox ends (timeout) if its build t
 START_FAILED = status_of(ErrorCode.SANDBOX_UNAVAILABLE)
 
 
+@dataclass(frozen=True)
+class StartFrom:
+    """A create that starts from a disk image rather than a fresh disk: a snapshot's
+    (core/snapshots.py) or a fork's copy of its parent's."""
+
+    template: str
+    runtime: str  # the tier it was taken on: the default for the new sandbox
+    disk_mb: int  # the image's size: the least disk_mb the new sandbox may have
+    disk: DiskSource
+    rootfs: str | None  # the template tree its root layer was made on
+    origin: dict[str, str]  # stored with the new sandbox: {"snapshot": id} / {"fork_of": id}
+    hold: str | None = None  # the snapshot to keep from deletion while it is copied
+
+
 class _KilledWhileStarting(Exception):
     """A kill arrived while the sandbox was starting: the start stops and tears it down."""
 
@@ -55,9 +72,19 @@ class Creation:
     def __init__(self, core: SandboxManager) -> None:
         self.core = core
 
-    async def create(self, caller: Caller, req: CreateRequest) -> SandboxRow:
+    async def create(
+        self, caller: Caller, req: CreateRequest, start_from: StartFrom | None = None
+    ) -> SandboxRow:
+        """Create a sandbox of a template, or from a disk image: `start_from`, or the tenant's
+        snapshot the request's template names."""
         started = time.monotonic()
-        template = self.core.template_service.resolve(req.template)
+        if start_from is None:
+            start_from = self.core.snapshots.start_from(caller.tenant, req.template)
+        if start_from is not None:
+            req = self._from_image(req, start_from)
+            template = start_from.template
+        else:
+            template = self.core.template_service.resolve(req.template)
         check_envs(req.envs)
         check_metadata(req.metadata)
         quota = self.core.quota(caller.tenant)
@@ -83,13 +110,16 @@ class Creation:
         # Secrets need their placeholders and the CA in place from the start: no pool. Pools
         # are per template and runtime.
         plain = not req.keep_workspace and not req.secrets and req.lifecycle is None
-        if resources == Resources() and plain:
+        if resources == Resources() and plain and start_from is None:
             row = await self.core.pool_service.claim(caller, template, req, quota, started, net)
             if row is not None:
                 return row
-        if self.core.needs_build(template):
+        if start_from is not None:
+            tpl = await self._image_template(start_from)
+        elif self.core.needs_build(template):
             return await self._create_building(caller, template, req, quota, resources, net)
-        tpl = await self.core.template(template)
+        else:
+            tpl = await self.core.template(template)
         sandbox_id = "sbx_" + secrets.token_hex(8)
         egress = self.core.network.setup(
             caller.tenant, sandbox_id, req.secrets, str(tpl.rootfs) if tpl else None
@@ -98,24 +128,20 @@ class Creation:
         try:
             async with lock:
                 await self.core.admission.check_capacity(caller, quota, started, resources)
-                self.insert(sandbox_id, caller.tenant, template, req, resources, net, egress)
+                self.insert(
+                    sandbox_id, caller.tenant, template, req, resources, net, egress,
+                    origin=start_from.origin if start_from else None,
+                )  # fmt: skip
         except BaseException:
             if egress.ca is not None:
                 egress.ca.close()
             raise
         try:
-            row = await self.start(
-                sandbox_id,
-                tpl,
-                template,
-                resources,
-                req.envs,
-                req.timeout,
-                egress,
-                net,
-                caller.tenant,
-                req.runtime,
-            )
+            with self.core.snapshots.holding(start_from):
+                row = await self.start(
+                    sandbox_id, tpl, template, resources, req.envs, req.timeout, egress, net,
+                    caller.tenant, req.runtime, disk=start_from.disk if start_from else None,
+                )  # fmt: skip
         except AgentboxError as e:
             self.core.audit(
                 caller,
@@ -138,8 +164,44 @@ class Creation:
             pool="miss" if template in self.core.pools.pools else None,
             network=net.to_dict(),
             secrets=req.secrets or None,
+            origin=start_from.origin if start_from else None,
         )
         return row
+
+    def _from_image(self, req: CreateRequest, start: StartFrom) -> CreateRequest:
+        """A create from a disk image: its tier by default, a disk at least as large."""
+        asked = req.resources.get("disk_mb")
+        if asked is not None and int(asked) < start.disk_mb:
+            raise InvalidRequest(
+                f"resources.disk_mb {asked} is smaller than the disk it starts from "
+                f"({start.disk_mb} MiB); ask for at least that, or leave it out",
+                setting="resources.disk_mb",
+            )
+        return dataclasses.replace(
+            req,
+            runtime=req.runtime or start.runtime,
+            resources={**req.resources, "disk_mb": asked or start.disk_mb},
+        )
+
+    async def _image_template(self, start: StartFrom) -> TemplateInfo | None:
+        """The template of a sandbox started from an image, on the tree its root layer was
+        made on (kept for it even if the template was rebuilt since)."""
+        try:
+            tpl = await self.core.template(start.template)
+        except NotFound:
+            raise Conflict(
+                f"template {start.template!r}, which the disk was taken with, was removed; "
+                "build it again to start from this disk",
+                template=start.template,
+            ) from None
+        if tpl is None or start.rootfs is None:
+            return tpl
+        if not Path(start.rootfs).is_dir():
+            raise Conflict(
+                f"the tree of template {start.template!r} this disk was made on is gone",
+                template=start.template,
+            )
+        return dataclasses.replace(tpl, rootfs=Path(start.rootfs))
 
     async def _create_building(
         self,
@@ -239,6 +301,7 @@ class Creation:
         egress: SandboxEgressSetup | None,
         state: SandboxState = SandboxState.STARTING,
         grace: float = 0.0,
+        origin: dict[str, str] | None = None,
     ) -> None:
         now = time.time()
         self.core.states.create(
@@ -257,6 +320,8 @@ class Creation:
             access_token=new_access_token(),
             secrets=(egress.placeholders or None) if egress else None,
             lifecycle=req.lifecycle,
+            envs=req.envs or None,
+            origin=origin,
         )
 
     def _lifecycle(self, req: CreateRequest) -> dict[str, Any] | None:
@@ -294,9 +359,11 @@ class Creation:
         net: SandboxNetwork,
         tenant: str,
         runtime_name: str,
+        disk: DiskSource | None = None,
     ) -> SandboxRow:
         """Bring an inserted `starting` sandbox up: runtime, egress proxy, template start
-        command, warm code contexts; its row says running (or failed) when this returns."""
+        command, warm code contexts; its row says running (or failed) when this returns.
+        `disk`: the image it starts from, instead of a fresh disk."""
         runtime = self.core.runtimes.get(runtime_name)
         spec = SandboxSpec(
             sandbox_id=sandbox_id,
@@ -307,6 +374,7 @@ class Creation:
             workdir=tpl.workdir if tpl else "/workspace",
             user=tpl.user if tpl else "user",
             files=egress.files,
+            disk=disk,
         )
         # The sandbox's lock is held until its record says running (or failed, or killed): a
         # kill that arrives while it starts (the API lists `starting` sandboxes) asks the start

@@ -51,6 +51,7 @@ from agentbox.core.requests import (
     CreateRequest,
 )
 from agentbox.core.runtimes import Runtimes
+from agentbox.core.snapshots import Snapshots
 from agentbox.core.states import LIVE_FILTER, UNHEALTHY, SandboxState
 from agentbox.core.supervision import Supervisor
 from agentbox.core.table import SandboxTable
@@ -93,6 +94,7 @@ class SandboxManager:
         check_templates: bool = True,
         default_template: str = DEFAULT_TEMPLATE,
         paused_retention_s: float | None = None,
+        snapshot_dir: Path | None = None,
     ) -> None:
         """`default_quota`: values of every tenant's quota until an admin sets its own, over
         those derived from this host. The disk settings come from the environment."""
@@ -131,6 +133,11 @@ class SandboxManager:
         self.ping_timeout = ping_timeout
         # The services by job, over the agent access this object gives them.
         self.lifecycle = Lifecycle(self)
+        storage = default.storage_path()
+        if snapshot_dir is None and storage is not None:
+            snapshot_dir = storage.parent / "snapshots"
+        self.snapshots = Snapshots(self, snapshot_dir)
+        self.disk.add_source(self.snapshots.usage)
         self.creation = Creation(self)
         self.files = FileService(self)
         self.commands = CommandService(self)
@@ -284,6 +291,7 @@ class SandboxManager:
 
     async def start(self) -> None:
         await self.supervisor.reconcile()
+        await asyncio.to_thread(self.snapshots.recover)
         if self.template_service.check_at_start:
             await self.template_service.check_templates()
             self.template_service.prepare_default()
@@ -433,7 +441,8 @@ class SandboxManager:
         return self.template_service.build_progress(row)
 
     def rootfs_in_use(self, rootfs: Path) -> bool:
-        return self.template_service.rootfs_in_use(rootfs)
+        in_use = self.template_service.rootfs_in_use
+        return in_use(rootfs) or self.snapshots.rootfs_in_use(rootfs)
 
     @property
     def template_checks(self) -> dict[str, TemplateCheck]:

@@ -32,6 +32,17 @@ class Resources:
 
 
 @dataclass(frozen=True)
+class DiskSource:
+    """A disk image a sandbox starts from (a snapshot, a fork's copy), and the host uids its
+    files belong to: those in [uid, uid + span) become the new sandbox's own."""
+
+    image: Path
+    uid: int
+    span: int
+    consume: bool = False  # the image is the new sandbox's to take (moved, not copied)
+
+
+@dataclass(frozen=True)
 class SandboxSpec:
     sandbox_id: str
     template: str
@@ -43,6 +54,8 @@ class SandboxSpec:
     user: str = "user"  # "user" (uid 1000) or "root" (uid 0 of the sandbox, no capabilities)
     # Read-only files placed in the sandbox: absolute sandbox path -> content (CA bundles).
     files: dict[str, bytes] = field(default_factory=dict)
+    # Start from this disk (its root layer and workspace) instead of a fresh one.
+    disk: DiskSource | None = None
 
 
 @dataclass(frozen=True)
@@ -157,23 +170,13 @@ class Pausable(Protocol):
 
 @runtime_checkable
 class Snapshottable(Protocol):
-    """A sandbox's whole state as files the core can keep, copy and start again from
-    (`features.snapshot`): its disk as one image, plus its memory where the runtime can
-    checkpoint it. A fork is a restore of a copy under a new id."""
+    """A running or paused sandbox's disk (root layer and workspace) copied consistently as one
+    image the core keeps, and a new sandbox started from such a copy (`SandboxSpec.disk`):
+    `features.snapshot`. Memory is not part of it."""
 
-    async def quiesce(self, sandbox_id: str, state: dict[str, Any]) -> None:
-        """Close every host channel into the sandbox (agent connections, loopback listeners)
-        before a checkpoint: a gVisor checkpoint fails while any host socket is open. The core
-        re-opens them (agent_address, listen_inside) after `restore` or a failed snapshot."""
-        ...
-
-    async def snapshot(self, sandbox_id: str, state: dict[str, Any], dest: Path) -> None:
-        """Write the sandbox's disk image (and memory, if it can) below `dest`; the sandbox
-        keeps running, or stays quiesced, as the runtime documents."""
-        ...
-
-    async def restore(self, spec: SandboxSpec, source: Path) -> dict[str, Any]:
-        """Start `spec.sandbox_id` from what `snapshot` wrote; returns the state to persist."""
+    async def snapshot(self, sandbox_id: str, state: dict[str, Any], dest: Path) -> DiskSource:
+        """Write the sandbox's disk image to the new file `dest`: its processes are frozen
+        only for the copy (a paused sandbox stays frozen). Returns how to start from it."""
         ...
 
 

@@ -211,6 +211,8 @@ class SandboxInfo(BaseModel):
     paused_at: str | None = None
     timeout_left: float | None = None
     lifecycle: dict[str, Any] | None = None
+    # Where its disk came from, when not fresh: {"snapshot": id} or {"fork_of": sandbox id}.
+    origin: dict[str, str] | None = None
 
     @classmethod
     def of(
@@ -240,6 +242,7 @@ class SandboxInfo(BaseModel):
             paused_at=rfc3339(row.paused_at),
             timeout_left=row.ttl_left if row.state == "paused" else None,
             lifecycle=_lifecycle(row.lifecycle),
+            origin=row.origin,
         )
 
 
@@ -387,8 +390,9 @@ class QuotaBody(Strict):
         None, gt=0, le=1 << 62, description="pids × nofile summed over live sandboxes"
     )
     max_total_disk_mb: int | None = Field(
-        None, gt=0, le=1 << 40, description="live and kept workspaces, by real usage"
+        None, gt=0, le=1 << 40, description="live and kept workspaces and snapshots, by real usage"
     )
+    max_snapshots: int | None = Field(None, ge=0, le=100_000)
     default_runtime: RuntimeName | None = Field(
         None, description="the runtime of its sandboxes that name none (default: the server's)"
     )
@@ -526,6 +530,56 @@ class PoolList(BaseModel):
 
 
 # ---------------------------------------------------------------------- kept workspaces
+
+
+class SnapshotBody(Strict):
+    name: str | None = Field(
+        None,
+        max_length=64,
+        description="a name to start sandboxes from it by (template=<name>), unique per tenant",
+    )
+    metadata: dict[str, str] = Field(default_factory=dict)
+
+
+class SnapshotInfo(BaseModel):
+    snapshot_id: str
+    name: str | None
+    sandbox_id: str = Field(description="the sandbox it was taken of")
+    template: str
+    runtime: str
+    created_at: str
+    disk_mb: int = Field(description="its disk's size: the least a sandbox from it gets")
+    used_bytes: int = Field(description="what it really takes on the server's disk")
+    metadata: dict[str, str]
+
+    @classmethod
+    def of(cls, s: Any) -> SnapshotInfo:
+        return cls(
+            snapshot_id=s.snapshot_id,
+            name=s.name,
+            sandbox_id=s.sandbox_id,
+            template=s.template,
+            runtime=s.runtime,
+            created_at=rfc3339(s.created_at) or "",
+            disk_mb=s.disk_mb,
+            used_bytes=s.used_bytes,
+            metadata=s.metadata,
+        )
+
+
+class SnapshotList(BaseModel):
+    snapshots: list[SnapshotInfo]
+
+
+class ForkBody(Strict):
+    count: int = Field(1, ge=1, le=16, description="how many children")
+    timeout: float | None = Field(
+        None, gt=0, description="each child's timeout in seconds (default: the parent's)"
+    )
+
+
+class ForkResult(BaseModel):
+    sandboxes: list[SandboxInfo]
 
 
 class KeptWorkspaceInfo(BaseModel):

@@ -89,6 +89,32 @@ sandboxes = Table(
     Column("ttl_left", Float, nullable=True),
     # {"on_timeout": "kill" | "pause", "auto_resume": bool, "timeout": its timeout at create}
     Column("lifecycle", JSON, nullable=True),
+    # The environment variables its create asked for (a fork's children get them too), and
+    # where its disk came from: {"snapshot": id} or {"fork_of": sandbox id}.
+    Column("envs", JSON, nullable=True),
+    Column("origin", JSON, nullable=True),
+)
+
+# Snapshots of sandboxes' disks (core/snapshots.py); the image is in the data dir.
+snapshots = Table(
+    "snapshots",
+    metadata,
+    Column("snapshot_id", String(64), primary_key=True),
+    Column("tenant", String(128), nullable=False, index=True),
+    Column("name", String(128), nullable=True),
+    Column("state", String(16), nullable=False),  # creating | ready
+    Column("sandbox_id", String(64), nullable=False),  # the sandbox it was taken of
+    Column("template", String(128), nullable=False),
+    Column("runtime", String(32), nullable=False),
+    Column("created_at", Float, nullable=False),
+    # What a sandbox started from it needs: the template tree its root layer was made on, the
+    # disk's size, the host uids its files have ([uid, uid + span)), the bytes it takes.
+    Column("rootfs", String, nullable=True),
+    Column("disk_mb", Integer, nullable=False),
+    Column("uid", Integer, nullable=False),
+    Column("span", Integer, nullable=False),
+    Column("used_bytes", Integer, nullable=False, default=0),
+    Column("metadata", JSON, nullable=False, default=dict),
 )
 
 secrets = Table(
@@ -236,6 +262,8 @@ class SandboxRow:
     paused_at: float | None = None
     ttl_left: float | None = None
     lifecycle: dict[str, Any] | None = None
+    envs: dict[str, str] | None = None
+    origin: dict[str, str] | None = None
 
     @property
     def live(self) -> bool:
@@ -244,6 +272,28 @@ class SandboxRow:
 
 def _row(r: Any) -> SandboxRow:
     return SandboxRow(**{c: getattr(r, c) for c in SandboxRow.__dataclass_fields__})
+
+
+@dataclass(frozen=True)
+class SnapshotRow:
+    snapshot_id: str
+    tenant: str
+    name: str | None
+    state: str
+    sandbox_id: str
+    template: str
+    runtime: str
+    created_at: float
+    rootfs: str | None
+    disk_mb: int
+    uid: int
+    span: int
+    used_bytes: int
+    metadata: dict[str, str]
+
+
+def _snapshot(r: Any) -> SnapshotRow:
+    return SnapshotRow(**{c: getattr(r, c) for c in SnapshotRow.__dataclass_fields__})
 
 
 class Store:
@@ -430,6 +480,35 @@ class Store:
             return [_row(r) for r in c.execute(q).all()]
 
     # ------------------------------------------------------------------ tenant network
+
+    # ------------------------------------------------------------------ snapshots
+
+    def insert_snapshot(self, **values: Any) -> None:
+        with self.engine.begin() as c:
+            c.execute(insert(snapshots).values(**values))
+
+    def update_snapshot(self, snapshot_id: str, **values: Any) -> None:
+        with self.engine.begin() as c:
+            q = update(snapshots).where(snapshots.c.snapshot_id == snapshot_id)
+            c.execute(q.values(**values))
+
+    def get_snapshot(self, snapshot_id: str) -> SnapshotRow | None:
+        with self.engine.connect() as c:
+            r = c.execute(select(snapshots).where(snapshots.c.snapshot_id == snapshot_id)).first()
+        return _snapshot(r) if r else None
+
+    def list_snapshots(self, tenant: str | None = None) -> list[SnapshotRow]:
+        """Oldest first; every tenant's when `tenant` is None."""
+        q = select(snapshots).order_by(snapshots.c.created_at)
+        if tenant is not None:
+            q = q.where(snapshots.c.tenant == tenant)
+        with self.engine.connect() as c:
+            return [_snapshot(r) for r in c.execute(q)]
+
+    def delete_snapshot(self, snapshot_id: str) -> bool:
+        with self.engine.begin() as c:
+            res = c.execute(delete(snapshots).where(snapshots.c.snapshot_id == snapshot_id))
+        return bool(res.rowcount)
 
     def get_tenant_network(self, tenant: str) -> dict[str, Any]:
         with self.engine.connect() as c:

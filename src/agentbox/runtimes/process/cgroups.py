@@ -241,6 +241,19 @@ class Cgroups:
     def thaw(self, sandbox_id: str, timeout: float = 5.0) -> None:
         self._set_frozen(sandbox_id, False, timeout)
 
+    def is_frozen(self, sandbox_id: str) -> bool:
+        """Whether the sandbox's processes are frozen (or being frozen) now."""
+        if not self.can_freeze:
+            return False
+        try:
+            if self.v2:
+                group = self.base["unified"] / sandbox_id
+                return (group / "cgroup.freeze").read_text().strip() == "1"
+            state = (self.base["freezer"] / sandbox_id / "freezer.state").read_text().strip()
+        except OSError:
+            return False
+        return state != "THAWED"
+
     def _set_frozen(self, sandbox_id: str, frozen: bool, timeout: float) -> None:
         if not self.can_freeze:
             raise CgroupError("this host has no cgroup freezer")

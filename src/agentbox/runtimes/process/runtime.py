@@ -42,6 +42,7 @@ from agentbox.runtimes.base import (
     ISOLATION_RANKS,
     AgentAddress,
     Ceiling,
+    DiskSource,
     HostFootprint,
     KeptWorkspace,
     Resources,
@@ -333,6 +334,7 @@ class ProcessRuntime(Runtime):
             own_uids=self.is_root,
             isolation=ISOLATION_RANKS.get(self.name, 0),
             pause=self.cgroups.can_freeze,
+            snapshot=self.use_loop and self.cgroups.can_freeze,
         )
 
     @classmethod
@@ -558,9 +560,12 @@ class ProcessRuntime(Runtime):
             layer = None
             if writable_root:
                 layer = lambda disk: rootfs.prepare_disk(disk, uid, owner)  # noqa: E731
+            if spec.disk is not None:
+                self._check_disk_source(spec.disk)
             ws = workspace.create(
-                sdir, bind_dir, spec.resources.disk_mb, owner, self.use_loop, root_layer=layer
-            )
+                sdir, bind_dir, spec.resources.disk_mb, owner, self.use_loop, root_layer=layer,
+                source=spec.disk, base=uid,
+            )  # fmt: skip
             if self._own_userns():
                 # Only this sandbox's bwrap (its host uid) may go through: 0710 root:base.
                 os.chown(bind_dir, 0, uid)
@@ -588,13 +593,62 @@ class ProcessRuntime(Runtime):
 
     def _mount_root(self, spec: SandboxSpec, bind_dir: Path, base: int, ns: int) -> dict[str, Any]:
         """Mount the template under the sandbox's upper layer; what the state records of it
-        (the template's inode pins the version its overlay was made on)."""
+        (the template's inode pins the version its overlay was made on). A disk it starts from
+        (`spec.disk`) has its accounts already, maybe changed since: left alone."""
         assert spec.rootfs is not None
         template = Path(spec.rootfs)
-        rootfs.add_accounts(template, bind_dir / rootfs.DISK / rootfs.UPPER, base)
+        if spec.disk is None:
+            rootfs.add_accounts(template, bind_dir / rootfs.DISK / rootfs.UPPER, base)
         rootfs.mount(bind_dir, template, ns)
         st = os.stat(template)
         return {"mode": "overlay", "template": str(template), "dev": st.st_dev, "ino": st.st_ino}
+
+    def _uid_span(self) -> int:
+        """How many host uids a sandbox's files may have: its whole block with a user namespace
+        of its own, else the one uid it runs as."""
+        return BLOCK if self._own_userns() else 1
+
+    def _check_disk_source(self, source: DiskSource) -> None:
+        if not self.use_loop:
+            raise RuntimeError_("sandboxes start from a disk image only where loop devices work")
+        if source.span != self._uid_span():
+            raise RuntimeError_(
+                "the disk image was taken under another uid layout (a server with and one "
+                "without user namespaces); start from a snapshot taken on this one"
+            )
+        with contextlib.suppress(OSError):
+            if source.image.stat().st_size > 0:
+                return
+        raise RuntimeError_(f"the disk image {source.image.name} is gone or empty")
+
+    # ------------------------------------------------------------------ snapshots
+
+    async def snapshot(self, sandbox_id: str, state: dict[str, Any], dest: Path) -> DiskSource:
+        return await asyncio.to_thread(self._snapshot_sync, sandbox_id, state, dest)
+
+    def _snapshot_sync(self, sid: str, state: dict[str, Any], dest: Path) -> DiskSource:
+        image = Path(state.get("dir") or self.root / sid) / workspace.IMAGE_NAME
+        if not image.exists():
+            raise RuntimeError_(
+                f"sandbox {sid} has no disk image to copy (loop devices were unavailable)"
+            )
+        bind_dir = self.bind_root / sid
+        disk = bind_dir / rootfs.DISK
+        mnt = disk if os.path.ismount(disk) else bind_dir / workspace.MOUNT_NAME
+        was_frozen = self.cgroups.is_frozen(sid)
+        try:
+            if not was_frozen:
+                self.cgroups.freeze(sid)
+            # What the sandbox wrote is in its filesystem's cache: onto the image first.
+            workspace.syncfs(mnt)
+            workspace.clone_image(image, dest)
+        except (CgroupError, OSError) as e:
+            raise RuntimeError_(f"cannot copy the disk of sandbox {sid}: {e}") from None
+        finally:
+            if not was_frozen:
+                with contextlib.suppress(CgroupError):
+                    self.cgroups.thaw(sid)
+        return DiskSource(image=dest, uid=int(state["uid"]), span=self._uid_span())
 
     def _cgroup_limits(self, r: Resources) -> CgroupLimits:
         return CgroupLimits(

@@ -8,10 +8,18 @@ not enforced.
 
 A kept workspace (`keep_workspace`) keeps its image, trimmed so it holds only the blocks of files
 that still exist; it is read through a read-only mount of its own per reader.
+
+A snapshot is a copy of the image (`clone_image`: shared blocks where the filesystem can reflink,
+else only the written extents). A sandbox started from one gets its own copy, its files moved to
+its own host uids (`reown`), since the image stores the uids of the sandbox it was taken from.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import errno
+import fcntl
 import os
 import shutil
 import stat
@@ -21,9 +29,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from agentbox.runtimes.base import DiskSource
+from agentbox.runtimes.process import rootfs
+
 IMAGE_NAME = "workspace.img"
 MOUNT_NAME = "workspace"
 DISK_NAME = "disk"  # where the image is mounted when it also holds a root layer (rootfs.py)
+WORKSPACE_DIR = "workspace"  # on such a disk, the workspace's directory
+
+
+FICLONE = 0x40049409  # ioctl: share all of one file's blocks with another (XFS, btrfs)
+MiB = 1 << 20
 
 
 class WorkspaceError(RuntimeError):
@@ -61,17 +77,53 @@ def create(
     uid: int,
     use_loop: bool,
     root_layer: Callable[[Path], Path] | None = None,
+    source: DiskSource | None = None,
+    base: int = 0,
 ) -> Workspace:
     """The image lives in the private `sandbox_dir`; it is mounted in `bind_dir`, where the
     sandbox's bwrap (running as `uid`) can reach it. With `root_layer`, the disk also holds the
     sandbox's root layer: it is mounted at bind_dir/disk, root-owned, and `root_layer(disk)`
-    makes its directories and returns the workspace's (bind_dir/workspace links to it)."""
+    makes its directories and returns the workspace's (bind_dir/workspace links to it).
+
+    With `source`, the image is a copy of that one (grown to `disk_mb` if it is smaller), its
+    files moved from the source's uids to this sandbox's, [base, base + source.span); the copy
+    already has its directories, so `root_layer` is not called (the workspace is its
+    bind_dir/disk/workspace)."""
     bind_dir.mkdir(mode=0o711, exist_ok=True)
     mnt = bind_dir / (DISK_NAME if root_layer else MOUNT_NAME)
     mnt.mkdir(mode=0o700)
     gid = uid
     owner = "0:0" if root_layer else f"{uid}:{gid}"
-    if use_loop:
+    if source is not None and not use_loop:
+        raise WorkspaceError("a sandbox starts from a disk image only with loop devices")
+    if source is not None:
+        image = sandbox_dir / IMAGE_NAME
+        try:
+            if not source.consume:
+                raise OSError(errno.EXDEV, "a copy")
+            os.rename(source.image, image)
+        except OSError:
+            clone_image(source.image, image)
+        if os.path.getsize(image) < disk_mb * MiB:
+            with open(image, "r+b") as f:
+                f.truncate(disk_mb * MiB)
+            _run(["resize2fs", "-f", str(image)])
+        device = _attach(image)
+        try:
+            _run(["mount", "-o", "nosuid,nodev,noatime", device, str(mnt)])
+        except BaseException:
+            subprocess.run(["losetup", "-d", device], capture_output=True)
+            raise
+        if (root_layer is not None) != (mnt / rootfs.MARKER).exists():
+            raise WorkspaceError(
+                "the disk image has "
+                + ("no root layer" if root_layer else "a root layer")
+                + " and this sandbox's template "
+                + ("has one" if root_layer else "has none")
+                + ": start it from the template the snapshot was taken with"
+            )
+        reown(mnt, source.uid, base, source.span)
+    elif use_loop:
         image = sandbox_dir / IMAGE_NAME
         with open(image, "wb") as f:
             f.truncate(disk_mb * 1024 * 1024)
@@ -100,12 +152,122 @@ def create(
         except OSError:
             pass
     if root_layer is not None:
-        ws = root_layer(mnt)
+        ws = mnt / WORKSPACE_DIR if source is not None else root_layer(mnt)
         (bind_dir / MOUNT_NAME).symlink_to(ws.relative_to(bind_dir))
         return Workspace(path=ws, disk_limit_enforced=use_loop)
-    os.chown(mnt, uid, gid)
-    os.chmod(mnt, 0o700)
+    if source is None:
+        os.chown(mnt, uid, gid)
+        os.chmod(mnt, 0o700)
     return Workspace(path=mnt, disk_limit_enforced=use_loop)
+
+
+def clone_image(src: Path, dest: Path) -> str:
+    """Copy a disk image to the new file `dest`: "reflink" where the filesystem shares the
+    blocks (XFS, btrfs; instant, whatever the size), else "sparse" (only the extents written,
+    found with SEEK_DATA/SEEK_HOLE and copied in the kernel; holes stay holes)."""
+    fd_in = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fd_out = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    except BaseException:
+        os.close(fd_in)
+        raise
+    try:
+        try:
+            fcntl.ioctl(fd_out, FICLONE, fd_in)
+            return "reflink"
+        except OSError:
+            pass
+        _copy_extents(fd_in, fd_out, os.fstat(fd_in).st_size)
+        return "sparse"
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            dest.unlink()
+        raise
+    finally:
+        os.close(fd_out)
+        os.close(fd_in)
+
+
+def _copy_extents(fd_in: int, fd_out: int, size: int) -> None:
+    os.ftruncate(fd_out, size)
+    pos = 0
+    while pos < size:
+        try:
+            data = os.lseek(fd_in, pos, os.SEEK_DATA)
+        except OSError as e:
+            if e.errno == errno.ENXIO:  # nothing but a hole to the end
+                return
+            raise
+        hole = os.lseek(fd_in, data, os.SEEK_HOLE)
+        while data < hole:
+            n = os.copy_file_range(fd_in, fd_out, hole - data, data, data)
+            if n == 0:
+                raise OSError(errno.EIO, "the image shrank while it was copied")
+            data += n
+        pos = hole
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def syncfs(path: Path) -> None:
+    """Write what is cached of the filesystem at `path` to its device (os has no syncfs)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        if _libc.syncfs(fd) != 0:
+            e = ctypes.get_errno()
+            raise OSError(e, f"syncfs {path}: {os.strerror(e)}")
+    finally:
+        os.close(fd)
+
+
+def can_reflink(directory: Path) -> bool:
+    """Whether copies of images in `directory` share their blocks (shown in health)."""
+    a, b = directory / f".reflink-probe-{os.getpid()}", directory / f".reflink-probe-{os.getpid()}b"
+    try:
+        a.write_bytes(b"\0" * 4096)
+        return clone_image(a, b) == "reflink"
+    except OSError:
+        return False
+    finally:
+        for p in (a, b):
+            with contextlib.suppress(OSError):
+                p.unlink()
+
+
+def reown(root: Path, old: int, new: int, span: int) -> int:
+    """Give every inode of the filesystem at `root` whose owner or group is in [old, old +
+    span) the same place in [new, new + span); how many changed. The tree is a copy no process
+    uses yet, walked without following symlinks or leaving its filesystem; set-id bits,
+    which a chown clears, are put back."""
+    if old == new:
+        return 0
+    top = os.lstat(root)
+
+    def moved(i: int) -> int:
+        return i - old + new if old <= i < old + span else i
+
+    changed = 0
+    todo = [str(root)]
+    paths = [(str(root), top)]
+    while todo:
+        with os.scandir(todo.pop()) as entries:
+            for e in entries:
+                st = e.stat(follow_symlinks=False)
+                if st.st_dev != top.st_dev:
+                    continue
+                paths.append((e.path, st))
+                if stat.S_ISDIR(st.st_mode):
+                    todo.append(e.path)
+    for path, st in paths:
+        uid, gid = moved(st.st_uid), moved(st.st_gid)
+        if (uid, gid) == (st.st_uid, st.st_gid):
+            continue
+        os.chown(path, uid, gid, follow_symlinks=False)
+        if st.st_mode & (stat.S_ISUID | stat.S_ISGID) and not stat.S_ISLNK(st.st_mode):
+            os.chmod(path, stat.S_IMODE(st.st_mode))
+        changed += 1
+    return changed
 
 
 def _attach(image: Path) -> str:

@@ -16,6 +16,7 @@ from agentbox.server.routes import (
     network,
     pools,
     sandboxes,
+    snapshots,
     templates,
     tenants,
     workspaces,
@@ -41,6 +42,7 @@ def v1_surface(core: Core) -> SurfaceRoutes:
         tenants.keys_router(),
         tenants.quotas_router(),
         audit.router(),
+        snapshots.router(links),
         workspaces.router(),
     ):
         api.include_router(router)
