@@ -4,8 +4,9 @@ Faults: the sandbox's agent or its pid-namespace init SIGKILLed right after crea
 process killed (idle, and in the middle of a kill), the server SIGKILLed in the middle of a
 create and of a kill (then restarted, so reconciliation runs), a kill that arrives while the
 sandbox is still starting, a kill of a paused (or pausing) sandbox, and a server crash while a
-sandbox is paused (it must stay paused, then resume whole). After every cycle each sandbox must
-be fully usable or cleanly gone; at the end, with everything killed, the host inventory must
+sandbox is paused (it must stay paused, then resume whole), and in the middle of a snapshot and
+of a fork (the sandbox runs on, thawed; a half-made snapshot or fork copy is removed, a whole one
+stays). After every cycle each sandbox must be fully usable or cleanly gone; at the end, with everything killed, the host inventory must
 equal the one before the server started.
 
     AGENTBOX_LEAK_CYCLES=200 AGENTBOX_LEAK_SEED=7 .venv/bin/pytest -q tests/reliability/test_leak.py
@@ -50,6 +51,8 @@ FAULTS = (
     "runtime_killed_mid_create",
     "paused_then_killed",
     "server_killed_while_paused",
+    "server_killed_mid_snapshot",
+    "server_killed_mid_fork",
 )
 # The other tiers have no bwrap: their init is the runtime's (on `container` the agent itself,
 # pid 1 of the sandbox; on `gvisor` the sentry, whose processes are no host processes at all),
@@ -250,6 +253,25 @@ def _cycle(srv: RelServer, fault: str, rng: random.Random, round_: int) -> str:
             assert r.status_code == 200 and r.json()["state"] == "running", r.text
             assert run_ok(c, sid, "cat /workspace/f").strip() == "data"
             assert _delete(c, sid) == 204
+        elif fault in ("server_killed_mid_snapshot", "server_killed_mid_fork"):
+            what = "snapshots" if fault.endswith("snapshot") else "fork"
+            bg = Background(lambda: c.post(f"/v1/sandboxes/{sid}/{what}", json={}))
+            time.sleep(rng.uniform(0, 0.06 if what == "snapshots" else 0.25))
+            srv.crash()
+            try:
+                first = str(bg.result().status_code)
+            except httpx.HTTPError:
+                first = "lost"
+            srv.restart()
+            # Thawed (a crash mid-copy left it frozen), and nothing half-made is kept.
+            assert run_ok(c, sid, "cat /workspace/f").strip() == "data"
+            snaps = c.get("/v1/snapshots").json()["snapshots"]
+            kept = {d.name for d in (srv.data_dir / "snapshots").glob("*")}
+            assert kept == {s["snapshot_id"] for s in snaps}, (kept, snaps)
+            for snap in snaps:
+                assert c.delete(f"/v1/snapshots/{snap['snapshot_id']}").status_code == 204
+            srv.kill_everything()  # children of the fork: whole (checked after) or gone
+            return f"{what} answered {first}, {len(snaps)} snapshots kept"
         elif fault == "server_killed_mid_kill":
             bg = Background(lambda: c.delete(f"/v1/sandboxes/{sid}"))
             time.sleep(rng.uniform(0, 0.05))

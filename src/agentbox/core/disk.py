@@ -3,10 +3,10 @@ below which nothing new is created.
 
 Usage is real: the blocks a workspace really holds on the host (images are sparse, so a 1 GiB
 workspace with 10 MiB written costs about 10 MiB), for live sandboxes and kept workspaces alike;
-snapshots and volumes will be further sources here. A new sandbox counts at the size it asked
-for (`resources.disk_mb`), which it may grow to, and so does one still starting: a tenant goes
-past `quota.max_total_disk_mb` only by the growth of sandboxes already running, and no new one
-starts then.
+snapshots' images count by their real blocks too (core/snapshots.py); volumes will be a further
+source. A new sandbox counts at the size it asked for (`resources.disk_mb`), which it may grow
+to, and so does one still starting: a tenant goes past `quota.max_total_disk_mb` only by the
+growth of sandboxes already running, and no new one starts then.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ MiB = 2**20
 class DiskUse:
     """One thing of a tenant's on the disk, and the bytes it really takes."""
 
-    kind: str  # "workspace" (a live sandbox's) or "kept_workspace"
+    kind: str  # "workspace" (a live sandbox's), "kept_workspace" or "snapshot"
     sandbox_id: str
     used_bytes: int
 
@@ -100,12 +100,14 @@ class DiskAccounting:
         if used + asked_mb * MiB <= most * MiB:
             return
         kept = sum(1 for u in uses if u.kind == "kept_workspace")
+        snaps = sum(1 for u in uses if u.kind == "snapshot")
         raise QuotaExceeded(
-            f"tenant {tenant} uses {used / MiB:.0f} MiB of disk ({len(uses) - kept} live and "
-            f"{kept} kept workspaces) and this sandbox may use {asked_mb} MiB more "
-            f"(resources.disk_mb), above its limit of {most} MiB; delete kept workspaces "
-            "(DELETE /v1/workspaces/{sandbox_id}), kill sandboxes, ask for a smaller disk_mb, "
-            "or ask an admin to raise quota.max_total_disk_mb",
+            f"tenant {tenant} uses {used / MiB:.0f} MiB of disk ({len(uses) - kept - snaps} "
+            f"live and {kept} kept workspaces, {snaps} snapshots) and this would take "
+            f"{asked_mb} MiB more, above its limit of {most} MiB; delete kept workspaces "
+            "(DELETE /v1/workspaces/{sandbox_id}) or snapshots (DELETE /v1/snapshots/{id}), "
+            "kill sandboxes, ask for a smaller disk_mb, or ask an admin to raise "
+            "quota.max_total_disk_mb",
             setting="quota.max_total_disk_mb",
             limit=most,
             used_mb=round(used / MiB, 1),

@@ -43,6 +43,7 @@ from agentbox.core.requests import CreateRequest
 from agentbox.core.states import SandboxState
 from agentbox.core.template_service import TEMPLATE_ROOTFS
 from agentbox.runtimes.base import DiskSource, RuntimeError_, Snapshottable
+from agentbox.runtimes.process.workspace import can_reflink
 from agentbox.store.db import SandboxRow, SnapshotRow
 from agentbox.vocab import status_of
 
@@ -66,6 +67,7 @@ class Snapshots:
         self.core = core
         self.root = root  # the images, one directory each; None: no snapshots on this server
         self._in_use: Counter[str] = Counter()  # snapshot id -> sandboxes starting from it
+        self.copy_method: str | None = None  # "reflink" or "sparse", found at start-up
 
     # ------------------------------------------------------------------ what there is
 
@@ -293,6 +295,8 @@ class Snapshots:
         record explains (a crash between the two, a fork's scratch copy), are removed."""
         if self.root is None:
             return
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.copy_method = "reflink" if can_reflink(self.root) else "sparse"
         known = set()
         for snap in self.core.store.list_snapshots():
             if snap.state == CREATING:

@@ -33,6 +33,9 @@ def router() -> APIRouter:
             # What a create that names no template gets (`building` in `templates` while the
             # server builds it at start-up).
             "default_template": core.manager.template_service.default,
+            # How snapshot and fork copies are made on the data dir's filesystem: "reflink"
+            # (shared blocks, instant) or "sparse" (the written extents); null: no snapshots.
+            "snapshots": core.manager.snapshots.copy_method,
         }
 
     return r
