@@ -187,10 +187,13 @@ async def test_the_host_footprint_shows_a_sandbox_and_its_removal(
 def test_optional_capabilities_match_the_declared_features(
     make: Callable[[Path], Runtime], data_dir: Path
 ) -> None:
+    """A declared feature has its methods. (Methods without the feature are never reached: a
+    runtime whose host lacks what they need, e.g. loop devices for snapshots, says so.)"""
     runtime = make(data_dir)
     feats = runtime.features()
-    assert isinstance(runtime, Pausable) == feats.pause
-    assert isinstance(runtime, Snapshottable) == feats.snapshot
+    assert isinstance(runtime, Pausable) or not feats.pause
+    assert isinstance(runtime, Snapshottable) or not feats.snapshot
+    assert not isinstance(FakeRuntime(), Snapshottable | Pausable)
 
 
 async def test_runtimes_sharing_a_data_dir_keep_to_their_own(data_dir: Path) -> None:
