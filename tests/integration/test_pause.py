@@ -7,10 +7,14 @@ killed, and ends when its retention runs out.
 
 from __future__ import annotations
 
+import contextlib
 import signal
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -23,6 +27,28 @@ pytestmark = pytest.mark.timeout(120)
 
 # A process that counts in a file every 20 ms: frozen, it stops counting.
 COUNTER = "nohup sh -c 'while true; do echo x >> /tmp/ticks; sleep 0.02; done' >/dev/null 2>&1 &"
+
+
+class Background:
+    """A call run in a thread: `result()` waits for it and gives its value or raises."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self._out: list[Any] = []
+        self._thread = threading.Thread(target=lambda: self._out.append(self._call(fn)))
+        self._thread.start()
+
+    @staticmethod
+    def _call(fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - handed back by result()
+            return e
+
+    def result(self) -> Any:
+        self._thread.join()
+        if isinstance(self._out[0], Exception):
+            raise self._out[0]
+        return self._out[0]
 
 
 def _ticks(c: httpx.Client, sid: str) -> int:
@@ -143,13 +169,74 @@ def test_kill_while_paused(client: httpx.Client, server: ServerHandle) -> None:
     assert c.post(f"/v1/sandboxes/{sid}/resume").status_code == 409
 
 
-def test_keep_memory_false_is_refused_for_now(client: httpx.Client) -> None:
+BOOT_ID = "cat /proc/sys/kernel/random/boot_id"
+
+
+def test_pause_without_memory(client: httpx.Client, server: ServerHandle) -> None:
+    """keep_memory=false: its processes end and everything it held on the host goes but its
+    disk; a resume boots it fresh on that disk (same files, a new boot, the time it had left),
+    and a kill then removes the disk too."""
     c = client
     sid = create_sandbox(c, timeout=60)["sandbox_id"]
+    run(c, sid, f"echo kept > /workspace/note; {COUNTER}")
+    boot = run(c, sid, BOOT_ID).stdout
     r = c.post(f"/v1/sandboxes/{sid}/pause", json={"keep_memory": False})
-    assert r.status_code == 400 and "keep_memory" in r.json()["message"]
-    assert c.get(f"/v1/sandboxes/{sid}").json()["state"] == "running"
-    c.delete(f"/v1/sandboxes/{sid}")
+    assert r.status_code == 200, r.text
+    assert r.json()["state"] == "paused" and 50 < r.json()["timeout_left"] <= 60
+    # Nothing of it runs or is mounted; its image stays.
+    assert not list(Path("/sys/fs/cgroup").glob(f"*/agentbox/*/{sid}"))
+    assert sid not in Path("/proc/self/mountinfo").read_text()
+    assert list(server.data_dir.glob(f"sandboxes/{sid}/workspace.img"))
+    r = c.post(f"/v1/sandboxes/{sid}/commands", json={"cmd": "true"})
+    assert r.status_code == 409 and "resume" in r.json()["message"]
+    assert c.post(f"/v1/sandboxes/{sid}/pause", json={"keep_memory": False}).status_code == 409
+    # A snapshot and a fork of it work as of a frozen one.
+    kids = c.post(f"/v1/sandboxes/{sid}/fork").json()["sandboxes"]
+    assert run(c, kids[0]["sandbox_id"], "cat /workspace/note").stdout == "kept\n"
+    c.delete(f"/v1/sandboxes/{kids[0]['sandbox_id']}")
+
+    r = c.post(f"/v1/sandboxes/{sid}/resume")
+    assert r.status_code == 200 and r.json()["state"] == "running", r.text
+    end_at = datetime.fromisoformat(r.json()["end_at"].replace("Z", "+00:00")).timestamp()
+    assert 45 < end_at - time.time() <= 60 and r.json()["timeout_left"] is None
+    assert run(c, sid, "cat /workspace/note").stdout == "kept\n"
+    time.sleep(0.2)  # a fresh boot: its /tmp is new, and no counter counts there
+    assert run(c, sid, "cat /tmp/ticks 2>/dev/null | wc -l").stdout == "0\n"
+    assert run(c, sid, BOOT_ID).stdout != boot
+    assert run(c, sid, "echo more >> /workspace/note").exit_code == 0
+
+    # Parked again, then killed: nothing of it is left.
+    c.post(f"/v1/sandboxes/{sid}/pause", json={"keep_memory": False}).raise_for_status()
+    assert c.delete(f"/v1/sandboxes/{sid}").status_code == 204
+    assert not list(server.data_dir.glob(f"sandboxes/{sid}"))
+    actions = [e["action"] for e in c.get("/v1/audit", params={"sandbox_id": sid}).json()["events"]]
+    assert actions.count("sandbox.pause") == 2 and actions.count("sandbox.resume") == 1
+
+
+def test_without_memory_through_a_restart(fresh_server: ServerHandle) -> None:
+    """A server restarted while a sandbox is paused without memory keeps it so; one that
+    crashed while such a sandbox was resuming pauses it again, its disk whole."""
+    srv = fresh_server
+    key = srv.make_key("park-restart")
+    with srv.client(key) as c:
+        a = create_sandbox(c, timeout=60)["sandbox_id"]
+        b = create_sandbox(c, timeout=60)["sandbox_id"]
+        for sid in (a, b):
+            run(c, sid, f"echo {sid} > /workspace/me")
+            c.post(f"/v1/sandboxes/{sid}/pause", json={"keep_memory": False}).raise_for_status()
+        resuming = Background(lambda: c.post(f"/v1/sandboxes/{b}/resume"))
+        time.sleep(0.03)
+        srv.stop(signal.SIGKILL)
+        with contextlib.suppress(httpx.HTTPError):
+            resuming.result()
+    srv.start()
+    with srv.client(key) as c:
+        for sid in (a, b):
+            state = c.get(f"/v1/sandboxes/{sid}").json()["state"]
+            if state == "paused":
+                c.post(f"/v1/sandboxes/{sid}/resume").raise_for_status()
+            assert run(c, sid, "cat /workspace/me").stdout == f"{sid}\n"
+            c.delete(f"/v1/sandboxes/{sid}")
 
 
 def test_sdk_pause_resume_and_connect(server: ServerHandle) -> None:

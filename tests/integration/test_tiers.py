@@ -406,6 +406,12 @@ def test_snapshot_and_fork(client: httpx.Client, tier: str) -> None:
     run(client, kids[0]["sandbox_id"], "echo k0 > /workspace/k")
     assert run(client, kids[1]["sandbox_id"], "cat /workspace/k").exit_code != 0
 
+    # Paused without memory: processes end, the disk stays, a resume boots fresh on it.
+    r = client.post(f"/v1/sandboxes/{cid}/pause", json={"keep_memory": False})
+    assert r.status_code == 200 and r.json()["state"] == "paused", r.text
+    assert client.post(f"/v1/sandboxes/{cid}/resume").json()["state"] == "running"
+    assert run(client, cid, "cat /workspace/a /opt/r").stdout == "one\nmine\nrootfile\n"
+
     assert client.delete(f"/v1/snapshots/{name}").status_code == 204
     assert client.get(f"/v1/snapshots/{snap['snapshot_id']}").status_code == 404
     assert run(client, cid, "cat /workspace/a").stdout == "one\nmine\n"  # its own copy

@@ -6,8 +6,9 @@ create and of a kill (then restarted, so reconciliation runs), a kill that arriv
 sandbox is still starting, a kill of a paused (or pausing) sandbox, and a server crash while a
 sandbox is paused (it must stay paused, then resume whole), and in the middle of a snapshot and
 of a fork (the sandbox runs on, thawed; a half-made snapshot or fork copy is removed, a whole one
-stays). After every cycle each sandbox must be fully usable or cleanly gone; at the end, with everything killed, the host inventory must
-equal the one before the server started.
+stays), and while a sandbox paused without memory resumes (it is paused again, its disk whole).
+After every cycle each sandbox must be fully usable or cleanly gone; at the end, with everything
+killed, the host inventory must equal the one before the server started.
 
     AGENTBOX_LEAK_CYCLES=200 AGENTBOX_LEAK_SEED=7 .venv/bin/pytest -q tests/reliability/test_leak.py
 """
@@ -53,6 +54,7 @@ FAULTS = (
     "server_killed_while_paused",
     "server_killed_mid_snapshot",
     "server_killed_mid_fork",
+    "server_killed_mid_unpark",
 )
 # The other tiers have no bwrap: their init is the runtime's (on `container` the agent itself,
 # pid 1 of the sandbox; on `gvisor` the sentry, whose processes are no host processes at all),
@@ -272,6 +274,24 @@ def _cycle(srv: RelServer, fault: str, rng: random.Random, round_: int) -> str:
                 assert c.delete(f"/v1/snapshots/{snap['snapshot_id']}").status_code == 204
             srv.kill_everything()  # children of the fork: whole (checked after) or gone
             return f"{what} answered {first}, {len(snaps)} snapshots kept"
+        elif fault == "server_killed_mid_unpark":
+            r = c.post(f"/v1/sandboxes/{sid}/pause", json={"keep_memory": False})
+            assert r.status_code == 200, r.text
+            bg = Background(lambda: c.post(f"/v1/sandboxes/{sid}/resume"))
+            time.sleep(rng.uniform(0, 0.1))
+            srv.crash()
+            try:
+                first = str(bg.result().status_code)
+            except httpx.HTTPError:
+                first = "lost"
+            srv.restart()
+            state = _state(c, sid)["state"]
+            if state == "paused":
+                r = c.post(f"/v1/sandboxes/{sid}/resume")
+                assert r.status_code == 200 and r.json()["state"] == "running", r.text
+            assert run_ok(c, sid, "cat /workspace/f").strip() == "data"
+            assert _delete(c, sid) == 204
+            return f"resume answered {first}, then {state}"
         elif fault == "server_killed_mid_kill":
             bg = Background(lambda: c.delete(f"/v1/sandboxes/{sid}"))
             time.sleep(rng.uniform(0, 0.05))

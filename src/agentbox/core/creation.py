@@ -31,10 +31,17 @@ from agentbox.core.errors import (
 from agentbox.core.network import SandboxEgressSetup, SandboxNetwork, new_access_token
 from agentbox.core.requests import CreateRequest, check_envs, check_metadata
 from agentbox.core.states import SandboxState
-from agentbox.core.template_service import TEMPLATE_ROOTFS
+from agentbox.core.template_service import HOST_TEMPLATE, TEMPLATE_ROOTFS
 from agentbox.egress.policy import EgressPolicy
 from agentbox.egress.proxy import HTTP_PORT, SOCKS_PORT
-from agentbox.runtimes.base import DiskSource, Resources, Runtime, RuntimeError_, SandboxSpec
+from agentbox.runtimes.base import (
+    DiskSource,
+    Parkable,
+    Resources,
+    Runtime,
+    RuntimeError_,
+    SandboxSpec,
+)
 from agentbox.store.db import DETAIL_STRING_CHARS, SandboxRow
 from agentbox.templates import TemplateInfo
 from agentbox.vocab import ErrorCode, status_of
@@ -167,6 +174,32 @@ class Creation:
             origin=start_from.origin if start_from else None,
         )
         return row
+
+    async def restart(self, row: SandboxRow, timeout: float) -> SandboxRow:
+        """Start a sandbox paused without memory (`starting` now) again on its parked disk,
+        under its own id, with what it was created with (template, resources, environment,
+        network, secrets: new placeholders). Raises if it does not start, leaving it
+        `starting` with its disk parked for the caller to pause again (core/lifecycle.py)."""
+        state = row.runtime_state or {}
+        runtime = self.core.runtimes.get(row.runtime)
+        assert isinstance(runtime, Parkable)
+        tpl = None
+        if row.template != HOST_TEMPLATE:
+            start = StartFrom(
+                template=row.template, runtime=row.runtime, disk_mb=0,
+                disk=runtime.parked_disk(row.sandbox_id, state),
+                rootfs=state.get(TEMPLATE_ROOTFS), origin={},
+            )  # fmt: skip
+            tpl = await self._image_template(start)
+        egress = self.core.network.setup(
+            row.tenant, row.sandbox_id, sorted(row.secrets or {}), str(tpl.rootfs) if tpl else None
+        )
+        self.core.store.update_sandbox(row.sandbox_id, secrets=egress.placeholders or None)
+        return await self.start(
+            row.sandbox_id, tpl, row.template, Resources(**row.resources), row.envs or {},
+            timeout, egress, SandboxNetwork.from_dict(row.network), row.tenant, row.runtime,
+            disk=runtime.parked_disk(row.sandbox_id, state), resuming=True,
+        )  # fmt: skip
 
     def _from_image(self, req: CreateRequest, start: StartFrom) -> CreateRequest:
         """A create from a disk image: its tier by default, a disk at least as large."""
@@ -360,10 +393,13 @@ class Creation:
         tenant: str,
         runtime_name: str,
         disk: DiskSource | None = None,
+        resuming: bool = False,
     ) -> SandboxRow:
         """Bring an inserted `starting` sandbox up: runtime, egress proxy, template start
         command, warm code contexts; its row says running (or failed) when this returns.
-        `disk`: the image it starts from, instead of a fresh disk."""
+        `disk`: the image it starts from, instead of a fresh disk. `resuming`: it is a parked
+        sandbox's own disk, which a failed start must not remove (the row stays `starting`
+        for the caller), unless the sandbox was killed meanwhile."""
         runtime = self.core.runtimes.get(runtime_name)
         spec = SandboxSpec(
             sandbox_id=sandbox_id,
@@ -395,6 +431,9 @@ class Creation:
                 killed = sandbox_id in self.core.table.kill_pending
                 if not killed:
                     log.exception("create %s failed", sandbox_id)
+                if resuming and not killed:
+                    msg = e.message if isinstance(e, AgentboxError) else str(e)
+                    raise SandboxUnavailable(f"the sandbox could not be started: {msg}") from None
                 await self._abandon_start(sandbox_id, state, killed, runtime)
                 if killed:
                     raise SandboxNotRunning(

@@ -28,7 +28,8 @@ from agentbox.core.errors import (
 )
 from agentbox.core.network import new_access_token
 from agentbox.core.states import INITIAL, SandboxState, allowed
-from agentbox.runtimes.base import Pausable, RuntimeError_
+from agentbox.core.template_service import TEMPLATE_ROOTFS
+from agentbox.runtimes.base import Parkable, Pausable, RuntimeError_
 from agentbox.store.db import SandboxRow, Store
 
 if TYPE_CHECKING:
@@ -195,32 +196,92 @@ class Lifecycle:
         return self.core.get(caller, sandbox_id)
 
     async def pause(self, caller: Caller, sandbox_id: str, keep_memory: bool = True) -> SandboxRow:
-        """Freeze a running sandbox with its memory: no CPU, its TTL clock stopped (what was
-        left comes back on resume), its agent, ports and files answering `paused` meanwhile.
-        It is kept for the paused retention, then ends."""
+        """Pause a running sandbox: its TTL clock stopped (what was left comes back on resume),
+        its agent, ports and files answering `paused` meanwhile; kept for the paused
+        retention, then ended. With its memory: frozen (no CPU, its processes carry on when
+        resumed). Without: its processes end and only its disk stays (it boots fresh on it
+        when resumed)."""
         started = time.monotonic()
         row = self.core.owned(caller, sandbox_id)
         if row.state == SandboxState.PAUSED:
             raise Conflict(f"sandbox {sandbox_id} is already paused", state=row.state)
         row = self.core.running(caller, sandbox_id)
         runtime = self.core.runtimes.for_row(row)
-        if not keep_memory:
-            raise InvalidRequest(
-                "a pause without memory (keep_memory=false) is not available yet; pause with "
-                "keep_memory=true, or kill the sandbox and keep its workspace",
-                setting="keep_memory",
-            )
-        if not self.core.runtimes.features(runtime.name).pause or not isinstance(runtime, Pausable):
+        feats = self.core.runtimes.features(runtime.name)
+        if keep_memory and not (feats.pause and isinstance(runtime, Pausable)):
             raise InvalidRequest(
                 f"the {runtime.name} isolation tier cannot pause sandboxes on this server",
                 setting="isolation",
             )
+        if not keep_memory and not (feats.park and isinstance(runtime, Parkable)):
+            raise InvalidRequest(
+                f"the {runtime.name} isolation tier cannot pause sandboxes without their memory "
+                "on this server (it needs loop devices); pause with keep_memory=true",
+                setting="keep_memory",
+            )
         async with self.core.table.lock(sandbox_id):
             row = self.core.running(caller, sandbox_id)
-            await self._freeze(row, runtime, ttl_left=max(0.0, row.end_at - time.time()))
+            ttl_left = max(0.0, row.end_at - time.time())
+            if keep_memory:
+                await self._freeze(row, runtime, ttl_left=ttl_left)
+            else:
+                await self._park(row, runtime, ttl_left=ttl_left)
         self.core.wake.set()
-        self.core.audit(caller, "sandbox.pause", sandbox_id, started=started, keep_memory=True)
+        self.core.audit(
+            caller, "sandbox.pause", sandbox_id, started=started, keep_memory=keep_memory
+        )
         return self.core.get(caller, sandbox_id)
+
+    async def _park(self, row: SandboxRow, runtime: Any, ttl_left: float) -> None:
+        """Pause a running sandbox without its memory (its lock held): its processes end, its
+        egress and commands are forgotten, its disk is kept."""
+        sandbox_id = row.sandbox_id
+        assert row.runtime_state is not None and isinstance(runtime, Parkable)
+        self.core.table.running.pop(sandbox_id, None)
+        self.core.table.unhealthy.pop(sandbox_id, None)
+        self.core.table.pausing.add(sandbox_id)
+        try:
+            self.core.table.abort_requests(sandbox_id)
+            await self.core.network.forget(sandbox_id)
+            try:
+                state = await runtime.park(sandbox_id, row.runtime_state)
+            except RuntimeError_ as e:
+                # Whatever is left of it ends as a vanished sandbox does (the health loop).
+                self.core.table.running[sandbox_id] = row
+                raise SandboxUnavailable(f"sandbox {sandbox_id} could not pause: {e}") from None
+            self.core.commands.forget(sandbox_id)
+            await self.record_parked(sandbox_id, row, state, SandboxState.RUNNING, ttl_left)
+        finally:
+            self.core.table.pausing.discard(sandbox_id)
+
+    async def record_parked(
+        self,
+        sandbox_id: str,
+        row: SandboxRow,
+        state: dict[str, Any],
+        old: SandboxState,
+        ttl_left: float,
+    ) -> None:
+        """Record a parked sandbox as paused (from `old`: running, or starting when its resume
+        failed); its template tree stays noted, so a rebuild keeps it."""
+        rootfs = (row.runtime_state or {}).get(TEMPLATE_ROOTFS)
+        if rootfs:
+            state = {**state, TEMPLATE_ROOTFS: rootfs}
+        now = time.time()
+        change = self.core.states.move(
+            sandbox_id,
+            SandboxState.PAUSED,
+            only_from=frozenset({old}),
+            runtime_state=state,
+            paused_at=now,
+            ttl_left=ttl_left,
+            end_at=now + self.core.paused_retention_s,
+        )
+        if change is None:
+            raise SandboxNotRunning(f"sandbox {sandbox_id} ended", state="ended")
+        paused = self.core.store.get_sandbox(sandbox_id)
+        if paused is not None:
+            self.core.table.paused[sandbox_id] = paused
 
     async def pause_at_timeout(self, row: SandboxRow) -> bool:
         """A sandbox created with lifecycle `on_timeout: pause` reached its timeout: paused
@@ -296,6 +357,13 @@ class Lifecycle:
         if row.state != SandboxState.PAUSED:
             raise self.core.not_running(row)
         runtime = self.core.runtimes.for_row(row)
+        if (row.runtime_state or {}).get("parked"):
+            await self._unpark(row, runtime, timeout)
+            self.core.audit(
+                caller, "sandbox.resume", sandbox_id, started=started, timeout=timeout,
+                keep_memory=False,
+            )  # fmt: skip
+            return self.core.get(caller, sandbox_id)
         async with self.core.table.lock(sandbox_id):
             fresh = self.core.store.get_sandbox(sandbox_id)
             if fresh is None or fresh.state != SandboxState.PAUSED:
@@ -332,6 +400,43 @@ class Lifecycle:
         self.core.wake.set()
         self.core.audit(caller, "sandbox.resume", sandbox_id, started=started, timeout=timeout)
         return self.core.get(caller, sandbox_id)
+
+    async def _unpark(self, row: SandboxRow, runtime: Any, timeout: float | None) -> None:
+        """Start a sandbox paused without memory again from its disk: `starting` meanwhile,
+        `running` with the time it had left (or `timeout` if longer), or `paused` again, its
+        disk as it was, if it cannot start."""
+        sandbox_id = row.sandbox_id
+        async with self.core.table.lock(sandbox_id):
+            fresh = self.core.store.get_sandbox(sandbox_id)
+            if fresh is None or fresh.state != SandboxState.PAUSED:
+                return
+            ttl = max(fresh.ttl_left or 0.0, timeout or 0.0)
+            moved = self.core.states.move(
+                sandbox_id, SandboxState.STARTING, only_from=frozenset({SandboxState.PAUSED})
+            )
+            self.core.table.paused.pop(sandbox_id, None)
+            if moved is None:
+                return
+        try:
+            await self.core.creation.restart(fresh, ttl)
+        except SandboxNotRunning:
+            raise  # killed while it started
+        except AgentboxError as e:
+            async with self.core.table.lock(sandbox_id):
+                await self._repark(fresh, runtime, ttl)
+            raise SandboxUnavailable(
+                f"sandbox {sandbox_id} could not start again from its disk, which is kept: "
+                f"it is paused as before ({e.message})"
+            ) from None
+
+    async def _repark(self, row: SandboxRow, runtime: Any, ttl_left: float) -> None:
+        """A sandbox `starting` from its parked disk that will not start: paused again (what
+        of it started ends, its disk stays)."""
+        assert isinstance(runtime, Parkable)
+        await self.core.network.forget(row.sandbox_id)
+        state = await runtime.park(row.sandbox_id, None)
+        self.core.commands.forget(row.sandbox_id)
+        await self.record_parked(row.sandbox_id, row, state, SandboxState.STARTING, ttl_left)
 
     async def end(
         self, row: SandboxRow, state: SandboxState, reason: str, only_if_expired: bool = False

@@ -1,14 +1,17 @@
 """A sandbox's states and the moves between them: the one place they are written down.
 
     (create) ──> building ──> starting ──> running <──> paused
-                    │            │            │           │
+                    │            │  ▲         │           │
+                    │            │  └─────────┼───────────┤ (resumed without memory)
                     └────────────┴────────────┴───────────┴──> killed | failed | expired
                                                                      (ended: final)
 
 `building` waits for the first-use build of its template; `starting` is the runtime bringing it
 up; `running` serves. `paused`: its processes are frozen with their memory, its TTL clock stopped;
 `resume` makes it `running` again with the time it had left (a paused sandbox whose retention
-runs out ends `expired`, reason `paused_retention`). Every ended state is final: a sandbox never
+runs out ends `expired`, reason `paused_retention`). Paused without its memory, its processes
+ended and only its disk kept, it is `starting` again while it resumes (booting fresh on that
+disk), and `paused` again if that fails. Every ended state is final: a sandbox never
 comes back. `unhealthy` is not a state: it is shown instead of `running` while the sandbox's agent
 does not answer, and never stored.
 """
@@ -39,9 +42,11 @@ ENDED = frozenset({SandboxState.KILLED, SandboxState.FAILED, SandboxState.EXPIRE
 # Every allowed move; anything else is a bug in whoever asked.
 TRANSITIONS: dict[SandboxState, frozenset[SandboxState]] = {
     SandboxState.BUILDING: frozenset({SandboxState.STARTING}) | ENDED,
-    SandboxState.STARTING: frozenset({SandboxState.RUNNING}) | ENDED,
+    # starting -> paused: a resume without memory that could not start it again.
+    SandboxState.STARTING: frozenset({SandboxState.RUNNING, SandboxState.PAUSED}) | ENDED,
     SandboxState.RUNNING: frozenset({SandboxState.PAUSED}) | ENDED,
-    SandboxState.PAUSED: frozenset({SandboxState.RUNNING}) | ENDED,
+    # paused -> starting: the resume of a sandbox paused without memory (it boots again).
+    SandboxState.PAUSED: frozenset({SandboxState.RUNNING, SandboxState.STARTING}) | ENDED,
     SandboxState.KILLED: frozenset(),
     SandboxState.FAILED: frozenset(),
     SandboxState.EXPIRED: frozenset(),

@@ -17,7 +17,7 @@ from agentbox.core.errors import AgentboxError
 from agentbox.core.network import SandboxNetwork
 from agentbox.core.pools import CHECK_TENANT, POOL_TENANT, pool_name
 from agentbox.core.states import SandboxState
-from agentbox.runtimes.base import Pausable, Runtime, RuntimeError_
+from agentbox.runtimes.base import Parkable, Pausable, Runtime, RuntimeError_
 from agentbox.store.db import SandboxRow
 
 if TYPE_CHECKING:
@@ -133,6 +133,7 @@ class Supervisor:
             "strays": 0,
             "pool_removed": 0,
             "unserved": 0,
+            "parked": 0,
         }
         now = time.time()
         known: set[str] = set()
@@ -146,6 +147,19 @@ class Supervisor:
                 counts["unserved"] += 1
                 continue
             runtime = self.core.runtimes.for_row(row)
+            parked = bool((row.runtime_state or {}).get("parked"))
+            if parked and (
+                row.state == SandboxState.STARTING
+                or (row.state == SandboxState.PAUSED and row.end_at > now)
+            ):
+                # Paused without memory (or resuming from that when the last server
+                # stopped: paused again, whatever of it had started ended).
+                if await self._keep_parked(row, runtime):
+                    known.add(row.sandbox_id)
+                    counts["parked"] += 1
+                else:
+                    counts["vanished"] += 1
+                continue
             if (
                 row.state in (SandboxState.STARTING, SandboxState.BUILDING)
                 or row.runtime_state is None
@@ -194,6 +208,27 @@ class Supervisor:
                 counts["strays"] += 1
         log.info("reconciled: %s", counts)
         return counts
+
+    async def _keep_parked(self, row: SandboxRow, runtime: Runtime) -> bool:
+        """Keep a sandbox paused without memory as it is (its disk), also one a crash caught
+        resuming; False if its disk is gone (it is ended, vanished)."""
+        try:
+            if not isinstance(runtime, Parkable):
+                raise RuntimeError_(f"the {runtime.name} runtime cannot keep a parked sandbox")
+            if row.state == SandboxState.STARTING:
+                await self.core.network.forget(row.sandbox_id)
+                state = await runtime.park(row.sandbox_id, None)
+                await self.core.lifecycle.record_parked(
+                    row.sandbox_id, row, state, SandboxState.STARTING, row.ttl_left or 0.0
+                )
+            else:
+                await runtime.park(row.sandbox_id, row.runtime_state)
+                self.core.table.paused[row.sandbox_id] = row
+            return True
+        except (RuntimeError_, AgentboxError) as e:
+            log.warning("sandbox %s: its parked disk cannot be kept: %s", row.sandbox_id, e)
+            await self.core.lifecycle.end(row, SandboxState.KILLED, "vanished")
+            return False
 
     @staticmethod
     def _pauses_at_timeout(row: SandboxRow) -> bool:

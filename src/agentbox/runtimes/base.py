@@ -106,6 +106,8 @@ class RuntimeFeatures:
     # Later issues: pause/resume and snapshots (a disk image and memory the core can copy).
     pause: bool = False
     snapshot: bool = False
+    # Pause without memory (Parkable): only the disk kept, a fresh boot on resume.
+    park: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -165,6 +167,22 @@ class Pausable(Protocol):
 
     async def resume(self, sandbox_id: str, state: dict[str, Any]) -> dict[str, Any]:
         """Thaw what `pause` froze; returns the state to persist. Idempotent."""
+        ...
+
+
+@runtime_checkable
+class Parkable(Protocol):
+    """Pause without memory (`features.park`): every process ends and everything the sandbox
+    holds on the host goes but its disk image, from which a create starts it again (a fresh
+    boot on the same files)."""
+
+    async def park(self, sandbox_id: str, state: dict[str, Any] | None) -> dict[str, Any]:
+        """End its processes, keep its disk; the state to persist. Idempotent; also for a
+        sandbox a crash left half-started from its parked disk (`state` None: from the host)."""
+        ...
+
+    def parked_disk(self, sandbox_id: str, state: dict[str, Any]) -> DiskSource:
+        """What a create (`SandboxSpec.disk`) starts the parked sandbox from, under its id."""
         ...
 
 

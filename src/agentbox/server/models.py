@@ -172,7 +172,8 @@ class LifecycleBody(Strict):
 class PauseBody(Strict):
     keep_memory: bool = Field(
         default=True,
-        description="keep its processes and their memory (frozen); false is not available yet",
+        description="keep its processes and their memory (frozen); false: its processes "
+        "end, its disk (workspace and root) is kept, and a resume boots it fresh on it",
     )
 
 

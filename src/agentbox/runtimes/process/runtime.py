@@ -319,6 +319,8 @@ class ProcessRuntime(Runtime):
             "per_sandbox_uid": self.is_root,
             # A paused sandbox's memory: frozen in RAM (the cgroup freezer), None: no pause.
             "pause_memory": "ram" if self.cgroups.can_freeze else None,
+            # A pause without memory (keep_memory false): only the disk kept.
+            "pause_without_memory": self.use_loop,
         }
 
     def features(self) -> RuntimeFeatures:
@@ -335,6 +337,7 @@ class ProcessRuntime(Runtime):
             isolation=ISOLATION_RANKS.get(self.name, 0),
             pause=self.cgroups.can_freeze,
             snapshot=self.use_loop and self.cgroups.can_freeze,
+            park=self.use_loop,
         )
 
     @classmethod
@@ -554,7 +557,8 @@ class ProcessRuntime(Runtime):
             if self._own_userns():
                 state["range"] = [uid, BLOCK]
                 ns = userns.make(uid, nesting=self._userns_nesting())
-            sdir.mkdir(mode=0o711)
+            # A parked sandbox's dir holds its image, which it starts from again (park).
+            sdir.mkdir(mode=0o711, exist_ok=self._resuming(spec))
             os.chmod(sdir, 0o711)
             owner = uid + userns.USER_UID if self._own_userns() else uid
             layer = None
@@ -578,13 +582,48 @@ class ProcessRuntime(Runtime):
             self._write_state(sdir, state)
             return state
         except BaseException as e:
-            self._destroy_sync(sid, state, keep_workspace=False)
+            # A parked sandbox that cannot start again keeps its disk, parked as it was.
+            self._destroy_sync(sid, state, keep_workspace=False, park=self._resuming(spec))
             if isinstance(e, (userns.UsernsError, rootfs.RootfsError)):
                 raise RuntimeError_(str(e)) from None
             raise
         finally:
             if ns >= 0:
                 os.close(ns)
+
+    def _resuming(self, spec: SandboxSpec) -> bool:
+        """Whether the sandbox starts again from its own parked disk."""
+        d = spec.disk
+        return d is not None and d.consume and d.image.parent == self.root / spec.sandbox_id
+
+    # ------------------------------------------------------------------ park
+
+    async def park(self, sandbox_id: str, state: dict[str, Any] | None) -> dict[str, Any]:
+        """End every process of the sandbox and give back all it holds on the host but its
+        disk image (trimmed), which stays in its dir; returns the state to persist, from which
+        `parked_disk` gives what a create starts from to run it again. Idempotent."""
+        return await asyncio.to_thread(self._park_sync, sandbox_id, state)
+
+    def _park_sync(self, sid: str, state: dict[str, Any] | None) -> dict[str, Any]:
+        if state is None or state.get("parked"):
+            try:
+                state = json.loads((self.root / sid / STATE_FILE).read_text())
+            except (OSError, ValueError):
+                state = dict(state or {})
+        image = self.root / sid / workspace.IMAGE_NAME
+        if not image.exists():
+            raise RuntimeError_(f"sandbox {sid} has no disk image to keep")
+        self._destroy_sync(sid, state, keep_workspace=False, park=True)
+        self.uids.release(sid)  # a start cut short may hold a lease its state does not name
+        parked = {"parked": True, "dir": str(self.root / sid), "uid": state.get("uid")}
+        parked["span"] = self._uid_span()
+        self._write_state(self.root / sid, parked)
+        return parked
+
+    def parked_disk(self, sandbox_id: str, state: dict[str, Any]) -> DiskSource:
+        """What `park` kept, as a create's `disk` (moved back into place, not copied)."""
+        image = self.root / sandbox_id / workspace.IMAGE_NAME
+        return DiskSource(image, int(state["uid"]), int(state["span"]), consume=True)
 
     def _writable_root(self, spec: SandboxSpec) -> bool:
         """Whether the sandbox gets its template copy-on-write (rootfs.py): a built template,
@@ -632,6 +671,12 @@ class ProcessRuntime(Runtime):
             raise RuntimeError_(
                 f"sandbox {sid} has no disk image to copy (loop devices were unavailable)"
             )
+        if state.get("parked"):  # nothing runs, nothing is mounted: the image as it is
+            try:
+                workspace.clone_image(image, dest)
+            except OSError as e:
+                raise RuntimeError_(f"cannot copy the disk of sandbox {sid}: {e}") from None
+            return DiskSource(image=dest, uid=int(state["uid"]), span=int(state["span"]))
         bind_dir = self.bind_root / sid
         disk = bind_dir / rootfs.DISK
         mnt = disk if os.path.ismount(disk) else bind_dir / workspace.MOUNT_NAME
@@ -1082,7 +1127,11 @@ class ProcessRuntime(Runtime):
     ) -> None:
         await asyncio.to_thread(self._destroy_sync, sandbox_id, state, keep_workspace)
 
-    def _destroy_sync(self, sid: str, state: dict[str, Any] | None, keep_workspace: bool) -> None:
+    def _destroy_sync(
+        self, sid: str, state: dict[str, Any] | None, keep_workspace: bool, park: bool = False
+    ) -> None:
+        """Remove the sandbox from the host; with `park`, all but its disk image, which stays
+        in its dir (the rest of the dir goes)."""
         sdir = self.root / sid
         self.netns.close(sid)
         if state is None:
@@ -1093,11 +1142,18 @@ class ProcessRuntime(Runtime):
         self._stop(sid, state)
         if not rootfs.unmount(self.bind_root / sid):
             raise RuntimeError_(f"could not unmount the root filesystem of sandbox {sid}")
-        if not workspace.destroy(sdir, self.bind_root / sid, keep=keep_workspace):
+        if not workspace.destroy(sdir, self.bind_root / sid, keep=keep_workspace or park):
             raise RuntimeError_(f"could not unmount the workspace of sandbox {sid}")
         if not self.cgroups.remove(sid):
             raise RuntimeError_(f"could not remove the cgroups of sandbox {sid}")
-        if keep_workspace and sdir.exists():
+        if park:
+            for entry in sdir.iterdir() if sdir.is_dir() else ():
+                if entry.name != workspace.IMAGE_NAME:
+                    if entry.is_dir() and not entry.is_symlink():
+                        shutil.rmtree(entry, ignore_errors=True)
+                    else:
+                        entry.unlink(missing_ok=True)
+        elif keep_workspace and sdir.exists():
             # Kept workspaces leave the sandboxes tree so reconciliation never mistakes them
             # for a leftover sandbox.
             kept = self.kept_root / sid

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from agentbox.runtimes.base import DiskSource
 from agentbox.runtimes.process import rootfs
+from agentbox.runtimes.uids import BLOCK, UID_RANGE
 
 IMAGE_NAME = "workspace.img"
 MOUNT_NAME = "workspace"
@@ -237,14 +238,17 @@ def can_reflink(directory: Path) -> bool:
 
 def reown(root: Path, old: int, new: int, span: int) -> int:
     """Give every inode of the filesystem at `root` whose owner or group is in [old, old +
-    span) the same place in [new, new + span); how many changed. The tree is a copy no process
-    uses yet, walked without following symlinks or leaving its filesystem; set-id bits,
-    which a chown clears, are put back."""
-    if old == new:
-        return 0
+    span) the same place in [new, new + span); how many changed. A whole uid block (`span`
+    BLOCK) moves every id of any sandbox block (blocks are aligned): a walk a crash cut short,
+    which left ids of two blocks, is finished by the next one. The tree is a copy no process
+    uses yet, walked without following symlinks or leaving its filesystem; set-id bits, which a
+    chown clears, are put back."""
     top = os.lstat(root)
+    whole = span == BLOCK and old % BLOCK == 0 and new % BLOCK == 0
 
     def moved(i: int) -> int:
+        if whole:
+            return new + i % BLOCK if UID_RANGE[0] <= i < UID_RANGE[1] else i
         return i - old + new if old <= i < old + span else i
 
     changed = 0
