@@ -21,7 +21,7 @@ import pytest
 from conftest import ServerHandle, create_sandbox, run, start_server
 
 from agentbox.sdk import Sandbox
-from agentbox.sdk.exceptions import ConflictError, InvalidArgumentError
+from agentbox.sdk.exceptions import ConflictError
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -244,8 +244,9 @@ def test_sdk_pause_resume_and_connect(server: ServerHandle) -> None:
     conn = {"api_key": key, "api_url": server.url}
     with Sandbox.create(timeout=60, **conn) as sbx:
         sbx.commands.run("echo 1 > /workspace/n")
-        with pytest.raises(InvalidArgumentError):
-            sbx.pause(keep_memory=False)
+        assert sbx.pause(keep_memory=False).state == "paused"
+        assert sbx.resume().state == "running"
+        assert sbx.commands.run("cat /workspace/n").stdout == "1\n"
         assert sbx.pause().state == "paused"
         with pytest.raises(ConflictError):
             sbx.pause()
@@ -402,3 +403,26 @@ def test_a_timeout_passed_while_the_server_was_down_pauses(fresh_server: ServerH
         c.post(f"/v1/sandboxes/{sid}/resume").raise_for_status()
         assert run(c, sid, "cat /workspace/k").stdout == "kept\n"
         c.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_paused_quota(server: ServerHandle) -> None:
+    """quota.max_paused bounds paused sandboxes; one paused without memory holds no place in
+    max_sandboxes (only its disk), and needs one again to resume."""
+    tenant = f"pq-{time.monotonic_ns() % 10**9}"
+    key = server.make_key(tenant)
+    with server.client() as admin:
+        r = admin.put(f"/v1/tenants/{tenant}/quota", json={"max_paused": 1, "max_sandboxes": 2})
+        assert r.status_code == 200, r.text
+    with server.client(key) as c:
+        a, b = (create_sandbox(c, timeout=60)["sandbox_id"] for _ in range(2))
+        c.post(f"/v1/sandboxes/{a}/pause", json={"keep_memory": False}).raise_for_status()
+        r = c.post(f"/v1/sandboxes/{b}/pause")
+        assert r.status_code == 429 and "max_paused" in r.json()["message"], r.text
+        third = create_sandbox(c, timeout=60)["sandbox_id"]  # a's place is free
+        r = c.post(f"/v1/sandboxes/{a}/resume")
+        assert r.status_code == 429 and "max_sandboxes" in r.json()["message"], r.text
+        assert c.get(f"/v1/sandboxes/{a}").json()["state"] == "paused"
+        c.delete(f"/v1/sandboxes/{third}")
+        assert c.post(f"/v1/sandboxes/{a}/resume").json()["state"] == "running"
+        for sid in (a, b):
+            c.delete(f"/v1/sandboxes/{sid}")

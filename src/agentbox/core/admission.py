@@ -11,7 +11,7 @@ from typing import Any
 from agentbox.core import quotas
 from agentbox.core.auth import Caller
 from agentbox.core.disk import DiskAccounting
-from agentbox.core.errors import AgentboxError
+from agentbox.core.errors import AgentboxError, QuotaExceeded
 from agentbox.core.runtimes import Runtimes
 from agentbox.runtimes.base import Resources
 from agentbox.store.db import Store
@@ -59,13 +59,37 @@ class Admission:
     ) -> None:
         """Under the tenant's lock: room for one more sandbox of `resources` (sandbox count,
         descriptors and disk summed over the tenant's live sandboxes)."""
-        live = [r.resources for r in self.store.live_sandboxes() if r.tenant == caller.tenant]
+        live = self.holding(caller.tenant)
         try:
             quotas.check_tenant_room(caller.tenant, quota, live, resources)
             await asyncio.to_thread(self.disk.check_room, caller.tenant, quota, resources.disk_mb)
         except AgentboxError as e:
             self._refused(caller, started, e)
             raise
+
+    def holding(self, tenant: str) -> list[dict[str, Any]]:
+        """The resources of the tenant's live sandboxes that hold any (a sandbox paused without
+        memory holds only its disk, which the disk accounting counts)."""
+        return [
+            r.resources
+            for r in self.store.live_sandboxes()
+            if r.tenant == tenant and not (r.runtime_state or {}).get("parked")
+        ]
+
+    def check_paused_room(self, caller: Caller, quota: dict[str, Any]) -> None:
+        """Room for one more paused sandbox (`quota.max_paused`)."""
+        paused = [
+            r for r in self.store.live_sandboxes()
+            if r.tenant == caller.tenant and r.state == "paused"
+        ]  # fmt: skip
+        if len(paused) >= quota["max_paused"]:
+            raise QuotaExceeded(
+                f"tenant {caller.tenant} has {len(paused)} paused sandboxes, its limit is "
+                f"{quota['max_paused']}; resume or kill one, or ask an admin to raise "
+                "quota.max_paused",
+                setting="quota.max_paused",
+                limit=quota["max_paused"],
+            )
 
     def check_free_space(self, caller: Caller | None, started: float) -> None:
         try:

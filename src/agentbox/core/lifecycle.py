@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from agentbox.core import ports
+from agentbox.core import ports, quotas
 from agentbox.core.auth import Caller
 from agentbox.core.errors import (
     AgentboxError,
@@ -29,7 +29,7 @@ from agentbox.core.errors import (
 from agentbox.core.network import new_access_token
 from agentbox.core.states import INITIAL, SandboxState, allowed
 from agentbox.core.template_service import TEMPLATE_ROOTFS
-from agentbox.runtimes.base import Parkable, Pausable, RuntimeError_
+from agentbox.runtimes.base import Parkable, Pausable, Resources, RuntimeError_
 from agentbox.store.db import SandboxRow, Store
 
 if TYPE_CHECKING:
@@ -219,18 +219,25 @@ class Lifecycle:
                 "on this server (it needs loop devices); pause with keep_memory=true",
                 setting="keep_memory",
             )
-        async with self.core.table.lock(sandbox_id):
-            row = self.core.running(caller, sandbox_id)
-            ttl_left = max(0.0, row.end_at - time.time())
-            if keep_memory:
-                await self._freeze(row, runtime, ttl_left=ttl_left)
-            else:
-                await self._park(row, runtime, ttl_left=ttl_left)
+        quota = self.core.quota(caller.tenant)
+        async with self.core.table.tenant_lock(caller.tenant):
+            self.core.admission.check_paused_room(caller, quota)
+            async with self.core.table.lock(sandbox_id):
+                row = self.core.running(caller, sandbox_id)
+                await self._pause(row, runtime, keep_memory)
         self.core.wake.set()
         self.core.audit(
             caller, "sandbox.pause", sandbox_id, started=started, keep_memory=keep_memory
         )
         return self.core.get(caller, sandbox_id)
+
+    async def _pause(self, row: SandboxRow, runtime: Any, keep_memory: bool) -> None:
+        """Pause a running sandbox, its lock held."""
+        ttl_left = max(0.0, row.end_at - time.time())
+        if keep_memory:
+            await self._freeze(row, runtime, ttl_left=ttl_left)
+        else:
+            await self._park(row, runtime, ttl_left=ttl_left)
 
     async def _park(self, row: SandboxRow, runtime: Any, ttl_left: float) -> None:
         """Pause a running sandbox without its memory (its lock held): its processes end, its
@@ -406,10 +413,14 @@ class Lifecycle:
         `running` with the time it had left (or `timeout` if longer), or `paused` again, its
         disk as it was, if it cannot start."""
         sandbox_id = row.sandbox_id
-        async with self.core.table.lock(sandbox_id):
+        quota = self.core.quota(row.tenant)
+        # Running again, it holds what a running sandbox holds: it needs room for that.
+        async with self.core.table.tenant_lock(row.tenant), self.core.table.lock(sandbox_id):
             fresh = self.core.store.get_sandbox(sandbox_id)
             if fresh is None or fresh.state != SandboxState.PAUSED:
                 return
+            holding = self.core.admission.holding(row.tenant)
+            quotas.check_tenant_room(row.tenant, quota, holding, Resources(**fresh.resources))
             ttl = max(fresh.ttl_left or 0.0, timeout or 0.0)
             moved = self.core.states.move(
                 sandbox_id, SandboxState.STARTING, only_from=frozenset({SandboxState.PAUSED})

@@ -87,6 +87,7 @@ def default_quota(file_table: int | None = None) -> dict[str, Any]:
         "max_total_descriptors": max(table // TENANT_TABLE_SHARE, per_sandbox),
         "max_total_disk_mb": 51_200,
         "max_snapshots": 50,
+        "max_paused": 20,
     }
 
 

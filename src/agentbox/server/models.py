@@ -394,6 +394,7 @@ class QuotaBody(Strict):
         None, gt=0, le=1 << 40, description="live and kept workspaces and snapshots, by real usage"
     )
     max_snapshots: int | None = Field(None, ge=0, le=100_000)
+    max_paused: int | None = Field(None, ge=0, le=100_000, description="paused sandboxes")
     default_runtime: RuntimeName | None = Field(
         None, description="the runtime of its sandboxes that name none (default: the server's)"
     )
