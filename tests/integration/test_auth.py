@@ -12,6 +12,8 @@ SANDBOX_ROUTES = [
     ("POST", "/v1/sandboxes/{id}/pause", {}),
     ("POST", "/v1/sandboxes/{id}/resume", {}),
     ("GET", "/v1/sandboxes/{id}/metrics", None),
+    ("POST", "/v1/sandboxes/{id}/snapshots", {}),
+    ("POST", "/v1/sandboxes/{id}/fork", {}),
     ("POST", "/v1/sandboxes/{id}/commands", {"cmd": "true"}),
     ("GET", "/v1/sandboxes/{id}/commands", None),
     ("GET", "/v1/sandboxes/{id}/commands/c1", None),
