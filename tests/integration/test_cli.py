@@ -87,6 +87,36 @@ def test_pause_and_resume(cli: Run, sandbox_id: str) -> None:
     assert cli("exec", sandbox_id, "--", "echo back").stdout == "back\n"
 
 
+def test_snapshot_and_fork(cli: Run, sandbox_id: str) -> None:
+    assert cli("exec", sandbox_id, "--", "echo kept > /workspace/f").returncode == 0
+    r = cli("snapshot", "create", sandbox_id, "--name", "cli-snap", "-m", "k=v")
+    assert r.returncode == 0, r.stderr
+    snap_id = r.stdout.strip()
+    assert re.fullmatch(r"snap_\w+", snap_id)
+    listed = json.loads(cli("snapshot", "ls", "--json").stdout)
+    assert [(s["snapshot_id"], s["name"], s["sandbox_id"], s["metadata"]) for s in listed] == [
+        (snap_id, "cli-snap", sandbox_id, {"k": "v"})]
+    table = cli("snapshot", "ls").stdout
+    assert snap_id in table and "cli-snap" in table and "k=v" in table
+
+    r = cli("fork", sandbox_id, "-n", "2", "--timeout", "60")
+    assert r.returncode == 0, r.stderr
+    kids = r.stdout.split()
+    try:
+        assert len(set(kids)) == 2 and sandbox_id not in kids
+        for kid in kids:
+            assert cli("exec", kid, "--", "cat /workspace/f").stdout == "kept\n"
+        assert f"origin:     fork of {sandbox_id}" in cli("info", kids[0]).stdout
+    finally:
+        cli("kill", *kids)
+
+    r = cli("snapshot", "rm", "cli-snap")
+    assert (r.returncode, r.stdout) == (0, "removed cli-snap\n"), r.stderr
+    assert json.loads(cli("snapshot", "list", "--json").stdout) == []
+    r = cli("snapshot", "rm", snap_id)
+    assert r.returncode == 1 and r.stderr.startswith("error:") and "(not_found)" in r.stderr
+
+
 def test_exec_exit_codes_and_streams(cli: Run, sandbox_id: str) -> None:
     r = cli("exec", sandbox_id, "--", "echo out; echo err >&2; exit 3")
     assert (r.returncode, r.stdout, r.stderr) == (3, "out\n", "err\n")

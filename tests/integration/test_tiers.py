@@ -417,3 +417,20 @@ def test_snapshot_and_fork(client: httpx.Client, tier: str) -> None:
     assert run(client, cid, "cat /workspace/a").stdout == "one\nmine\n"  # its own copy
     for s in (sid, cid, *[k["sandbox_id"] for k in kids]):
         assert client.delete(f"/v1/sandboxes/{s}").status_code == 204
+
+
+def test_a_volume(client: httpx.Client, tier: str) -> None:
+    """A volume mounted read-write, then read-only elsewhere, on every tier: its files are the
+    sandbox user's in each, and outlive the sandbox that wrote them."""
+    name = f"v-{tier}"
+    assert client.post("/v1/volumes", json={"name": name, "size_mb": 32}).status_code == 201
+    a = create_sandbox(client, runtime=tier, template="base", volume_mounts={"/data": name})
+    out = run(client, a["sandbox_id"], "echo hi > /data/f && stat -c %U /data/f")
+    assert out.stdout == "user\n", out
+    client.delete(f"/v1/sandboxes/{a['sandbox_id']}")
+    ro = {"/data": {"volume": name, "read_only": True}}
+    b = create_sandbox(client, runtime=tier, volume_mounts=ro)["sandbox_id"]
+    assert run(client, b, "cat /data/f").stdout == "hi\n"
+    assert run(client, b, "touch /data/g").exit_code != 0
+    client.delete(f"/v1/sandboxes/{b}")
+    assert client.delete(f"/v1/volumes/{name}").status_code == 204

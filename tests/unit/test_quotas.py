@@ -24,7 +24,14 @@ def test_every_resource_a_sandbox_can_ask_for_has_a_quota_cap() -> None:
     assert set(quotas.RESOURCE_CAPS) == fields
     default = quotas.default_quota()
     caps = set(quotas.RESOURCE_CAPS.values()) | {"max_descriptors", "max_total_descriptors"}
-    caps |= {"max_total_disk_mb", "max_sandboxes", "max_timeout", "max_snapshots", "max_paused"}
+    caps |= {
+        "max_total_disk_mb",
+        "max_sandboxes",
+        "max_timeout",
+        "max_snapshots",
+        "max_paused",
+        "max_volumes",
+    }
     assert caps == set(default)
     # Besides the caps, which runtimes its sandboxes use (unset: the server's, any; no floor).
     assert set(QuotaBody.model_fields) == caps | {"default_runtime", "runtimes", "min_isolation"}

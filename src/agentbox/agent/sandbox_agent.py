@@ -1668,6 +1668,8 @@ def main() -> None:
         writable = [WORKSPACE, "/tmp", "/dev/shm"]
         if "--writable-root" in sys.argv:
             writable += writable_root_dirs()
+        # Read-write volumes, mounted where the sandbox asked (--writable PATH, repeated).
+        writable += [sys.argv[i + 1] for i, a in enumerate(sys.argv[:-1]) if a == "--writable"]
         LANDLOCK_ABI = _landlock(writable)
     # After Landlock: its scope lets sandboxed code reach only sockets made inside its domain.
     users.serve_sudo()

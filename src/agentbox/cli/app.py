@@ -68,6 +68,9 @@ workspaces_app = typer.Typer(help="Workspaces kept after their sandbox ended (--
 app.add_typer(workspaces_app, name="workspaces")
 files_app = typer.Typer(help="Files of a running sandbox.", no_args_is_help=True)
 app.add_typer(files_app, name="files")
+snapshot_app = typer.Typer(help="Snapshots of sandboxes' disks: start sandboxes from one "
+                           "with `agentbox create --template ID_OR_NAME`.", no_args_is_help=True)
+app.add_typer(snapshot_app, name="snapshot")
 
 out = Console()
 err = Console(stderr=True)
@@ -563,6 +566,10 @@ def info(
         ("metadata", " ".join(f"{k}={v}" for k, v in found.metadata.items()) or "-"),
         ("secrets", ", ".join(found.secrets) or "-"),
     ]
+    if found.origin:
+        # {"snapshot": id} or {"fork_of": sandbox id}: "snapshot snap_…", "fork of sbx_…"
+        rows.append(("origin", " ".join(f"{k.replace('_', ' ')} {v}"
+                                        for k, v in found.origin.items())))
     for name, value in rows:
         out.print(f"{name + ':':<11} {escape(value)}", highlight=False, soft_wrap=True)
     _print_network(found.network)
@@ -671,6 +678,93 @@ def _each(
         print(f"{done} {sandbox_id}")
     if failed:
         raise typer.Exit(1)
+
+
+# ---------------------------------------------------------------------------- snapshots
+
+
+@snapshot_app.command("create")
+def snapshot_create(
+    ctx: typer.Context,
+    sandbox_id: Annotated[str, typer.Argument(help="Running or paused sandbox to copy.")],
+    name: Annotated[str | None, typer.Option(
+        help="A name to start sandboxes from it by (unique among your snapshots).",
+        show_default="none: by its id only")] = None,
+    metadata: Annotated[list[str] | None, typer.Option(
+        "--metadata", "-m", help="KEY=VALUE label (repeatable).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the snapshot as JSON.")] = False,
+) -> None:
+    """Snapshot a sandbox's disk (root layer and /workspace, not its memory) and print the
+    snapshot's id; the sandbox is frozen only for the copy."""
+    sbx = Sandbox.connect(sandbox_id, resume=False, **_conn(ctx))
+    try:
+        snap = sbx.create_snapshot(name, _pairs(metadata, "--metadata"))
+    finally:
+        sbx.close()
+    if as_json:
+        _print_json(dataclasses.asdict(snap))
+        return
+    print(snap.snapshot_id)
+
+
+@snapshot_app.command("ls")
+def snapshot_ls(
+    ctx: typer.Context,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """List your snapshots, oldest first: size on the server's disk, what they were taken of."""
+    found = Sandbox.list_snapshots(**_conn(ctx))
+    if as_json:
+        _print_json([dataclasses.asdict(s) for s in found])
+        return
+    rows = [[s.snapshot_id, escape(s.name or "-"), _bytes(s.used_bytes), _time(s.created_at),
+             escape(s.template), s.sandbox_id,
+             escape(" ".join(f"{k}={v}" for k, v in s.metadata.items()))] for s in found]
+    _print_table(["ID", "NAME", "USED", "CREATED", "TEMPLATE", "SANDBOX", "METADATA"], rows)
+
+
+snapshot_app.command("list", hidden=True)(snapshot_ls)
+
+
+@snapshot_app.command("rm")
+def snapshot_rm(
+    ctx: typer.Context,
+    refs: Annotated[list[str], typer.Argument(help="Snapshots to delete, by id or name.")],
+) -> None:
+    """Delete snapshots (sandboxes started from them keep their own copies)."""
+    for ref in refs:
+        Sandbox.delete_snapshot(ref, **_conn(ctx))
+        print(f"removed {ref}")
+
+
+@app.command()
+def fork(
+    ctx: typer.Context,
+    sandbox_id: Annotated[str, typer.Argument(help="Running or paused sandbox to fork.")],
+    count: Annotated[int, typer.Option(
+        "--count", "-n", min=1, max=16, help="How many new sandboxes.")] = 1,
+    timeout: Annotated[float | None, typer.Option(
+        help="Seconds until each new sandbox ends.",
+        show_default="the timeout the sandbox was created with")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the new sandboxes as JSON.")]
+    = False,
+) -> None:
+    """Start new sandboxes, each with a copy of a sandbox's disk and settings, and print their
+    ids, one a line. All or none: if one cannot start, none is left."""
+    sbx = Sandbox.connect(sandbox_id, resume=False, **_conn(ctx))
+    try:
+        children = sbx.fork(count, timeout)
+    finally:
+        sbx.close()
+    try:
+        if as_json:
+            _print_json([dataclasses.asdict(c.get_info()) for c in children])
+            return
+        for child in children:
+            print(child.sandbox_id)
+    finally:
+        for child in children:
+            child.close()
 
 
 # ---------------------------------------------------------------------------- network

@@ -104,6 +104,12 @@ class Creation:
                 limit=quota["max_timeout"],
             )
         resources = self.core.admission.resources(req.resources, quota, req.runtime)
+        mounts = self.core.volumes.resolve(caller, req.volume_mounts)
+        if mounts and not self.core.runtimes.features(req.runtime).volumes:
+            raise InvalidRequest(
+                f"the {req.runtime} isolation tier cannot mount volumes on this server",
+                setting="volume_mounts",
+            )
         self.core.admission.check_free_space(caller, started)
         net = self.core.network.sandbox_network(caller.tenant, req.network)
         self.core.runtimes.check_request(
@@ -117,6 +123,7 @@ class Creation:
         # Secrets need their placeholders and the CA in place from the start: no pool. Pools
         # are per template and runtime.
         plain = not req.keep_workspace and not req.secrets and req.lifecycle is None
+        plain = plain and not mounts
         if resources == Resources() and plain and start_from is None:
             row = await self.core.pool_service.claim(caller, template, req, quota, started, net)
             if row is not None:
@@ -124,6 +131,12 @@ class Creation:
         if start_from is not None:
             tpl = await self._image_template(start_from)
         elif self.core.needs_build(template):
+            if mounts:
+                raise Conflict(
+                    f"template {template} is not built yet: create a sandbox of it without "
+                    "volumes first (it builds it), then one with them",
+                    template=template,
+                )
             return await self._create_building(caller, template, req, quota, resources, net)
         else:
             tpl = await self.core.template(template)
@@ -135,9 +148,10 @@ class Creation:
         try:
             async with lock:
                 await self.core.admission.check_capacity(caller, quota, started, resources)
+                self.core.volumes.check_free(mounts)
                 self.insert(
                     sandbox_id, caller.tenant, template, req, resources, net, egress,
-                    origin=start_from.origin if start_from else None,
+                    origin=start_from.origin if start_from else None, volumes=mounts,
                 )  # fmt: skip
         except BaseException:
             if egress.ca is not None:
@@ -335,6 +349,7 @@ class Creation:
         state: SandboxState = SandboxState.STARTING,
         grace: float = 0.0,
         origin: dict[str, str] | None = None,
+        volumes: list[dict[str, Any]] | None = None,
     ) -> None:
         now = time.time()
         self.core.states.create(
@@ -355,6 +370,7 @@ class Creation:
             lifecycle=req.lifecycle,
             envs=req.envs or None,
             origin=origin,
+            volumes=volumes or None,
         )
 
     def _lifecycle(self, req: CreateRequest) -> dict[str, Any] | None:
@@ -401,6 +417,8 @@ class Creation:
         sandbox's own disk, which a failed start must not remove (the row stays `starting`
         for the caller), unless the sandbox was killed meanwhile."""
         runtime = self.core.runtimes.get(runtime_name)
+        row = self.core.store.get_sandbox(sandbox_id)
+        mounts = (row.volumes if row is not None else None) or []
         spec = SandboxSpec(
             sandbox_id=sandbox_id,
             template=template,
@@ -418,6 +436,9 @@ class Creation:
         async with self.core.table.lock(sandbox_id):
             state: dict[str, Any] | None = None
             try:
+                if mounts:
+                    volumes = await self.core.volumes.attach(sandbox_id, mounts)
+                    spec = dataclasses.replace(spec, volumes=volumes)
                 state = await runtime.create(spec)
                 self._check_kill(sandbox_id)
                 await self.serve_egress(sandbox_id, state, tenant, net, egress, runtime)
@@ -477,6 +498,7 @@ class Creation:
                 log.exception("could not remove the unstarted sandbox %s", sandbox_id)
         end = SandboxState.KILLED if killed else SandboxState.FAILED
         self.core.states.move(sandbox_id, end, end_reason=end.value, ended_at=time.time())
+        await self.core.volumes.detach(sandbox_id)
         self.core.table.forget(sandbox_id)  # nothing left to serialize
 
     async def serve_egress(

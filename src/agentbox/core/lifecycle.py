@@ -480,6 +480,7 @@ class Lifecycle:
             finally:
                 self.core.table.ending.pop(fresh.sandbox_id, None)
             self.core.states.move(fresh.sandbox_id, state, end_reason=reason, ended_at=time.time())
+            await self.core.volumes.detach(fresh.sandbox_id)
         self.core.table.forget(row.sandbox_id)
         self.core.commands.forget(row.sandbox_id)
         self.core.metrics.forget(row.sandbox_id)

@@ -61,6 +61,7 @@ from agentbox.core.template_service import (
     TemplateService,
 )
 from agentbox.core.tenants import TenantService
+from agentbox.core.volumes import Volumes
 from agentbox.core.workspaces import KeptWorkspaces
 from agentbox.runtimes.base import Runtime, RuntimeError_
 from agentbox.store.db import LIVE_STATES, SandboxRow, Store
@@ -138,6 +139,8 @@ class SandboxManager:
             snapshot_dir = storage.parent / "snapshots"
         self.snapshots = Snapshots(self, snapshot_dir)
         self.disk.add_source(self.snapshots.usage)
+        self.volumes = Volumes(self, storage.parent / "volumes" if storage is not None else None)
+        self.disk.add_source(self.volumes.usage)
         self.creation = Creation(self)
         self.files = FileService(self)
         self.commands = CommandService(self)
@@ -292,6 +295,7 @@ class SandboxManager:
     async def start(self) -> None:
         await self.supervisor.reconcile()
         await asyncio.to_thread(self.snapshots.recover)
+        await asyncio.to_thread(self.volumes.recover)
         if self.template_service.check_at_start:
             await self.template_service.check_templates()
             self.template_service.prepare_default()

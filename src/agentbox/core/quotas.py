@@ -88,6 +88,7 @@ def default_quota(file_table: int | None = None) -> dict[str, Any]:
         "max_total_disk_mb": 51_200,
         "max_snapshots": 50,
         "max_paused": 20,
+        "max_volumes": 20,
     }
 
 

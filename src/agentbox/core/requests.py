@@ -26,6 +26,8 @@ class CreateRequest:
     runtime: str | None = None  # None: the tenant's default, else the server's
     # {"on_timeout": "kill" | "pause", "auto_resume": bool} (E2B's names); None: kill, no wake
     lifecycle: dict[str, Any] | None = None
+    # {path in the sandbox: volume name or id, or {"volume": ..., "read_only": bool}}
+    volume_mounts: dict[str, Any] | None = None
 
 
 @dataclass

@@ -43,6 +43,16 @@ class DiskSource:
 
 
 @dataclass(frozen=True)
+class VolumeMount:
+    """A volume's filesystem (mounted on the host at `source`, its files owned by the sandbox
+    model's ids 0-65535) mounted at `path` in the sandbox, its ids the sandbox's own."""
+
+    path: str
+    source: Path
+    read_only: bool = False
+
+
+@dataclass(frozen=True)
 class SandboxSpec:
     sandbox_id: str
     template: str
@@ -56,6 +66,7 @@ class SandboxSpec:
     files: dict[str, bytes] = field(default_factory=dict)
     # Start from this disk (its root layer and workspace) instead of a fresh one.
     disk: DiskSource | None = None
+    volumes: tuple[VolumeMount, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -108,6 +119,8 @@ class RuntimeFeatures:
     snapshot: bool = False
     # Pause without memory (Parkable): only the disk kept, a fresh boot on resume.
     park: bool = False
+    # It mounts volumes (`SandboxSpec.volumes`), their ids moved to the sandbox's own.
+    volumes: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)

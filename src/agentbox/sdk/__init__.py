@@ -39,6 +39,7 @@ from agentbox.sdk.models import (
     SandboxInfo,
     SandboxMetrics,
     SecretInfo,
+    SnapshotInfo,
     TemplateInfo,
     Violation,
 )
@@ -51,6 +52,7 @@ __all__ = [
     "AsyncCommandHandle",
     "SandboxInfo",
     "SandboxMetrics",
+    "SnapshotInfo",
     "BuildProgress",
     "CommandResult",
     "CommandInfo",

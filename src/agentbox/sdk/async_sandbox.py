@@ -46,6 +46,7 @@ from agentbox.sdk.models import (
     SandboxInfo,
     SandboxMetrics,
     SecretInfo,
+    SnapshotInfo,
     TemplateInfo,
 )
 from agentbox.sdk.variants import class_variant
@@ -733,13 +734,52 @@ async def _get_info_by_id(
         return await transport.call(p.get_sandbox(sandbox_id))
 
 
+# What `AsyncSandbox.list_snapshots()`, `.get_snapshot(ref)` and `.delete_snapshot(ref)` mean on
+# the class (on a sandbox, they use its connection).
+
+
+async def _list_snapshots_by_key(
+    api_key: str | None = None,
+    api_url: str | None = None,
+    request_timeout: float = 60,
+) -> list[SnapshotInfo]:
+    """Your snapshots, oldest first."""
+    async with AsyncTransport(p.resolve_config(api_key, api_url, request_timeout)) as transport:
+        return await transport.call(p.list_snapshots())
+
+
+async def _get_snapshot_by_ref(
+    ref: str,
+    api_key: str | None = None,
+    api_url: str | None = None,
+    request_timeout: float = 60,
+) -> SnapshotInfo:
+    """The snapshot `ref` (its id or name); NotFoundError if you have no such snapshot."""
+    async with AsyncTransport(p.resolve_config(api_key, api_url, request_timeout)) as transport:
+        return await transport.call(p.get_snapshot(ref))
+
+
+async def _delete_snapshot_by_ref(
+    ref: str,
+    api_key: str | None = None,
+    api_url: str | None = None,
+    request_timeout: float = 60,
+) -> None:
+    """Delete the snapshot `ref` (its id or name); sandboxes started from it keep their own
+    copies. NotFoundError if you have no such snapshot."""
+    async with AsyncTransport(p.resolve_config(api_key, api_url, request_timeout)) as transport:
+        await transport.call(p.delete_snapshot(ref))
+
+
 class AsyncSandbox:
     """An agentbox sandbox. Make one with `AsyncSandbox.create()` or `AsyncSandbox.connect(id)`.
 
     `async with await AsyncSandbox.create() as sbx:` kills the sandbox when the block ends.
     As in E2B, `kill`, `set_timeout` and `get_info` also work on the class with a sandbox id
     (`AsyncSandbox.kill(sandbox_id, api_key=...)`), and calls take `request_timeout=` to
-    override the client's for that call.
+    override the client's for that call. So do `list_snapshots`, `get_snapshot` and
+    `delete_snapshot` (`AsyncSandbox.get_snapshot(ref, api_key=...)`): on a sandbox, they
+    use its connection.
     """
 
     def __init__(
@@ -1039,6 +1079,53 @@ class AsyncSandbox:
         `timeout` seconds if that is longer. A running sandbox is left running."""
         call = p.timed(p.resume_sandbox(self.sandbox_id, timeout), request_timeout)
         return self._keep(await self._transport.call(call))
+
+    # -------------------------------------------------------------------- snapshots and forks
+
+    async def create_snapshot(
+        self,
+        name: str | None = None,
+        metadata: Mapping[str, str] | None = None,
+        *,
+        request_timeout: float | None = None,
+    ) -> SnapshotInfo:
+        """Copy the sandbox's disk (root layer and /workspace; not its memory or processes),
+        freezing it only for the copy. Start sandboxes from the copy with
+        `AsyncSandbox.create(template=snapshot.snapshot_id)`, or `template=name`: a name is
+        unique among your snapshots (ConflictError if taken). A running or paused sandbox."""
+        call = p.timed(p.create_snapshot(self.sandbox_id, name, metadata), request_timeout)
+        return await self._transport.call(call)
+
+    async def fork(
+        self, count: int = 1, timeout: float | None = None, *, request_timeout: float | None = None
+    ) -> builtins.list[AsyncSandbox]:
+        """`count` (1-16) new running sandboxes, each with a copy of this one's disk and its
+        settings (template, resources, network, environment, metadata), each its own from then
+        on, ending `timeout` seconds from now (None: this one's timeout at its create). All or
+        none: if one cannot start, none is left. Connected with this sandbox's API key."""
+        call = p.timed(p.fork_sandbox(self.sandbox_id, count, timeout), request_timeout)
+        children = await self._transport.call(call)
+        config = self._transport.config
+        return [type(self)(c.sandbox_id, AsyncTransport(config), c) for c in children]
+
+    @class_variant(_list_snapshots_by_key)
+    async def list_snapshots(
+        self, *, request_timeout: float | None = None
+    ) -> builtins.list[SnapshotInfo]:
+        """Your snapshots, oldest first."""
+        call = p.timed(p.list_snapshots(), request_timeout)
+        return await self._transport.call(call)
+
+    @class_variant(_get_snapshot_by_ref)
+    async def get_snapshot(self, ref: str, *, request_timeout: float | None = None) -> SnapshotInfo:
+        """The snapshot `ref` (its id or name); NotFoundError if you have no such snapshot."""
+        return await self._transport.call(p.timed(p.get_snapshot(ref), request_timeout))
+
+    @class_variant(_delete_snapshot_by_ref)
+    async def delete_snapshot(self, ref: str, *, request_timeout: float | None = None) -> None:
+        """Delete the snapshot `ref` (its id or name); sandboxes started from it keep their
+        own copies. NotFoundError if you have no such snapshot."""
+        await self._transport.call(p.timed(p.delete_snapshot(ref), request_timeout))
 
     @class_variant(_set_timeout_by_id)
     async def set_timeout(

@@ -118,6 +118,8 @@ class SandboxInfo:
     paused_at: datetime | None = None
     timeout_left: float | None = None
     lifecycle: dict[str, Any] = field(default_factory=dict)  # on_timeout, auto_resume
+    # Where its disk came from, when not fresh: {"snapshot": id} or {"fork_of": sandbox id}.
+    origin: dict[str, str] | None = None
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> SandboxInfo:
@@ -134,7 +136,36 @@ class SandboxInfo:
             domain=data.get("domain") or None, runtime=str(data.get("runtime") or ""),
             isolation=data.get("isolation") or None, paused_at=_time(data.get("paused_at")),
             timeout_left=data.get("timeout_left"), lifecycle=dict(data.get("lifecycle") or {}),
+            origin=dict(data["origin"]) if isinstance(data.get("origin"), dict) else None,
         )
+
+
+@dataclass(frozen=True)
+class SnapshotInfo:
+    """A copy of a sandbox's disk (root layer and workspace). Start sandboxes from it with
+    `template=` its `snapshot_id` or `name`; each gets at least `disk_mb` of disk. `used_bytes`
+    is what it really takes on the server's disk."""
+
+    snapshot_id: str
+    name: str | None
+    sandbox_id: str  # the sandbox it was taken of
+    template: str
+    runtime: str
+    created_at: datetime | None
+    disk_mb: int
+    used_bytes: int
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, data: Any) -> SnapshotInfo:
+        data = data if isinstance(data, dict) else {}
+        return cls(snapshot_id=str(data.get("snapshot_id", "")), name=data.get("name") or None,
+                   sandbox_id=str(data.get("sandbox_id", "")),
+                   template=str(data.get("template", "")), runtime=str(data.get("runtime", "")),
+                   created_at=_time(data.get("created_at")),
+                   disk_mb=int(data.get("disk_mb") or 0),
+                   used_bytes=int(data.get("used_bytes") or 0),
+                   metadata=dict(data.get("metadata") or {}))
 
 
 @dataclass(frozen=True)

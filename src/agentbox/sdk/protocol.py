@@ -59,6 +59,7 @@ from agentbox.sdk.models import (
     SandboxInfo,
     SandboxMetrics,
     SecretInfo,
+    SnapshotInfo,
     TemplateInfo,
     Violation,
 )
@@ -348,6 +349,54 @@ def timeout_extends(info: SandboxInfo, timeout: float) -> bool:
         return True
     end_at = info.end_at if info.end_at.tzinfo else info.end_at.replace(tzinfo=UTC)
     return (end_at - datetime.now(UTC)).total_seconds() < timeout
+
+
+# Snapshots and forks
+
+
+def _snapshot(r: httpx.Response) -> SnapshotInfo:
+    return SnapshotInfo.from_json(r.json())
+
+
+def _snap(ref: str) -> str:
+    return f"/v1/snapshots/{_seg(ref)}"
+
+
+def create_snapshot(sandbox_id: str, name: str | None = None,
+                    metadata: Mapping[str, str] | None = None) -> Call[SnapshotInfo]:
+    body: dict[str, Any] = {"metadata": dict(metadata or {})}
+    if name is not None:
+        body["name"] = name
+    return Call("POST", f"{_sbx(sandbox_id)}/snapshots", _snapshot, json=body)
+
+
+def list_snapshots() -> Call[list[SnapshotInfo]]:
+    def parse(r: httpx.Response) -> list[SnapshotInfo]:
+        return [SnapshotInfo.from_json(s) for s in r.json().get("snapshots", [])]
+
+    return Call("GET", "/v1/snapshots", parse)
+
+
+def get_snapshot(ref: str) -> Call[SnapshotInfo]:
+    """`ref`: a snapshot's id or name."""
+    return Call("GET", _snap(ref), _snapshot)
+
+
+def delete_snapshot(ref: str) -> Call[None]:
+    return Call("DELETE", _snap(ref), _none)
+
+
+def fork_sandbox(sandbox_id: str, count: int = 1,
+                 timeout: float | None = None) -> Call[list[SandboxInfo]]:
+    """`timeout` None: each child gets its parent's."""
+    body: dict[str, Any] = {"count": count}
+    if timeout is not None:
+        body["timeout"] = timeout
+
+    def parse(r: httpx.Response) -> list[SandboxInfo]:
+        return [SandboxInfo.from_json(s) for s in r.json().get("sandboxes", [])]
+
+    return Call("POST", f"{_sbx(sandbox_id)}/fork", parse, json=body)
 
 
 # Network and exposed ports

@@ -74,6 +74,11 @@ RuntimeName = Annotated[str, Field(max_length=32, pattern=r"^[a-z][a-z0-9_-]*$")
 Isolation = Literal["process", "container", "gvisor"]
 
 
+class VolumeMountBody(Strict):
+    volume: str = Field(max_length=128, description="the volume's name or id")
+    read_only: bool = False
+
+
 class CreateSandboxBody(Strict):
     template: str | None = Field(
         None,
@@ -110,6 +115,14 @@ class CreateSandboxBody(Strict):
         None,
         description="the isolation tier: process, container or gvisor (another name for "
         "`runtime`, limited to the tiers)",
+    )
+    volume_mounts: dict[
+        Annotated[str, Field(max_length=1024)],
+        Annotated[str, Field(max_length=128)] | VolumeMountBody,
+    ] = Field(
+        default_factory=dict,
+        max_length=8,
+        description="{path in the sandbox: volume name or id, or {volume, read_only}}",
     )
 
     @model_validator(mode="after")
@@ -214,6 +227,8 @@ class SandboxInfo(BaseModel):
     lifecycle: dict[str, Any] | None = None
     # Where its disk came from, when not fresh: {"snapshot": id} or {"fork_of": sandbox id}.
     origin: dict[str, str] | None = None
+    # The volumes it mounts: [{"volume_id", "path", "read_only"}].
+    volume_mounts: list[dict[str, Any]] = []
 
     @classmethod
     def of(
@@ -244,6 +259,7 @@ class SandboxInfo(BaseModel):
             timeout_left=row.ttl_left if row.state == "paused" else None,
             lifecycle=_lifecycle(row.lifecycle),
             origin=row.origin,
+            volume_mounts=list(row.volumes or []),
         )
 
 
@@ -395,6 +411,7 @@ class QuotaBody(Strict):
     )
     max_snapshots: int | None = Field(None, ge=0, le=100_000)
     max_paused: int | None = Field(None, ge=0, le=100_000, description="paused sandboxes")
+    max_volumes: int | None = Field(None, ge=0, le=100_000)
     default_runtime: RuntimeName | None = Field(
         None, description="the runtime of its sandboxes that name none (default: the server's)"
     )
@@ -582,6 +599,28 @@ class ForkBody(Strict):
 
 class ForkResult(BaseModel):
     sandboxes: list[SandboxInfo]
+
+
+class VolumeBody(Strict):
+    name: str = Field(max_length=64, description="unique in the tenant")
+    size_mb: int = Field(gt=0, le=1 << 30, description="its size: what it can hold")
+    metadata: dict[str, str] = Field(default_factory=dict)
+
+
+class VolumeInfo(BaseModel):
+    volume_id: str
+    name: str
+    size_mb: int
+    used_bytes: int = Field(description="what it really takes on the server's disk")
+    created_at: str
+    metadata: dict[str, str]
+    mounted_by: list[dict[str, Any]] = Field(
+        description="the live sandboxes that mount it: [{sandbox_id, path, read_only}]"
+    )
+
+
+class VolumeList(BaseModel):
+    volumes: list[VolumeInfo]
 
 
 class KeptWorkspaceInfo(BaseModel):

@@ -93,6 +93,20 @@ sandboxes = Table(
     # where its disk came from: {"snapshot": id} or {"fork_of": sandbox id}.
     Column("envs", JSON, nullable=True),
     Column("origin", JSON, nullable=True),
+    # The volumes it mounts: [{"volume_id", "path", "read_only"}].
+    Column("volumes", JSON, nullable=True),
+)
+
+# Named persistent volumes (core/volumes.py); the image is in the data dir.
+volumes = Table(
+    "volumes",
+    metadata,
+    Column("volume_id", String(64), primary_key=True),
+    Column("tenant", String(128), nullable=False, index=True),
+    Column("name", String(128), nullable=False),
+    Column("size_mb", Integer, nullable=False),
+    Column("created_at", Float, nullable=False),
+    Column("metadata", JSON, nullable=False, default=dict),
 )
 
 # Snapshots of sandboxes' disks (core/snapshots.py); the image is in the data dir.
@@ -264,6 +278,7 @@ class SandboxRow:
     lifecycle: dict[str, Any] | None = None
     envs: dict[str, str] | None = None
     origin: dict[str, str] | None = None
+    volumes: list[dict[str, Any]] | None = None
 
     @property
     def live(self) -> bool:
@@ -289,6 +304,16 @@ class SnapshotRow:
     uid: int
     span: int
     used_bytes: int
+    metadata: dict[str, str]
+
+
+@dataclass(frozen=True)
+class VolumeRow:
+    volume_id: str
+    tenant: str
+    name: str
+    size_mb: int
+    created_at: float
     metadata: dict[str, str]
 
 
@@ -508,6 +533,28 @@ class Store:
     def delete_snapshot(self, snapshot_id: str) -> bool:
         with self.engine.begin() as c:
             res = c.execute(delete(snapshots).where(snapshots.c.snapshot_id == snapshot_id))
+        return bool(res.rowcount)
+
+    # ------------------------------------------------------------------ volumes
+
+    def insert_volume(self, **values: Any) -> None:
+        with self.engine.begin() as c:
+            c.execute(insert(volumes).values(**values))
+
+    def list_volumes(self, tenant: str | None = None) -> list[VolumeRow]:
+        """Oldest first; every tenant's when `tenant` is None."""
+        q = select(volumes).order_by(volumes.c.created_at)
+        if tenant is not None:
+            q = q.where(volumes.c.tenant == tenant)
+        with self.engine.connect() as c:
+            return [
+                VolumeRow(**{k: getattr(r, k) for k in VolumeRow.__dataclass_fields__})
+                for r in c.execute(q)
+            ]
+
+    def delete_volume(self, volume_id: str) -> bool:
+        with self.engine.begin() as c:
+            res = c.execute(delete(volumes).where(volumes.c.volume_id == volume_id))
         return bool(res.rowcount)
 
     def get_tenant_network(self, tenant: str) -> dict[str, Any]:

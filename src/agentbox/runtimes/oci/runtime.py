@@ -45,10 +45,12 @@ from agentbox.runtimes.process.runtime import (
     RUN_ROOT,
     SANDBOX_PYTHON,
     USR_LOCAL,
+    VOLUME_PREFIX,
     ProcessRuntime,
     kill_if_same,
     proc_start_time,
     sandbox_env,
+    volume_flags,
 )
 from agentbox.runtimes.uids import BLOCK
 
@@ -217,7 +219,9 @@ class OciRuntime(ProcessRuntime):
         own_cgroupns = self.cgroupns_outside
         own_pidns, own_mounts = self.own_pidns, str(self.bind_root / sid)
         # Every tier's kept-workspace mounts of this data dir (kept-mounts, kept-mounts-TIER).
-        kept = (_mountinfo_escaped(self.layout.kept_mounts.parent / "kept-mounts"),)
+        data_dir = self.layout.kept_mounts.parent
+        # Kept workspaces' read-only mounts and volumes' host mounts (core/volumes.py).
+        kept = tuple(_mountinfo_escaped(data_dir / d) for d in ("kept-mounts", "volumes"))
         binary_ns = self._binary_userns(uid)
 
         def binary_context() -> None:
@@ -295,6 +299,10 @@ class OciRuntime(ProcessRuntime):
             self._skeleton(root, uid)
             mounts += self._host_userland_mounts()
         mounts += [
+            *(
+                bundle.bind(bind_dir / f"{VOLUME_PREFIX}{n}", v.path, writable=not v.read_only)
+                for n, v in enumerate(spec.volumes)
+            ),
             bundle.bind(ws, "/workspace", writable=True),
             bundle.bind(self.agent_dir, AGENT_MOUNT),
             bundle.mount(
@@ -329,6 +337,7 @@ class OciRuntime(ProcessRuntime):
         args += ["--user", self._default_user(spec)]
         if writable_root:
             args.append("--writable-root")
+        args += volume_flags(spec)
         args += self._agent_flags({})
         return Bundle(
             root=root,

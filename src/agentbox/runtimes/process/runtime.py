@@ -73,6 +73,7 @@ AGENT_FILES = (
 )
 SUDO_SRC = "sudo.py"  # installed as bin/sudo
 AGENT_MOUNT = "/.agentbox"
+VOLUME_PREFIX = "vol"  # bind_dir/vol<n>: the sandbox's idmapped mount of its n-th volume
 AGENT_BIN = f"{AGENT_MOUNT}/bin"  # the `sudo` that asks the agent (see agent/sudo.py)
 SANDBOX_PYTHON = "/usr/bin/python3"
 SOCKET_NAME = "agent.sock"
@@ -338,6 +339,7 @@ class ProcessRuntime(Runtime):
             pause=self.cgroups.can_freeze,
             snapshot=self.use_loop and self.cgroups.can_freeze,
             park=self.use_loop,
+            volumes=self._own_userns() and rootfs.supported(),
         )
 
     @classmethod
@@ -432,6 +434,7 @@ class ProcessRuntime(Runtime):
             "--ro-bind",
             str(self.agent_dir),
             AGENT_MOUNT,
+            *self._volume_args(spec),
         ]
         if "passwd" in fds:  # a template's /etc, or the host's own
             argv += ["--perms", "0444", "--ro-bind-data", str(fds["passwd"]), "/etc/passwd"]
@@ -531,6 +534,7 @@ class ProcessRuntime(Runtime):
         argv += ["--listen-fd", str(fds["listen"]), "--user", self._default_user(spec)]
         if self._writable_root(spec):
             argv.append("--writable-root")
+        argv += volume_flags(spec)
         return [*argv, *self._agent_flags(fds)]
 
     def _default_user(self, spec: SandboxSpec) -> str:
@@ -577,6 +581,7 @@ class ProcessRuntime(Runtime):
             state["disk_limit_enforced"] = ws.disk_limit_enforced
             if writable_root:
                 state["root"] = self._mount_root(spec, bind_dir, uid, ns)
+            self._mount_volumes(spec, bind_dir, ns)
             self.cgroups.create(sid, self._cgroup_limits(spec.resources))
             state.update(self._spawn(spec, sdir, ws.path, uid, cpus, ns))
             self._write_state(sdir, state)
@@ -590,6 +595,32 @@ class ProcessRuntime(Runtime):
         finally:
             if ns >= 0:
                 os.close(ns)
+
+    def _mount_volumes(self, spec: SandboxSpec, bind_dir: Path, ns: int) -> None:
+        """Each volume, its ids moved into the sandbox's block (an idmapped mount of the
+        volume's host mount), at bind_dir/vol<n>: bound where the sandbox asked."""
+        if spec.volumes and ns < 0:
+            raise RuntimeError_("volumes need a user namespace of the sandbox's own")
+        for n, vol in enumerate(spec.volumes):
+            target = bind_dir / f"{VOLUME_PREFIX}{n}"
+            target.mkdir(mode=0o755)
+            rootfs.mount_idmapped(vol.source, target, ns, read_only=vol.read_only)
+
+    def _volume_args(self, spec: SandboxSpec) -> list[str]:
+        out = []
+        for n, vol in enumerate(spec.volumes):
+            out += parent_dirs(vol.path)  # made first, 0755 (bwrap would make them 0700)
+            source = str(self.bind_root / spec.sandbox_id / f"{VOLUME_PREFIX}{n}")
+            out += ["--ro-bind" if vol.read_only else "--bind", source, vol.path]
+        return out
+
+    def _unmount_volumes(self, bind_dir: Path) -> None:
+        """Detach the sandbox's volume mounts (never `umount -d`: the loop device behind one
+        is the volume's, not the sandbox's)."""
+        for mnt in workspace.mounted_under(bind_dir):
+            if mnt.parent == bind_dir and mnt.name.startswith(VOLUME_PREFIX):
+                with contextlib.suppress(OSError):
+                    hostview.detach(mnt)
 
     def _resuming(self, spec: SandboxSpec) -> bool:
         """Whether the sandbox starts again from its own parked disk."""
@@ -1140,6 +1171,7 @@ class ProcessRuntime(Runtime):
             except (OSError, ValueError):
                 state = {}
         self._stop(sid, state)
+        self._unmount_volumes(self.bind_root / sid)
         if not rootfs.unmount(self.bind_root / sid):
             raise RuntimeError_(f"could not unmount the root filesystem of sandbox {sid}")
         if not workspace.destroy(sdir, self.bind_root / sid, keep=keep_workspace or park):
@@ -1197,6 +1229,11 @@ class ProcessRuntime(Runtime):
         """Kill every process of the sandbox (its cgroup), daemons that left its pid
         namespace's reach included; False if some would not die."""
         return self.cgroups.kill_all(sid)
+
+
+def volume_flags(spec: SandboxSpec) -> list[str]:
+    """The agent's flags for the sandbox's read-write volumes (Landlock lets it write there)."""
+    return [a for v in spec.volumes if not v.read_only for a in ("--writable", v.path)]
 
 
 def sandbox_env(spec: SandboxSpec) -> dict[str, str]:

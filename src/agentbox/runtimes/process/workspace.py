@@ -411,6 +411,17 @@ def used_bytes(path: Path) -> int:
     return total
 
 
+def mount_image(image: Path, mnt: Path) -> None:
+    """Mount an image read-write at the existing directory `mnt` (nosuid, nodev: its files
+    were made by sandboxes), on a loop device of its own that goes with the mount."""
+    device = _attach(image)
+    try:
+        _run(["mount", "-o", "nosuid,nodev,noatime", device, str(mnt)])
+    except BaseException:
+        subprocess.run(["losetup", "-d", device], capture_output=True)
+        raise
+
+
 def mount_readonly(image: Path, mnt: Path) -> None:
     """Mount a kept workspace image read-only at `mnt` (a fresh, private directory).
 

@@ -19,6 +19,7 @@ from agentbox.server.routes import (
     snapshots,
     templates,
     tenants,
+    volumes,
     workspaces,
 )
 from agentbox.server.routes.deps import Links
@@ -43,6 +44,7 @@ def v1_surface(core: Core) -> SurfaceRoutes:
         tenants.quotas_router(),
         audit.router(),
         snapshots.router(links),
+        volumes.router(),
         workspaces.router(),
     ):
         api.include_router(router)

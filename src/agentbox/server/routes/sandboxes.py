@@ -128,6 +128,11 @@ def _create_request(body: m.CreateSandboxBody) -> CreateRequest:
         secrets=body.secrets,
         runtime=body.isolation or body.runtime,
         lifecycle=body.lifecycle.model_dump() if body.lifecycle is not None else None,
+        volume_mounts={
+            path: v if isinstance(v, str) else v.model_dump()
+            for path, v in body.volume_mounts.items()
+        }
+        or None,
     )
 
 
