@@ -11,8 +11,8 @@ from typing import Any
 __version__ = "0.1.0"
 
 _SDK_NAMES = frozenset(
-    {"Sandbox", "Templates", "Secrets", "Workspaces"}
-    | {"AsyncSandbox", "AsyncTemplates", "AsyncSecrets", "AsyncWorkspaces"}
+    {"Sandbox", "Templates", "Secrets", "Workspaces", "Volumes"}
+    | {"AsyncSandbox", "AsyncTemplates", "AsyncSecrets", "AsyncWorkspaces", "AsyncVolumes"}
 )
 
 

@@ -117,6 +117,24 @@ def test_snapshot_and_fork(cli: Run, sandbox_id: str) -> None:
     assert r.returncode == 1 and r.stderr.startswith("error:") and "(not_found)" in r.stderr
 
 
+def test_volumes_and_a_pause_without_memory(cli: Run) -> None:
+    r = cli("volume", "create", "cli-vol", "--size-mb", "32")
+    assert r.returncode == 0 and r.stdout.startswith("vol_"), r.stderr
+    r = cli("create", "--volume", "/data=cli-vol", "--timeout", "60")
+    assert r.returncode == 0, r.stderr
+    sid = r.stdout.strip()
+    try:
+        assert cli("exec", sid, "--", "echo v > /data/f").returncode == 0
+        assert sid in cli("volume", "ls").stdout
+        assert cli("pause", "--no-memory", sid).stdout == f"paused {sid}\n"
+        assert cli("resume", sid).returncode == 0
+        assert cli("exec", sid, "--", "cat /data/f").stdout == "v\n"
+    finally:
+        cli("kill", sid)
+    r = cli("volume", "rm", "cli-vol")
+    assert (r.returncode, r.stdout) == (0, "removed cli-vol\n"), r.stderr
+
+
 def test_exec_exit_codes_and_streams(cli: Run, sandbox_id: str) -> None:
     r = cli("exec", sandbox_id, "--", "echo out; echo err >&2; exit 3")
     assert (r.returncode, r.stdout, r.stderr) == (3, "out\n", "err\n")

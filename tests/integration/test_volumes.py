@@ -117,3 +117,23 @@ def test_through_a_restart(fresh_server: ServerHandle) -> None:
         c.delete(f"/v1/sandboxes/{sid}")
         assert not (srv.data_dir / "volumes" / vol["volume_id"] / "mnt").is_mount()
         assert c.get("/v1/volumes/kept/files", params={"path": "f"}).content == b"before\nafter\n"
+
+
+def test_sdk(server: ServerHandle, tenant_key: str) -> None:
+    from agentbox import Sandbox, Volumes
+
+    conn = {"api_key": tenant_key, "api_url": server.url}
+    with Volumes(**conn) as vols:
+        info = vols.create("sdk", 32)
+        assert info.name == "sdk" and info.size_mb == 32
+        assert vols.write("sdk", "cfg/a.txt", "hello") == 5
+        with Sandbox.create(volume_mounts={"/data": "sdk"}, **conn) as sbx:
+            assert sbx.get_info().volume_mounts[0]["path"] == "/data"
+            assert sbx.commands.run("cat /data/cfg/a.txt").stdout == "hello"
+            assert [m["sandbox_id"] for m in vols.get("sdk").mounted_by] == [sbx.sandbox_id]
+            sbx.commands.run("echo more > /data/b")
+            sbx.kill()
+        assert vols.read("sdk", "b") == b"more\n"
+        assert [v.name for v in vols.list()] == ["sdk"]
+        vols.delete("sdk")
+        assert vols.list() == []

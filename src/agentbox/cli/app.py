@@ -44,6 +44,7 @@ from agentbox.sdk import (
     SandboxInfo,
     Secrets,
     Templates,
+    Volumes,
     Workspaces,
 )
 from agentbox.sdk.audit import list_audit_events, list_egress_events
@@ -71,6 +72,9 @@ app.add_typer(files_app, name="files")
 snapshot_app = typer.Typer(help="Snapshots of sandboxes' disks: start sandboxes from one "
                            "with `agentbox create --template ID_OR_NAME`.", no_args_is_help=True)
 app.add_typer(snapshot_app, name="snapshot")
+volume_app = typer.Typer(help="Volumes: named filesystems that outlive sandboxes; mount one "
+                         "with `agentbox create --volume /data=NAME`.", no_args_is_help=True)
+app.add_typer(volume_app, name="volume")
 
 out = Console()
 err = Console(stderr=True)
@@ -480,6 +484,9 @@ def create(
     isolation: Annotated[str | None, typer.Option(
         help="Isolation tier: process, container or gvisor (the tiers' name for --runtime).",
         show_default="the tenant's default, else the server's")] = None,
+    volume: Annotated[list[str] | None, typer.Option(
+        "--volume", "-v", help="PATH=VOLUME to mount a volume at PATH, PATH=VOLUME:ro read-only "
+        "(repeatable).")] = None,
 ) -> None:
     """Create a sandbox and print its id.
 
@@ -495,11 +502,19 @@ def create(
         template=template, timeout=timeout, metadata=_pairs(metadata, "--metadata"),
         envs=_pairs(env, "--env"), resources=Resources(cpu_count=cpu, memory_mb=memory_mb),
         keep_workspace=keep_workspace, network=network, secrets=secret, runtime=runtime,
-        isolation=isolation,
+        isolation=isolation, volume_mounts=_volume_mounts(volume),
         on_progress=lambda progress: print(f"{progress} ...", file=sys.stderr, flush=True),
         **_conn(ctx))
     sbx.close()
     print(sbx.sandbox_id)
+
+
+def _volume_mounts(specs: list[str] | None) -> dict[str, Any]:
+    mounts: dict[str, Any] = {}
+    for path, ref in _pairs(specs, "--volume").items():
+        name, ro = (ref[:-3], True) if ref.endswith(":ro") else (ref, False)
+        mounts[path] = {"volume": name, "read_only": ro}
+    return mounts
 
 
 @app.command("ls")
@@ -639,10 +654,14 @@ def kill(
 def pause(
     ctx: typer.Context,
     sandbox_ids: Annotated[list[str], typer.Argument(help="Sandboxes to pause.")],
+    memory: Annotated[bool, typer.Option(
+        "--memory/--no-memory",
+        help="Keep their processes and memory (frozen); --no-memory ends their processes and "
+        "keeps only their disk (a resume boots them fresh on it).")] = True,
 ) -> None:
     """Pause sandboxes: their processes are frozen with their memory, they use no CPU and
     their timeout stops until `agentbox resume`."""
-    _each(ctx, sandbox_ids, lambda sbx: sbx.pause(), "paused")
+    _each(ctx, sandbox_ids, lambda sbx: sbx.pause(keep_memory=memory), "paused")
 
 
 @app.command()
@@ -678,6 +697,49 @@ def _each(
         print(f"{done} {sandbox_id}")
     if failed:
         raise typer.Exit(1)
+
+
+# ---------------------------------------------------------------------------- volumes
+
+
+@volume_app.command("create")
+def volume_create(
+    ctx: typer.Context,
+    name: Annotated[str, typer.Argument(help="Its name (unique among your volumes).")],
+    size_mb: Annotated[int, typer.Option("--size-mb", help="What it can hold, in MiB.")] = 1024,
+) -> None:
+    """Create an empty volume and print its id."""
+    with Volumes(**_conn(ctx)) as vols:
+        print(vols.create(name, size_mb).volume_id)
+
+
+@volume_app.command("ls")
+def volume_ls(
+    ctx: typer.Context,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """List your volumes, oldest first, and the sandboxes that mount them."""
+    with Volumes(**_conn(ctx)) as vols:
+        found = vols.list()
+    if as_json:
+        _print_json([dataclasses.asdict(v) for v in found])
+        return
+    rows = [[v.volume_id, escape(v.name), f"{v.size_mb} MiB", _bytes(v.used_bytes),
+             " ".join(m["sandbox_id"] + (" (ro)" if m["read_only"] else "") for m in v.mounted_by)
+             or "-"] for v in found]
+    _print_table(["ID", "NAME", "SIZE", "USED", "MOUNTED BY"], rows)
+
+
+@volume_app.command("rm")
+def volume_rm(
+    ctx: typer.Context,
+    refs: Annotated[list[str], typer.Argument(help="Volumes to delete, by id or name.")],
+) -> None:
+    """Delete volumes and their files (not while a sandbox mounts them)."""
+    with Volumes(**_conn(ctx)) as vols:
+        for ref in refs:
+            vols.delete(ref)
+            print(f"removed {ref}")
 
 
 # ---------------------------------------------------------------------------- snapshots

@@ -12,6 +12,7 @@ from agentbox.sdk.async_sandbox import (
     AsyncSandbox,
     AsyncSecrets,
     AsyncTemplates,
+    AsyncVolumes,
     AsyncWorkspaces,
 )
 from agentbox.sdk.exceptions import *  # noqa: F403
@@ -42,8 +43,16 @@ from agentbox.sdk.models import (
     SnapshotInfo,
     TemplateInfo,
     Violation,
+    VolumeInfo,
 )
-from agentbox.sdk.sandbox import CommandHandle, Sandbox, Secrets, Templates, Workspaces
+from agentbox.sdk.sandbox import (
+    CommandHandle,
+    Sandbox,
+    Secrets,
+    Templates,
+    Volumes,
+    Workspaces,
+)
 
 __all__ = [
     "Sandbox",
@@ -53,6 +62,7 @@ __all__ = [
     "SandboxInfo",
     "SandboxMetrics",
     "SnapshotInfo",
+    "VolumeInfo",
     "BuildProgress",
     "CommandResult",
     "CommandInfo",
@@ -79,6 +89,8 @@ __all__ = [
     "PoolStats",
     "Workspaces",
     "AsyncWorkspaces",
+    "Volumes",
+    "AsyncVolumes",
     "KeptWorkspace",
     "KeyInfo",
     *_exception_names,

@@ -48,6 +48,7 @@ from agentbox.sdk.models import (
     SecretInfo,
     SnapshotInfo,
     TemplateInfo,
+    VolumeInfo,
 )
 from agentbox.sdk.variants import class_variant
 from agentbox.vocab import DEFAULT_LANGUAGE, LIVE_FILTER, ErrorCode, SandboxState
@@ -696,6 +697,52 @@ class AsyncWorkspaces:
         await self.close()
 
 
+class AsyncVolumes:
+    """Volumes: named filesystems of your tenant that outlive sandboxes. Mount one with
+    `AsyncSandbox.create(volume_mounts={"/data": "NAME"})`: one sandbox at a time read-write,
+    any number read-only. While no sandbox mounts it, `read` and `write` reach its files
+    (at most 64 MiB each). `AsyncVolumes()` with a key."""
+
+    def __init__(
+        self, api_key: str | None = None, api_url: str | None = None, request_timeout: float = 60
+    ) -> None:
+        self._transport = AsyncTransport(p.resolve_config(api_key, api_url, request_timeout))
+
+    async def create(
+        self, name: str, size_mb: int, metadata: Mapping[str, str] | None = None
+    ) -> VolumeInfo:
+        """A new, empty volume that holds `size_mb` MiB."""
+        return await self._transport.call(p.create_volume(name, size_mb, metadata))
+
+    async def list(self) -> list[VolumeInfo]:
+        return await self._transport.call(p.list_volumes())
+
+    async def get(self, ref: str) -> VolumeInfo:
+        """By id or name; NotFoundError if you have none such."""
+        return await self._transport.call(p.get_volume(ref))
+
+    async def delete(self, ref: str) -> None:
+        """ConflictError while a live sandbox mounts it."""
+        await self._transport.call(p.delete_volume(ref))
+
+    async def read(self, ref: str, path: str) -> bytes:
+        return await self._transport.call(p.read_volume_file(ref, path))
+
+    async def write(self, ref: str, path: str, data: bytes | str) -> int:
+        """Write one file (its missing directories made); the bytes written."""
+        content = data.encode() if isinstance(data, str) else data
+        return await self._transport.call(p.write_volume_file(ref, path), content=content)
+
+    async def close(self) -> None:
+        await self._transport.close()
+
+    async def __aenter__(self) -> AsyncVolumes:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
 # What `AsyncSandbox.kill(id)`, `.set_timeout(id, t)` and `.get_info(id)` mean on the class.
 
 
@@ -813,6 +860,7 @@ class AsyncSandbox:
         runtime: str | None = None,
         isolation: str | None = None,
         lifecycle: Mapping[str, Any] | None = None,
+        volume_mounts: Mapping[str, Any] | None = None,
     ) -> AsyncSandbox:
         """Start a sandbox that lives `timeout` seconds unless extended with set_timeout.
 
@@ -824,6 +872,8 @@ class AsyncSandbox:
         is the same choice by runtime name; None: the tenant's default, else the server's).
         `lifecycle` ({"on_timeout": "kill" | "pause", "auto_resume": bool}, E2B's names): a
         sandbox that pauses at its timeout instead of ending, and that requests wake.
+        `volume_mounts` ({"/data": "NAME"} or {"/data": {"volume": "NAME", "read_only": True}})
+        mounts your volumes (see `AsyncVolumes`).
 
         A shipped template used for the first time is built first (a minute or two): the
         server answers at once with a `building` sandbox and this waits until it runs, passing
@@ -845,6 +895,7 @@ class AsyncSandbox:
                     runtime,
                     isolation,
                     lifecycle,
+                    volume_mounts,
                 )
             )
             try:

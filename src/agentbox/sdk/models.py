@@ -120,6 +120,8 @@ class SandboxInfo:
     lifecycle: dict[str, Any] = field(default_factory=dict)  # on_timeout, auto_resume
     # Where its disk came from, when not fresh: {"snapshot": id} or {"fork_of": sandbox id}.
     origin: dict[str, str] | None = None
+    # The volumes it mounts: [{"volume_id", "path", "read_only"}].
+    volume_mounts: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> SandboxInfo:
@@ -137,6 +139,7 @@ class SandboxInfo:
             isolation=data.get("isolation") or None, paused_at=_time(data.get("paused_at")),
             timeout_left=data.get("timeout_left"), lifecycle=dict(data.get("lifecycle") or {}),
             origin=dict(data["origin"]) if isinstance(data.get("origin"), dict) else None,
+            volume_mounts=[dict(m) for m in data.get("volume_mounts") or [] if isinstance(m, dict)],
         )
 
 
@@ -166,6 +169,32 @@ class SnapshotInfo:
                    disk_mb=int(data.get("disk_mb") or 0),
                    used_bytes=int(data.get("used_bytes") or 0),
                    metadata=dict(data.get("metadata") or {}))
+
+
+@dataclass(frozen=True)
+class VolumeInfo:
+    """A named filesystem of your tenant that outlives sandboxes (`size_mb` is what it can
+    hold; `used_bytes` what it takes on the server's disk); `mounted_by` lists the live
+    sandboxes that mount it: [{"sandbox_id", "path", "read_only"}]."""
+
+    volume_id: str
+    name: str
+    size_mb: int
+    used_bytes: int
+    created_at: datetime | None
+    metadata: dict[str, str] = field(default_factory=dict)
+    mounted_by: list[dict[str, Any]] = field(default_factory=list)
+
+    @classmethod
+    def from_json(cls, data: Any) -> VolumeInfo:
+        data = data if isinstance(data, dict) else {}
+        return cls(volume_id=str(data.get("volume_id", "")), name=str(data.get("name", "")),
+                   size_mb=int(data.get("size_mb") or 0),
+                   used_bytes=int(data.get("used_bytes") or 0),
+                   created_at=_time(data.get("created_at")),
+                   metadata=dict(data.get("metadata") or {}),
+                   mounted_by=[dict(m) for m in data.get("mounted_by") or []
+                               if isinstance(m, dict)])
 
 
 @dataclass(frozen=True)

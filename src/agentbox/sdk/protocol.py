@@ -62,6 +62,7 @@ from agentbox.sdk.models import (
     SnapshotInfo,
     TemplateInfo,
     Violation,
+    VolumeInfo,
 )
 from agentbox.vocab import UNHEALTHY, ErrorCode, SandboxState
 
@@ -201,7 +202,8 @@ def create_sandbox(template: str | None, timeout: float, metadata: Mapping[str, 
                    allow_internet_access: bool | None = None,
                    runtime: str | None = None,
                    isolation: str | None = None,
-                   lifecycle: Mapping[str, Any] | None = None) -> Call[SandboxInfo]:
+                   lifecycle: Mapping[str, Any] | None = None,
+                   volume_mounts: Mapping[str, Any] | None = None) -> Call[SandboxInfo]:
     """`network` None takes the tenant's default policy; `allow_internet_access` is E2B's
     shorthand, applied over `network` by the server; `secrets` are names of tenant secrets;
     `runtime` (or `isolation`, for a tier) None takes the tenant's default runtime, else the
@@ -228,6 +230,9 @@ def create_sandbox(template: str | None, timeout: float, metadata: Mapping[str, 
         body["isolation"] = isolation
     if lifecycle is not None:
         body["lifecycle"] = dict(lifecycle)
+    if volume_mounts:
+        body["volume_mounts"] = {k: v if isinstance(v, str) else dict(v)
+                                 for k, v in volume_mounts.items()}
     return Call("POST", "/v1/sandboxes", _sandbox, json=body)
 
 
@@ -868,6 +873,49 @@ def workspace_archive(sandbox_id: str) -> Call[None]:
 
 def remove_workspace(sandbox_id: str) -> Call[None]:
     return Call("DELETE", _kept(sandbox_id), _none)
+
+
+# ---------------------------------------------------------------------------- volumes
+
+
+def _volume(r: httpx.Response) -> VolumeInfo:
+    return VolumeInfo.from_json(r.json())
+
+
+def _vol(ref: str) -> str:
+    return f"/v1/volumes/{_seg(ref)}"
+
+
+def create_volume(name: str, size_mb: int,
+                  metadata: Mapping[str, str] | None = None) -> Call[VolumeInfo]:
+    body = {"name": name, "size_mb": size_mb, "metadata": dict(metadata or {})}
+    return Call("POST", "/v1/volumes", _volume, json=body)
+
+
+def list_volumes() -> Call[list[VolumeInfo]]:
+    def parse(r: httpx.Response) -> list[VolumeInfo]:
+        return [VolumeInfo.from_json(v) for v in r.json().get("volumes", [])]
+
+    return Call("GET", "/v1/volumes", parse)
+
+
+def get_volume(ref: str) -> Call[VolumeInfo]:
+    """`ref`: a volume's id or name."""
+    return Call("GET", _vol(ref), _volume)
+
+
+def delete_volume(ref: str) -> Call[None]:
+    return Call("DELETE", _vol(ref), _none)
+
+
+def read_volume_file(ref: str, path: str) -> Call[bytes]:
+    return Call("GET", f"{_vol(ref)}/files", lambda r: r.content, params=[("path", path)])
+
+
+def write_volume_file(ref: str, path: str) -> Call[int]:
+    """The body (the file's bytes) is supplied by the face that sends it."""
+    return Call("PUT", f"{_vol(ref)}/files", lambda r: int(r.json().get("size", 0)),
+                params=[("path", path)])
 
 
 # ---------------------------------------------------------------------------- errors
