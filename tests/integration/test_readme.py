@@ -70,6 +70,7 @@ def test_every_block_is_run_or_says_why_not() -> None:
         "run_code",
         'isolation="gvisor"',
         "sbx.pause()",
+        "create_snapshot",
     }
     for block in readme_blocks():
         if block.lang not in ("sh", "python", "bash"):
@@ -300,6 +301,10 @@ def test_the_python_quick_start(readme: Readme) -> None:
 
 def test_the_pause_example(readme: Readme) -> None:
     _run_python(readme, _block("sbx.pause()"), timeout=120)
+
+
+def test_the_snapshot_fork_and_volume_example(readme: Readme) -> None:
+    _run_python(readme, _block("create_snapshot"), timeout=180)
 
 
 def test_the_isolation_example(readme: Readme) -> None:
