@@ -79,6 +79,8 @@ def test_limits_and_refusals(tenant: tuple[httpx.Client, str], server: ServerHan
     out = run(c, sid, "head -c 40000000 /dev/zero > /data/big; echo $?")
     assert out.stdout.strip() != "0"  # its size is its limit
     c.delete(f"/v1/sandboxes/{sid}")
+    r = c.put("/v1/volumes/small/files", params={"path": "big"}, content=b"\0" * (24 << 20))
+    assert r.status_code == 400 and "full" in r.json()["message"], r.text
     assert c.post("/v1/volumes", json={"name": "small", "size_mb": 16}).status_code == 409
     for bad in ("/", "/workspace", "/proc/x", "/etc", "relative", "/a/../etc"):
         r = c.post("/v1/sandboxes", json={"volume_mounts": {bad: "small"}})

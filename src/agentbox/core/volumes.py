@@ -41,7 +41,7 @@ from agentbox.core.errors import (
     QuotaExceeded,
     SandboxUnavailable,
 )
-from agentbox.core.workspaces import open_confined, workspace_parts
+from agentbox.core.workspaces import open_confined, to_the_end, workspace_parts
 from agentbox.runtimes.base import VolumeMount
 from agentbox.runtimes.process import workspace
 from agentbox.store.db import VolumeRow
@@ -335,35 +335,54 @@ class Volumes:
         finally:
             await self._release(vol.volume_id, holder)
 
-    async def read_file(self, caller: Caller, ref: str, path: str) -> bytes:
-        """One regular file of the volume (read whole: a volume's files API is for small
-        files; sandboxes read big ones)."""
+    async def read_file(self, caller: Caller, ref: str, path: str) -> tuple[int, Chunks]:
+        """One regular file of the volume: its size and its bytes, streamed (the volume is
+        held until the stream is closed)."""
         parts = workspace_parts(path)
-        async with self._files(caller, ref) as root:
+        stack = contextlib.AsyncExitStack()
+        try:
+            root = await stack.enter_async_context(self._files(caller, ref))
             fd, size = await asyncio.to_thread(open_confined, root, parts)
+        except BaseException:
+            await stack.aclose()
+            raise
+        return size, self._chunks(fd, size, stack)
+
+    @staticmethod
+    async def _chunks(fd: int, size: int, stack: contextlib.AsyncExitStack) -> Chunks:
+        try:
+            left = size  # the size sent as Content-Length is a promise: never more
+            while left > 0:
+                chunk = await asyncio.to_thread(os.read, fd, min(CHUNK, left))
+                if not chunk:
+                    break
+                left -= len(chunk)
+                yield chunk
+        finally:
+            os.close(fd)
+            await to_the_end(stack.aclose())
+
+    async def write_file(
+        self, caller: Caller, ref: str, path: str, body: AsyncIterator[bytes]
+    ) -> int:
+        """Write one file from a stream (made with its missing directories, owned by the
+        sandbox user); the bytes written. A full volume answers 400."""
+        parts = workspace_parts(path)
+        written = 0
+        async with self._files(caller, ref) as root:
+            fd = await asyncio.to_thread(_open_for_writing, root, parts)
             try:
-                if size > MAX_API_FILE:
-                    raise LimitExceeded(
-                        f"{path} is {size} bytes; the volume files API reads at most "
-                        f"{MAX_API_FILE}: mount the volume in a sandbox for bigger files",
-                        limit=MAX_API_FILE,
-                    )
-                return await asyncio.to_thread(_read_all, fd, size)
+                async for chunk in body:
+                    await asyncio.to_thread(_write_all, fd, chunk)
+                    written += len(chunk)
             finally:
                 os.close(fd)
-
-    async def write_file(self, caller: Caller, ref: str, path: str, data: bytes) -> int:
-        """Write one file (made with its missing directories, owned by the sandbox user)."""
-        parts = workspace_parts(path)
-        if len(data) > MAX_API_FILE:
-            raise LimitExceeded(f"the volume files API writes at most {MAX_API_FILE} bytes")
-        async with self._files(caller, ref) as root:
-            await asyncio.to_thread(_write_confined, root, parts, data)
-        self.core.audit(caller, "volume.write", None, volume=ref, path=path, size=len(data))
-        return len(data)
+        self.core.audit(caller, "volume.write", None, volume=ref, path=path, size=written)
+        return written
 
 
-MAX_API_FILE = 64 << 20
+CHUNK = 1 << 20
+Chunks = AsyncIterator[bytes]
 
 
 def _make_image(d: Path, size_mb: int) -> None:
@@ -392,20 +411,10 @@ def _mount(d: Path) -> None:
         (mnt / "lost+found").rmdir()
 
 
-def _read_all(fd: int, size: int) -> bytes:
-    chunks, left = [], size
-    while left > 0:
-        chunk = os.read(fd, min(left, 1 << 20))
-        if not chunk:
-            break
-        chunks.append(chunk)
-        left -= len(chunk)
-    return b"".join(chunks)
-
-
-def _write_confined(root: Path, parts: list[str], data: bytes) -> None:
-    """Write `root/parts...` without following a symlink or leaving `root`; missing
-    directories are made. What it makes is the sandbox user's (the model's uid 1000)."""
+def _open_for_writing(root: Path, parts: list[str]) -> int:
+    """Open `root/parts...` for writing (created or emptied) without following a symlink or
+    leaving `root`; missing directories are made. What it makes is the sandbox user's (the
+    model's uid 1000)."""
     nofollow = os.O_NOFOLLOW | os.O_CLOEXEC
     fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | nofollow)
     try:
@@ -426,10 +435,8 @@ def _write_confined(root: Path, parts: list[str], data: bytes) -> None:
             os.close(fd)
             fd = nxt
         try:
-            out = os.open(
-                parts[-1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC | nofollow | os.O_NONBLOCK,
-                0o644, dir_fd=fd,
-            )  # fmt: skip
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | nofollow | os.O_NONBLOCK
+            out = os.open(parts[-1], flags, 0o644, dir_fd=fd)
         except OSError as e:
             if e.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
                 raise InvalidRequest(f"{'/'.join(parts)} is not a regular file") from None
@@ -438,18 +445,24 @@ def _write_confined(root: Path, parts: list[str], data: bytes) -> None:
             if not stat.S_ISREG(os.fstat(out).st_mode):
                 raise InvalidRequest(f"{'/'.join(parts)} is not a regular file")
             os.fchown(out, USER_UID, USER_UID)
-            view = memoryview(data)
-            try:
-                while view:
-                    view = view[os.write(out, view) :]
-            except OSError as e:
-                if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                    raise LimitExceeded(
-                        "the volume is full: delete files in it, or make a larger volume",
-                        setting="size_mb",
-                    ) from None
-                raise
-        finally:
+            os.set_blocking(out, True)
+        except BaseException:
             os.close(out)
+            raise
+        return out
     finally:
         os.close(fd)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    try:
+        while view:
+            view = view[os.write(fd, view) :]
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise LimitExceeded(
+                "the volume is full: delete files in it, or make a larger volume",
+                setting="size_mb",
+            ) from None
+        raise

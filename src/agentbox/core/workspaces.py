@@ -39,7 +39,7 @@ Chunks = AsyncGenerator[bytes, None]  # close it (`aclose`) if it is not read to
 _cleanups: set[asyncio.Task[None]] = set()
 
 
-async def _to_the_end(cleanup: Awaitable[None]) -> None:
+async def to_the_end(cleanup: Awaitable[None]) -> None:
     """Await a stream's cleanup (unmount, kill tar) to its end even when the task that read the
     stream is being cancelled, as it is when its client leaves: else the mount would stay."""
     task = asyncio.ensure_future(cleanup)
@@ -272,7 +272,7 @@ class KeptWorkspaces:
                 yield chunk
         finally:
             os.close(fd)
-            await _to_the_end(stack.aclose())
+            await to_the_end(stack.aclose())
 
     async def archive(self, caller: Caller, sandbox_id: str) -> Chunks:
         """The whole kept workspace as a tar stream (GNU tar, sparse files as holes, symlinks
@@ -328,7 +328,7 @@ class KeptWorkspaces:
             if await proc.wait() > 1:
                 log.warning("archive of %s: tar exited %d", sandbox_id, proc.returncode)
         finally:
-            await _to_the_end(cleanup())
+            await to_the_end(cleanup())
 
     # ------------------------------------------------------------------ removal
 

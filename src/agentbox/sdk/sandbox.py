@@ -681,8 +681,8 @@ class Workspaces:
 class Volumes:
     """Volumes: named filesystems of your tenant that outlive sandboxes. Mount one with
     `Sandbox.create(volume_mounts={"/data": "NAME"})`: one sandbox at a time read-write,
-    any number read-only. While no sandbox mounts it, `read` and `write` reach its files
-    (at most 64 MiB each). `Volumes()` with a key."""
+    any number read-only. While no sandbox mounts it, `read` and `write` reach its files.
+    `Volumes()` with a key."""
 
     def __init__(
         self, api_key: str | None = None, api_url: str | None = None, request_timeout: float = 60

@@ -77,9 +77,11 @@ class ServerLimits:
         return max(256, soft // 4)
 
     def body_cap(self, method: str, path: str) -> int | None:
-        """The body limit of a route; None for the file upload, which streams to the sandbox
-        (its size is the sandbox's disk quota's business)."""
-        if method == "PUT" and path.startswith("/v1/sandboxes/") and path.endswith("/files"):
+        """The body limit of a route; None for the file uploads, which stream to the sandbox
+        or the volume (their size is its disk's business)."""
+        if method == "PUT" and path.startswith(("/v1/sandboxes/", "/v1/volumes/")) and (
+            path.endswith("/files")
+        ):
             return None
         if method == "POST" and path == "/v1/templates":
             return self.template_body

@@ -7,11 +7,10 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response
 
-from agentbox.core.errors import LimitExceeded
 from agentbox.core.manager import SandboxManager
-from agentbox.core.volumes import MAX_API_FILE
 from agentbox.server import models as m
 from agentbox.server.routes.deps import RESPONSES, Mgr, Who
+from agentbox.server.streaming import Streamed
 from agentbox.store.db import VolumeRow
 
 PathQuery = Annotated[str, Query(max_length=8192, description="a path in the volume")]
@@ -69,21 +68,17 @@ def router() -> APIRouter:
         tags=["volumes"],
     )
     async def read_volume_file(volume: str, path: PathQuery, mgr: Mgr, who: Who) -> Response:
-        """One file of a volume no sandbox mounts (409 while one does)."""
-        data = await mgr.volumes.read_file(who, volume, path)
-        return Response(data, media_type="application/octet-stream")
+        """One file of a volume no sandbox mounts (409 while one does), streamed."""
+        size, chunks = await mgr.volumes.read_file(who, volume, path)
+        return Streamed(
+            chunks, media_type="application/octet-stream", headers={"Content-Length": str(size)}
+        )
 
     @r.put("/v1/volumes/{volume}/files", responses=RESPONSES, tags=["volumes"])
     async def write_volume_file(
         volume: str, path: PathQuery, request: Request, mgr: Mgr, who: Who
     ) -> dict[str, int]:
         """Write one file of a volume no sandbox mounts (its directories made as needed)."""
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > MAX_API_FILE:
-                raise LimitExceeded(f"the volume files API writes at most {MAX_API_FILE} bytes")
-        return {"size": await mgr.volumes.write_file(who, volume, path, bytes(body))}
+        return {"size": await mgr.volumes.write_file(who, volume, path, request.stream())}
 
     return r
-
