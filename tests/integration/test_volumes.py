@@ -139,3 +139,27 @@ def test_sdk(server: ServerHandle, tenant_key: str) -> None:
         assert [v.name for v in vols.list()] == ["sdk"]
         vols.delete("sdk")
         assert vols.list() == []
+
+
+def test_the_files_api_never_follows_what_a_sandbox_made(
+    tenant: tuple[httpx.Client, str], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The server reads and writes volumes as host root: a symlink a sandbox left there (to a
+    host path) is never followed, neither as a directory on the way nor as the file."""
+    c, _ = tenant
+    target = tmp_path_factory.mktemp("host-target")
+    (target / "secret").write_text("host secret")
+    _volume(c, "traps", size_mb=16)
+    sid = create_sandbox(c, volume_mounts={"/data": "traps"})["sandbox_id"]
+    plant = f"ln -s {target} /data/dir && ln -s {target}/secret /data/file && mkfifo /data/fifo"
+    assert run(c, sid, plant).exit_code == 0
+    c.delete(f"/v1/sandboxes/{sid}")
+    for path in ("dir/secret", "file", "fifo"):
+        r = c.get("/v1/volumes/traps/files", params={"path": path})
+        assert r.status_code == 400, (path, r.text)
+    for path in ("dir/new", "file", "fifo"):
+        r = c.put("/v1/volumes/traps/files", params={"path": path}, content=b"pwned")
+        assert r.status_code == 400, (path, r.text)
+    assert sorted(p.name for p in target.iterdir()) == ["secret"]
+    assert (target / "secret").read_text() == "host secret"
+    assert c.delete("/v1/volumes/traps").status_code == 204
