@@ -163,3 +163,22 @@ def test_the_files_api_never_follows_what_a_sandbox_made(
     assert sorted(p.name for p in target.iterdir()) == ["secret"]
     assert (target / "secret").read_text() == "host secret"
     assert c.delete("/v1/volumes/traps").status_code == 204
+
+
+def test_a_mount_point_through_a_symlink_is_refused(tenant: tuple[httpx.Client, str]) -> None:
+    """A disk a sandbox starts from (here a snapshot) may hold symlinks the tenant made: a
+    volume mounted through one would land where it points (over the agent's own tree)."""
+    c, _ = tenant
+    _volume(c, "linked", size_mb=16)
+    sid = create_sandbox(c, timeout=60)["sandbox_id"]
+    run(c, sid, "ln -s /.agentbox /workspace/evil && touch /workspace/file")
+    snap = c.post(f"/v1/sandboxes/{sid}/snapshots").json()["snapshot_id"]
+    c.delete(f"/v1/sandboxes/{sid}")
+    for path in ("/workspace/evil", "/workspace/evil/x", "/workspace/file/x", "//.agentbox"):
+        r = c.post("/v1/sandboxes", json={"template": snap, "volume_mounts": {path: "linked"}})
+        assert r.status_code in (400, 409), (path, r.text)
+    ok = create_sandbox(c, template=snap, volume_mounts={"/workspace/fine": "linked"})
+    assert run(c, ok["sandbox_id"], "ls /.agentbox/main.py").exit_code == 0
+    c.delete(f"/v1/sandboxes/{ok['sandbox_id']}")
+    c.delete(f"/v1/snapshots/{snap}")
+    assert c.delete("/v1/volumes/linked").status_code == 204

@@ -73,7 +73,8 @@ class Admission:
         return [
             r.resources
             for r in self.store.live_sandboxes()
-            if r.tenant == tenant and not (r.runtime_state or {}).get("parked")
+            if r.tenant == tenant
+            and not (r.state == "paused" and (r.runtime_state or {}).get("parked"))
         ]
 
     def check_paused_room(self, caller: Caller, quota: dict[str, Any]) -> None:

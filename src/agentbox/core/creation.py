@@ -40,6 +40,7 @@ from agentbox.runtimes.base import (
     Resources,
     Runtime,
     RuntimeError_,
+    RuntimeRefused,
     SandboxSpec,
 )
 from agentbox.store.db import DETAIL_STRING_CHARS, SandboxRow
@@ -71,6 +72,15 @@ class StartFrom:
     hold: str | None = None  # the snapshot to keep from deletion while it is copied
 
 
+def _start_error(e: Exception) -> AgentboxError:
+    """What a start that failed answers: 409 when the runtime refused for a reason the caller
+    can act on, else 503."""
+    if isinstance(e, RuntimeRefused):
+        return Conflict(f"the sandbox was not started: {e}")
+    msg = e.message if isinstance(e, AgentboxError) else str(e)
+    return SandboxUnavailable(f"the sandbox could not be started: {msg}")
+
+
 class _KilledWhileStarting(Exception):
     """A kill arrived while the sandbox was starting: the start stops and tears it down."""
 
@@ -84,9 +94,16 @@ class Creation:
     ) -> SandboxRow:
         """Create a sandbox of a template, or from a disk image: `start_from`, or the tenant's
         snapshot the request's template names."""
-        started = time.monotonic()
         if start_from is None:
             start_from = self.core.snapshots.start_from(caller.tenant, req.template)
+        # A snapshot it starts from cannot be deleted from here to the end of the start.
+        with self.core.snapshots.holding(start_from):
+            return await self._create(caller, req, start_from)
+
+    async def _create(
+        self, caller: Caller, req: CreateRequest, start_from: StartFrom | None
+    ) -> SandboxRow:
+        started = time.monotonic()
         if start_from is not None:
             req = self._from_image(req, start_from)
             template = start_from.template
@@ -158,11 +175,10 @@ class Creation:
                 egress.ca.close()
             raise
         try:
-            with self.core.snapshots.holding(start_from):
-                row = await self.start(
-                    sandbox_id, tpl, template, resources, req.envs, req.timeout, egress, net,
-                    caller.tenant, req.runtime, disk=start_from.disk if start_from else None,
-                )  # fmt: skip
+            row = await self.start(
+                sandbox_id, tpl, template, resources, req.envs, req.timeout, egress, net,
+                caller.tenant, req.runtime, disk=start_from.disk if start_from else None,
+            )  # fmt: skip
         except AgentboxError as e:
             self.core.audit(
                 caller,
@@ -450,11 +466,10 @@ class Creation:
             except Exception as e:
                 # After a kill, whatever broke the start (its agent calls are aborted) is the kill.
                 killed = sandbox_id in self.core.table.kill_pending
-                if not killed:
+                if not killed and not isinstance(e, RuntimeRefused):
                     log.exception("create %s failed", sandbox_id)
                 if resuming and not killed:
-                    msg = e.message if isinstance(e, AgentboxError) else str(e)
-                    raise SandboxUnavailable(f"the sandbox could not be started: {msg}") from None
+                    raise _start_error(e) from None
                 await self._abandon_start(sandbox_id, state, killed, runtime)
                 if killed:
                     raise SandboxNotRunning(
@@ -463,8 +478,7 @@ class Creation:
                         state=SandboxState.KILLED.value,
                         end_reason="killed",
                     ) from None
-                msg = e.message if isinstance(e, AgentboxError) else str(e)
-                raise SandboxUnavailable(f"the sandbox could not be started: {msg}") from None
+                raise _start_error(e) from None
             finally:
                 self.core.table.kill_pending.discard(sandbox_id)
             # The deadline counts from when the sandbox is usable, not from when it was asked.
@@ -497,7 +511,9 @@ class Creation:
             except Exception:  # noqa: BLE001 - reconcile removes what is left
                 log.exception("could not remove the unstarted sandbox %s", sandbox_id)
         end = SandboxState.KILLED if killed else SandboxState.FAILED
-        self.core.states.move(sandbox_id, end, end_reason=end.value, ended_at=time.time())
+        self.core.states.move(
+            sandbox_id, end, end_reason=end.value, ended_at=time.time(), envs=None
+        )
         await self.core.volumes.detach(sandbox_id)
         self.core.table.forget(sandbox_id)  # nothing left to serialize
 

@@ -3,10 +3,11 @@ below which nothing new is created.
 
 Usage is real: the blocks a workspace really holds on the host (images are sparse, so a 1 GiB
 workspace with 10 MiB written costs about 10 MiB), for live sandboxes and kept workspaces alike;
-snapshots' images count by their real blocks too (core/snapshots.py); volumes will be a further
-source. A new sandbox counts at the size it asked for (`resources.disk_mb`), which it may grow
-to, and so does one still starting: a tenant goes past `quota.max_total_disk_mb` only by the
-growth of sandboxes already running, and no new one starts then.
+snapshots' images count by their real blocks too (core/snapshots.py), volumes at their size
+(core/volumes.py: what they may grow to). A new sandbox counts at the size it asked for
+(`resources.disk_mb`), which it may grow to, and so does one still starting: a tenant goes
+past `quota.max_total_disk_mb` only by the growth of sandboxes already running, and no new one
+starts then.
 """
 
 from __future__ import annotations
@@ -99,13 +100,16 @@ class DiskAccounting:
         most = quota["max_total_disk_mb"]
         if used + asked_mb * MiB <= most * MiB:
             return
-        kept = sum(1 for u in uses if u.kind == "kept_workspace")
-        snaps = sum(1 for u in uses if u.kind == "snapshot")
+        kinds = {
+            k: sum(1 for u in uses if u.kind == k)
+            for k in ("workspace", "kept_workspace", "snapshot", "volume")
+        }
         raise QuotaExceeded(
-            f"tenant {tenant} uses {used / MiB:.0f} MiB of disk ({len(uses) - kept - snaps} "
-            f"live and {kept} kept workspaces, {snaps} snapshots) and this would take "
+            f"tenant {tenant} uses {used / MiB:.0f} MiB of disk ({kinds['workspace']} live and "
+            f"{kinds['kept_workspace']} kept workspaces, {kinds['snapshot']} snapshots, "
+            f"{kinds['volume']} volumes) and this would take "
             f"{asked_mb} MiB more, above its limit of {most} MiB; delete kept workspaces "
-            "(DELETE /v1/workspaces/{sandbox_id}) or snapshots (DELETE /v1/snapshots/{id}), "
+            "(DELETE /v1/workspaces/{sandbox_id}), snapshots or volumes, "
             "kill sandboxes, ask for a smaller disk_mb, or ask an admin to raise "
             "quota.max_total_disk_mb",
             setting="quota.max_total_disk_mb",

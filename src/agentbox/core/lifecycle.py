@@ -249,6 +249,11 @@ class Lifecycle:
         self.core.table.pausing.add(sandbox_id)
         try:
             self.core.table.abort_requests(sandbox_id)
+            # Recorded first: a server that stops from here on finds a sandbox to park (its
+            # processes may be gone), not one that vanished (whose disk would go).
+            self.core.store.update_sandbox(
+                sandbox_id, runtime_state={**row.runtime_state, "parking": True}
+            )
             await self.core.network.forget(sandbox_id)
             try:
                 state = await runtime.park(sandbox_id, row.runtime_state)
@@ -257,6 +262,7 @@ class Lifecycle:
                 self.core.table.running[sandbox_id] = row
                 raise SandboxUnavailable(f"sandbox {sandbox_id} could not pause: {e}") from None
             self.core.commands.forget(sandbox_id)
+            await self.core.volumes.detach(sandbox_id)
             await self.record_parked(sandbox_id, row, state, SandboxState.RUNNING, ttl_left)
         finally:
             self.core.table.pausing.discard(sandbox_id)
@@ -432,12 +438,17 @@ class Lifecycle:
             await self.core.creation.restart(fresh, ttl)
         except SandboxNotRunning:
             raise  # killed while it started
-        except AgentboxError as e:
-            async with self.core.table.lock(sandbox_id):
-                await self._repark(fresh, runtime, ttl)
-            raise SandboxUnavailable(
+        except Exception as e:  # noqa: BLE001 - whatever it was, it is paused again
+            try:
+                async with self.core.table.lock(sandbox_id):
+                    await self._repark(fresh, runtime, ttl)
+            except Exception:  # noqa: BLE001 - the next server start tries again
+                log.exception("sandbox %s: could not be paused again", sandbox_id)
+            why = e.message if isinstance(e, AgentboxError) else str(e)
+            kind = Conflict if isinstance(e, Conflict) else SandboxUnavailable
+            raise kind(
                 f"sandbox {sandbox_id} could not start again from its disk, which is kept: "
-                f"it is paused as before ({e.message})"
+                f"it is paused as before ({why})"
             ) from None
 
     async def _repark(self, row: SandboxRow, runtime: Any, ttl_left: float) -> None:
@@ -447,6 +458,7 @@ class Lifecycle:
         await self.core.network.forget(row.sandbox_id)
         state = await runtime.park(row.sandbox_id, None)
         self.core.commands.forget(row.sandbox_id)
+        await self.core.volumes.detach(row.sandbox_id)
         await self.record_parked(row.sandbox_id, row, state, SandboxState.STARTING, ttl_left)
 
     async def end(
@@ -479,7 +491,10 @@ class Lifecycle:
                 ) from None
             finally:
                 self.core.table.ending.pop(fresh.sandbox_id, None)
-            self.core.states.move(fresh.sandbox_id, state, end_reason=reason, ended_at=time.time())
+            # Its create's environment (credentials, often) is kept only while it lives.
+            self.core.states.move(
+                fresh.sandbox_id, state, end_reason=reason, ended_at=time.time(), envs=None
+            )
             await self.core.volumes.detach(fresh.sandbox_id)
         self.core.table.forget(row.sandbox_id)
         self.core.commands.forget(row.sandbox_id)

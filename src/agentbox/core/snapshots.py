@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from agentbox.core import quotas
 from agentbox.core.auth import Caller
 from agentbox.core.creation import StartFrom
 from agentbox.core.disk import DiskUse
@@ -39,10 +40,10 @@ from agentbox.core.errors import (
     QuotaExceeded,
     SandboxUnavailable,
 )
-from agentbox.core.requests import CreateRequest
+from agentbox.core.requests import CreateRequest, check_metadata
 from agentbox.core.states import SandboxState
 from agentbox.core.template_service import TEMPLATE_ROOTFS
-from agentbox.runtimes.base import DiskSource, RuntimeError_, Snapshottable
+from agentbox.runtimes.base import DiskSource, Resources, RuntimeError_, Snapshottable
 from agentbox.runtimes.process.workspace import can_reflink
 from agentbox.store.db import SandboxRow, SnapshotRow
 from agentbox.vocab import status_of
@@ -166,8 +167,17 @@ class Snapshots:
             if fresh is None or SandboxState(fresh.state) not in _ALIVE:
                 raise self.core.not_running(fresh or row)
             assert fresh.runtime_state is not None
+            # To its end, lock held, even if this request is cancelled: the sandbox is frozen
+            # while it runs, and thawed by it.
+            copy = asyncio.ensure_future(
+                runtime.snapshot(row.sandbox_id, fresh.runtime_state, dest)
+            )
             try:
-                return await runtime.snapshot(row.sandbox_id, fresh.runtime_state, dest)
+                return await asyncio.shield(copy)
+            except asyncio.CancelledError:
+                with contextlib.suppress(Exception):
+                    await copy
+                raise
             except RuntimeError_ as e:
                 raise SandboxUnavailable(
                     f"the disk of sandbox {row.sandbox_id} could not be copied: {e}"
@@ -201,27 +211,15 @@ class Snapshots:
         started = time.monotonic()
         row = self._live(caller, sandbox_id)
         runtime = self._snapshottable(row)
-        if name is not None:
-            self._check_name(caller, name)
-        await asyncio.to_thread(self._check_room, caller, row)
-        self.core.admission.check_free_space(caller, started)
+        check_metadata(metadata or {})
         snapshot_id = PREFIX + secrets.token_hex(8)
         image = self._image(snapshot_id)
-        self.core.store.insert_snapshot(
-            snapshot_id=snapshot_id,
-            tenant=caller.tenant,
-            name=name,
-            state=CREATING,
-            sandbox_id=sandbox_id,
-            template=row.template,
-            runtime=row.runtime,
-            created_at=time.time(),
-            rootfs=(row.runtime_state or {}).get(TEMPLATE_ROOTFS),
-            disk_mb=int(row.resources.get("disk_mb", 0)),
-            uid=0,
-            span=0,
-            metadata=dict(metadata or {}),
-        )
+        async with self.core.table.tenant_lock(caller.tenant):
+            if name is not None:
+                self._check_name(caller, name)
+            await asyncio.to_thread(self._check_room, caller, row)
+            self.core.admission.check_free_space(caller, started)
+            self._insert(caller, snapshot_id, row, name, metadata)
         try:
             image.parent.mkdir(mode=0o700, parents=True)
             src = await self._copy(row, runtime, image)
@@ -243,6 +241,31 @@ class Snapshots:
         snap = self.core.store.get_snapshot(snapshot_id)
         assert snap is not None
         return snap
+
+    def _insert(
+        self,
+        caller: Caller,
+        snapshot_id: str,
+        row: SandboxRow,
+        name: str | None,
+        metadata: dict[str, str] | None,
+    ) -> None:
+        """Record the snapshot `creating` (removed at start-up if no copy finished)."""
+        self.core.store.insert_snapshot(
+            snapshot_id=snapshot_id,
+            tenant=caller.tenant,
+            name=name,
+            state=CREATING,
+            sandbox_id=row.sandbox_id,
+            template=row.template,
+            runtime=row.runtime,
+            created_at=time.time(),
+            rootfs=(row.runtime_state or {}).get(TEMPLATE_ROOTFS),
+            disk_mb=int(row.resources.get("disk_mb", 0)),
+            uid=0,
+            span=0,
+            metadata=dict(metadata or {}),
+        )
 
     def _check_name(self, caller: Caller, name: str) -> None:
         if not NAME.fullmatch(name) or name.startswith(PREFIX):
@@ -328,6 +351,7 @@ class Snapshots:
             raise InvalidRequest(f"count must be between 1 and {MAX_FORKS}", setting="count")
         row = self._live(caller, sandbox_id)
         runtime = self._snapshottable(row)
+        await asyncio.to_thread(self._check_fork_room, caller, row, count)
         self.core.admission.check_free_space(caller, started)
         assert self.root is not None
         scratch = self.root / f".fork-{secrets.token_hex(8)}"
@@ -364,6 +388,15 @@ class Snapshots:
             children=[c.sandbox_id for c in children],
         )  # fmt: skip
         return children
+
+    def _check_fork_room(self, caller: Caller, row: SandboxRow, count: int) -> None:
+        """Before anything is copied: room for `count` more sandboxes like the parent (each
+        child's create checks again, under the tenant's lock)."""
+        quota = self.core.quota(caller.tenant)
+        holding = self.core.admission.holding(caller.tenant)
+        new = Resources(**row.resources)
+        quotas.check_tenant_room(caller.tenant, quota, holding + [row.resources] * (count - 1), new)
+        self.core.disk.check_room(caller.tenant, quota, count * new.disk_mb)
 
     def _child_request(self, row: SandboxRow, timeout: float | None) -> CreateRequest:
         lifecycle: dict[str, Any] | None = None

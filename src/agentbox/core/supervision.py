@@ -147,11 +147,12 @@ class Supervisor:
                 counts["unserved"] += 1
                 continue
             runtime = self.core.runtimes.for_row(row)
-            parked = bool((row.runtime_state or {}).get("parked"))
-            if parked and (
+            rs = row.runtime_state or {}
+            parked = bool(rs.get("parked"))
+            if (parked and (
                 row.state == SandboxState.STARTING
                 or (row.state == SandboxState.PAUSED and row.end_at > now)
-            ):
+            )) or (rs.get("parking") and row.state == SandboxState.RUNNING):  # fmt: skip
                 # Paused without memory (or resuming from that when the last server
                 # stopped: paused again, whatever of it had started ended).
                 if await self._keep_parked(row, runtime):
@@ -215,11 +216,15 @@ class Supervisor:
         try:
             if not isinstance(runtime, Parkable):
                 raise RuntimeError_(f"the {runtime.name} runtime cannot keep a parked sandbox")
-            if row.state == SandboxState.STARTING:
+            if row.state in (SandboxState.STARTING, SandboxState.RUNNING):
+                # Resuming (or being paused) when the last server stopped: paused again.
                 await self.core.network.forget(row.sandbox_id)
                 state = await runtime.park(row.sandbox_id, None)
+                ttl = row.ttl_left or 0.0
+                if row.state == SandboxState.RUNNING:
+                    ttl = max(0.0, row.end_at - time.time())
                 await self.core.lifecycle.record_parked(
-                    row.sandbox_id, row, state, SandboxState.STARTING, row.ttl_left or 0.0
+                    row.sandbox_id, row, state, SandboxState(row.state), ttl
                 )
             else:
                 await runtime.park(row.sandbox_id, row.runtime_state)

@@ -94,11 +94,12 @@ class Volumes:
             return 0
 
     def usage(self, tenant: str) -> list[DiskUse]:
-        """The disk accounting's source: each volume's image, by its real blocks."""
+        """The disk accounting's source: each volume at its size (what it may grow to: every
+        volume of a tenant may fill up, and its images are sparse)."""
         if self.root is None:
             return []
         return [
-            DiskUse("volume", v.volume_id, self.used_bytes(v.volume_id))
+            DiskUse("volume", v.volume_id, max(self.used_bytes(v.volume_id), v.size_mb << 20))
             for v in self.core.store.list_volumes(tenant)
         ]
 
@@ -194,8 +195,8 @@ class Volumes:
             async with self._lock:
                 if self._holders.get(vol.volume_id):
                     raise Conflict(f"volume {vol.name} is being read or written; retry")
-                self.core.store.delete_volume(vol.volume_id)
                 await asyncio.to_thread(self._remove, vol.volume_id)
+                self.core.store.delete_volume(vol.volume_id)
         self.core.audit(
             caller, "volume.delete", None, status=204, started=started, volume_id=vol.volume_id,
             name=vol.name,
@@ -227,6 +228,7 @@ class Volumes:
             clean = posixpath.normpath(path) if path.startswith("/") else ""
             if (
                 clean != path
+                or path.startswith("//")
                 or clean in ("/", "/workspace")
                 or any(clean == f or clean.startswith(f + "/") for f in FORBIDDEN)
             ):
@@ -277,7 +279,7 @@ class Volumes:
     async def _hold(self, volume_id: str, holder: str) -> Path:
         async with self._lock:
             mnt = self._dir(volume_id) / MOUNT
-            if not self._holders.get(volume_id) and not os.path.ismount(mnt):
+            if not os.path.ismount(mnt):  # (also with holders: a reboot unmounted it)
                 if not (self._dir(volume_id) / IMAGE).exists():
                     raise NotFound(f"volume {volume_id} is gone", volume=volume_id)
                 await asyncio.to_thread(_mount, self._dir(volume_id))
@@ -303,6 +305,8 @@ class Volumes:
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         known = {v.volume_id for v in self.core.store.list_volumes()}
         for row in self.core.store.live_sandboxes():
+            if (row.runtime_state or {}).get("parked"):
+                continue  # paused without memory: it mounts them again when it resumes
             for m in row.volumes or ():
                 self._holders.setdefault(m["volume_id"], set()).add(row.sandbox_id)
         for d in self.root.iterdir():
@@ -424,6 +428,8 @@ def _open_for_writing(root: Path, parts: list[str]) -> int:
                 os.chown(name, USER_UID, USER_UID, dir_fd=fd, follow_symlinks=False)
             except FileExistsError:
                 pass
+            except OSError as e:
+                raise _write_error(e, parts) from None
             try:
                 nxt = os.open(name, os.O_RDONLY | os.O_DIRECTORY | nofollow, dir_fd=fd)
             except OSError as e:
@@ -438,9 +444,9 @@ def _open_for_writing(root: Path, parts: list[str]) -> int:
             flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | nofollow | os.O_NONBLOCK
             out = os.open(parts[-1], flags, 0o644, dir_fd=fd)
         except OSError as e:
-            if e.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+            if e.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.EACCES, errno.EPERM):
                 raise InvalidRequest(f"{'/'.join(parts)} is not a regular file") from None
-            raise
+            raise _write_error(e, parts) from None
         try:
             if not stat.S_ISREG(os.fstat(out).st_mode):
                 raise InvalidRequest(f"{'/'.join(parts)} is not a regular file")
@@ -452,6 +458,15 @@ def _open_for_writing(root: Path, parts: list[str]) -> int:
         return out
     finally:
         os.close(fd)
+
+
+def _write_error(e: OSError, parts: list[str]) -> AgentboxError:
+    shown = "/".join(parts)
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return LimitExceeded(
+            "the volume is full: delete files in it, or make a larger volume", setting="size_mb"
+        )
+    return InvalidRequest(f"{shown}: {os.strerror(e.errno or 0)}")
 
 
 def _write_all(fd: int, data: bytes) -> None:

@@ -165,6 +165,11 @@ class RuntimeError_(Exception):
     """A runtime could not do what was asked; the message says why."""
 
 
+class RuntimeRefused(RuntimeError_):
+    """A runtime will not do what was asked, for a reason the caller can act on (a 409): e.g.
+    a disk to start from whose root changed what the agent runs before it confines itself."""
+
+
 # Optional capabilities: a runtime that can do one implements its methods and declares it in
 # RuntimeFeatures (the conformance suite checks the two agree). The core reaches them only
 # after checking the feature, so a runtime without them needs nothing.

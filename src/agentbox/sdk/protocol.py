@@ -401,7 +401,9 @@ def fork_sandbox(sandbox_id: str, count: int = 1,
     def parse(r: httpx.Response) -> list[SandboxInfo]:
         return [SandboxInfo.from_json(s) for s in r.json().get("sandboxes", [])]
 
-    return Call("POST", f"{_sbx(sandbox_id)}/fork", parse, json=body)
+    # Children start one after another: the server may take a while.
+    return Call("POST", f"{_sbx(sandbox_id)}/fork", parse, json=body,
+                request_timeout=max(60.0, 30.0 * count))
 
 
 # Network and exposed ports

@@ -299,11 +299,12 @@ class OciRuntime(ProcessRuntime):
             self._skeleton(root, uid)
             mounts += self._host_userland_mounts()
         mounts += [
+            bundle.bind(ws, "/workspace", writable=True),
+            # Volumes after the workspace (one may be below it), before the agent's tree.
             *(
                 bundle.bind(bind_dir / f"{VOLUME_PREFIX}{n}", v.path, writable=not v.read_only)
                 for n, v in enumerate(spec.volumes)
             ),
-            bundle.bind(ws, "/workspace", writable=True),
             bundle.bind(self.agent_dir, AGENT_MOUNT),
             bundle.mount(
                 CHANNEL_DIR, "bind", str(bind_dir / CHANNEL), "bind", "rw", "nosuid", "nodev",
@@ -788,6 +789,18 @@ class GvisorRuntime(OciRuntime):
             (res, r.pids if res == resource.RLIMIT_NPROC else value)
             for res, value in super()._rlimits(r)
         ]
+
+    def _boot_allowances(self, spec: SandboxSpec) -> dict[str, bytes]:
+        """The compatibility library this runtime adds to /etc/ld.so.preload (`_preload`)."""
+        if self.compat is None or not spec.rootfs:
+            return {}
+        try:
+            lines = Path(spec.rootfs, "etc/ld.so.preload").read_text().splitlines()
+        except OSError:
+            lines = []
+        if self.compat not in lines:
+            lines.append(self.compat)
+        return {"etc/ld.so.preload": ("\n".join(lines) + "\n").encode()}
 
     def _mount_root(self, spec: SandboxSpec, bind_dir: Path, base: int, ns: int) -> dict[str, Any]:
         out = super()._mount_root(spec, bind_dir, base, ns)

@@ -144,6 +144,55 @@ def prepare_disk(disk: Path, base: int, user_uid: int) -> Path:
     return ws
 
 
+# What the agent loads before it confines itself (Landlock; on the container tier, its seccomp
+# filter too): its interpreter, the standard library, the shared libraries and the dynamic
+# loader's configuration. A fresh sandbox boots on the template's own; a sandbox started from a
+# disk (a snapshot, a fork, a resume without memory) would boot on whatever the tenant changed
+# there, so such a start is refused when the disk's root layer changed any of them.
+BOOT_PATHS = (
+    "etc/ld.so.preload", "etc/ld.so.cache", "etc/ld.so.conf", "etc/ld.so.conf.d",
+    "lib", "lib32", "lib64", "libx32", "usr/lib", "usr/lib32", "usr/lib64", "usr/libx32",
+    "usr/bin/python3", "usr/pyvenv.cfg", "usr/bin/pyvenv.cfg",
+)  # fmt: skip
+_OPAQUE = "trusted.overlay.opaque"
+
+
+def boot_path_changes(upper: Path, allowed: dict[str, bytes] | None = None) -> list[str]:
+    """The paths of BOOT_PATHS (and `usr/bin/python3.*`) that the upper layer `upper` changes,
+    replaces or hides, but those whose content is `allowed[path]` exactly (what the runtime
+    itself wrote there)."""
+    allowed = allowed or {}
+    changed = []
+    python = sorted(p.name for p in (upper / "usr/bin").glob("python3.*")) if (
+        (upper / "usr/bin").is_dir() and not (upper / "usr/bin").is_symlink()
+    ) else []  # fmt: skip
+    for rel in (*BOOT_PATHS, *(f"usr/bin/{n}" for n in python)):
+        parts = rel.split("/")
+        for i in range(1, len(parts)):  # a parent replaced (not a plain directory) or opaque
+            parent = upper.joinpath(*parts[:i])
+            if os.path.lexists(parent) and (
+                parent.is_symlink() or not parent.is_dir() or _opaque(parent)
+            ):
+                changed.append("/".join(parts[:i]))
+                break
+        else:
+            path = upper / rel
+            if not os.path.lexists(path):
+                continue
+            if rel in allowed and not path.is_symlink() and path.is_file():
+                if path.read_bytes() == allowed[rel]:
+                    continue
+            changed.append(rel)
+    return sorted(set(changed))
+
+
+def _opaque(path: Path) -> bool:
+    try:
+        return os.getxattr(path, _OPAQUE, follow_symlinks=False) == b"y"
+    except OSError:
+        return False
+
+
 def add_accounts(template: Path, upper: Path, base: int) -> None:
     """Give the sandbox `user` (1000) in /etc/passwd and /etc/group when the template has no
     account for uid 1000: written into the upper layer, the template stays as it is."""

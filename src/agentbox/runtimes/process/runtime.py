@@ -49,6 +49,7 @@ from agentbox.runtimes.base import (
     Runtime,
     RuntimeError_,
     RuntimeFeatures,
+    RuntimeRefused,
     SandboxSpec,
 )
 from agentbox.runtimes.process import hostview, rootfs, userns, workspace
@@ -431,10 +432,11 @@ class ProcessRuntime(Runtime):
             "--bind",
             str(ws),
             "/workspace",
+            # Volumes before the agent's tree: nothing can be mounted over it.
+            *self._volume_args(spec),
             "--ro-bind",
             str(self.agent_dir),
             AGENT_MOUNT,
-            *self._volume_args(spec),
         ]
         if "passwd" in fds:  # a template's /etc, or the host's own
             argv += ["--perms", "0444", "--ro-bind-data", str(fds["passwd"]), "/etc/passwd"]
@@ -579,8 +581,11 @@ class ProcessRuntime(Runtime):
                 os.chown(bind_dir, 0, uid)
                 os.chmod(bind_dir, 0o710)
             state["disk_limit_enforced"] = ws.disk_limit_enforced
+            if writable_root and spec.disk is not None:
+                self._check_boot_path(spec, bind_dir / rootfs.DISK / rootfs.UPPER)
             if writable_root:
                 state["root"] = self._mount_root(spec, bind_dir, uid, ns)
+            self._check_volume_paths(spec, bind_dir, ws.path, writable_root)
             self._mount_volumes(spec, bind_dir, ns)
             self.cgroups.create(sid, self._cgroup_limits(spec.resources))
             state.update(self._spawn(spec, sdir, ws.path, uid, cpus, ns))
@@ -595,6 +600,45 @@ class ProcessRuntime(Runtime):
         finally:
             if ns >= 0:
                 os.close(ns)
+
+    def _check_boot_path(self, spec: SandboxSpec, upper: Path) -> None:
+        """A disk to start from must not have changed what the agent runs before it confines
+        itself (rootfs.BOOT_PATHS): it would run the tenant's code unconfined."""
+        changed = rootfs.boot_path_changes(upper, self._boot_allowances(spec))
+        if changed:
+            raise RuntimeRefused(
+                "this disk's root changed what the sandbox's agent loads before it confines "
+                f"itself ({', '.join('/' + c for c in changed[:6])}): a sandbox is not started "
+                "from it. Start a fresh sandbox and copy the files it needs (its /workspace "
+                "can be kept or snapshotted), or install such packages in a template"
+            )
+
+    def _boot_allowances(self, spec: SandboxSpec) -> dict[str, bytes]:
+        """Boot paths the runtime itself writes into a sandbox's root, with their content."""
+        return {}
+
+    def _check_volume_paths(
+        self, spec: SandboxSpec, bind_dir: Path, ws: Path, writable_root: bool
+    ) -> None:
+        """No component of a volume's mount point may be a symlink (the tenant's, in its root
+        or workspace): the mount would land wherever it points (over the agent's own tree)."""
+        for vol in spec.volumes:
+            if vol.path.startswith("/workspace/"):
+                base, rel = ws, vol.path[len("/workspace/") :]
+            elif writable_root:
+                base, rel = bind_dir / rootfs.ROOT, vol.path[1:]
+            else:
+                continue  # the host's userland: a root bwrap makes, no tenant file in it
+            here = base
+            for part in rel.split("/"):
+                here = here / part
+                if here.is_symlink() or (os.path.lexists(here) and not here.is_dir()):
+                    raise RuntimeRefused(
+                        f"volume mount point {vol.path}: {here.relative_to(base)} is a "
+                        "symlink or not a directory in the sandbox; mount the volume elsewhere"
+                    )
+                if not os.path.lexists(here):
+                    break
 
     def _mount_volumes(self, spec: SandboxSpec, bind_dir: Path, ns: int) -> None:
         """Each volume, its ids moved into the sandbox's block (an idmapped mount of the
@@ -646,7 +690,10 @@ class ProcessRuntime(Runtime):
             raise RuntimeError_(f"sandbox {sid} has no disk image to keep")
         self._destroy_sync(sid, state, keep_workspace=False, park=True)
         self.uids.release(sid)  # a start cut short may hold a lease its state does not name
-        parked = {"parked": True, "dir": str(self.root / sid), "uid": state.get("uid")}
+        # Whose uids the disk's files have: any block's base will do for a whole-block move
+        # (workspace.reown), which also finishes one a crash cut short.
+        uid = state.get("uid") if isinstance(state.get("uid"), int) else UID_RANGE[0]
+        parked = {"parked": True, "dir": str(self.root / sid), "uid": uid}
         parked["span"] = self._uid_span()
         self._write_state(self.root / sid, parked)
         return parked
