@@ -41,7 +41,7 @@ from agentbox.core.errors import (
     QuotaExceeded,
     SandboxUnavailable,
 )
-from agentbox.core.workspaces import open_confined, to_the_end, workspace_parts
+from agentbox.core.workspaces import Chunks, file_chunks, open_confined, workspace_parts
 from agentbox.runtimes.base import VolumeMount
 from agentbox.runtimes.process import workspace
 from agentbox.store.db import VolumeRow
@@ -350,21 +350,7 @@ class Volumes:
         except BaseException:
             await stack.aclose()
             raise
-        return size, self._chunks(fd, size, stack)
-
-    @staticmethod
-    async def _chunks(fd: int, size: int, stack: contextlib.AsyncExitStack) -> Chunks:
-        try:
-            left = size  # the size sent as Content-Length is a promise: never more
-            while left > 0:
-                chunk = await asyncio.to_thread(os.read, fd, min(CHUNK, left))
-                if not chunk:
-                    break
-                left -= len(chunk)
-                yield chunk
-        finally:
-            os.close(fd)
-            await to_the_end(stack.aclose())
+        return size, file_chunks(fd, size, stack)
 
     async def write_file(
         self, caller: Caller, ref: str, path: str, body: AsyncIterator[bytes]
@@ -383,10 +369,6 @@ class Volumes:
                 os.close(fd)
         self.core.audit(caller, "volume.write", None, volume=ref, path=path, size=written)
         return written
-
-
-CHUNK = 1 << 20
-Chunks = AsyncIterator[bytes]
 
 
 def _make_image(d: Path, size_mb: int) -> None:

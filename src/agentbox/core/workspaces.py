@@ -66,6 +66,22 @@ def _path_error(code: str, message: str, path: str, **detail: Any) -> AgentboxEr
     return from_agent(code, message, {"path": path, **detail})
 
 
+async def file_chunks(fd: int, size: int, stack: contextlib.AsyncExitStack) -> Chunks:
+    """The `size` bytes of the open file `fd`, read in chunks as they are sent; the file is
+    closed and `stack` (what holds it readable: a mount) closed at the end, however it ends."""
+    try:
+        left = size  # the size sent as Content-Length is a promise: never more
+        while left > 0:
+            chunk = await asyncio.to_thread(os.read, fd, min(CHUNK, left))
+            if not chunk:
+                break
+            left -= len(chunk)
+            yield chunk
+    finally:
+        os.close(fd)
+        await to_the_end(stack.aclose())
+
+
 def workspace_parts(raw: str) -> list[str]:
     """A path in a kept workspace (`/workspace/a/b` or `a/b`) as its components."""
     if not raw or "\0" in raw:
@@ -258,21 +274,7 @@ class KeptWorkspaces:
             await stack.aclose()
             raise
         self.audit(caller, "workspace.read", sandbox_id, started=started, path=path, size=size)
-        return size, self._file_chunks(fd, size, stack)
-
-    @staticmethod
-    async def _file_chunks(fd: int, size: int, stack: contextlib.AsyncExitStack) -> Chunks:
-        try:
-            left = size  # the size sent as Content-Length is a promise: never more
-            while left > 0:
-                chunk = await asyncio.to_thread(os.read, fd, min(CHUNK, left))
-                if not chunk:
-                    break
-                left -= len(chunk)
-                yield chunk
-        finally:
-            os.close(fd)
-            await to_the_end(stack.aclose())
+        return size, file_chunks(fd, size, stack)
 
     async def archive(self, caller: Caller, sandbox_id: str) -> Chunks:
         """The whole kept workspace as a tar stream (GNU tar, sparse files as holes, symlinks

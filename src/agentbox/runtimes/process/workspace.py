@@ -112,12 +112,7 @@ def create(
             with open(image, "r+b") as f:
                 f.truncate(disk_mb * MiB)
             _run(["resize2fs", str(image)])
-        device = _attach(image)
-        try:
-            _run(["mount", "-o", "nosuid,nodev,noatime", device, str(mnt)])
-        except BaseException:
-            subprocess.run(["losetup", "-d", device], capture_output=True)
-            raise
+        mount_image(image, mnt)
         if (root_layer is not None) != (mnt / rootfs.MARKER).exists():
             raise WorkspaceError(
                 "the disk image has "
@@ -145,12 +140,7 @@ def create(
                 str(image),
             ]
         )
-        device = _attach(image)
-        try:
-            _run(["mount", "-o", "nosuid,nodev,noatime", device, str(mnt)])
-        except BaseException:
-            subprocess.run(["losetup", "-d", device], capture_output=True)
-            raise
+        mount_image(image, mnt)
         try:
             (mnt / "lost+found").rmdir()
         except OSError:
