@@ -1950,6 +1950,7 @@ def _api_special(ctx: Ctx) -> Verdict:
 from agentbox.battery import (  # noqa: E402
     checks_budget,  # noqa: F401
     checks_hostinfo,  # noqa: F401
+    checks_lifecycle,  # noqa: F401
     checks_quota,  # noqa: F401
     checks_secrets,  # noqa: F401
     checks_server,  # noqa: F401

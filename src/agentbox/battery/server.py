@@ -41,6 +41,8 @@ SERVER_WEAKENINGS: dict[str, str] = {
     "WebSocket clients get no keepalive pings, and repeated log lines are not counted",
     "budgets-open": "the egress proxy caps no sandbox's or tenant's connections, and every "
     "refused egress attempt is written to the egress log one by one",
+    "host-files-follow": "the files APIs the server serves on the host (volumes, kept "
+    "workspaces) follow the symlinks a sandbox left there",
     "quota-open": "tenants get the quota they had before every resource was capped: no cap on "
     "nofile, file size or /tmp, no descriptor budget (pids × nofile) per sandbox or tenant, no "
     "total disk",
@@ -88,6 +90,8 @@ def weakened_limits(flags: set[str]) -> ServerLimits:
         limits = dataclasses.replace(limits, logs=LogLimits(refused_sampled=2**40))
     if "quota-open" in flags:
         limits = dataclasses.replace(limits, tenant_quota=OPEN_QUOTA)
+    if "host-files-follow" in flags:
+        limits = dataclasses.replace(limits, host_files_nofollow=False)
     return limits
 
 

@@ -96,9 +96,12 @@ class SandboxManager:
         default_template: str = DEFAULT_TEMPLATE,
         paused_retention_s: float | None = None,
         snapshot_dir: Path | None = None,
+        follow_links: bool = False,
     ) -> None:
         """`default_quota`: values of every tenant's quota until an admin sets its own, over
-        those derived from this host. The disk settings come from the environment."""
+        those derived from this host. The disk settings come from the environment.
+        `follow_links`: the host-side files APIs (volumes, kept workspaces) follow symlinks;
+        only the security battery's positive control sets it."""
         self.store = store
         self.states = SandboxStates(store)  # the one writer of sandbox states
         # The runtimes it serves with; each sandbox's is on its record (core/runtimes.py).
@@ -109,7 +112,10 @@ class SandboxManager:
         disk = DiskSettings.from_env()
         # Disk is accounted in one place: live workspaces and kept ones, by real usage.
         self.disk = DiskAccounting(disk, default.storage_path())
-        self.workspaces = KeptWorkspaces(store, self.runtimes, disk.kept_retention_s, self.audit)
+        self.follow_links = follow_links
+        self.workspaces = KeptWorkspaces(
+            store, self.runtimes, disk.kept_retention_s, self.audit, follow_links
+        )
         self.disk.add_source(live_workspaces(store, self.runtimes))
         self.disk.add_source(self.workspaces.usage)
         self.admission = Admission(store, self.runtimes, self.disk, self.default_quota, self.audit)

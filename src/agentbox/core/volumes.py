@@ -346,7 +346,7 @@ class Volumes:
         stack = contextlib.AsyncExitStack()
         try:
             root = await stack.enter_async_context(self._files(caller, ref))
-            fd, size = await asyncio.to_thread(open_confined, root, parts)
+            fd, size = await asyncio.to_thread(open_confined, root, parts, self.core.follow_links)
         except BaseException:
             await stack.aclose()
             raise
@@ -360,7 +360,7 @@ class Volumes:
         parts = workspace_parts(path)
         written = 0
         async with self._files(caller, ref) as root:
-            fd = await asyncio.to_thread(_open_for_writing, root, parts)
+            fd = await asyncio.to_thread(_open_for_writing, root, parts, self.core.follow_links)
             try:
                 async for chunk in body:
                     await asyncio.to_thread(_write_all, fd, chunk)
@@ -397,11 +397,11 @@ def _mount(d: Path) -> None:
         (mnt / "lost+found").rmdir()
 
 
-def _open_for_writing(root: Path, parts: list[str]) -> int:
+def _open_for_writing(root: Path, parts: list[str], follow: bool = False) -> int:
     """Open `root/parts...` for writing (created or emptied) without following a symlink or
-    leaving `root`; missing directories are made. What it makes is the sandbox user's (the
-    model's uid 1000)."""
-    nofollow = os.O_NOFOLLOW | os.O_CLOEXEC
+    leaving `root` (`follow`: the security battery's positive control); missing directories
+    are made. What it makes is the sandbox user's (the model's uid 1000)."""
+    nofollow = (0 if follow else os.O_NOFOLLOW) | os.O_CLOEXEC
     fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | nofollow)
     try:
         for name in parts[:-1]:

@@ -107,11 +107,12 @@ def workspace_parts(raw: str) -> list[str]:
     return parts
 
 
-def open_confined(root: Path, parts: list[str]) -> tuple[int, int]:
+def open_confined(root: Path, parts: list[str], follow: bool = False) -> tuple[int, int]:
     """Open the regular file `root/parts...` for reading without following any symlink or
-    leaving `root`; (fd, size). Raises the files API's errors."""
+    leaving `root` (`follow`: the security battery's positive control); (fd, size). Raises
+    the files API's errors."""
     shown = WORKSPACE + "/" + "/".join(parts)
-    nofollow = os.O_NOFOLLOW | os.O_CLOEXEC
+    nofollow = (0 if follow else os.O_NOFOLLOW) | os.O_CLOEXEC
     fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | nofollow)
     try:
         for i, name in enumerate(parts):
@@ -170,8 +171,10 @@ class KeptWorkspaces:
         runtimes: Runtimes,
         retention_s: float,
         audit: Callable[..., None],
+        follow_links: bool = False,
     ) -> None:
         self.store = store
+        self.follow_links = follow_links
         self.runtimes = runtimes
         self.retention_s = retention_s
         self.audit = audit
@@ -257,7 +260,7 @@ class KeptWorkspaces:
         await self._owned(caller, sandbox_id)
         stack, root = await self._open(sandbox_id)
         try:
-            fd, size = await asyncio.to_thread(open_confined, root, parts)
+            fd, size = await asyncio.to_thread(open_confined, root, parts, self.follow_links)
         except AgentboxError as e:
             await stack.aclose()
             self.audit(

@@ -114,7 +114,8 @@ def create_app(
         }
         manager = SandboxManager(
             store, runtime, templates, netsvc, warm_pools, default_quota=limits.tenant_quota,
-            default_template=default_template, **health,
+            default_template=default_template, follow_links=not limits.host_files_nofollow,
+            **health,
         )  # fmt: skip
         await manager.start()
         log_keeper = LogKeeper(store, limits.logs)

@@ -67,6 +67,9 @@ class ServerLimits:
     # Tenants' default quota values over those derived from the host (core/quotas.py); only the
     # security battery's positive control (`quota-open`) sets them.
     tenant_quota: dict[str, Any] | None = None
+    # The files APIs the server serves on the host (volumes, kept workspaces) follow no
+    # symlink. Off only in the security battery's positive control (`host-files-follow`).
+    host_files_nofollow: bool = True
     # What the audit and egress logs may hold (sandboxes' refused attempts are sampled).
     logs: LogLimits = field(default_factory=LogLimits)
 

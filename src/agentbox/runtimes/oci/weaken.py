@@ -125,7 +125,7 @@ class WeakenedContainerRuntime(_WeakenedOci, ContainerRuntime):
         {
             "share-net", "share-pid", "share-ipc", "no-seccomp", "allow-userns", "host-root",
             "no-landlock", "unconfined-paths", "no-limits", "no-cgroup-kill", "same-uid",
-            "bind-host", "host-info", "template-rw",
+            "bind-host", "host-info", "template-rw", "boot-path-open",
         }
     )  # fmt: skip
 
@@ -141,7 +141,7 @@ class WeakenedGvisorRuntime(_WeakenedOci, GvisorRuntime):
     WEAKENABLE = frozenset(
         {
             "no-seccomp", "allow-userns", "no-landlock", "unconfined-paths", "no-limits",
-            "no-cgroup-kill", "bind-host", "host-info", "template-rw",
+            "no-cgroup-kill", "bind-host", "host-info", "template-rw", "boot-path-open",
         }
     )  # fmt: skip
 

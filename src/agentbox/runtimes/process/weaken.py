@@ -43,6 +43,8 @@ WEAKENINGS: dict[str, str] = {
     "host-info": "the sandbox sees the host's /etc, /usr/local and machine-wide /proc files, "
     "all CPUs, and host paths in its mountinfo",
     "template-rw": "a built template's tree is the sandbox's root, writable (no copy-on-write)",
+    "boot-path-open": "a sandbox starts from a disk (snapshot, fork, resume without memory) "
+    "whose root changed what its agent loads before it confines itself",
 }
 
 # Weakenings the agent itself applies (passed on its command line).
@@ -178,6 +180,10 @@ class WeakenedProcessRuntime(ProcessRuntime):
 
     def _extra_binds(self) -> list[str]:
         return [arg for p in self.weak.bind_host for arg in (*parent_dirs(p), "--bind", p, p)]
+
+    def _check_boot_path(self, spec: SandboxSpec, upper: Path) -> None:
+        if "boot-path-open" not in self.weak:
+            super()._check_boot_path(spec, upper)
 
     def _seccomp_args(self, fds: dict[str, int]) -> list[str]:
         return [] if "no-seccomp" in self.weak else super()._seccomp_args(fds)
