@@ -184,7 +184,13 @@ class TierRun:
                         f"== {self.tier} / {name}: {why}: the process tier's verdicts", flush=True
                     )
                     for c in group:
-                        rows[c.id].control_verdict = on_process[name][c.id]
+                        v = on_process[name][c.id]
+                        if name == "default":
+                            rows[c.id].default = Verdict(
+                                v.status, list(v.kinds), f"(the process tier's run) {v.evidence}"
+                            )
+                            continue
+                        rows[c.id].control_verdict = v
                         rows[c.id].control_tier, rows[c.id].control_why = "process", why
                     continue
                 bind = [str(oracle.canary_dir)] if "bind-host" in flags else []
@@ -200,6 +206,8 @@ class TierRun:
                         server.kill_boxes()
                         if name == "default":
                             rows[c.id].default = v
+                            if tier == "process":
+                                on_process.setdefault(name, {})[c.id] = v
                         else:
                             rows[c.id].control_verdict = v
                             if tier != self.tier:
@@ -213,7 +221,7 @@ class TierRun:
                 if name == "default":
                     # After the shipped configuration's run the host must hold nothing of it.
                     left = inventory.take(server.data_dir)
-                    leftovers = [line for items in left.items().values() for line in items]
+                    leftovers += [line for items in left.items().values() for line in items]
         self.info = {
             "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
             "runtime": self.tier,
@@ -227,13 +235,16 @@ class TierRun:
         self, name: str, flags: frozenset[str], todo: list[Check]
     ) -> dict[tuple[str, str], list[Check]]:
         """The profile's checks by the tier they run on (and why not this one): the default
-        profile on this tier; a control on this tier weakened, unless it cannot be weakened
-        so or the check says its control cannot show a break here (control_elsewhere)."""
+        profile on this tier (but checks that reach no sandbox, `tier_free`: the process
+        tier's); a control on this tier weakened, unless it cannot be weakened so or the check
+        says its control cannot show a break here (control_elsewhere)."""
         out: dict[tuple[str, str], list[Check]] = {}
         for c in todo:
             where = (self.tier, "")
             if name != "default":
                 where = control_where(self.tier, c)
+            elif c.tier_free and self.tier != "process":
+                where = ("process", "the check reaches no sandbox: the same whatever the tier")
             out.setdefault(where, []).append(c)
         return out
 

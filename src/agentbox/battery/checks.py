@@ -174,6 +174,9 @@ class Check:
     # Tiers on which the control cannot show the break, and why (the tier's own kernel has
     # nothing the weakening would expose): the control runs on the process tier there.
     control_elsewhere: dict[str, str] = field(default_factory=dict)
+    # The check never reaches a sandbox (it attacks the API server alone): its verdict is the
+    # same whatever the tier, so it runs once, on the process tier, for every tier.
+    tier_free: bool = False
 
 
 CHECKS: list[Check] = []
@@ -187,12 +190,13 @@ def check(
     bind_canary: bool = False,
     needs_template: bool = False,
     control_elsewhere: dict[str, str] | None = None,
+    tier_free: bool = False,
 ) -> Callable[[Callable[[Ctx], Verdict]], Callable[[Ctx], Verdict]]:
     def register(fn: Callable[[Ctx], Verdict]) -> Callable[[Ctx], Verdict]:
         CHECKS.append(
             Check(
                 id, group, title, frozenset(control), fn, bind_canary, needs_template,
-                control_elsewhere or {},
+                control_elsewhere or {}, tier_free,
             )
         )  # fmt: skip
         return fn

@@ -134,6 +134,7 @@ def _log_lines(ctx: Ctx) -> int:
     "control-plane",
     "an anonymous client's request body is not read (401 before the body)",
     {"server-unguarded"},
+    tier_free=True,
 )
 def _srv_anonymous_body(ctx: Ctx) -> Verdict:
     promised = 256 * 2**20
@@ -173,6 +174,7 @@ def _srv_anonymous_body(ctx: Ctx) -> Verdict:
     "control-plane",
     "slow request headers are cut off; anonymous connections cannot hold the server",
     {"server-unguarded"},
+    tier_free=True,
 )
 def _srv_slowloris(ctx: Ctx) -> Verdict:
     conns = []
