@@ -254,13 +254,14 @@ class StepTimer:
 
 def measure_runtime_steps(n: int, scratch: Path) -> dict[str, list[float]]:
     """Run ProcessRuntime's create/destroy in this process with each step timed."""
+    from agentbox.runtimes import diskimage
     from agentbox.runtimes.base import Resources, SandboxSpec
     from agentbox.runtimes.process import runtime as rt_mod
     from agentbox.runtimes.process import workspace
 
     t = StepTimer()
     rt = rt_mod.ProcessRuntime(scratch / "runtime-data")
-    real_run = workspace._run
+    real_run = diskimage.run
 
     def run(argv: list[str]) -> None:
         return t.wrap(f"  workspace: {argv[0]}", real_run)(argv)
@@ -274,9 +275,9 @@ def measure_runtime_steps(n: int, scratch: Path) -> dict[str, list[float]]:
         Popen = staticmethod(t.wrap("  spawn: subprocess.Popen(bwrap) incl. preexec_fn",
                                     subprocess.Popen))
 
-    saved = (workspace._run, workspace.create, workspace.destroy, workspace._umount,
+    saved = (diskimage.run, workspace.create, workspace.destroy, diskimage.umount,
              rt_mod.subprocess)
-    workspace._run = run
+    diskimage.run = run
     workspace.create = t.wrap("workspace.create (mkdir, truncate, mkfs, mount, chown)",
                               workspace.create)
     workspace.destroy = t.wrap("destroy: workspace.destroy (umount -d, rm)", workspace.destroy)
@@ -308,7 +309,7 @@ def measure_runtime_steps(n: int, scratch: Path) -> dict[str, list[float]]:
             t.steps.setdefault("CREATE TOTAL (_create_sync)", []).append((t1 - t0) * 1000)
             t.steps.setdefault("DESTROY TOTAL (_destroy_sync)", []).append((t2 - t1) * 1000)
     finally:
-        (workspace._run, workspace.create, workspace.destroy, workspace._umount,
+        (diskimage.run, workspace.create, workspace.destroy, diskimage.umount,
          rt_mod.subprocess) = saved
         for sid in created:
             try:

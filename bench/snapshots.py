@@ -34,7 +34,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness as H  # noqa: E402
 
-from agentbox.runtimes.process.workspace import clone_image  # noqa: E402
+from agentbox.runtimes.diskimage import clone_image  # noqa: E402
 
 BINARIES = {"process": "bwrap", "container": "runc", "gvisor": "runsc"}
 WRITE = "head -c 104857600 /dev/urandom > /workspace/blob && sync"

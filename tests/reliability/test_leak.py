@@ -20,7 +20,7 @@ import random
 import signal
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -257,14 +257,10 @@ def _cycle(srv: RelServer, fault: str, rng: random.Random, round_: int) -> str:
             assert _delete(c, sid) == 204
         elif fault in ("server_killed_mid_snapshot", "server_killed_mid_fork"):
             what = "snapshots" if fault.endswith("snapshot") else "fork"
-            bg = Background(lambda: c.post(f"/v1/sandboxes/{sid}/{what}", json={}))
-            time.sleep(rng.uniform(0, 0.06 if what == "snapshots" else 0.25))
-            srv.crash()
-            try:
-                first = str(bg.result().status_code)
-            except httpx.HTTPError:
-                first = "lost"
-            srv.restart()
+            first = _crash_during(
+                srv, lambda: c.post(f"/v1/sandboxes/{sid}/{what}", json={}),
+                rng.uniform(0, 0.06 if what == "snapshots" else 0.25),
+            )  # fmt: skip
             # Thawed (a crash mid-copy left it frozen), and nothing half-made is kept.
             assert run_ok(c, sid, "cat /workspace/f").strip() == "data"
             snaps = c.get("/v1/snapshots").json()["snapshots"]
@@ -277,14 +273,9 @@ def _cycle(srv: RelServer, fault: str, rng: random.Random, round_: int) -> str:
         elif fault == "server_killed_mid_unpark":
             r = c.post(f"/v1/sandboxes/{sid}/pause", json={"keep_memory": False})
             assert r.status_code == 200, r.text
-            bg = Background(lambda: c.post(f"/v1/sandboxes/{sid}/resume"))
-            time.sleep(rng.uniform(0, 0.1))
-            srv.crash()
-            try:
-                first = str(bg.result().status_code)
-            except httpx.HTTPError:
-                first = "lost"
-            srv.restart()
+            first = _crash_during(
+                srv, lambda: c.post(f"/v1/sandboxes/{sid}/resume"), rng.uniform(0, 0.1)
+            )
             state = _state(c, sid)["state"]
             if state == "paused":
                 r = c.post(f"/v1/sandboxes/{sid}/resume")
@@ -293,19 +284,28 @@ def _cycle(srv: RelServer, fault: str, rng: random.Random, round_: int) -> str:
             assert _delete(c, sid) == 204
             return f"resume answered {first}, then {state}"
         elif fault == "server_killed_mid_kill":
-            bg = Background(lambda: c.delete(f"/v1/sandboxes/{sid}"))
-            time.sleep(rng.uniform(0, 0.05))
-            srv.crash()
-            try:
-                first = str(bg.result().status_code)
-            except httpx.HTTPError:
-                first = "lost"
-            srv.restart()
+            first = _crash_during(
+                srv, lambda: c.delete(f"/v1/sandboxes/{sid}"), rng.uniform(0, 0.05)
+            )
             assert _delete(c, sid) == 204
             return f"first kill {first}, then {_state(c, sid)['end_reason']}"
         info = _state(c, sid)
         assert info["state"] == "killed", info
         return info["end_reason"]
+
+
+def _crash_during(srv: RelServer, request: Callable[[], httpx.Response], after: float) -> str:
+    """The server SIGKILLed `after` seconds into `request`, then started again; the status
+    the request got ("lost" without an answer)."""
+    bg = Background(request)
+    time.sleep(after)
+    srv.crash()
+    try:
+        first = str(bg.result().status_code)
+    except httpx.HTTPError:
+        first = "lost"
+    srv.restart()
+    return first
 
 
 def test_leak_cycles_with_faults(srv: RelServer) -> None:

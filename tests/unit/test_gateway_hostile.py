@@ -254,9 +254,10 @@ def test_a_trickling_sandbox_does_not_starve_the_event_loop(
     reader.start()
     try:
         deadline = time.monotonic() + 10
-        while got["bytes"] < 100_000 and time.monotonic() < deadline:
+        # (1-byte chunks: ~10k/s on a loaded 2-core host, ~20k/s on a quiet one)
+        while got["bytes"] < 30_000 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert got["bytes"] >= 100_000, "the trickle never reached the client"
+        assert got["bytes"] >= 30_000, "the trickle never reached the client"
         during = gw.health_latencies()
     finally:
         stop.set()

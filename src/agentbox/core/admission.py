@@ -74,7 +74,7 @@ class Admission:
             r.resources
             for r in self.store.live_sandboxes()
             if r.tenant == tenant
-            and not (r.state == "paused" and (r.runtime_state or {}).get("parked"))
+            and not (r.state == "paused" and r.parked)
         ]
 
     def check_paused_room(self, caller: Caller, quota: dict[str, Any]) -> None:

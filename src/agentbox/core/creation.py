@@ -13,8 +13,7 @@ import dataclasses
 import logging
 import secrets
 import time
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from agentbox.agent.client import AgentClient, AgentOpError, AgentUnavailable
@@ -24,19 +23,18 @@ from agentbox.core.errors import (
     Conflict,
     InvalidRequest,
     LimitExceeded,
-    NotFound,
     SandboxNotRunning,
     SandboxUnavailable,
 )
 from agentbox.core.network import SandboxEgressSetup, SandboxNetwork, new_access_token
 from agentbox.core.requests import CreateRequest, check_envs, check_metadata
+from agentbox.core.snapshots import StartFrom
 from agentbox.core.states import SandboxState
-from agentbox.core.template_service import HOST_TEMPLATE, TEMPLATE_ROOTFS
+from agentbox.core.template_service import TEMPLATE_ROOTFS
 from agentbox.egress.policy import EgressPolicy
 from agentbox.egress.proxy import HTTP_PORT, SOCKS_PORT
 from agentbox.runtimes.base import (
     DiskSource,
-    Parkable,
     Resources,
     Runtime,
     RuntimeError_,
@@ -56,20 +54,6 @@ BUILDING = SandboxState.BUILDING  # a create waiting for the first-use build of 
 BUILD_ALLOWANCE_S = 3600.0  # a `building` sandbox ends (timeout) if its build takes longer
 # A start or first-use build that failed is audited as the sandbox being unavailable.
 START_FAILED = status_of(ErrorCode.SANDBOX_UNAVAILABLE)
-
-
-@dataclass(frozen=True)
-class StartFrom:
-    """A create that starts from a disk image rather than a fresh disk: a snapshot's
-    (core/snapshots.py) or a fork's copy of its parent's."""
-
-    template: str
-    runtime: str  # the tier it was taken on: the default for the new sandbox
-    disk_mb: int  # the image's size: the least disk_mb the new sandbox may have
-    disk: DiskSource
-    rootfs: str | None  # the template tree its root layer was made on
-    origin: dict[str, str]  # stored with the new sandbox: {"snapshot": id} / {"fork_of": id}
-    hold: str | None = None  # the snapshot to keep from deletion while it is copied
 
 
 def _start_error(e: Exception) -> AgentboxError:
@@ -105,7 +89,7 @@ class Creation:
     ) -> SandboxRow:
         started = time.monotonic()
         if start_from is not None:
-            req = self._from_image(req, start_from)
+            req = self.core.snapshots.request_from(req, start_from)
             template = start_from.template
         else:
             template = self.core.template_service.resolve(req.template)
@@ -135,7 +119,7 @@ class Creation:
             wants_network=not net.policy.is_empty or net.public_ports,
             keep_workspace=req.keep_workspace,
         )
-        req = dataclasses.replace(req, lifecycle=self._lifecycle(req))
+        req = dataclasses.replace(req, lifecycle=self.core.lifecycle.policy(req))
         assert req.runtime is not None
         # Secrets need their placeholders and the CA in place from the start: no pool. Pools
         # are per template and runtime.
@@ -146,7 +130,7 @@ class Creation:
             if row is not None:
                 return row
         if start_from is not None:
-            tpl = await self._image_template(start_from)
+            tpl = await self.core.snapshots.image_template(start_from)
         elif self.core.needs_build(template):
             if mounts:
                 raise Conflict(
@@ -178,6 +162,7 @@ class Creation:
             row = await self.start(
                 sandbox_id, tpl, template, resources, req.envs, req.timeout, egress, net,
                 caller.tenant, req.runtime, disk=start_from.disk if start_from else None,
+                volumes=mounts,
             )  # fmt: skip
         except AgentboxError as e:
             self.core.audit(
@@ -204,67 +189,6 @@ class Creation:
             origin=start_from.origin if start_from else None,
         )
         return row
-
-    async def restart(self, row: SandboxRow, timeout: float) -> SandboxRow:
-        """Start a sandbox paused without memory (`starting` now) again on its parked disk,
-        under its own id, with what it was created with (template, resources, environment,
-        network, secrets: new placeholders). Raises if it does not start, leaving it
-        `starting` with its disk parked for the caller to pause again (core/lifecycle.py)."""
-        state = row.runtime_state or {}
-        runtime = self.core.runtimes.get(row.runtime)
-        assert isinstance(runtime, Parkable)
-        tpl = None
-        if row.template != HOST_TEMPLATE:
-            start = StartFrom(
-                template=row.template, runtime=row.runtime, disk_mb=0,
-                disk=runtime.parked_disk(row.sandbox_id, state),
-                rootfs=state.get(TEMPLATE_ROOTFS), origin={},
-            )  # fmt: skip
-            tpl = await self._image_template(start)
-        egress = self.core.network.setup(
-            row.tenant, row.sandbox_id, sorted(row.secrets or {}), str(tpl.rootfs) if tpl else None
-        )
-        self.core.store.update_sandbox(row.sandbox_id, secrets=egress.placeholders or None)
-        return await self.start(
-            row.sandbox_id, tpl, row.template, Resources(**row.resources), row.envs or {},
-            timeout, egress, SandboxNetwork.from_dict(row.network), row.tenant, row.runtime,
-            disk=runtime.parked_disk(row.sandbox_id, state), resuming=True,
-        )  # fmt: skip
-
-    def _from_image(self, req: CreateRequest, start: StartFrom) -> CreateRequest:
-        """A create from a disk image: its tier by default, a disk at least as large."""
-        asked = req.resources.get("disk_mb")
-        if asked is not None and int(asked) < start.disk_mb:
-            raise InvalidRequest(
-                f"resources.disk_mb {asked} is smaller than the disk it starts from "
-                f"({start.disk_mb} MiB); ask for at least that, or leave it out",
-                setting="resources.disk_mb",
-            )
-        return dataclasses.replace(
-            req,
-            runtime=req.runtime or start.runtime,
-            resources={**req.resources, "disk_mb": asked or start.disk_mb},
-        )
-
-    async def _image_template(self, start: StartFrom) -> TemplateInfo | None:
-        """The template of a sandbox started from an image, on the tree its root layer was
-        made on (kept for it even if the template was rebuilt since)."""
-        try:
-            tpl = await self.core.template(start.template)
-        except NotFound:
-            raise Conflict(
-                f"template {start.template!r}, which the disk was taken with, was removed; "
-                "build it again to start from this disk",
-                template=start.template,
-            ) from None
-        if tpl is None or start.rootfs is None:
-            return tpl
-        if not Path(start.rootfs).is_dir():
-            raise Conflict(
-                f"the tree of template {start.template!r} this disk was made on is gone",
-                template=start.template,
-            )
-        return dataclasses.replace(tpl, rootfs=Path(start.rootfs))
 
     async def _create_building(
         self,
@@ -389,29 +313,6 @@ class Creation:
             volumes=volumes or None,
         )
 
-    def _lifecycle(self, req: CreateRequest) -> dict[str, Any] | None:
-        """The lifecycle policy as stored (None: the default, killed at its timeout), checked
-        against the tier: pausing needs a runtime that can."""
-        if req.lifecycle is None:
-            return None
-        on_timeout = req.lifecycle.get("on_timeout", "kill")
-        auto_resume = bool(req.lifecycle.get("auto_resume", False))
-        if on_timeout not in ("kill", "pause"):
-            raise InvalidRequest(
-                f"lifecycle.on_timeout must be kill or pause, not {on_timeout!r}",
-                setting="lifecycle.on_timeout",
-            )
-        if on_timeout == "kill" and not auto_resume:
-            return None
-        assert req.runtime is not None
-        if not self.core.runtimes.features(req.runtime).pause:
-            raise InvalidRequest(
-                f"the {req.runtime} isolation tier cannot pause sandboxes on this server: no "
-                "lifecycle.on_timeout pause or auto_resume there",
-                setting="lifecycle",
-            )
-        return {"on_timeout": on_timeout, "auto_resume": auto_resume, "timeout": req.timeout}
-
     async def start(
         self,
         sandbox_id: str,
@@ -426,15 +327,15 @@ class Creation:
         runtime_name: str,
         disk: DiskSource | None = None,
         resuming: bool = False,
+        volumes: list[dict[str, Any]] | None = None,
     ) -> SandboxRow:
         """Bring an inserted `starting` sandbox up: runtime, egress proxy, template start
         command, warm code contexts; its row says running (or failed) when this returns.
         `disk`: the image it starts from, instead of a fresh disk. `resuming`: it is a parked
         sandbox's own disk, which a failed start must not remove (the row stays `starting`
-        for the caller), unless the sandbox was killed meanwhile."""
+        for the caller), unless the sandbox was killed meanwhile. `volumes`: its record's
+        volume mounts."""
         runtime = self.core.runtimes.get(runtime_name)
-        row = self.core.store.get_sandbox(sandbox_id)
-        mounts = (row.volumes if row is not None else None) or []
         spec = SandboxSpec(
             sandbox_id=sandbox_id,
             template=template,
@@ -452,9 +353,9 @@ class Creation:
         async with self.core.table.lock(sandbox_id):
             state: dict[str, Any] | None = None
             try:
-                if mounts:
-                    volumes = await self.core.volumes.attach(sandbox_id, mounts)
-                    spec = dataclasses.replace(spec, volumes=volumes)
+                if volumes:
+                    attached = await self.core.volumes.attach(sandbox_id, volumes)
+                    spec = dataclasses.replace(spec, volumes=attached)
                 state = await runtime.create(spec)
                 self._check_kill(sandbox_id)
                 await self.serve_egress(sandbox_id, state, tenant, net, egress, runtime)
@@ -487,7 +388,7 @@ class Creation:
                 state = {**state, TEMPLATE_ROOTFS: spec.rootfs}
             moved = self.core.states.move(
                 sandbox_id, SandboxState.RUNNING, only_from=frozenset({SandboxState.STARTING}),
-                runtime_state=state, end_at=now + timeout,
+                runtime_state=state, end_at=now + timeout, park=None,
             )  # fmt: skip
             row = self.core.store.get_sandbox(sandbox_id)
             # Its lock is held, so nothing else ends it meanwhile; a record gone is a bug.

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from agentbox.core import ports, quotas
+from agentbox.core import ports
 from agentbox.core.auth import Caller
 from agentbox.core.errors import (
     AgentboxError,
@@ -27,9 +27,9 @@ from agentbox.core.errors import (
     SandboxUnavailable,
 )
 from agentbox.core.network import new_access_token
+from agentbox.core.requests import CreateRequest
 from agentbox.core.states import INITIAL, SandboxState, allowed
-from agentbox.core.template_service import TEMPLATE_ROOTFS
-from agentbox.runtimes.base import Parkable, Pausable, Resources, RuntimeError_
+from agentbox.runtimes.base import Parkable, Pausable, RuntimeError_
 from agentbox.store.db import SandboxRow, Store
 
 if TYPE_CHECKING:
@@ -119,6 +119,29 @@ class Lifecycle:
 
     def __init__(self, core: SandboxManager) -> None:
         self.core = core
+
+    def policy(self, req: CreateRequest) -> dict[str, Any] | None:
+        """The lifecycle policy as stored (None: the default, killed at its timeout), checked
+        against the tier: pausing needs a runtime that can."""
+        if req.lifecycle is None:
+            return None
+        on_timeout = req.lifecycle.get("on_timeout", "kill")
+        auto_resume = bool(req.lifecycle.get("auto_resume", False))
+        if on_timeout not in ("kill", "pause"):
+            raise InvalidRequest(
+                f"lifecycle.on_timeout must be kill or pause, not {on_timeout!r}",
+                setting="lifecycle.on_timeout",
+            )
+        if on_timeout == "kill" and not auto_resume:
+            return None
+        assert req.runtime is not None
+        if not self.core.runtimes.features(req.runtime).pause:
+            raise InvalidRequest(
+                f"the {req.runtime} isolation tier cannot pause sandboxes on this server: no "
+                "lifecycle.on_timeout pause or auto_resume there",
+                setting="lifecycle",
+            )
+        return {"on_timeout": on_timeout, "auto_resume": auto_resume, "timeout": req.timeout}
 
     async def set_network(
         self, caller: Caller, sandbox_id: str, network: dict[str, Any]
@@ -237,64 +260,7 @@ class Lifecycle:
         if keep_memory:
             await self._freeze(row, runtime, ttl_left=ttl_left)
         else:
-            await self._park(row, runtime, ttl_left=ttl_left)
-
-    async def _park(self, row: SandboxRow, runtime: Any, ttl_left: float) -> None:
-        """Pause a running sandbox without its memory (its lock held): its processes end, its
-        egress and commands are forgotten, its disk is kept."""
-        sandbox_id = row.sandbox_id
-        assert row.runtime_state is not None and isinstance(runtime, Parkable)
-        self.core.table.running.pop(sandbox_id, None)
-        self.core.table.unhealthy.pop(sandbox_id, None)
-        self.core.table.pausing.add(sandbox_id)
-        try:
-            self.core.table.abort_requests(sandbox_id)
-            # Recorded first: a server that stops from here on finds a sandbox to park (its
-            # processes may be gone), not one that vanished (whose disk would go).
-            self.core.store.update_sandbox(
-                sandbox_id, runtime_state={**row.runtime_state, "parking": True}
-            )
-            await self.core.network.forget(sandbox_id)
-            try:
-                state = await runtime.park(sandbox_id, row.runtime_state)
-            except RuntimeError_ as e:
-                # Whatever is left of it ends as a vanished sandbox does (the health loop).
-                self.core.table.running[sandbox_id] = row
-                raise SandboxUnavailable(f"sandbox {sandbox_id} could not pause: {e}") from None
-            self.core.commands.forget(sandbox_id)
-            await self.core.volumes.detach(sandbox_id)
-            await self.record_parked(sandbox_id, row, state, SandboxState.RUNNING, ttl_left)
-        finally:
-            self.core.table.pausing.discard(sandbox_id)
-
-    async def record_parked(
-        self,
-        sandbox_id: str,
-        row: SandboxRow,
-        state: dict[str, Any],
-        old: SandboxState,
-        ttl_left: float,
-    ) -> None:
-        """Record a parked sandbox as paused (from `old`: running, or starting when its resume
-        failed); its template tree stays noted, so a rebuild keeps it."""
-        rootfs = (row.runtime_state or {}).get(TEMPLATE_ROOTFS)
-        if rootfs:
-            state = {**state, TEMPLATE_ROOTFS: rootfs}
-        now = time.time()
-        change = self.core.states.move(
-            sandbox_id,
-            SandboxState.PAUSED,
-            only_from=frozenset({old}),
-            runtime_state=state,
-            paused_at=now,
-            ttl_left=ttl_left,
-            end_at=now + self.core.paused_retention_s,
-        )
-        if change is None:
-            raise SandboxNotRunning(f"sandbox {sandbox_id} ended", state="ended")
-        paused = self.core.store.get_sandbox(sandbox_id)
-        if paused is not None:
-            self.core.table.paused[sandbox_id] = paused
+            await self.core.parking.park(row, runtime, ttl_left=ttl_left)
 
     async def pause_at_timeout(self, row: SandboxRow) -> bool:
         """A sandbox created with lifecycle `on_timeout: pause` reached its timeout: paused
@@ -315,9 +281,7 @@ class Lifecycle:
             except AgentboxError as e:
                 log.warning("sandbox %s could not pause at its timeout: %s", row.sandbox_id, e)
                 return False
-        self.core.audit(
-            None, "sandbox.pause", row.sandbox_id, tenant=row.tenant, reason="timeout"
-        )
+        self.core.audit(None, "sandbox.pause", row.sandbox_id, tenant=row.tenant, reason="timeout")
         return True
 
     async def _freeze(self, row: SandboxRow, runtime: Any, ttl_left: float) -> None:
@@ -370,8 +334,8 @@ class Lifecycle:
         if row.state != SandboxState.PAUSED:
             raise self.core.not_running(row)
         runtime = self.core.runtimes.for_row(row)
-        if (row.runtime_state or {}).get("parked"):
-            await self._unpark(row, runtime, timeout)
+        if row.parked:
+            await self.core.parking.unpark(row, runtime, timeout)
             self.core.audit(
                 caller, "sandbox.resume", sandbox_id, started=started, timeout=timeout,
                 keep_memory=False,
@@ -413,53 +377,6 @@ class Lifecycle:
         self.core.wake.set()
         self.core.audit(caller, "sandbox.resume", sandbox_id, started=started, timeout=timeout)
         return self.core.get(caller, sandbox_id)
-
-    async def _unpark(self, row: SandboxRow, runtime: Any, timeout: float | None) -> None:
-        """Start a sandbox paused without memory again from its disk: `starting` meanwhile,
-        `running` with the time it had left (or `timeout` if longer), or `paused` again, its
-        disk as it was, if it cannot start."""
-        sandbox_id = row.sandbox_id
-        quota = self.core.quota(row.tenant)
-        # Running again, it holds what a running sandbox holds: it needs room for that.
-        async with self.core.table.tenant_lock(row.tenant), self.core.table.lock(sandbox_id):
-            fresh = self.core.store.get_sandbox(sandbox_id)
-            if fresh is None or fresh.state != SandboxState.PAUSED:
-                return
-            holding = self.core.admission.holding(row.tenant)
-            quotas.check_tenant_room(row.tenant, quota, holding, Resources(**fresh.resources))
-            ttl = max(fresh.ttl_left or 0.0, timeout or 0.0)
-            moved = self.core.states.move(
-                sandbox_id, SandboxState.STARTING, only_from=frozenset({SandboxState.PAUSED})
-            )
-            self.core.table.paused.pop(sandbox_id, None)
-            if moved is None:
-                return
-        try:
-            await self.core.creation.restart(fresh, ttl)
-        except SandboxNotRunning:
-            raise  # killed while it started
-        except Exception as e:  # noqa: BLE001 - whatever it was, it is paused again
-            try:
-                async with self.core.table.lock(sandbox_id):
-                    await self._repark(fresh, runtime, ttl)
-            except Exception:  # noqa: BLE001 - the next server start tries again
-                log.exception("sandbox %s: could not be paused again", sandbox_id)
-            why = e.message if isinstance(e, AgentboxError) else str(e)
-            kind = Conflict if isinstance(e, Conflict) else SandboxUnavailable
-            raise kind(
-                f"sandbox {sandbox_id} could not start again from its disk, which is kept: "
-                f"it is paused as before ({why})"
-            ) from None
-
-    async def _repark(self, row: SandboxRow, runtime: Any, ttl_left: float) -> None:
-        """A sandbox `starting` from its parked disk that will not start: paused again (what
-        of it started ends, its disk stays)."""
-        assert isinstance(runtime, Parkable)
-        await self.core.network.forget(row.sandbox_id)
-        state = await runtime.park(row.sandbox_id, None)
-        self.core.commands.forget(row.sandbox_id)
-        await self.core.volumes.detach(row.sandbox_id)
-        await self.record_parked(row.sandbox_id, row, state, SandboxState.STARTING, ttl_left)
 
     async def end(
         self, row: SandboxRow, state: SandboxState, reason: str, only_if_expired: bool = False

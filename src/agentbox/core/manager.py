@@ -42,6 +42,7 @@ from agentbox.core.metrics import Metrics
 from agentbox.core.network import (
     NetworkService,
 )
+from agentbox.core.parking import Parking
 from agentbox.core.pool_service import PoolService
 from agentbox.core.pools import POOL_TENANT, WarmPools
 from agentbox.core.requests import (
@@ -140,6 +141,7 @@ class SandboxManager:
         self.ping_timeout = ping_timeout
         # The services by job, over the agent access this object gives them.
         self.lifecycle = Lifecycle(self)
+        self.parking = Parking(self)
         storage = default.storage_path()
         if snapshot_dir is None and storage is not None:
             snapshot_dir = storage.parent / "snapshots"

@@ -79,3 +79,17 @@ def check_metadata(meta: dict[str, str]) -> None:
     for k, v in meta.items():
         if not k or len(k) > 128 or len(v) > 1024:
             raise InvalidRequest("metadata keys must be 1-128 characters and values at most 1024")
+
+
+_OBJECT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def check_object_name(kind: str, name: str, id_prefix: str) -> None:
+    """A name a tenant gives a snapshot or volume: 1-64 safe characters, never one that looks
+    like an id of its kind (`id_prefix`), which is looked up first."""
+    if not _OBJECT_NAME.fullmatch(name) or name.startswith(id_prefix):
+        raise InvalidRequest(
+            f"{kind} name {name!r}: 1-64 letters, digits, '.', '_' or '-', starting with a "
+            f"letter or digit, and not starting with {id_prefix!r}",
+            setting="name",
+        )

@@ -19,18 +19,17 @@ import contextlib
 import dataclasses
 import logging
 import os
-import re
 import secrets
 import shutil
 import time
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agentbox.core import quotas
 from agentbox.core.auth import Caller
-from agentbox.core.creation import StartFrom
 from agentbox.core.disk import DiskUse
 from agentbox.core.errors import (
     AgentboxError,
@@ -40,12 +39,13 @@ from agentbox.core.errors import (
     QuotaExceeded,
     SandboxUnavailable,
 )
-from agentbox.core.requests import CreateRequest, check_metadata
+from agentbox.core.requests import CreateRequest, check_metadata, check_object_name
 from agentbox.core.states import SandboxState
 from agentbox.core.template_service import TEMPLATE_ROOTFS
 from agentbox.runtimes.base import DiskSource, Resources, RuntimeError_, Snapshottable
-from agentbox.runtimes.process.workspace import can_reflink
+from agentbox.runtimes.diskimage import can_reflink
 from agentbox.store.db import SandboxRow, SnapshotRow
+from agentbox.templates import TemplateInfo
 from agentbox.vocab import status_of
 
 if TYPE_CHECKING:
@@ -55,10 +55,23 @@ log = logging.getLogger("agentbox.snapshots")
 
 PREFIX = "snap_"
 IMAGE = "disk.img"
-NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 MAX_FORKS = 16  # children of one fork request
 CREATING, READY = "creating", "ready"
 _ALIVE = frozenset({SandboxState.RUNNING, SandboxState.PAUSED})
+
+
+@dataclass(frozen=True)
+class StartFrom:
+    """A create that starts from a disk image rather than a fresh disk: a snapshot's
+    (core/snapshots.py) or a fork's copy of its parent's."""
+
+    template: str
+    runtime: str  # the tier it was taken on: the default for the new sandbox
+    disk_mb: int  # the image's size: the least disk_mb the new sandbox may have
+    disk: DiskSource
+    rootfs: str | None  # the template tree its root layer was made on
+    origin: dict[str, str]  # stored with the new sandbox: {"snapshot": id} / {"fork_of": id}
+    hold: str | None = None  # the snapshot to keep from deletion while it is copied
 
 
 class Snapshots:
@@ -69,6 +82,9 @@ class Snapshots:
         self.root = root  # the images, one directory each; None: no snapshots on this server
         self._in_use: Counter[str] = Counter()  # snapshot id -> sandboxes starting from it
         self.copy_method: str | None = None  # "reflink" or "sparse", found at start-up
+        # Tenants that have (or had, since start-up) a snapshot: a create naming a template
+        # looks for a snapshot of that name only for them.
+        self._tenants: set[str] = set()
 
     # ------------------------------------------------------------------ what there is
 
@@ -108,6 +124,8 @@ class Snapshots:
         snapshots (an id, or a name: a snapshot's name comes before a template's)."""
         if not template or self.root is None:
             return None
+        if tenant not in self._tenants and not template.startswith(PREFIX):
+            return None
         snap = self._find(tenant, template)
         if snap is None:
             if template.startswith(PREFIX):
@@ -122,6 +140,41 @@ class Snapshots:
             origin={"snapshot": snap.snapshot_id},
             hold=snap.snapshot_id,
         )
+
+    def request_from(self, req: CreateRequest, start: StartFrom) -> CreateRequest:
+        """A create from a disk image: its tier by default, a disk at least as large."""
+        asked = req.resources.get("disk_mb")
+        if asked is not None and int(asked) < start.disk_mb:
+            raise InvalidRequest(
+                f"resources.disk_mb {asked} is smaller than the disk it starts from "
+                f"({start.disk_mb} MiB); ask for at least that, or leave it out",
+                setting="resources.disk_mb",
+            )
+        return dataclasses.replace(
+            req,
+            runtime=req.runtime or start.runtime,
+            resources={**req.resources, "disk_mb": asked or start.disk_mb},
+        )
+
+    async def image_template(self, start: StartFrom) -> TemplateInfo | None:
+        """The template of a sandbox started from an image, on the tree its root layer was
+        made on (kept for it even if the template was rebuilt since)."""
+        try:
+            tpl = await self.core.template(start.template)
+        except NotFound:
+            raise Conflict(
+                f"template {start.template!r}, which the disk was taken with, was removed; "
+                "build it again to start from this disk",
+                template=start.template,
+            ) from None
+        if tpl is None or start.rootfs is None:
+            return tpl
+        if not Path(start.rootfs).is_dir():
+            raise Conflict(
+                f"the tree of template {start.template!r} this disk was made on is gone",
+                template=start.template,
+            )
+        return dataclasses.replace(tpl, rootfs=Path(start.rootfs))
 
     @contextlib.contextmanager
     def holding(self, start: StartFrom | None) -> Iterator[None]:
@@ -251,6 +304,7 @@ class Snapshots:
         metadata: dict[str, str] | None,
     ) -> None:
         """Record the snapshot `creating` (removed at start-up if no copy finished)."""
+        self._tenants.add(caller.tenant)
         self.core.store.insert_snapshot(
             snapshot_id=snapshot_id,
             tenant=caller.tenant,
@@ -268,12 +322,7 @@ class Snapshots:
         )
 
     def _check_name(self, caller: Caller, name: str) -> None:
-        if not NAME.fullmatch(name) or name.startswith(PREFIX):
-            raise InvalidRequest(
-                f"snapshot name {name!r}: 1-64 letters, digits, '.', '_' or '-', starting with "
-                f"a letter or digit, and not starting with {PREFIX!r}",
-                setting="name",
-            )
+        check_object_name("snapshot", name, PREFIX)
         if any(s.name == name for s in self.core.store.list_snapshots(caller.tenant)):
             raise Conflict(
                 f"a snapshot named {name!r} exists; delete it first or choose another name",
@@ -327,6 +376,7 @@ class Snapshots:
                 log.warning("removed snapshot %s, left half-made", snap.snapshot_id)
             else:
                 known.add(snap.snapshot_id)
+                self._tenants.add(snap.tenant)
         if not self.root.is_dir():
             return
         for d in self.root.iterdir():

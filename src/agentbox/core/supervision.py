@@ -18,7 +18,7 @@ from agentbox.core.network import SandboxNetwork
 from agentbox.core.pools import CHECK_TENANT, POOL_TENANT, pool_name
 from agentbox.core.states import SandboxState
 from agentbox.runtimes.base import Parkable, Pausable, Runtime, RuntimeError_
-from agentbox.store.db import SandboxRow
+from agentbox.store.db import PARKING, SandboxRow
 
 if TYPE_CHECKING:
     from agentbox.core.manager import SandboxManager
@@ -147,12 +147,10 @@ class Supervisor:
                 counts["unserved"] += 1
                 continue
             runtime = self.core.runtimes.for_row(row)
-            rs = row.runtime_state or {}
-            parked = bool(rs.get("parked"))
-            if (parked and (
+            if (row.parked and (
                 row.state == SandboxState.STARTING
                 or (row.state == SandboxState.PAUSED and row.end_at > now)
-            )) or (rs.get("parking") and row.state == SandboxState.RUNNING):  # fmt: skip
+            )) or (row.park == PARKING and row.state == SandboxState.RUNNING):  # fmt: skip
                 # Paused without memory (or resuming from that when the last server
                 # stopped: paused again, whatever of it had started ended).
                 if await self._keep_parked(row, runtime):
@@ -223,7 +221,7 @@ class Supervisor:
                 ttl = row.ttl_left or 0.0
                 if row.state == SandboxState.RUNNING:
                     ttl = max(0.0, row.end_at - time.time())
-                await self.core.lifecycle.record_parked(
+                await self.core.parking.record(
                     row.sandbox_id, row, state, SandboxState(row.state), ttl
                 )
             else:

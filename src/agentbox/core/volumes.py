@@ -20,7 +20,6 @@ import errno
 import logging
 import os
 import posixpath
-import re
 import secrets
 import shutil
 import stat
@@ -41,9 +40,10 @@ from agentbox.core.errors import (
     QuotaExceeded,
     SandboxUnavailable,
 )
+from agentbox.core.requests import check_object_name
 from agentbox.core.workspaces import Chunks, file_chunks, open_confined, workspace_parts
+from agentbox.runtimes import diskimage
 from agentbox.runtimes.base import VolumeMount
-from agentbox.runtimes.process import workspace
 from agentbox.store.db import VolumeRow
 from agentbox.vocab import USER_UID
 
@@ -55,7 +55,6 @@ log = logging.getLogger("agentbox.volumes")
 PREFIX = "vol_"
 IMAGE = "volume.img"
 MOUNT = "mnt"
-NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 MAX_MOUNTS = 8  # volumes one sandbox may mount
 MIN_SIZE_MB = 16
 # Where a sandbox may not mount a volume: its system, the kernel's views, its private dirs.
@@ -124,6 +123,16 @@ class Volumes:
 
     # ------------------------------------------------------------------ create, delete
 
+    def _check_unmounted(self, vol: VolumeRow, instead: str) -> None:
+        """409 while a sandbox mounts the volume, saying what to do `instead`."""
+        users = self.mounted_by(vol.volume_id)
+        if users:
+            raise Conflict(
+                f"volume {vol.name} is mounted by sandbox {users[0]['sandbox_id']}: {instead}",
+                volume=vol.volume_id,
+                sandbox_id=users[0]["sandbox_id"],
+            )
+
     def _available(self) -> Path:
         if self.root is None:
             raise InvalidRequest("this server keeps no volumes (its runtime has no data dir)")
@@ -134,12 +143,7 @@ class Volumes:
     ) -> VolumeRow:
         started = time.monotonic()
         root = self._available()
-        if not NAME.fullmatch(name) or name.startswith(PREFIX):
-            raise InvalidRequest(
-                f"volume name {name!r}: 1-64 letters, digits, '.', '_' or '-', starting with a "
-                f"letter or digit, and not starting with {PREFIX!r}",
-                setting="name",
-            )
+        check_object_name("volume", name, PREFIX)
         quota = self.core.quota(caller.tenant)
         if not MIN_SIZE_MB <= size_mb <= quota["max_disk_mb"]:
             raise LimitExceeded(
@@ -184,14 +188,7 @@ class Volumes:
         started = time.monotonic()
         vol = self.get(caller, ref)
         async with self.core.table.tenant_lock(caller.tenant):
-            users = self.mounted_by(vol.volume_id)
-            if users:
-                raise Conflict(
-                    f"volume {vol.name} is mounted by sandbox {users[0]['sandbox_id']}; kill "
-                    "it (or wait for it to end) first",
-                    volume=vol.volume_id,
-                    sandbox_id=users[0]["sandbox_id"],
-                )
+            self._check_unmounted(vol, "kill it (or wait for it to end) first")
             async with self._lock:
                 if self._holders.get(vol.volume_id):
                     raise Conflict(f"volume {vol.name} is being read or written; retry")
@@ -204,7 +201,7 @@ class Volumes:
 
     def _remove(self, volume_id: str) -> None:
         d = self._dir(volume_id)
-        if os.path.ismount(d / MOUNT) and not workspace.unmount(d / MOUNT):
+        if os.path.ismount(d / MOUNT) and not diskimage.unmount(d / MOUNT):
             raise SandboxUnavailable(f"volume {volume_id} could not be unmounted; retry")
         shutil.rmtree(d, ignore_errors=True)
 
@@ -294,7 +291,7 @@ class Volumes:
                 return
             self._holders.pop(volume_id, None)
             mnt = self._dir(volume_id) / MOUNT
-            if os.path.ismount(mnt) and not await asyncio.to_thread(workspace.unmount, mnt):
+            if os.path.ismount(mnt) and not await asyncio.to_thread(diskimage.unmount, mnt):
                 log.warning("volume %s stays mounted: still busy", volume_id)
 
     def recover(self) -> None:
@@ -305,14 +302,14 @@ class Volumes:
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         known = {v.volume_id for v in self.core.store.list_volumes()}
         for row in self.core.store.live_sandboxes():
-            if (row.runtime_state or {}).get("parked"):
+            if row.parked:
                 continue  # paused without memory: it mounts them again when it resumes
             for m in row.volumes or ():
                 self._holders.setdefault(m["volume_id"], set()).add(row.sandbox_id)
         for d in self.root.iterdir():
             mnt = d / MOUNT
             if os.path.ismount(mnt) and not self._holders.get(d.name):
-                workspace.unmount(mnt)
+                diskimage.unmount(mnt)
             if d.name not in known:
                 if not os.path.ismount(mnt):
                     shutil.rmtree(d, ignore_errors=True)
@@ -323,14 +320,7 @@ class Volumes:
     async def _files(self, caller: Caller, ref: str) -> AsyncIterator[Path]:
         """The volume's filesystem, held for one request; 409 while a sandbox mounts it."""
         vol = self.get(caller, ref)
-        users = self.mounted_by(vol.volume_id)
-        if users:
-            raise Conflict(
-                f"volume {vol.name} is mounted by sandbox {users[0]['sandbox_id']}: use that "
-                "sandbox's files API, or wait for it to end",
-                volume=vol.volume_id,
-                sandbox_id=users[0]["sandbox_id"],
-            )
+        self._check_unmounted(vol, "use that sandbox's files API, or wait for it to end")
         self._requests += 1
         holder = f"api:{self._requests}"
         mnt = await self._hold(vol.volume_id, holder)
@@ -390,8 +380,8 @@ def _mount(d: Path) -> None:
     mnt = d / MOUNT
     mnt.mkdir(mode=0o700, exist_ok=True)
     try:
-        workspace.mount_image(d / IMAGE, mnt)
-    except workspace.WorkspaceError as e:
+        diskimage.mount_image(d / IMAGE, mnt)
+    except diskimage.ImageError as e:
         raise SandboxUnavailable(f"volume {d.name} could not be mounted: {e}") from None
     with contextlib.suppress(OSError):
         (mnt / "lost+found").rmdir()

@@ -95,6 +95,9 @@ sandboxes = Table(
     Column("origin", JSON, nullable=True),
     # The volumes it mounts: [{"volume_id", "path", "read_only"}].
     Column("volumes", JSON, nullable=True),
+    # Paused without memory: "parking" from the moment that pause begins, "parked" once only
+    # its disk is left (also while it starts again from that disk); None otherwise.
+    Column("park", String(8), nullable=True),
 )
 
 # Named persistent volumes (core/volumes.py); the image is in the data dir.
@@ -186,6 +189,8 @@ audit = Table(
 
 # Sorted: the order SQL sees them in must not depend on a set's iteration.
 LIVE_STATES = tuple(sorted(s.value for s in LIVE))
+# A sandbox's `park` (paused without memory): on its way there, and there.
+PARKING, PARKED = "parking", "parked"
 # The states whose end_at the reaper keeps: a running sandbox's timeout, a paused one's retention.
 _TIMED = (SandboxState.PAUSED.value, SandboxState.RUNNING.value)
 
@@ -279,6 +284,12 @@ class SandboxRow:
     envs: dict[str, str] | None = None
     origin: dict[str, str] | None = None
     volumes: list[dict[str, Any]] | None = None
+    park: str | None = None
+
+    @property
+    def parked(self) -> bool:
+        """Paused without memory (or starting again from that): only its disk is kept."""
+        return self.park == PARKED
 
     @property
     def live(self) -> bool:

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
+from agentbox.runtimes import diskimage
 from agentbox.runtimes.base import (
     ISOLATION_RANKS,
     AgentAddress,
@@ -232,7 +233,7 @@ class ProcessRuntime(Runtime):
         self.use_loop = use_loop
         if use_loop:
             # Not on every destroy: it reads every loop device's backing file (O(live sandboxes)).
-            workspace.detach_orphan_loops(self.root)
+            diskimage.detach_orphan_loops(self.root)
         self._drop_kept_mounts()
         self.seccomp = build_filter()
         self.children: dict[str, subprocess.Popen] = {}
@@ -661,7 +662,7 @@ class ProcessRuntime(Runtime):
     def _unmount_volumes(self, bind_dir: Path) -> None:
         """Detach the sandbox's volume mounts (never `umount -d`: the loop device behind one
         is the volume's, not the sandbox's)."""
-        for mnt in workspace.mounted_under(bind_dir):
+        for mnt in diskimage.mounted_under(bind_dir):
             if mnt.parent == bind_dir and mnt.name.startswith(VOLUME_PREFIX):
                 with contextlib.suppress(OSError):
                     hostview.detach(mnt)
@@ -751,7 +752,7 @@ class ProcessRuntime(Runtime):
             )
         if state.get("parked"):  # nothing runs, nothing is mounted: the image as it is
             try:
-                workspace.clone_image(image, dest)
+                diskimage.clone_image(image, dest)
             except OSError as e:
                 raise RuntimeError_(f"cannot copy the disk of sandbox {sid}: {e}") from None
             return DiskSource(image=dest, uid=int(state["uid"]), span=int(state["span"]))
@@ -763,8 +764,8 @@ class ProcessRuntime(Runtime):
             if not was_frozen:
                 self.cgroups.freeze(sid)
             # What the sandbox wrote is in its filesystem's cache: onto the image first.
-            workspace.syncfs(mnt)
-            workspace.clone_image(image, dest)
+            diskimage.syncfs(mnt)
+            diskimage.clone_image(image, dest)
         except (CgroupError, OSError) as e:
             raise RuntimeError_(f"cannot copy the disk of sandbox {sid}: {e}") from None
         finally:
@@ -791,7 +792,7 @@ class ProcessRuntime(Runtime):
         dest = self.bind_root / TEMPLATE_BINDS / key
         with self.template_lock:
             # (Not os.path.ismount: a bind from the filesystem /run is on does not show there.)
-            if not workspace.mounted_under(dest):
+            if not diskimage.mounted_under(dest):
                 dest.parent.mkdir(mode=0o711, exist_ok=True)
                 dest.mkdir(mode=0o755, exist_ok=True)
                 hostview.bind_readonly(Path(rootfs), dest)
@@ -802,7 +803,7 @@ class ProcessRuntime(Runtime):
         binds = self.bind_root / TEMPLATE_BINDS
         if self.bind_root == self.root or not binds.is_dir():
             return
-        for mnt in workspace.mounted_under(binds):
+        for mnt in diskimage.mounted_under(binds):
             with contextlib.suppress(OSError):
                 hostview.detach(mnt)
         for d in binds.iterdir():
@@ -1083,8 +1084,8 @@ class ProcessRuntime(Runtime):
         image = Path(state.get("dir") or self.root / sandbox_id) / workspace.IMAGE_NAME
         try:
             if image.exists():
-                return workspace.used_bytes(image)
-            return workspace.used_bytes(
+                return diskimage.used_bytes(image)
+            return diskimage.used_bytes(
                 (self.bind_root / sandbox_id / workspace.MOUNT_NAME).resolve()
             )
         except OSError:
@@ -1099,7 +1100,7 @@ class ProcessRuntime(Runtime):
         for e in entries:
             if e.name.startswith("sbx_") and e.is_dir(follow_symlinks=False):
                 try:
-                    used = workspace.used_bytes(Path(e.path))
+                    used = diskimage.used_bytes(Path(e.path))
                     kept_at = e.stat(follow_symlinks=False).st_mtime
                 except OSError:
                     continue  # removed meanwhile
@@ -1125,14 +1126,14 @@ class ProcessRuntime(Runtime):
         # A mount of its own per reader: a removal or a second reader never pulls it away.
         mnt = self.kept_mounts / f"{sandbox_id}.{uuid.uuid4().hex[:8]}"
         try:
-            await asyncio.to_thread(workspace.mount_readonly, image, mnt)
-        except workspace.WorkspaceError as e:
+            await asyncio.to_thread(diskimage.mount_readonly, image, mnt)
+        except diskimage.ImageError as e:
             raise RuntimeError_(f"the kept workspace of {sandbox_id} cannot be read: {e}") from None
         try:
             # A disk that also held the sandbox's root layer: the workspace is a dir on it.
             yield mnt / workspace.MOUNT_NAME if (mnt / rootfs.MARKER).exists() else mnt
         finally:
-            await asyncio.to_thread(workspace.unmount, mnt)
+            await asyncio.to_thread(diskimage.unmount, mnt)
 
     async def remove_kept_workspace(self, sandbox_id: str) -> bool:
         kept = self._kept_dir(sandbox_id)
@@ -1148,8 +1149,8 @@ class ProcessRuntime(Runtime):
     def _drop_kept_mounts(self) -> None:
         """What a server that stopped mid-read (or mid-removal) left: read-only mounts of kept
         workspaces with their loop devices, half-removed kept workspaces."""
-        for mnt in workspace.mounted_under(self.kept_mounts):
-            workspace.unmount(mnt)
+        for mnt in diskimage.mounted_under(self.kept_mounts):
+            diskimage.unmount(mnt)
         if self.kept_mounts.is_dir():
             for d in self.kept_mounts.iterdir():
                 with contextlib.suppress(OSError):
@@ -1170,7 +1171,7 @@ class ProcessRuntime(Runtime):
         ids |= self.cgroups.list_ids()
         ids |= set(self.uids.held().values())  # a crash between lease and sandbox dir
         for root in (self.root, self.bind_root):
-            ids |= {m.relative_to(root).parts[0] for m in workspace.mounted_under(root)}
+            ids |= {m.relative_to(root).parts[0] for m in diskimage.mounted_under(root)}
         return {i for i in ids if i.startswith("sbx_")}  # not the shared trees' mounts
 
     def adopt(self, sandbox_id: str, state: dict[str, Any]) -> None:
@@ -1188,7 +1189,7 @@ class ProcessRuntime(Runtime):
         self._drop_kept_mounts()
         self._drop_template_binds()
         if self.use_loop:
-            workspace.detach_orphan_loops(self.root)
+            diskimage.detach_orphan_loops(self.root)
         if await self.list_sandboxes():
             return
         self.cgroups.remove_scope()
