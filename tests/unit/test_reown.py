@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import stat
+import struct
 from pathlib import Path
 
 import pytest
@@ -59,3 +60,35 @@ def test_a_tree_deeper_than_a_path_is_moved(tmp_path: Path) -> None:
     assert outside.stat().st_uid == OLD + 1000  # the link's target, outside: untouched
     # Run again (a crash cut the first short): nothing left to move.
     assert reown(root, OLD, NEW, BLOCK) == 0
+
+
+def _acl(*named: tuple[int, int]) -> bytes:
+    """A POSIX ACL xattr: owner, the named (tag, id) entries, group, mask, other."""
+    undefined = 0xFFFFFFFF
+    entries = [(0x01, 6, undefined), *[(tag, 6, i) for tag, i in named], (0x04, 4, undefined)]
+    entries += [(0x10, 6, undefined), (0x20, 4, undefined)]
+    entries.sort(key=lambda e: (e[0], e[2]))  # the kernel wants them in tag order
+    return struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *e) for e in entries)
+
+
+def test_acls_and_file_capabilities_move_with_the_files(tmp_path: Path) -> None:
+    root = tmp_path / "disk"
+    root.mkdir()
+    f = root / "tool"
+    f.write_text("x")
+    os.chown(f, OLD + 1000, OLD + 1000)
+    os.setxattr(f, "system.posix_acl_access", _acl((0x02, OLD + 1001), (0x08, OLD + 1002)))
+    # CAP_NET_RAW, namespaced: it applies to the sandbox whose root is host uid OLD.
+    caps = struct.pack("<IIIIII", 0x03000000 | 1, 1 << 13, 0, 0, 0, OLD)
+    os.setxattr(f, "security.capability", caps)
+    d = root / "shared"
+    d.mkdir()
+    os.setxattr(d, "system.posix_acl_default", _acl((0x02, 1234)))  # an id of no sandbox
+    reown(root, OLD, NEW, BLOCK)
+    assert f.stat().st_uid == NEW + 1000
+    assert os.getxattr(f, "system.posix_acl_access") == _acl((0x02, NEW + 1001), (0x08, NEW + 1002))
+    # Not dropped by the chown, and now the new sandbox's root's.
+    moved = struct.unpack("<IIIIII", os.getxattr(f, "security.capability"))
+    assert moved[1] == 1 << 13 and moved[5] == NEW
+    assert os.getxattr(d, "system.posix_acl_default") == _acl((0x02, 1234))
+    assert reown(root, OLD, NEW, BLOCK) == 0  # nothing left to move

@@ -135,8 +135,9 @@ def reown(root: Path, old: int, new: int, span: int) -> int:
     span) the same place in [new, new + span); how many changed. A whole uid block (`span`
     BLOCK) moves every id of any sandbox block (blocks are aligned): a walk a crash cut short,
     which left ids of two blocks, is finished by the next one. The tree is a copy no process
-    uses yet, walked without following symlinks or leaving its filesystem; set-id bits, which a
-    chown clears, are put back."""
+    uses yet, walked without following symlinks or leaving its filesystem. The ids inside
+    POSIX ACLs and file capabilities move too; set-id bits and capabilities, which a chown
+    clears, are put back."""
     top = os.lstat(root)
     whole = span == BLOCK and old % BLOCK == 0 and new % BLOCK == 0
 
@@ -147,17 +148,25 @@ def reown(root: Path, old: int, new: int, span: int) -> int:
 
     changed = 0
 
-    def fix(name: str | Path, st: os.stat_result, dir_fd: int | None) -> None:
+    def fix(name: str, st: os.stat_result, dir_fd: int | None) -> None:
         nonlocal changed
         uid, gid = moved(st.st_uid), moved(st.st_gid)
-        if (uid, gid) == (st.st_uid, st.st_gid):
+        # xattrs by the fd's /proc link: short whatever the depth (they take no dir_fd).
+        path = name if dir_fd is None else f"/proc/self/fd/{dir_fd}/{name}"
+        xattrs: list[tuple[str, bytes]] = []
+        shifted = False
+        if stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode):  # (no such xattrs elsewhere)
+            xattrs, shifted = _id_xattrs(path, moved)
+        if (uid, gid) == (st.st_uid, st.st_gid) and not shifted:
             return
         os.chown(name, uid, gid, dir_fd=dir_fd, follow_symlinks=False)
         if st.st_mode & (stat.S_ISUID | stat.S_ISGID) and not stat.S_ISLNK(st.st_mode):
             os.chmod(name, stat.S_IMODE(st.st_mode), dir_fd=dir_fd)
+        for attr, value in xattrs:
+            os.setxattr(path, attr, value, follow_symlinks=False)
         changed += 1
 
-    fix(root, top, None)
+    fix(str(root), top, None)
     # By directory descriptor (fwalk), never by path: a tree the sandbox made may be deeper
     # than a path can name (PATH_MAX).
     for _, dirs, files, dir_fd in os.fwalk(root, follow_symlinks=False):
@@ -169,6 +178,39 @@ def reown(root: Path, old: int, new: int, span: int) -> int:
                 continue
             fix(name, st, dir_fd)
     return changed
+
+
+_ACLS = ("system.posix_acl_access", "system.posix_acl_default")
+_CAPS = "security.capability"
+_ACL_NAMED = (0x02, 0x08)  # ACL_USER, ACL_GROUP: the entries that carry an id
+_CAPS_V3 = 0x03000000  # a namespaced capability set, with the root id it applies to
+
+
+def _id_xattrs(path: str, moved: Callable[[int], int]) -> tuple[list[tuple[str, bytes]], bool]:
+    """The ACLs and file capabilities of `path` with their ids moved, to write back after its
+    chown (which drops capabilities), and whether any id moved."""
+    try:
+        names = os.listxattr(path, follow_symlinks=False)
+    except OSError:
+        return [], False
+    out = []
+    before = []
+    for attr in names:
+        if attr not in _ACLS and attr != _CAPS:
+            continue
+        raw = bytearray(os.getxattr(path, attr, follow_symlinks=False))
+        before.append(bytes(raw))
+        if attr == _CAPS:
+            if len(raw) == 24 and int.from_bytes(raw[:4], "little") & 0xFF000000 == _CAPS_V3:
+                raw[20:24] = moved(int.from_bytes(raw[20:24], "little")).to_bytes(4, "little")
+            out.append((attr, bytes(raw)))  # a chown clears them: always put back
+            continue
+        for at in range(4, len(raw) - 7, 8):  # a u32 version, then (u16 tag, u16 perm, u32 id)
+            if int.from_bytes(raw[at : at + 2], "little") in _ACL_NAMED:
+                ident = int.from_bytes(raw[at + 4 : at + 8], "little")
+                raw[at + 4 : at + 8] = moved(ident).to_bytes(4, "little")
+        out.append((attr, bytes(raw)))
+    return out, before != [value for _, value in out]
 
 
 def destroy(sandbox_dir: Path, bind_dir: Path, keep: bool) -> bool:
