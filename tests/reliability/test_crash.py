@@ -84,7 +84,7 @@ def test_crash_readopts_live_reaps_expired_keeps_data(tier_srv: RelServer) -> No
         fg_sid = c.post("/v1/sandboxes", json={"timeout": 120}).json()["sandbox_id"]
         short = [c.post("/v1/sandboxes", json={"timeout": 3}).json() for _ in (1, 2)]
         # One that expires only after the restart: the reaper, not reconcile, must end it.
-        later = c.post("/v1/sandboxes", json={"timeout": 15}).json()
+        later = c.post("/v1/sandboxes", json={"timeout": 25}).json()
         bg: dict[tuple[str, str], str] = {}  # (sandbox, cmd_id) -> expected stdout
         for n, sid in enumerate(live):
             blob = os.urandom(3 * 1024 * 1024 + n)
