@@ -62,8 +62,9 @@ _ALIVE = frozenset({SandboxState.RUNNING, SandboxState.PAUSED})
 
 @dataclass(frozen=True)
 class StartFrom:
-    """A create that starts from a disk image rather than a fresh disk: a snapshot's
-    (core/snapshots.py) or a fork's copy of its parent's."""
+    """A start from a disk image rather than a fresh disk: a snapshot's, a fork's copy of its
+    parent's, or a sandbox's own disk when it starts again after a pause without memory
+    (core/parking.py)."""
 
     template: str
     runtime: str  # the tier it was taken on: the default for the new sandbox
