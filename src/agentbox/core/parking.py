@@ -112,7 +112,7 @@ class Parking:
             if moved is None:
                 return
         try:
-            await self.restart(fresh, ttl)
+            await self._restart(fresh, ttl)
         except SandboxNotRunning:
             raise  # killed while it started
         except Exception as e:  # noqa: BLE001 - whatever it was, it is paused again
@@ -138,11 +138,11 @@ class Parking:
         await self.core.volumes.detach(row.sandbox_id)
         await self.record(row.sandbox_id, row, state, SandboxState.STARTING, ttl_left)
 
-    async def restart(self, row: SandboxRow, timeout: float) -> SandboxRow:
+    async def _restart(self, row: SandboxRow, timeout: float) -> SandboxRow:
         """Start a sandbox paused without memory (`starting` now) again on its parked disk,
         under its own id, with what it was created with (template, resources, environment,
         network, secrets: new placeholders). Raises if it does not start, leaving it
-        `starting` with its disk parked for the caller to pause again (core/lifecycle.py)."""
+        `starting` with its disk parked, for `unpark` to pause again."""
         state = row.runtime_state or {}
         runtime = self.core.runtimes.get(row.runtime)
         assert isinstance(runtime, Parkable)
