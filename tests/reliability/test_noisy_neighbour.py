@@ -38,7 +38,7 @@ from agentbox.runtimes.process.cgroups import CGROUP_ROOT, GROUP
 
 pytestmark = pytest.mark.reliability
 
-SAMPLES = int(os.environ.get("AGENTBOX_NOISY_SAMPLES", "400"))  # per condition and bomb
+SAMPLES = int(os.environ.get("AGENTBOX_NOISY_SAMPLES", "240"))  # per condition and bomb
 BLOCKS = 20
 BOUND = 2.0
 CEILING = 4.0  # over BOUND is reported (xfail); over CEILING is a failure

@@ -37,6 +37,9 @@ EGRESS_RESOLVE = {
 }
 
 
+RELAY_WRITE_TIMEOUT = 5.0
+
+
 def server_options() -> list[str]:
     """The operator options every battery server runs with (`agentbox serve ...`)."""
     out = []
@@ -44,7 +47,9 @@ def server_options() -> list[str]:
         out += ["--egress-allow-cidr", f"{a}/32"]
     for name, a in EGRESS_RESOLVE.items():
         out += ["--egress-resolve", f"{name}={a}"]
-    return out
+    # A relay to a peer that stopped reading ends after this (shipped: 30 s); shorter here so
+    # that gw-deaf-peer, on every tier and its control, waits seconds rather than a minute.
+    return [*out, "--relay-write-timeout", f"{RELAY_WRITE_TIMEOUT:g}"]
 
 
 def inside() -> bool:

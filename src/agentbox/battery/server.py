@@ -59,8 +59,8 @@ OPEN_QUOTA = {
 }
 
 
-def weakened_limits(flags: set[str]) -> ServerLimits:
-    limits = ServerLimits()
+def weakened_limits(flags: set[str], relay_write_timeout: float = 30.0) -> ServerLimits:
+    limits = ServerLimits(relay=RelayLimits(write_timeout=relay_write_timeout))
     forever = 10.0**9
     if "server-unguarded" in flags:
         limits = dataclasses.replace(
@@ -152,6 +152,7 @@ def main() -> None:
     p.add_argument("--host-path", action="append", default=[])
     p.add_argument("--template-dir", type=Path, default=None)
     p.add_argument("--default-template", default="host")
+    p.add_argument("--relay-write-timeout", type=float, default=30.0)
     a = p.parse_args()
     flags = {w for w in a.weaken.split(",") if w}
     unknown = flags - WEAKENINGS.keys() - EGRESS_WEAKENINGS.keys() - SERVER_WEAKENINGS.keys()
@@ -166,7 +167,7 @@ def main() -> None:
         egress_allow_cidrs=tuple(a.egress_allow_cidr),
         egress_resolve=tuple(a.egress_resolve),
     )
-    limits = weakened_limits(flags)
+    limits = weakened_limits(flags, a.relay_write_timeout)
     serve(
         a.host,
         a.port,

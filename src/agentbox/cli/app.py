@@ -181,6 +181,10 @@ def serve(
     host_path: Annotated[list[str] | None, typer.Option(
         "--host-path", help="A host path sandboxes of the host template see read-only, "
         "e.g. /usr/local (hidden otherwise) or /etc/pip.conf (repeatable).")] = None,
+    relay_write_timeout: Annotated[float, typer.Option(
+        min=1, help="Seconds an exposed port's relay waits for a side that does not take what "
+        "is written to it (a client or a sandbox's server that stopped reading) before ending "
+        "the relay.")] = 30.0,
     log_retention_days: Annotated[float, typer.Option(
         min=0, help="Audit and egress log rows older than this are deleted.")] = 30.0,
     log_max_rows: Annotated[int, typer.Option(
@@ -196,6 +200,7 @@ def serve(
     from agentbox.core.logs import LogLimits
     from agentbox.core.network import NetworkSettings
     from agentbox.server.app import serve as run_server  # the server is heavy: load on use
+    from agentbox.server.gateway import RelayLimits
     from agentbox.server.limits import ServerLimits
     from agentbox.templates import valid_name
 
@@ -240,6 +245,7 @@ def serve(
                template_dir=template_dir or config.default_template_dir(), warm_pools=pools,
                network=network, limits=ServerLimits(
                    max_connections=max_connections,
+                   relay=RelayLimits(write_timeout=relay_write_timeout),
                    logs=LogLimits(retention_days=log_retention_days, max_rows=log_max_rows)),
                runtime_name=runtime,
                runtime_config={"host_paths": host_path} if host_path else None,
