@@ -260,7 +260,12 @@ class SandboxManager:
         metadata: dict[str, str],
         limit: int,
         next_token: str | None,
+        match: Callable[[SandboxRow], bool] | None = None,
+        ascending: bool = False,
     ) -> tuple[list[SandboxRow], str | None]:
+        """The caller's sandboxes, newest first (oldest first if `ascending`), in `states`,
+        with `metadata`, and for which `match` holds; a page of `limit` and the next page's
+        token."""
         before: int | None = None
         if next_token:
             try:
@@ -278,7 +283,9 @@ class SandboxManager:
             states = sorted(wanted | {SandboxState.RUNNING.value})
         out: list[SandboxRow] = []
         while len(out) < limit:
-            batch = self.store.list_sandboxes(caller.tenant, states, before, max(limit, 100))
+            batch = self.store.list_sandboxes(
+                caller.tenant, states, before, max(limit, 100), ascending
+            )
             if not batch:
                 before = None
                 break
@@ -287,14 +294,16 @@ class SandboxManager:
                 row = self._shown(row)
                 if wanted is not None and row.state not in wanted:
                     continue
-                if all(row.metadata.get(k) == v for k, v in metadata.items()):
+                if all(row.metadata.get(k) == v for k, v in metadata.items()) and (
+                    match is None or match(row)
+                ):
                     out.append(row)
                     if len(out) == limit:
                         break
         more = (
             before is not None
             and len(out) == limit
-            and bool(self.store.list_sandboxes(caller.tenant, states, before, 1))
+            and bool(self.store.list_sandboxes(caller.tenant, states, before, 1, ascending))
         )
         return out, (str(before) if more else None)
 

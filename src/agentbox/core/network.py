@@ -10,6 +10,8 @@ towards the hosts they are bound to.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import logging
 import os
 import re
@@ -177,7 +179,8 @@ class NetworkService:
             conns_per_sandbox=settings.egress_conns_per_sandbox,
             conns_per_tenant=settings.egress_conns_per_tenant,
         )
-        self._fernet = Fernet(self._key(data_dir / "secrets.key"))
+        self._master = self._key(data_dir / "secrets.key")
+        self._fernet = Fernet(self._master)
         self._secrets: dict[tuple[str, str], BoundSecret | None] = {}
         # Tenant settings are read on every create and egress decision; this process is their
         # only writer (embedded mode), so the caches are dropped on every change.
@@ -198,6 +201,11 @@ class NetworkService:
             with os.fdopen(fd, "wb") as f:
                 f.write(key)
             return key
+
+    def derived_key(self, purpose: str) -> bytes:
+        """A key for `purpose` (an HMAC of it under the server's secrets key, which never
+        leaves the data dir): each use of the secret gets its own."""
+        return hmac.new(self._master, f"agentbox:{purpose}".encode(), hashlib.sha256).digest()
 
     async def close(self) -> None:
         await self.proxy.close()

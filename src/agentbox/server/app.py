@@ -214,6 +214,7 @@ def create_app(
         authenticate=key_owner,
         limits=limits,
         open_routes=DOC_ROUTES | installed.open_paths,
+        own_credentials=installed.own_credentials,
     )
     app.add_middleware(make_gateway)  # type: ignore[arg-type]
 

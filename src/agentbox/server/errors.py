@@ -83,6 +83,22 @@ async def _agentbox_error(_: Request, e: Exception) -> JSONResponse:
     return error_response(status, e.code, e.message, e.detail, headers)
 
 
+def validation_message(e: RequestValidationError) -> tuple[int, str]:
+    """The status and message a request that failed validation is answered with."""
+    reason = _unreadable_body(e)
+    if reason is not None:
+        return 400, reason
+    return 422, f"invalid request: {_summary(e)}"
+
+
+def _summary(e: RequestValidationError) -> str:
+    locs = (
+        (".".join(str(x) for x in err.get("loc", ())), str(err.get("msg", "")))
+        for err in e.errors()[:5]
+    )
+    return "; ".join(f"{loc}: {msg}" for loc, msg in locs)
+
+
 async def _validation_error(_: Request, e: Exception) -> JSONResponse:
     assert isinstance(e, RequestValidationError)
     reason = _unreadable_body(e)
@@ -96,8 +112,9 @@ async def _validation_error(_: Request, e: Exception) -> JSONResponse:
         }
         for err in e.errors()
     ]
-    summary = "; ".join(f"{'.'.join(str(x) for x in er['loc'])}: {er['msg']}" for er in errors[:5])
-    return error_response(422, "invalid_request", f"invalid request: {summary}", {"errors": errors})
+    return error_response(
+        422, "invalid_request", f"invalid request: {_summary(e)}", {"errors": errors}
+    )
 
 
 async def _http_error(request: Request, e: Exception) -> JSONResponse:

@@ -265,18 +265,24 @@ class RequestGuard:
         authenticate: Callable[[str], Any],
         limits: ServerLimits,
         open_routes: frozenset[str] = frozenset(),
+        own_credentials: Callable[[Scope], tuple[bool, bool]] | None = None,
     ) -> None:
         self.app = app
         self._authenticate = authenticate
         self.limits = limits
         self._open_routes = open_routes
+        # Requests a surface authenticates itself (no API key), and whether their body streams.
+        self._own_credentials = own_credentials
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         method, path = scope["method"], scope["path"]
-        if path not in self._open_routes and self.limits.key_first:
+        own, streamed = (
+            self._own_credentials(scope) if self._own_credentials is not None else (False, False)
+        )
+        if not own and path not in self._open_routes and self.limits.key_first:
             key = _header(scope, b"x-api-key")
             if key is None:
                 await _refuse(
@@ -291,7 +297,7 @@ class RequestGuard:
             conn = scope.get("agentbox.connection")
             if conn is not None:
                 conn.mark_authenticated()
-        cap = self.limits.body_cap(method, path)
+        cap = None if streamed else self.limits.body_cap(method, path)
         declared = _header(scope, b"content-length")
         if cap is not None and declared is not None and declared.isdigit() and int(declared) > cap:
             await _refuse(send, BodyTooLarge(cap))

@@ -93,6 +93,12 @@ class SurfaceRoutes:
     # Sandbox ports it serves itself instead of the sandbox (an E2B envd port): port -> ASGI
     # app, reached as `<port>-<sandbox_id>.<domain>` or the port path; see PortGateway.
     ports: Mapping[int, ASGIApp] = field(default_factory=dict)
+    # The requests it claims carry their own credential (E2B's envd token), which the
+    # surface checks: the server does not ask them for an API key.
+    authenticates: bool = False
+    # Of those, the (method, path)s whose bodies stream (uploads): no body cap but the stall
+    # timeout, as for the /v1 file uploads.
+    streams: frozenset[tuple[str, str]] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -102,6 +108,16 @@ class Installed:
 
     open_paths: frozenset[str]
     ports: Mapping[int, ASGIApp]
+    # Claims of surfaces that authenticate their requests, and their streamed routes.
+    self_authenticated: tuple[tuple[Callable[[Scope], bool], frozenset[tuple[str, str]]], ...] = ()
+
+    def own_credentials(self, scope: Scope) -> tuple[bool, bool]:
+        """Whether a surface that checks its own credentials claims the request, and whether
+        its body streams."""
+        for claims, streams in self.self_authenticated:
+            if claims(scope):
+                return True, (scope["method"], scope["path"]) in streams
+        return False, False
 
 
 Surface = Callable[[Core], SurfaceRoutes]
@@ -146,6 +162,7 @@ def install(app: FastAPI, core: Core, surfaces: Iterable[Surface]) -> Installed:
     surfaces may not serve the same sandbox port.
     """
     claims: list[tuple[Callable[[Scope], bool], ASGIApp]] = []
+    own: list[tuple[Callable[[Scope], bool], frozenset[tuple[str, str]]]] = []
     open_paths: set[str] = set()
     ports: dict[int, ASGIApp] = {}
     for contribution in (surface(core) for surface in surfaces):
@@ -153,6 +170,8 @@ def install(app: FastAPI, core: Core, surfaces: Iterable[Surface]) -> Installed:
             app.include_router(contribution.router)
         else:
             claims.append((contribution.predicate, _own_app(contribution.router, core)))
+            if contribution.authenticates:
+                own.append((contribution.predicate, contribution.streams))
         open_paths |= contribution.open_paths
         for port, handler in contribution.ports.items():
             if port in ports:
@@ -162,7 +181,7 @@ def install(app: FastAPI, core: Core, surfaces: Iterable[Surface]) -> Installed:
         # Added before the request guard and the gateway, so inside them: the same keys and
         # limits apply to every surface.
         app.add_middleware(_Claimed, claims=claims)  # type: ignore[arg-type]
-    return Installed(frozenset(open_paths), ports)
+    return Installed(frozenset(open_paths), ports, tuple(own))
 
 
 def _own_app(router: APIRouter, core: Core) -> FastAPI:

@@ -504,14 +504,22 @@ class Store:
             ).scalar_one()
 
     def list_sandboxes(
-        self, tenant: str, states: Iterable[str] | None, before_seq: int | None, batch: int
+        self,
+        tenant: str,
+        states: Iterable[str] | None,
+        before_seq: int | None,
+        batch: int,
+        ascending: bool = False,
     ) -> list[SandboxRow]:
+        """A tenant's sandboxes newest first, those older than `before_seq` (or oldest first,
+        those newer than it, when `ascending`)."""
         q = select(sandboxes).where(sandboxes.c.tenant == tenant)
         if states:
             q = q.where(sandboxes.c.state.in_(list(states)))
+        seq = sandboxes.c.seq
         if before_seq is not None:
-            q = q.where(sandboxes.c.seq < before_seq)
-        q = q.order_by(sandboxes.c.seq.desc()).limit(batch)
+            q = q.where(seq > before_seq if ascending else seq < before_seq)
+        q = q.order_by(seq.asc() if ascending else seq.desc()).limit(batch)
         with self.engine.connect() as c:
             return [_row(r) for r in c.execute(q).all()]
 

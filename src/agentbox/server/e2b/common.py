@@ -1,0 +1,139 @@
+"""What the E2B control plane and the envd surface share: E2B's error body, the envd access
+token, and how an agentbox sandbox looks in E2B's terms."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import time
+from collections.abc import Callable, Coroutine
+from datetime import UTC, datetime
+from typing import Any
+
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+
+from agentbox.core.errors import AgentboxError
+from agentbox.server import models as m
+from agentbox.server.errors import http_status, validation_message
+from agentbox.server.surfaces import Core
+from agentbox.store.db import SandboxRow
+
+# The envd version reported to the SDK, which switches wire behaviour on it (e2b/envd/versions.py):
+# 0.6.4 and later is today's (octet-stream uploads, default user, no legacy fallbacks).
+ENVD_VERSION = "0.6.4"
+ENVD_PORT = 49983
+CODE_INTERPRETER_PORT = 49999
+
+# agentbox states an E2B client sees as `running`, and as `paused`; ended ones it never sees
+# (E2B answers 404 for a sandbox that is gone).
+RUNNING_STATES = ("starting", "building", "running", "unhealthy")
+PAUSED_STATES = ("paused",)
+
+
+def e2b_error(status: int, message: str, reason: str | None = None) -> JSONResponse:
+    """E2B's error body, `{"code": <HTTP status>, "message": ...}` (the SDK raises its
+    message); `reason` is agentbox's reason code, kept beside it."""
+    body: dict[str, Any] = {"code": status, "message": m.text(message)}
+    if reason:
+        body["reason"] = reason
+    headers = {"Retry-After": "1"} if status in (429, 503) else None
+    return JSONResponse(status_code=status, content=body, headers=headers)
+
+
+def error_of(e: Exception) -> JSONResponse | None:
+    """E2B's answer to an error a route raised; None for one it does not know."""
+    if isinstance(e, AgentboxError):
+        return e2b_error(http_status(e), e.message, e.code)
+    if isinstance(e, RequestValidationError):
+        status, message = validation_message(e)
+        return e2b_error(status, message, "invalid_request")
+    if isinstance(e, HTTPException):
+        return e2b_error(e.status_code, str(e.detail))
+    return None
+
+
+class E2BRoute(APIRoute):
+    """A route whose errors answer in E2B's shape (its SDKs read `message` for every status)."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        inner = super().get_route_handler()
+
+        async def handler(request: Request) -> Response:
+            try:
+                return await inner(request)
+            except Exception as e:
+                answer = error_of(e)
+                if answer is None:
+                    raise
+                return answer
+
+        return handler
+
+
+def envd_token(core: Core, row: SandboxRow) -> str:
+    """The sandbox's envd access token: what E2B's SDK sends as X-Access-Token to run commands
+    and reach files. Derived from its port access token with a key only the server holds, so
+    the port token (which a sandbox's web users may hold) does not give it, and rotating the
+    port token (POST /v1/sandboxes/{id}/access-token) rotates this one too."""
+    key = core.network.derived_key("e2b-envd")
+    msg = f"{row.sandbox_id}:{row.access_token or ''}".encode()
+    digest = hmac.new(key, msg, hashlib.sha256).digest()
+    return "ea_" + base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
+
+
+def token_matches(core: Core, row: SandboxRow, given: str | None) -> bool:
+    if not given:
+        return False
+    return hmac.compare_digest(given.encode(), envd_token(core, row).encode())
+
+
+def e2b_state(row: SandboxRow) -> str | None:
+    """`running` or `paused`, or None for a sandbox that has ended (gone, for E2B)."""
+    if row.state in PAUSED_STATES:
+        return "paused"
+    if row.state in RUNNING_STATES:
+        return "running"
+    return None
+
+
+def rfc3339(ts: float) -> str:
+    return datetime.fromtimestamp(ts, UTC).isoformat().replace("+00:00", "Z")
+
+
+def created(row: SandboxRow, core: Core) -> dict[str, Any]:
+    """E2B's `Sandbox` (what create and connect answer)."""
+    return {
+        "templateID": row.template,
+        "sandboxID": row.sandbox_id,
+        "clientID": "agentbox",
+        "envdVersion": ENVD_VERSION,
+        "envdAccessToken": envd_token(core, row),
+        "domain": None,
+    }
+
+
+def listed(row: SandboxRow, state: str) -> dict[str, Any]:
+    """E2B's `ListedSandbox`."""
+    r = row.resources or {}
+    end_at = row.end_at
+    if state == "paused" and row.ttl_left is not None:
+        end_at = time.time() + row.ttl_left  # when it would end if resumed now
+    return {
+        "templateID": row.template,
+        "sandboxID": row.sandbox_id,
+        "clientID": "agentbox",
+        "startedAt": rfc3339(row.created_at),
+        "endAt": rfc3339(end_at),
+        "cpuCount": max(1, round(float(r.get("cpu_count") or 1))),
+        "memoryMB": int(r.get("memory_mb") or 0),
+        "diskSizeMB": int(r.get("disk_mb") or 0),
+        "state": state,
+        "envdVersion": ENVD_VERSION,
+        "metadata": row.metadata,
+    }

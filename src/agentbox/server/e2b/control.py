@@ -1,0 +1,345 @@
+"""E2B's REST control plane (`E2B_API_URL`): create, connect, look up, list, time, pause and
+end sandboxes, in E2B's paths and camelCase JSON, over agentbox's core. The API key is the
+tenant's agentbox key, sent as `X-API-KEY` (the SDK's header; headers are case-blind)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from datetime import datetime
+from typing import Annotated, Any
+from urllib.parse import parse_qsl
+
+from fastapi import APIRouter, Query, Response
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from agentbox.core.auth import Caller
+from agentbox.core.errors import Conflict, InvalidRequest, NotFound
+from agentbox.core.manager import SandboxManager
+from agentbox.core.requests import CreateRequest
+from agentbox.server.e2b.common import (
+    PAUSED_STATES,
+    RUNNING_STATES,
+    E2BRoute,
+    created,
+    e2b_state,
+    listed,
+)
+from agentbox.server.routes.deps import Mgr, Who
+from agentbox.server.surfaces import Core, SurfaceRoutes
+from agentbox.store.db import SandboxRow
+
+# E2B's API default when a create names no timeout (its SDKs send 300).
+DEFAULT_TIMEOUT = 15
+# How long a create waits for a template's first-use build before answering (E2B's create
+# answers once the sandbox runs; agentbox's /v1 answers 202 and lets the client wait).
+BUILD_WAIT_S = 900.0
+
+Str = Annotated[str, Field(max_length=300)]
+
+
+class _Body(BaseModel):
+    # Fields a newer SDK adds are ignored; those whose meaning agentbox cannot give are refused
+    # by name below rather than dropped.
+    model_config = ConfigDict(extra="ignore")
+
+
+class AutoResume(_Body):
+    enabled: bool = False
+
+
+class VolumeMount(_Body):
+    name: Annotated[str, Field(max_length=128)]
+    path: Annotated[str, Field(max_length=1024)]
+
+
+class Network(_Body):
+    allowOut: list[Str] | None = Field(None, max_length=256)
+    denyOut: list[Str] | None = Field(None, max_length=256)
+    allowPublicTraffic: bool | None = None
+    maskRequestHost: str | None = Field(None, max_length=300)
+    rules: Any = None
+    egressProxy: Any = None
+    dnsServers: Any = None
+    httpsPorts: Any = None
+
+
+class NewSandbox(_Body):
+    templateID: Annotated[str, Field(min_length=1, max_length=128)]
+    timeout: int = Field(DEFAULT_TIMEOUT, ge=0, le=10**9)
+    secure: bool = True
+    allow_internet_access: bool | None = None
+    metadata: (
+        dict[Annotated[str, Field(max_length=256)], Annotated[str, Field(max_length=4096)]] | None
+    ) = None  # noqa: E501
+    envVars: (
+        dict[Annotated[str, Field(max_length=256)], Annotated[str, Field(max_length=32768)]] | None
+    ) = None  # noqa: E501
+    autoPause: bool | None = None
+    autoPauseMemory: bool | None = None
+    autoResume: AutoResume | None = None
+    network: Network | None = None
+    volumeMounts: list[VolumeMount] | None = Field(None, max_length=64)
+    mcp: Any = None
+    iam: Any = None
+
+
+class TimeoutBody(_Body):
+    timeout: int = Field(ge=0, le=10**9)
+
+
+class ConnectBody(_Body):
+    timeout: int = Field(DEFAULT_TIMEOUT, ge=0, le=10**9)
+    memory: bool | None = None
+
+
+class PauseBody(_Body):
+    memory: bool = True
+    requireHealthyGuest: bool | None = None
+
+
+class ResumeBody(_Body):
+    timeout: int = Field(DEFAULT_TIMEOUT, ge=0, le=10**9)
+    autoPause: bool | None = None
+
+
+def _unsupported(body: NewSandbox) -> str | None:
+    """The first thing asked that agentbox's E2B surface cannot do, said plainly."""
+    if body.mcp is not None:
+        return "MCP gateways inside sandboxes (mcp) are not supported by agentbox"
+    if body.iam is not None:
+        return "workload identity (iam) is not supported by agentbox"
+    if not body.secure:
+        return (
+            "secure=false (a sandbox anyone who knows its id controls) is not served by "
+            "agentbox: create it with secure=true (the SDK's default)"
+        )
+    if body.autoPause and body.autoPauseMemory is False:
+        return (
+            "autoPauseMemory=false (pausing at the timeout without memory) is not supported "
+            "yet: pause it yourself with memory=false, or let it pause with its memory"
+        )
+    net = body.network
+    if net is not None:
+        for name in ("rules", "egressProxy", "dnsServers", "httpsPorts", "maskRequestHost"):
+            if getattr(net, name) not in (None, [], {}):
+                return f"network.{name} is not supported by agentbox"
+    return None
+
+
+def _create_request(body: NewSandbox) -> CreateRequest:
+    network: dict[str, Any] | None = None
+    net = body.network
+    if net is not None and (net.allowOut or net.denyOut or net.allowPublicTraffic is not None):
+        # E2B's rule: the sandbox's own allowOut beats its own denyOut. The operator's and
+        # tenant's denies, and the address guard, still win over both.
+        allow = list(net.allowOut or [])
+        deny = [d for d in net.denyOut or [] if d not in allow and d not in ("0.0.0.0/0", "::/0")]
+        network = {
+            "allow_out": allow,
+            "deny_out": deny,
+            "allow_public_traffic": bool(net.allowPublicTraffic),
+        }
+    if body.allow_internet_access is False:
+        network = {**(network or {}), "allow_out": [], "allow_internet_access": False}
+    # allow_internet_access=true (the SDK always sends it) means the tenant's default policy
+    # here: default-deny unless the operator or the tenant opened egress.
+    lifecycle = None
+    if body.autoPause or (body.autoResume and body.autoResume.enabled):
+        lifecycle = {
+            "on_timeout": "pause" if body.autoPause else "kill",
+            "auto_resume": bool(body.autoResume and body.autoResume.enabled),
+        }
+    return CreateRequest(
+        template=body.templateID,
+        timeout=max(body.timeout, 1),
+        metadata=body.metadata or {},
+        envs=body.envVars or {},
+        network=network,
+        lifecycle=lifecycle,
+        volume_mounts={v.path: v.name for v in body.volumeMounts} if body.volumeMounts else None,
+    )
+
+
+def _alive(mgr: SandboxManager, who: Caller, sandbox_id: str) -> tuple[SandboxRow, str]:
+    """The caller's sandbox and its E2B state; 404 for one that has ended (gone, for E2B)."""
+    row = mgr.get(who, sandbox_id)
+    state = e2b_state(row)
+    if state is None:
+        raise NotFound(f"sandbox {sandbox_id} not found (it ended: {row.end_reason or row.state})")
+    return row, state
+
+
+async def _until_started(mgr: SandboxManager, who: Caller, row: SandboxRow) -> SandboxRow:
+    """A sandbox waiting for its template's first-use build, once it runs (or failed)."""
+    deadline = time.monotonic() + BUILD_WAIT_S
+    while row.state in ("building", "starting") and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+        row = mgr.get(who, row.sandbox_id)
+    if e2b_state(row) != "running":
+        raise Conflict(
+            f"sandbox {row.sandbox_id} did not start: {row.error or row.state}", state=row.state
+        )
+    return row
+
+
+def _detail(row: SandboxRow, state: str, core: Core) -> dict[str, Any]:
+    """E2B's `SandboxDetail`."""
+    out = {**listed(row, state), **created(row, core)}
+    out["allowInternetAccess"] = bool((row.network or {}).get("allow_internet_access"))
+    if row.lifecycle:
+        out["lifecycle"] = {
+            "onTimeout": row.lifecycle.get("on_timeout", "kill"),
+            "autoResume": bool(row.lifecycle.get("auto_resume")),
+        }
+    if state == "paused":
+        out["pauseMode"] = "filesystem" if row.parked else "full"
+    return out
+
+
+def _states(state: list[str] | None) -> list[str]:
+    wanted = {s for item in state or [] for s in item.split(",") if s} or {"running", "paused"}
+    unknown = wanted - {"running", "paused"}
+    if unknown:
+        raise InvalidRequest(f"unknown state filter {sorted(unknown)}: use running, paused")
+    out: list[str] = []
+    if "running" in wanted:
+        out += RUNNING_STATES
+    if "paused" in wanted:
+        out += PAUSED_STATES
+    return out
+
+
+def _metadata(query: str | None) -> dict[str, str]:
+    """E2B's metadata filter: one query parameter holding `k=v&k2=v2`, each part quoted."""
+    if not query:
+        return {}
+    return dict(parse_qsl(query, keep_blank_values=True, max_num_fields=64))
+
+
+def control_surface(core: Core) -> SurfaceRoutes:
+    r = APIRouter(route_class=E2BRoute, tags=["e2b"], include_in_schema=False)
+
+    async def create(body: NewSandbox, mgr: Mgr, who: Who) -> JSONResponse:
+        why = _unsupported(body)
+        if why:
+            raise InvalidRequest(why)
+        row = await mgr.create(who, _create_request(body))
+        if row.state != "running":
+            row = await _until_started(mgr, who, row)
+        return JSONResponse(status_code=201, content=created(row, core))
+
+    r.add_api_route("/sandboxes", create, methods=["POST"], status_code=201)
+    r.add_api_route("/v2/sandboxes", create, methods=["POST"], status_code=201)
+
+    @r.get("/sandboxes/{sandbox_id}")
+    async def get_sandbox(sandbox_id: str, mgr: Mgr, who: Who) -> dict[str, Any]:
+        row, state = _alive(mgr, who, sandbox_id)
+        return _detail(row, state, core)
+
+    @r.delete("/sandboxes/{sandbox_id}", status_code=204)
+    async def kill(sandbox_id: str, mgr: Mgr, who: Who) -> Response:
+        _alive(mgr, who, sandbox_id)
+        await mgr.kill(who, sandbox_id)
+        return Response(status_code=204)
+
+    @r.post("/sandboxes/{sandbox_id}/timeout", status_code=204)
+    async def set_timeout(sandbox_id: str, body: TimeoutBody, mgr: Mgr, who: Who) -> Response:
+        _alive(mgr, who, sandbox_id)
+        if body.timeout == 0:  # E2B: ends now
+            await mgr.kill(who, sandbox_id)
+        else:
+            await mgr.set_timeout(who, sandbox_id, body.timeout)
+        return Response(status_code=204)
+
+    async def connect(sandbox_id: str, mgr: Mgr, who: Who, body: ConnectBody) -> JSONResponse:
+        """Resume a paused sandbox (201), or extend a running one's timeout, never shortening
+        it (200)."""
+        row, state = _alive(mgr, who, sandbox_id)
+        row = await mgr.resume(who, sandbox_id, max(body.timeout, 1))
+        if row.state != "running":
+            row = await _until_started(mgr, who, row)
+        return JSONResponse(
+            status_code=201 if state == "paused" else 200, content=created(row, core)
+        )
+
+    r.add_api_route("/sandboxes/{sandbox_id}/connect", connect, methods=["POST"])
+    r.add_api_route("/v2/sandboxes/{sandbox_id}/connect", connect, methods=["POST"])
+
+    @r.post("/sandboxes/{sandbox_id}/resume", status_code=201)
+    async def resume(sandbox_id: str, mgr: Mgr, who: Who, body: ResumeBody) -> JSONResponse:
+        _, state = _alive(mgr, who, sandbox_id)
+        if state != "paused":
+            raise Conflict(f"sandbox {sandbox_id} is not paused", state=state)
+        row = await mgr.resume(who, sandbox_id, max(body.timeout, 1))
+        return JSONResponse(status_code=201, content=created(row, core))
+
+    @r.post("/sandboxes/{sandbox_id}/pause", status_code=204)
+    async def pause(sandbox_id: str, mgr: Mgr, who: Who, body: PauseBody | None = None) -> Response:
+        _, state = _alive(mgr, who, sandbox_id)
+        if state == "paused":
+            raise Conflict(f"sandbox {sandbox_id} is already paused", state=state)
+        await mgr.pause(who, sandbox_id, body.memory if body is not None else True)
+        return Response(status_code=204)
+
+    def _list(
+        mgr: SandboxManager,
+        who: Caller,
+        state: list[str] | None,
+        metadata: str | None,
+        template: str | None,
+        started_after: datetime | None,
+        limit: int,
+        next_token: str | None,
+        ascending: bool,
+    ) -> tuple[list[dict[str, Any]], str | None]:
+        after = started_after.timestamp() if started_after is not None else None
+
+        def match(row: SandboxRow) -> bool:
+            return (template is None or row.template == template) and (
+                after is None or row.created_at > after
+            )
+
+        rows, token = mgr.list(
+            who, _states(state), _metadata(metadata), limit, next_token, match, ascending
+        )
+        return [listed(row, e2b_state(row) or "running") for row in rows], token
+
+    @r.get("/v2/sandboxes")
+    async def list_v2(
+        mgr: Mgr,
+        who: Who,
+        response: Response,
+        metadata: Annotated[str | None, Query(max_length=8192)] = None,
+        state: Annotated[list[str] | None, Query(max_length=64)] = None,
+        template: Annotated[str | None, Query(max_length=128)] = None,
+        startedAfter: Annotated[datetime | None, Query()] = None,  # noqa: N803 - E2B's name
+        order: Annotated[str, Query(pattern="^(asc|desc)$")] = "desc",
+        limit: Annotated[int, Query(ge=1, le=100)] = 100,
+        nextToken: Annotated[str | None, Query(max_length=32)] = None,  # noqa: N803
+    ) -> list[dict[str, Any]]:
+        """Newest first (or `order=asc`); the next page's token in `x-next-token`."""
+        items, token = _list(
+            mgr, who, state, metadata, template, startedAfter, limit, nextToken, order == "asc"
+        )
+        if token:
+            response.headers["x-next-token"] = token
+        return items
+
+    @r.get("/sandboxes")
+    async def list_v1(
+        mgr: Mgr,
+        who: Who,
+        metadata: Annotated[str | None, Query(max_length=8192)] = None,
+    ) -> list[dict[str, Any]]:
+        """E2B's first list: every running sandbox (no paging)."""
+        out: list[dict[str, Any]] = []
+        token: str | None = None
+        while True:
+            items, token = _list(mgr, who, ["running"], metadata, None, None, 100, token, False)
+            out += items
+            if not token or len(out) >= 10_000:
+                return out
+
+    return SurfaceRoutes(router=r)

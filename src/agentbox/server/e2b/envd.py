@@ -1,0 +1,282 @@
+"""E2B's sandbox traffic (`E2B_SANDBOX_URL`): requests that carry `E2b-Sandbox-Id` and
+`E2b-Sandbox-Port` are a sandbox's, whatever their path. On port 49983 (envd) this serves
+`/health` and `/files`; the token is the sandbox's envd access token (`X-Access-Token`), never
+an API key.
+
+Without a valid token a sandbox looks the same whether it exists or not: `/health` answers 502
+(E2B's "not running"), every other route 401.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import zlib
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Header, Query, Request, Response
+from python_multipart.multipart import MultipartParser, parse_options_header
+from starlette.types import Scope
+
+from agentbox.core.auth import Caller
+from agentbox.core.errors import InvalidRequest, LimitExceeded, Unauthorized
+from agentbox.server.e2b.common import ENVD_PORT, E2BRoute, e2b_error, token_matches
+from agentbox.server.streaming import Streamed
+from agentbox.server.surfaces import Core, SurfaceRoutes
+from agentbox.store.db import SandboxRow
+
+FILES = "/files"
+MAX_UPLOAD_PARTS = 256  # files in one multipart upload
+PART_QUEUE = 8  # chunks of a part held while the sandbox takes the previous ones
+
+
+def claims(scope: Scope) -> bool:
+    """A request for a sandbox's port, by E2B's headers."""
+    if scope["type"] != "http":
+        return False
+    names = {k for k, _ in scope["headers"]}
+    return b"e2b-sandbox-id" in names and b"e2b-sandbox-port" in names
+
+
+class _Sandbox:
+    """The sandbox a request names, and what its token allows."""
+
+    def __init__(self, core: Core, request: Request) -> None:
+        self.id = request.headers.get("e2b-sandbox-id", "")
+        self.port = request.headers.get("e2b-sandbox-port", "")
+        mgr = core.manager
+        self.running = mgr.running_row(self.id)
+        paused = mgr.paused_row(self.id)
+        row: SandboxRow | None = self.running or paused
+        given = request.headers.get("x-access-token")
+        self.row = row if row is not None and token_matches(core, row, given) else None
+        if self.row is not None:
+            conn = request.scope.get("agentbox.connection")
+            if conn is not None:  # a valid credential: not an anonymous connection
+                conn.mark_authenticated()
+
+    def caller(self) -> Caller:
+        """Who acts: the sandbox's tenant, by the sandbox's envd token."""
+        if self.row is None:
+            raise Unauthorized("missing or invalid X-Access-Token for this sandbox")
+        if self.port != str(ENVD_PORT):
+            raise InvalidRequest(f"nothing is served on port {self.port} of this sandbox")
+        return Caller(tenant=self.row.tenant, key_id="e2b-envd", admin=False)
+
+
+def _user(username: str | None) -> str | None:
+    if username in (None, ""):
+        return None
+    if username not in ("user", "root"):
+        raise Unauthorized(f"unknown user {username!r}: use user or root")
+    return username
+
+
+def envd_surface(core: Core) -> SurfaceRoutes:
+    r = APIRouter(route_class=E2BRoute, include_in_schema=False)
+
+    @r.get("/health")
+    async def health(request: Request) -> Response:
+        """204 while the sandbox runs; 502 when it does not (paused, ended, unknown, or the
+        token is not its own): what the SDK's is_running() reads."""
+        box = _Sandbox(core, request)
+        if box.row is None or box.running is None or box.port != str(ENVD_PORT):
+            return e2b_error(502, "the sandbox is not running")
+        return Response(status_code=204)
+
+    @r.get(FILES)
+    async def read_file(
+        request: Request,
+        path: Annotated[str, Query(max_length=8192)],
+        username: Annotated[str | None, Query(max_length=32)] = None,
+        accept_encoding: Annotated[str, Header()] = "",
+    ) -> Response:
+        box = _Sandbox(core, request)
+        size, chunks = await core.manager.read_file(box.caller(), box.id, path, _user(username))
+        if "gzip" in accept_encoding.lower():
+            return Streamed(
+                _gzipped(chunks),
+                media_type="application/octet-stream",
+                headers={"Content-Encoding": "gzip"},
+            )
+        return Streamed(
+            chunks, media_type="application/octet-stream", headers={"Content-Length": str(size)}
+        )
+
+    @r.post(FILES)
+    async def write_files(
+        request: Request,
+        path: Annotated[str | None, Query(max_length=8192)] = None,
+        username: Annotated[str | None, Query(max_length=32)] = None,
+        content_type: Annotated[str, Header()] = "",
+        content_encoding: Annotated[str, Header()] = "",
+    ) -> list[dict[str, Any]]:
+        """Raw (`application/octet-stream`, gzip or not) or `multipart/form-data` (a `file`
+        part per file, its filename the path when no `path` is given). Each file streams into
+        the sandbox; parents are made, files replaced."""
+        box = _Sandbox(core, request)
+        caller, user = box.caller(), _user(username)
+        if any(k.lower().startswith("x-metadata-") for k in request.headers):
+            raise InvalidRequest("file metadata (X-Metadata-*) is not supported yet by agentbox")
+        mime, params = parse_options_header(content_type)
+        if mime == b"multipart/form-data":
+            boundary = params.get(b"boundary")
+            if not boundary:
+                raise InvalidRequest("a multipart upload needs a boundary in its Content-Type")
+            return await _multipart(core, caller, box.id, request, boundary, path, user)
+        if not path:
+            raise InvalidRequest("path is required for a raw upload")
+        body: AsyncIterator[bytes] = request.stream()
+        encoding = content_encoding.strip().lower()
+        if encoding == "gzip":
+            body = _gunzipped(body)
+        elif encoding not in ("", "identity"):
+            raise InvalidRequest(f"unsupported Content-Encoding {encoding!r}: use gzip")
+        entry = await core.manager.write_file(caller, box.id, path, body, user)
+        return [_written(entry)]
+
+    return SurfaceRoutes(
+        router=r, predicate=claims, authenticates=True, streams=frozenset({("POST", FILES)})
+    )
+
+
+def _written(entry: dict[str, Any]) -> dict[str, Any]:
+    """envd's `EntryInfo` of a file written."""
+    return {
+        "name": entry.get("name") or str(entry.get("path", "")).rsplit("/", 1)[-1],
+        "type": "dir" if entry.get("type") == "dir" else "file",
+        "path": entry.get("path"),
+    }
+
+
+async def _gzipped(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    z = zlib.compressobj(6, zlib.DEFLATED, 31)
+    async for chunk in chunks:
+        out = z.compress(chunk)
+        if out:
+            yield out
+    yield z.flush()
+
+
+async def _gunzipped(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    z = zlib.decompressobj(47)  # gzip or zlib header
+    try:
+        async for chunk in chunks:
+            while chunk:
+                out = z.decompress(chunk, 1 << 20)
+                if out:
+                    yield out
+                chunk = z.unconsumed_tail
+        tail = z.flush()
+    except zlib.error as e:
+        raise InvalidRequest(f"the gzip body is corrupt: {e}") from None
+    if tail:
+        yield tail
+    if not z.eof:
+        raise InvalidRequest("the gzip body ended early")
+
+
+async def _multipart(
+    core: Core,
+    caller: Caller,
+    sandbox_id: str,
+    request: Request,
+    boundary: bytes,
+    path: str | None,
+    user: str | None,
+) -> list[dict[str, Any]]:
+    """Stream each file part of a multipart body into the sandbox, one after the other."""
+    events: list[tuple[str, bytes]] = []
+    parser = MultipartParser(
+        boundary,
+        {
+            "on_part_begin": lambda: events.append(("begin", b"")),
+            "on_header_field": lambda d, s, e: events.append(("field", bytes(d[s:e]))),
+            "on_header_value": lambda d, s, e: events.append(("value", bytes(d[s:e]))),
+            "on_header_end": lambda: events.append(("header_end", b"")),
+            "on_part_data": lambda d, s, e: events.append(("data", bytes(d[s:e]))),
+            "on_part_end": lambda: events.append(("end", b"")),
+        },
+        max_header_count=16,
+    )
+    written: list[dict[str, Any]] = []
+    queue: asyncio.Queue[bytes | None] | None = None
+    writer: asyncio.Task[dict[str, Any]] | None = None
+    field = value = b""
+    disposition = b""
+    parts = 0
+
+    async def drain(q: asyncio.Queue[bytes | None]) -> AsyncIterator[bytes]:
+        while (chunk := await q.get()) is not None:
+            yield chunk
+
+    async def put(item: bytes | None) -> None:
+        assert queue is not None and writer is not None
+        putting = asyncio.ensure_future(queue.put(item))
+        done, _ = await asyncio.wait({putting, writer}, return_when=asyncio.FIRST_COMPLETED)
+        if putting not in done:  # the write ended (failed) before taking everything
+            putting.cancel()
+            writer.result()
+            raise InvalidRequest("the sandbox stopped taking the upload")
+
+    try:
+        async for chunk in request.stream():
+            try:
+                parser.write(chunk)
+            except Exception as e:  # python-multipart's errors have no common base
+                raise InvalidRequest(f"the multipart body is malformed: {e}") from None
+            for kind, data in events:
+                if kind == "begin":
+                    field = value = disposition = b""
+                elif kind == "field":
+                    field += data
+                elif kind == "value":
+                    value += data
+                elif kind == "header_end":
+                    if field.lower() == b"content-disposition":
+                        disposition = value
+                    field = value = b""
+                elif kind == "data" and queue is None and disposition:
+                    _, opts = parse_options_header(disposition)
+                    disposition = b""
+                    name = opts.get(b"filename")
+                    if name is None:
+                        continue  # a plain form field, not a file
+                    parts += 1
+                    if parts > MAX_UPLOAD_PARTS:
+                        raise LimitExceeded(f"at most {MAX_UPLOAD_PARTS} files per upload")
+                    target = path or name.decode("utf-8", "replace")
+                    queue = asyncio.Queue(PART_QUEUE)
+                    writer = asyncio.ensure_future(
+                        core.manager.write_file(caller, sandbox_id, target, drain(queue), user)
+                    )
+                    await put(data)
+                elif kind == "data" and queue is not None:
+                    await put(data)
+                elif kind == "end":
+                    if queue is None and disposition:  # an empty file part
+                        _, opts = parse_options_header(disposition)
+                        name = opts.get(b"filename")
+                        if name is not None:
+                            target = path or name.decode("utf-8", "replace")
+                            entry = await core.manager.write_file(
+                                caller, sandbox_id, target, _nothing(), user
+                            )
+                            written.append(_written(entry))
+                    elif queue is not None and writer is not None:
+                        await put(None)
+                        written.append(_written(await writer))
+                    queue, writer, disposition = None, None, b""
+            events.clear()
+        parser.finalize()
+    finally:
+        if writer is not None and not writer.done():
+            writer.cancel()
+    if queue is not None:
+        raise InvalidRequest("the multipart body ended inside a part")
+    return written
+
+
+async def _nothing() -> AsyncIterator[bytes]:
+    return
+    yield b""

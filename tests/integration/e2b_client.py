@@ -1,0 +1,218 @@
+"""Run inside a virtual environment that has a stock `e2b` SDK from PyPI (test_e2b.py makes
+one per SDK line), pointed at an agentbox server by E2B's environment variables only:
+
+    python e2b_client.py SCENARIO
+
+Each scenario drives the SDK as an E2B user would and asserts what E2B does; it prints one
+`ok <step>` line per step passed (the test checks them), and exits non-zero on the first
+failure with the SDK's own exception.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+from datetime import UTC, datetime, timedelta
+
+import httpx
+from e2b import Sandbox, SandboxQuery, SandboxState
+from e2b.exceptions import (
+    AuthenticationException,
+    FileNotFoundException,
+    NotFoundException,
+    SandboxException,
+)
+
+TEMPLATE = os.environ.get("E2B_TEST_TEMPLATE", "host")
+
+
+def ok(step: str) -> None:
+    print(f"ok {step}", flush=True)
+
+
+def lifecycle() -> None:
+    started = datetime.now(UTC) - timedelta(seconds=1)
+    sbx = Sandbox.create(
+        TEMPLATE, timeout=60, metadata={"suite": "e2b", "n": "1"}, envs={"GREETING": "hi"}
+    )
+    assert sbx.sandbox_id.startswith("sbx_"), sbx.sandbox_id
+    assert sbx.is_running()
+    ok("create")
+
+    info = sbx.get_info()
+    assert info.sandbox_id == sbx.sandbox_id and info.template_id == TEMPLATE, info
+    assert info.state.value == "running", info.state
+    assert info.metadata == {"suite": "e2b", "n": "1"}, info.metadata
+    assert info.started_at >= started and info.end_at > info.started_at, info
+    assert 50 < (info.end_at - datetime.now(UTC)).total_seconds() <= 61, info.end_at
+    assert info.cpu_count >= 1 and info.memory_mb > 0, info
+    ok("get_info")
+
+    sbx.set_timeout(300)
+    left = (sbx.get_info().end_at - datetime.now(UTC)).total_seconds()
+    assert 290 < left <= 301, left
+    ok("set_timeout")
+
+    other = Sandbox.create(TEMPLATE, timeout=60, metadata={"suite": "e2b", "n": "2"})
+    mine = [
+        s.sandbox_id for s in Sandbox.list(query=SandboxQuery(metadata={"n": "1"})).next_items()
+    ]
+    assert mine == [sbx.sandbox_id], mine
+    pager = Sandbox.list(query=SandboxQuery(metadata={"suite": "e2b"}), limit=1)
+    first = pager.next_items()
+    assert pager.has_next and len(first) == 1, (pager.has_next, first)
+    second = pager.next_items()
+    assert {first[0].sandbox_id, second[0].sandbox_id} == {sbx.sandbox_id, other.sandbox_id}
+    assert first[0].sandbox_id == other.sandbox_id  # newest first
+    later = Sandbox.list(query=SandboxQuery(started_after=datetime.now(UTC) + timedelta(hours=1)))
+    assert later.next_items() == []
+    assert [
+        s.sandbox_id for s in Sandbox.list(query=SandboxQuery(template="nope")).next_items()
+    ] == []
+    ok("list")
+
+    assert sbx.pause() in (True, None, sbx.sandbox_id)  # the SDK lines answer differently
+    assert not sbx.is_running()
+    assert sbx.get_info().state.value == "paused"
+    paused = Sandbox.list(query=SandboxQuery(state=[SandboxState.PAUSED])).next_items()
+    assert [s.sandbox_id for s in paused] == [sbx.sandbox_id], paused
+    running = Sandbox.list(query=SandboxQuery(state=[SandboxState.RUNNING])).next_items()
+    assert [s.sandbox_id for s in running] == [other.sandbox_id], running
+    try:
+        again = Sandbox.pause(sbx.sandbox_id)
+    except SandboxException as e:  # an SDK line that raises on E2B's 409
+        assert "already paused" in str(e), e
+    else:
+        assert again is False, again
+    ok("pause")
+
+    back = Sandbox.connect(sbx.sandbox_id, timeout=120)
+    assert back.sandbox_id == sbx.sandbox_id and back.is_running()
+    assert back.get_info().state.value == "running"
+    ok("connect_resumes")
+
+    assert sbx.kill() is True
+    assert Sandbox.kill(sbx.sandbox_id) is False
+    assert not sbx.is_running()
+    try:
+        Sandbox.get_info(sbx.sandbox_id)
+    except NotFoundException:
+        pass
+    else:
+        raise AssertionError("a killed sandbox is still found")
+    ok("kill")
+
+    other.set_timeout(0)  # E2B: ends now
+    assert not other.is_running()
+    ok("timeout_zero")
+
+
+def files() -> None:
+    sbx = Sandbox.create(TEMPLATE, timeout=120)
+    try:
+        info = sbx.files.write("/tmp/e2b/hello.txt", "hello e2b")  # parents made
+        assert info.path == "/tmp/e2b/hello.txt" and info.name == "hello.txt", info
+        assert sbx.files.read("/tmp/e2b/hello.txt") == "hello e2b"
+        ok("write_read_text")
+
+        blob = bytes(range(256)) * 20_000  # 5 MiB, streamed (octet-stream)
+        sbx.files.write("/tmp/e2b/blob.bin", io.BytesIO(blob))
+        assert sbx.files.read("/tmp/e2b/blob.bin", format="bytes") == blob
+        streamed = b"".join(sbx.files.read("/tmp/e2b/blob.bin", format="stream"))
+        assert streamed == blob
+        ok("stream")
+
+        sbx.files.write("/tmp/e2b/gz.txt", "squeezed " * 1000, gzip=True)
+        assert sbx.files.read("/tmp/e2b/gz.txt", gzip=True) == "squeezed " * 1000
+        ok("gzip")
+
+        many = sbx.files.write_files(
+            [{"path": "/tmp/e2b/a.txt", "data": "A"}, {"path": "/tmp/e2b/b.bin", "data": b"\0B"}]
+        )
+        assert [w.path for w in many] == ["/tmp/e2b/a.txt", "/tmp/e2b/b.bin"], many
+        assert sbx.files.read("/tmp/e2b/b.bin", format="bytes") == b"\0B"
+        sbx.files.write("/tmp/e2b/a.txt", "replaced")
+        assert sbx.files.read("/tmp/e2b/a.txt") == "replaced"
+        ok("multipart")
+
+        try:
+            sbx.files.read("/tmp/e2b/missing.txt")
+        except FileNotFoundException:
+            pass
+        else:
+            raise AssertionError("reading a missing file did not raise")
+        ok("missing")
+
+        sbx.files.write("/tmp/e2b-root.txt", "root's", user="root")
+        assert sbx.files.read("/tmp/e2b-root.txt", user="user") == "root's"
+        try:
+            sbx.files.write("/tmp/e2b-root.txt", "user's", user="user")
+        except SandboxException as e:
+            assert "e2b-root.txt" in str(e) and ("denied" in str(e) or "not permitted" in str(e))
+        else:
+            raise AssertionError("user overwrote root's file")
+        ok("users")
+
+        # Without the sandbox's envd token: the sandbox is as good as unknown.
+        url = os.environ["E2B_SANDBOX_URL"]
+        real = sbx._envd_access_token
+        assert real, "a secure sandbox has an envd access token"
+        for token in ("", "ea_wrong", real[:-1] + ("x" if real[-1] != "x" else "y")):
+            headers = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "49983"}
+            if token:
+                headers["X-Access-Token"] = token
+            assert httpx.get(f"{url}/health", headers=headers).status_code == 502
+            r = httpx.get(f"{url}/files", params={"path": "/tmp/e2b/a.txt"}, headers=headers)
+            assert r.status_code == 401 and r.json()["code"] == 401, r.text
+        ok("token_required")
+    finally:
+        sbx.kill()
+
+
+def tenants() -> None:
+    """Another tenant's key sees nothing of this tenant's sandbox; no key gets 401."""
+    sbx = Sandbox.create(TEMPLATE, timeout=60)
+    try:
+        foreign = {"api_key": os.environ["E2B_OTHER_API_KEY"]}
+        try:
+            Sandbox.get_info(sbx.sandbox_id, **foreign)
+        except NotFoundException:
+            pass
+        else:
+            raise AssertionError("another tenant got the sandbox's info")
+        assert Sandbox.kill(sbx.sandbox_id, **foreign) is False
+        assert Sandbox.list(**foreign).next_items() == []
+        assert sbx.is_running()
+        try:
+            Sandbox.list(api_key="abx_x_nope").next_items()
+        except AuthenticationException:
+            pass
+        else:
+            raise AssertionError("an unknown key listed sandboxes")
+        ok("tenants")
+    finally:
+        sbx.kill()
+
+
+def refusals() -> None:
+    """What agentbox does not do is refused by name, never dropped."""
+    api = os.environ["E2B_API_URL"]
+    key = {"X-API-KEY": os.environ["E2B_API_KEY"]}
+    for body, says in (
+        ({"templateID": TEMPLATE, "secure": False}, "secure=false"),
+        ({"templateID": TEMPLATE, "mcp": {"github": {}}}, "mcp"),
+        ({"templateID": TEMPLATE, "network": {"rules": [{"x": 1}]}}, "network.rules"),
+        ({"templateID": "no-such-template"}, "no-such-template"),
+        ({"timeout": 10}, "templateID"),
+    ):
+        r = httpx.post(f"{api}/sandboxes", json=body, headers=key, timeout=30)
+        assert r.status_code in (400, 404, 422), (body, r.status_code, r.text)
+        assert r.json()["code"] == r.status_code and says in r.json()["message"], r.text
+    ok("refusals")
+
+
+if __name__ == "__main__":
+    {"lifecycle": lifecycle, "files": files, "tenants": tenants, "refusals": refusals}[
+        sys.argv[1]
+    ]()
