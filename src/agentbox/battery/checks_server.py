@@ -368,3 +368,60 @@ def _gw_deaf_peer(ctx: Ctx) -> Verdict:
             "BROKEN", ["DOS"], f"the relay was still open after {limit:g} s ({sent} messages)"
         )
     return blocked(f"the relay ended after {ended:.1f} s ({sent} messages accepted)")
+
+
+# ---------------------------------------------------------------------------- E2B's surface
+
+
+@check(
+    "e2b-envd-token",
+    "control-plane",
+    "E2B's sandbox traffic (envd) needs the sandbox's own envd token: its port token, another "
+    "sandbox's envd token, another tenant's API key or no token reach none of its files; "
+    "another tenant's key cannot look it up or end it through E2B's API",
+    {"e2b-envd-open"},
+    tier_free=True,
+)
+def _e2b_envd_token(ctx: Ctx) -> Verdict:
+    url = ctx.server.url
+    box = ctx.box()
+    secret = f"abx-e2b-{ctx.oracle.nonce}"
+    box.put("/workspace/e2b-secret.txt", secret.encode()).raise_for_status()
+    b_key = ctx.server.key("battery-b")
+    with httpx.Client(base_url=url, timeout=30) as c:
+        r = c.post(
+            "/v2/sandboxes",
+            json={"templateID": "host", "timeout": 300},
+            headers={"X-API-KEY": b_key},
+        )
+        if r.status_code != 201:
+            return Verdict("ERROR", evidence=f"E2B create: HTTP {r.status_code} {r.text[:200]}")
+        other = r.json()
+        attempts: dict[str, dict[str, str]] = {
+            "no token": {},
+            "its port token": {"X-Access-Token": box.info.get("access_token") or ""},
+            "another sandbox's envd token": {"X-Access-Token": other["envdAccessToken"]},
+            "another tenant's API key": {"X-API-KEY": b_key},
+        }
+        v = blocked("")
+        seen = []
+        for label, extra in attempts.items():
+            headers = {"E2b-Sandbox-Id": box.id, "E2b-Sandbox-Port": "49983", **extra}
+            read = c.get("/files", params={"path": "/workspace/e2b-secret.txt"}, headers=headers)
+            drop = f"/workspace/e2b-drop-{ctx.oracle.nonce}"
+            wrote = c.post("/files", params={"path": drop}, content=b"x", headers=headers)
+            seen.append(f"{label}: read {read.status_code}, write {wrote.status_code}")
+            if read.status_code == 200 and secret in read.text:
+                v.add_break("READ", f"{label} read the sandbox's file")
+            if wrote.status_code == 200:
+                v.add_break("WRITE", f"{label} wrote {drop} into the sandbox")
+        got = c.get(f"/sandboxes/{box.id}", headers={"X-API-KEY": b_key})
+        ended = c.delete(f"/sandboxes/{box.id}", headers={"X-API-KEY": b_key})
+        seen.append(f"another tenant's key: get {got.status_code}, kill {ended.status_code}")
+        if got.status_code == 200:
+            v.add_break("READ", "another tenant's key looked the sandbox up through E2B's API")
+        if box.client.get(f"/v1/sandboxes/{box.id}").json().get("state") != "running":
+            v.add_break("DOS", "another tenant's key ended the sandbox through E2B's API")
+        c.delete(f"/sandboxes/{other['sandboxID']}", headers={"X-API-KEY": b_key})
+    v.evidence = "; ".join(seen)
+    return v

@@ -41,6 +41,7 @@ SERVER_WEAKENINGS: dict[str, str] = {
     "WebSocket clients get no keepalive pings, and repeated log lines are not counted",
     "budgets-open": "the egress proxy caps no sandbox's or tenant's connections, and every "
     "refused egress attempt is written to the egress log one by one",
+    "e2b-envd-open": "E2B's sandbox traffic (envd) takes any token as the sandbox's envd token",
     "host-files-follow": "the files APIs the server serves on the host (volumes, kept "
     "workspaces) follow the symlinks a sandbox left there",
     "quota-open": "tenants get the quota they had before every resource was capped: no cap on "
@@ -92,6 +93,8 @@ def weakened_limits(flags: set[str], relay_write_timeout: float = 30.0) -> Serve
         limits = dataclasses.replace(limits, tenant_quota=OPEN_QUOTA)
     if "host-files-follow" in flags:
         limits = dataclasses.replace(limits, host_files_nofollow=False)
+    if "e2b-envd-open" in flags:
+        limits = dataclasses.replace(limits, e2b_envd_tokens=False)
     return limits
 
 

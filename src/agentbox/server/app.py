@@ -64,7 +64,7 @@ def create_app(
     data_dir = data_dir.resolve()
     limits = limits or ServerLimits()
     net_settings = network or NetworkSettings()
-    core = Core(net_settings)
+    core = Core(net_settings, limits)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -70,6 +70,9 @@ class ServerLimits:
     # The files APIs the server serves on the host (volumes, kept workspaces) follow no
     # symlink. Off only in the security battery's positive control (`host-files-follow`).
     host_files_nofollow: bool = True
+    # E2B's sandbox traffic needs the sandbox's own envd token (server/e2b/). Off only in the
+    # security battery's positive control (`e2b-envd-open`): any token is taken.
+    e2b_envd_tokens: bool = True
     # What the audit and egress logs may hold (sandboxes' refused attempts are sampled).
     logs: LogLimits = field(default_factory=LogLimits)
 

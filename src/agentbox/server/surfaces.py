@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
+from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -24,6 +25,9 @@ from agentbox.core.network import NetworkService, NetworkSettings
 from agentbox.core.runtimes import Runtimes
 from agentbox.server.errors import install_handlers
 from agentbox.store.db import Store
+
+if TYPE_CHECKING:
+    from agentbox.server.limits import ServerLimits
 
 GROUP = "agentbox.surfaces"
 DEFAULT = "v1"
@@ -48,8 +52,11 @@ class Core:
     need the data dir's lock), so handlers read them per request, never at assembly.
     """
 
-    def __init__(self, settings: NetworkSettings) -> None:
+    def __init__(self, settings: NetworkSettings, limits: ServerLimits | None = None) -> None:
+        from agentbox.server.limits import ServerLimits
+
         self.settings = settings  # the operator's network settings: public URL, ports domain
+        self.limits = limits or ServerLimits()  # what clients may make the server spend
         self._services: Services | None = None
 
     def attach(self, services: Services | None) -> None:

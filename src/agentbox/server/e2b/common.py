@@ -90,6 +90,8 @@ def envd_token(core: Core, row: SandboxRow) -> str:
 def token_matches(core: Core, row: SandboxRow, given: str | None) -> bool:
     if not given:
         return False
+    if not core.limits.e2b_envd_tokens:  # the battery's positive control only
+        return True
     return hmac.compare_digest(given.encode(), envd_token(core, row).encode())
 
 
