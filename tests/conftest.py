@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import base64
-import contextlib
 import hashlib
 import io
 import json
@@ -155,22 +154,10 @@ def data_dir() -> Iterator[Path]:
 
 
 def sweep_bind_roots(data_dir: Path) -> None:
-    """Unmount and remove what the runtimes keep for `data_dir` outside it (its bind roots
-    under /run/agentbox), for a test whose runtime was not closed: the host keeps no
-    scaffolding of data dirs that no longer exist."""
+    """For a test whose runtime was not closed: inventory.sweep_bind_roots."""
     from agentbox.battery import inventory
-    from agentbox.runtimes.process import hostview
 
-    data = data_dir.resolve()
-    for root in inventory.footprint(data_dir).roots:
-        if root.is_relative_to(data) or not root.is_dir():
-            continue
-        with open("/proc/self/mountinfo") as f:
-            points = [line.split()[4] for line in f]
-        for point in sorted((p for p in points if Path(p).is_relative_to(root)), reverse=True):
-            with contextlib.suppress(OSError):
-                hostview.detach(Path(point))
-        shutil.rmtree(root, ignore_errors=True)
+    inventory.sweep_bind_roots(data_dir)
 
 
 @pytest.fixture(scope="session")

@@ -124,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
             runs.append(run)
     finally:
         oracle.remove()
+        for data_dir in workdir.glob("*/data-*"):  # every profile's server is stopped
+            inventory.sweep_bind_roots(data_dir)
         if a.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
     a.markdown.write_text(render_markdown([(r.rows, r.info) for r in runs]))

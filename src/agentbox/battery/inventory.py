@@ -26,10 +26,12 @@ test framework: the escape battery and the benchmarks use it too.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import re
+import shutil
 import time
 from collections import Counter
 from collections.abc import Iterable
@@ -481,6 +483,24 @@ def diff(before: Inventory, after: Inventory) -> list[str]:
 def leaks(before: Inventory, after: Inventory) -> list[str]:
     """Only what appeared: the part of `diff` that is a leak."""
     return [line for line in diff(before, after) if line.startswith("leaked ")]
+
+
+def sweep_bind_roots(data_dir: Path) -> None:
+    """Unmount and remove what the runtimes keep for `data_dir` outside it (its bind roots
+    under /run/agentbox), once no server will use the data dir again: the host keeps no
+    scaffolding of data dirs that no longer exist."""
+    from agentbox.runtimes.process import hostview
+
+    data = data_dir.resolve()
+    for root in footprint(data_dir).roots:
+        if root.is_relative_to(data) or not root.is_dir():
+            continue
+        with open("/proc/self/mountinfo") as f:
+            points = [line.split()[4] for line in f]
+        for point in sorted((p for p in points if Path(p).is_relative_to(root)), reverse=True):
+            with contextlib.suppress(OSError):
+                hostview.detach(Path(point))
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:

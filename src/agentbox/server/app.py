@@ -51,6 +51,7 @@ def create_app(
     limits: ServerLimits | None = None,
     with_surfaces: Sequence[Surface] | None = None,
     default_template: str = DEFAULT_TEMPLATE,
+    check_templates: bool = True,
 ) -> FastAPI:
     """The HTTP API over one data dir and its runtimes (`runtime_name`: comma-separated names,
     the first the default for new sandboxes; `runtime_config` goes to its constructor).
@@ -59,7 +60,8 @@ def create_app(
     `warm_pools` maps template names to pool sizes; `network` holds the operator's egress and
     exposed-ports settings; `limits` what clients may make the server spend; `with_surfaces`
     the surfaces served (default: every one available, the /v1 API first);
-    `default_template` what a create that names none gets (`host`: the host's userland).
+    `default_template` what a create that names none gets (`host`: the host's userland);
+    `check_templates`: start a sandbox of each template at start-up, to name those that cannot.
     """
     data_dir = data_dir.resolve()
     limits = limits or ServerLimits()
@@ -115,7 +117,7 @@ def create_app(
         manager = SandboxManager(
             store, runtime, templates, netsvc, warm_pools, default_quota=limits.tenant_quota,
             default_template=default_template, follow_links=not limits.host_files_nofollow,
-            **health,
+            check_templates=check_templates, **health,
         )  # fmt: skip
         await manager.start()
         log_keeper = LogKeeper(store, limits.logs)
@@ -267,6 +269,7 @@ def serve(
     network: NetworkSettings | None = None,
     limits: ServerLimits | None = None,
     default_template: str = DEFAULT_TEMPLATE,
+    check_templates: bool = True,
 ) -> None:
     """Run the server in the foreground until SIGINT/SIGTERM (sandboxes keep running)."""
     import uvicorn
@@ -301,6 +304,7 @@ def serve(
         network,
         limits,
         default_template=default_template,
+        check_templates=check_templates,
     )
     started = time.monotonic()
     log.info(
