@@ -487,12 +487,16 @@ def leaks(before: Inventory, after: Inventory) -> list[str]:
 
 def sweep_bind_roots(data_dir: Path) -> None:
     """Unmount and remove what the runtimes keep for `data_dir` outside it (its bind roots
-    under /run/agentbox), once no server will use the data dir again: the host keeps no
-    scaffolding of data dirs that no longer exist."""
+    under /run/agentbox, its cgroup groups once empty), once no server will use the data dir
+    again: the host keeps no scaffolding of data dirs that no longer exist."""
     from agentbox.runtimes.process import hostview
 
     data = data_dir.resolve()
-    for root in footprint(data_dir).roots:
+    fp = footprint(data_dir)
+    for group in reversed(_cgroup_dirs(fp, CGROUP_ROOT)):  # deepest first
+        with contextlib.suppress(OSError):
+            os.rmdir(group)
+    for root in fp.roots:
         if root.is_relative_to(data) or not root.is_dir():
             continue
         with open("/proc/self/mountinfo") as f:
