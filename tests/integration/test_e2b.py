@@ -108,3 +108,25 @@ def test_envd_headers_never_reach_the_api_without_a_token(server: ServerHandle) 
     # The control plane asks for an API key like /v1.
     r = httpx.post(f"{server.url}/v2/sandboxes", json={"templateID": "host"}, timeout=10)
     assert r.status_code == 401, r.text
+
+
+def test_a_create_retried_with_its_idempotency_key_makes_one_sandbox(server: ServerHandle) -> None:
+    """E2B's newer SDKs send `Idempotency-Key` on creates so that a retry after a lost answer
+    does not make a second sandbox."""
+    key = server.make_key(f"e2b-idem-{time.monotonic_ns() % 10**9}")
+    body = {"templateID": "host", "timeout": 60}
+    with httpx.Client(base_url=server.url, headers={"X-API-KEY": key}, timeout=30) as c:
+        made = [c.post("/v2/sandboxes", json=body, headers={"Idempotency-Key": k}) for k in "aab"]
+        assert [r.status_code for r in made] == [201] * 3, [r.text for r in made]
+        ids = [r.json()["sandboxID"] for r in made]
+        assert ids[0] == ids[1] != ids[2], ids
+        listed = c.get("/v2/sandboxes").json()
+        assert sorted(s["sandboxID"] for s in listed) == sorted({*ids}), listed
+        r = c.post("/v2/sandboxes", json=body, headers={"Idempotency-Key": "Not Valid"})
+        assert r.status_code == 400 and "Idempotency-Key" in r.json()["message"], r.text
+        for sid in {*ids}:
+            assert c.delete(f"/sandboxes/{sid}").status_code == 204
+        # The key's sandbox has ended: a retry says so, and makes none.
+        r = c.post("/v2/sandboxes", json=body, headers={"Idempotency-Key": "a"})
+        assert r.status_code == 404 and ids[0] in r.json()["message"], r.text
+        assert c.get("/v2/sandboxes").json() == []

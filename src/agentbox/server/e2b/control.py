@@ -5,12 +5,14 @@ tenant's agentbox key, sent as `X-API-KEY` (the SDK's header; headers are case-b
 from __future__ import annotations
 
 import asyncio
+import re
 import time
+from collections import OrderedDict
 from datetime import datetime
 from typing import Annotated, Any
 from urllib.parse import parse_qsl
 
-from fastapi import APIRouter, Query, Response
+from fastapi import APIRouter, Header, Query, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -218,14 +220,62 @@ def _metadata(query: str | None) -> dict[str, str]:
     return dict(parse_qsl(query, keep_blank_values=True, max_num_fields=64))
 
 
+class Idempotency:
+    """Creates by `Idempotency-Key`: the same key from the same tenant within a day answers
+    with the sandbox the first create made, never makes a second. Creates that carry a key
+    are made one at a time per tenant; each tenant keeps its newest keys only."""
+
+    TTL = 86_400.0
+    PER_TENANT = 1000
+    KEY = re.compile(r"[a-z0-9-]{1,255}")
+
+    def __init__(self) -> None:
+        self._made: dict[str, OrderedDict[str, tuple[float, str]]] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    def lock(self, tenant: str) -> asyncio.Lock:
+        return self._locks.setdefault(tenant, asyncio.Lock())
+
+    def made(self, tenant: str, key: str) -> str | None:
+        """The sandbox the key made, if it did within the TTL."""
+        if not self.KEY.fullmatch(key):
+            raise InvalidRequest(
+                "Idempotency-Key must be 1-255 lowercase letters, digits and hyphens"
+            )
+        found = self._made.get(tenant, OrderedDict()).get(key)
+        return found[1] if found is not None and found[0] > time.time() else None
+
+    def record(self, tenant: str, key: str, sandbox_id: str) -> None:
+        keys = self._made.setdefault(tenant, OrderedDict())
+        keys[key] = (time.time() + self.TTL, sandbox_id)
+        keys.move_to_end(key)
+        while len(keys) > self.PER_TENANT:
+            keys.popitem(last=False)
+
+
 def control_surface(core: Core) -> SurfaceRoutes:
     r = APIRouter(route_class=E2BRoute, tags=["e2b"], include_in_schema=False)
+    idempotency = Idempotency()
 
-    async def create(body: NewSandbox, mgr: Mgr, who: Who) -> JSONResponse:
+    async def create(
+        body: NewSandbox,
+        mgr: Mgr,
+        who: Who,
+        idempotency_key: Annotated[str | None, Header(max_length=255)] = None,
+    ) -> JSONResponse:
         why = _unsupported(body)
         if why:
             raise InvalidRequest(why)
-        row = await mgr.create(who, _create_request(body))
+        if idempotency_key is None:
+            row = await mgr.create(who, _create_request(body))
+        else:
+            async with idempotency.lock(who.tenant):
+                made = idempotency.made(who.tenant, idempotency_key)
+                if made is not None:
+                    row, _ = _alive(mgr, who, made)
+                else:
+                    row = await mgr.create(who, _create_request(body))
+                    idempotency.record(who.tenant, idempotency_key, row.sandbox_id)
         if row.state != "running":
             row = await _until_started(mgr, who, row)
         return JSONResponse(status_code=201, content=created(row, core))
