@@ -17,7 +17,7 @@ import httpx
 
 from agentbox.battery.checks import Ctx, Verdict, blocked, check
 from agentbox.battery.netns import RELAY_WRITE_TIMEOUT
-from agentbox.battery.target import Box
+from agentbox.battery.target import Box, answers
 
 # Servers run inside a sandbox (stdlib only). Each takes its port as argv[1].
 
@@ -252,6 +252,7 @@ def _gw_trickle(ctx: Ctx) -> Verdict:
     reader.join(10)
     time.sleep(2)
     flood = _log_lines(ctx) - lines
+    answers(ctx.server.url, 40)  # starved by a control while its hostile server runs
     _kill(box)
     if got["bytes"] < 50_000:
         return Verdict("ERROR", evidence=f"the trickle never reached the client: {got}")
@@ -295,6 +296,7 @@ def _gw_ping_flood(ctx: Ctx) -> Verdict:
         _kill(box)
         return Verdict("ERROR", evidence=f"{type(e).__name__}: {e}"[:300])
     during, _ = _health_p50(ctx.server.url, 5)
+    answers(ctx.server.url, 40)  # starved by a control while its hostile server runs
     _kill(box)
     if cut is None:
         return Verdict("BROKEN", ["DOS"], "the ping flood was relayed for 6 s without a cut")

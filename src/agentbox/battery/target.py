@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,16 +36,24 @@ BATTERY_RESOURCES = {
 }
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, log_path: Path, timeout: float = 30) -> None:
-    """Wait until a just-started server answers /v1/health; RuntimeError with its log if not."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and proc.poll() is None:
+def answers(url: str, within: float, alive: Callable[[], bool] = lambda: True) -> bool:
+    """Whether the server at `url` answers /v1/health within `within` seconds (asked until
+    then, while `alive`)."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline and alive():
         try:
             if httpx.get(f"{url}/v1/health", timeout=1).status_code == 200:
-                return
+                return True
         except httpx.HTTPError:
             pass
         time.sleep(0.05)
+    return False
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, log_path: Path, timeout: float = 30) -> None:
+    """Wait until a just-started server answers /v1/health; RuntimeError with its log if not."""
+    if answers(url, timeout, lambda: proc.poll() is None):
+        return
     state = "exited" if proc.poll() is not None else "did not come up"
     try:
         log = log_path.read_text(errors="replace")[-3000:]
