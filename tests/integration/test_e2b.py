@@ -128,5 +128,41 @@ def test_a_create_retried_with_its_idempotency_key_makes_one_sandbox(server: Ser
             assert c.delete(f"/sandboxes/{sid}").status_code == 204
         # The key's sandbox has ended: a retry says so, and makes none.
         r = c.post("/v2/sandboxes", json=body, headers={"Idempotency-Key": "a"})
-        assert r.status_code == 404 and ids[0] in r.json()["message"], r.text
+        assert r.status_code == 409 and ids[0] in r.json()["message"], r.text
         assert c.get("/v2/sandboxes").json() == []
+
+
+def test_malformed_e2b_requests_get_a_4xx(server: ServerHandle) -> None:
+    """Filters, boundaries and part counts past what is served are refused with a reason."""
+    key = server.make_key(f"e2b-bad-{time.monotonic_ns() % 10**9}")
+    with httpx.Client(base_url=server.url, headers={"X-API-KEY": key}, timeout=30) as c:
+        meta = "&".join(f"k{i}=v" for i in range(65))
+        r = c.get("/v2/sandboxes", params={"metadata": meta})
+        assert r.status_code == 400 and "64" in r.json()["message"], r.text
+        made = c.post("/v2/sandboxes", json={"templateID": "host", "timeout": 60}).json()
+        envd = {
+            "E2b-Sandbox-Id": made["sandboxID"],
+            "E2b-Sandbox-Port": "49983",
+            "X-Access-Token": made["envdAccessToken"],
+        }
+        try:
+            long = "b" * 300
+            r = c.post(
+                "/files",
+                content=f"--{long}--\r\n".encode(),
+                headers={**envd, "Content-Type": f"multipart/form-data; boundary={long}"},
+            )
+            assert r.status_code == 400 and "boundary" in r.json()["message"], r.text
+            empty = b"".join(
+                b'--b\r\nContent-Disposition: form-data; name="file"; filename="/tmp/e%d"\r\n\r\n'
+                b"\r\n" % i
+                for i in range(300)
+            )
+            r = c.post(
+                "/files",
+                content=empty + b"--b--\r\n",
+                headers={**envd, "Content-Type": "multipart/form-data; boundary=b"},
+            )
+            assert r.status_code == 400 and "256 files" in r.json()["message"], r.text
+        finally:
+            c.delete(f"/sandboxes/{made['sandboxID']}")

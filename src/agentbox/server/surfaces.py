@@ -115,15 +115,16 @@ class Installed:
 
     open_paths: frozenset[str]
     ports: Mapping[int, ASGIApp]
-    # Claims of surfaces that authenticate their requests, and their streamed routes.
-    self_authenticated: tuple[tuple[Callable[[Scope], bool], frozenset[tuple[str, str]]], ...] = ()
+    # Every claim in the order requests are routed (the first that matches takes it): whether
+    # its surface checks its own credential, and its streamed routes.
+    claims: tuple[tuple[Callable[[Scope], bool], bool, frozenset[tuple[str, str]]], ...] = ()
 
     def own_credentials(self, scope: Scope) -> tuple[bool, bool]:
-        """Whether a surface that checks its own credentials claims the request, and whether
-        its body streams."""
-        for claims, streams in self.self_authenticated:
+        """Whether the surface that takes the request checks its credential itself, and
+        whether its body streams."""
+        for claims, authenticates, streams in self.claims:
             if claims(scope):
-                return True, (scope["method"], scope["path"]) in streams
+                return authenticates, authenticates and (scope["method"], scope["path"]) in streams
         return False, False
 
 
@@ -169,7 +170,7 @@ def install(app: FastAPI, core: Core, surfaces: Iterable[Surface]) -> Installed:
     surfaces may not serve the same sandbox port.
     """
     claims: list[tuple[Callable[[Scope], bool], ASGIApp]] = []
-    own: list[tuple[Callable[[Scope], bool], frozenset[tuple[str, str]]]] = []
+    own: list[tuple[Callable[[Scope], bool], bool, frozenset[tuple[str, str]]]] = []
     open_paths: set[str] = set()
     ports: dict[int, ASGIApp] = {}
     for contribution in (surface(core) for surface in surfaces):
@@ -177,8 +178,7 @@ def install(app: FastAPI, core: Core, surfaces: Iterable[Surface]) -> Installed:
             app.include_router(contribution.router)
         else:
             claims.append((contribution.predicate, _own_app(contribution.router, core)))
-            if contribution.authenticates:
-                own.append((contribution.predicate, contribution.streams))
+            own.append((contribution.predicate, contribution.authenticates, contribution.streams))
         open_paths |= contribution.open_paths
         for port, handler in contribution.ports.items():
             if port in ports:

@@ -77,22 +77,30 @@ class E2BRoute(APIRoute):
 
 
 def envd_token(core: Core, row: SandboxRow) -> str:
+    return _token(core, row.sandbox_id, row.access_token or "")
+
+
+def _token(core: Core, sandbox_id: str, access_token: str) -> str:
     """The sandbox's envd access token: what E2B's SDK sends as X-Access-Token to run commands
     and reach files. Derived from its port access token with a key only the server holds, so
     the port token (which a sandbox's web users may hold) does not give it, and rotating the
     port token (POST /v1/sandboxes/{id}/access-token) rotates this one too."""
     key = core.network.derived_key("e2b-envd")
-    msg = f"{row.sandbox_id}:{row.access_token or ''}".encode()
+    msg = f"{sandbox_id}:{access_token}".encode()
     digest = hmac.new(key, msg, hashlib.sha256).digest()
     return "ea_" + base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
 
 
-def token_matches(core: Core, row: SandboxRow, given: str | None) -> bool:
-    if not given:
+def token_matches(core: Core, sandbox_id: str, row: SandboxRow | None, given: str | None) -> bool:
+    """Whether `given` is the envd token of the sandbox (`row`, None for one not known); the
+    same work either way, so the answer's timing does not tell whether it exists."""
+    expected = _token(core, sandbox_id, (row.access_token or "") if row is not None else "-")
+    same = hmac.compare_digest((given or "").encode(), expected.encode())
+    if row is None or not given:
         return False
     if not core.limits.e2b_envd_tokens:  # the battery's positive control only
         return True
-    return hmac.compare_digest(given.encode(), envd_token(core, row).encode())
+    return same
 
 
 def e2b_state(row: SandboxRow) -> str | None:

@@ -8,11 +8,11 @@ import asyncio
 import re
 import time
 from collections import OrderedDict
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Annotated, Any
 from urllib.parse import parse_qsl
 
-from fastapi import APIRouter, Header, Query, Response
+from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -173,11 +173,16 @@ def _alive(mgr: SandboxManager, who: Caller, sandbox_id: str) -> tuple[SandboxRo
     return row, state
 
 
-async def _until_started(mgr: SandboxManager, who: Caller, row: SandboxRow) -> SandboxRow:
-    """A sandbox waiting for its template's first-use build, once it runs (or failed)."""
+async def _until_started(
+    mgr: SandboxManager, who: Caller, row: SandboxRow, request: Request
+) -> SandboxRow:
+    """A sandbox waiting for its template's first-use build (or starting again from its disk),
+    once it runs (or failed); no longer than its client waits."""
     deadline = time.monotonic() + BUILD_WAIT_S
     while row.state in ("building", "starting") and time.monotonic() < deadline:
         await asyncio.sleep(0.2)
+        if await request.is_disconnected():
+            raise Conflict(f"the client left before sandbox {row.sandbox_id} started")
         row = mgr.get(who, row.sandbox_id)
     if e2b_state(row) != "running":
         raise Conflict(
@@ -217,7 +222,10 @@ def _metadata(query: str | None) -> dict[str, str]:
     """E2B's metadata filter: one query parameter holding `k=v&k2=v2`, each part quoted."""
     if not query:
         return {}
-    return dict(parse_qsl(query, keep_blank_values=True, max_num_fields=64))
+    try:
+        return dict(parse_qsl(query, keep_blank_values=True, max_num_fields=64))
+    except ValueError:
+        raise InvalidRequest("at most 64 metadata filters") from None
 
 
 class Idempotency:
@@ -259,6 +267,7 @@ def control_surface(core: Core) -> SurfaceRoutes:
 
     async def create(
         body: NewSandbox,
+        request: Request,
         mgr: Mgr,
         who: Who,
         idempotency_key: Annotated[str | None, Header(max_length=255)] = None,
@@ -272,12 +281,18 @@ def control_surface(core: Core) -> SurfaceRoutes:
             async with idempotency.lock(who.tenant):
                 made = idempotency.made(who.tenant, idempotency_key)
                 if made is not None:
-                    row, _ = _alive(mgr, who, made)
+                    row = mgr.get(who, made)
+                    if e2b_state(row) is None:
+                        raise Conflict(
+                            f"this Idempotency-Key made sandbox {made}, which has ended; "
+                            "use a new key for a new sandbox",
+                            state=row.state,
+                        )
                 else:
                     row = await mgr.create(who, _create_request(body))
                     idempotency.record(who.tenant, idempotency_key, row.sandbox_id)
         if row.state != "running":
-            row = await _until_started(mgr, who, row)
+            row = await _until_started(mgr, who, row, request)
         return JSONResponse(status_code=201, content=created(row, core))
 
     r.add_api_route("/sandboxes", create, methods=["POST"], status_code=201)
@@ -303,13 +318,17 @@ def control_surface(core: Core) -> SurfaceRoutes:
             await mgr.set_timeout(who, sandbox_id, body.timeout)
         return Response(status_code=204)
 
-    async def connect(sandbox_id: str, mgr: Mgr, who: Who, body: ConnectBody) -> JSONResponse:
+    async def connect(
+        sandbox_id: str, request: Request, mgr: Mgr, who: Who, body: ConnectBody
+    ) -> JSONResponse:
         """Resume a paused sandbox (201), or extend a running one's timeout, never shortening
         it (200)."""
         row, state = _alive(mgr, who, sandbox_id)
+        if row.state in ("building", "starting"):
+            row = await _until_started(mgr, who, row, request)
         row = await mgr.resume(who, sandbox_id, max(body.timeout, 1))
         if row.state != "running":
-            row = await _until_started(mgr, who, row)
+            row = await _until_started(mgr, who, row, request)
         return JSONResponse(
             status_code=201 if state == "paused" else 200, content=created(row, core)
         )
@@ -318,11 +337,15 @@ def control_surface(core: Core) -> SurfaceRoutes:
     r.add_api_route("/v2/sandboxes/{sandbox_id}/connect", connect, methods=["POST"])
 
     @r.post("/sandboxes/{sandbox_id}/resume", status_code=201)
-    async def resume(sandbox_id: str, mgr: Mgr, who: Who, body: ResumeBody) -> JSONResponse:
+    async def resume(
+        sandbox_id: str, request: Request, mgr: Mgr, who: Who, body: ResumeBody
+    ) -> JSONResponse:
         _, state = _alive(mgr, who, sandbox_id)
         if state != "paused":
             raise Conflict(f"sandbox {sandbox_id} is not paused", state=state)
         row = await mgr.resume(who, sandbox_id, max(body.timeout, 1))
+        if row.state != "running":
+            row = await _until_started(mgr, who, row, request)
         return JSONResponse(status_code=201, content=created(row, core))
 
     @r.post("/sandboxes/{sandbox_id}/pause", status_code=204)
@@ -344,6 +367,8 @@ def control_surface(core: Core) -> SurfaceRoutes:
         next_token: str | None,
         ascending: bool,
     ) -> tuple[list[dict[str, Any]], str | None]:
+        if started_after is not None and started_after.tzinfo is None:
+            started_after = started_after.replace(tzinfo=UTC)  # E2B's times are UTC
         after = started_after.timestamp() if started_after is not None else None
 
         def match(row: SandboxRow) -> bool:

@@ -49,7 +49,7 @@ class _Sandbox:
         paused = mgr.paused_row(self.id)
         row: SandboxRow | None = self.running or paused
         given = request.headers.get("x-access-token")
-        self.row = row if row is not None and token_matches(core, row, given) else None
+        self.row = row if token_matches(core, self.id, row, given) else None
         if self.row is not None:
             conn = request.scope.get("agentbox.connection")
             if conn is not None:  # a valid credential: not an anonymous connection
@@ -187,18 +187,22 @@ async def _multipart(
 ) -> list[dict[str, Any]]:
     """Stream each file part of a multipart body into the sandbox, one after the other."""
     events: list[tuple[str, bytes]] = []
-    parser = MultipartParser(
-        boundary,
-        {
-            "on_part_begin": lambda: events.append(("begin", b"")),
-            "on_header_field": lambda d, s, e: events.append(("field", bytes(d[s:e]))),
-            "on_header_value": lambda d, s, e: events.append(("value", bytes(d[s:e]))),
-            "on_header_end": lambda: events.append(("header_end", b"")),
-            "on_part_data": lambda d, s, e: events.append(("data", bytes(d[s:e]))),
-            "on_part_end": lambda: events.append(("end", b"")),
-        },
-        max_header_count=16,
-    )
+    try:
+        parser = MultipartParser(
+            boundary,
+            {
+                "on_part_begin": lambda: events.append(("begin", b"")),
+                "on_header_field": lambda d, s, e: events.append(("field", bytes(d[s:e]))),
+                "on_header_value": lambda d, s, e: events.append(("value", bytes(d[s:e]))),
+                "on_header_end": lambda: events.append(("header_end", b"")),
+                "on_part_data": lambda d, s, e: events.append(("data", bytes(d[s:e]))),
+                "on_part_end": lambda: events.append(("end", b"")),
+            },
+            max_header_count=16,
+            max_header_size=8192,
+        )
+    except Exception as e:  # a boundary it refuses (too long, ...)
+        raise InvalidRequest(f"the multipart boundary is not usable: {e}") from None
     written: list[dict[str, Any]] = []
     queue: asyncio.Queue[bytes | None] | None = None
     writer: asyncio.Task[dict[str, Any]] | None = None
@@ -258,6 +262,9 @@ async def _multipart(
                         _, opts = parse_options_header(disposition)
                         name = opts.get(b"filename")
                         if name is not None:
+                            parts += 1
+                            if parts > MAX_UPLOAD_PARTS:
+                                raise LimitExceeded(f"at most {MAX_UPLOAD_PARTS} files per upload")
                             target = path or name.decode("utf-8", "replace")
                             entry = await core.manager.write_file(
                                 caller, sandbox_id, target, _nothing(), user
@@ -272,6 +279,7 @@ async def _multipart(
     finally:
         if writer is not None and not writer.done():
             writer.cancel()
+            await asyncio.gather(writer, return_exceptions=True)
     if queue is not None:
         raise InvalidRequest("the multipart body ended inside a part")
     return written
