@@ -377,3 +377,112 @@ def serving_app(app: Any) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+# ---------------------------------------------------------------- the battery, beside the rest
+#
+# The escape battery is one long subprocess that mostly waits (servers starting, timeouts
+# expiring). When a run selects it, it starts as soon as collection ends and runs beside the
+# integration and unit tests; test_escape_battery then only collects its result. Reliability
+# tests, which want a quiet machine, run after it.
+
+ORDER = {"integration": 0, "unit": 1, "security": 2, "reliability": 3}
+BATTERY_TEST = "tests/security/test_battery.py::test_escape_battery"
+BATTERY_TIMEOUT = 2900.0
+BATTERY_KEY = pytest.StashKey["BatteryRun"]()
+
+
+@dataclass
+class BatteryRun:
+    """The battery subprocess started for this session, and where it writes."""
+
+    workdir: Path
+    tiers: list[str]
+    proc: subprocess.Popen | None = None
+    started: float = 0.0
+    failed: str = ""
+
+    @property
+    def markdown(self) -> Path:
+        return self.workdir / "scorecard.md"
+
+    @property
+    def json(self) -> Path:
+        return self.workdir / "scorecard.json"
+
+    def start(self) -> None:
+        templates = self.workdir / "templates"
+        try:
+            build_shipped("base")  # the session needs it anyway; the battery's store links it
+            seed_template_store(templates)
+        except Exception as e:  # the battery test reports it
+            self.failed = f"could not prepare the battery's template store: {e!r}"
+            return
+        argv = [sys.executable, "-m", "agentbox.battery", "--runtime", ",".join(self.tiers)]
+        argv += ["--markdown", str(self.markdown), "--json", str(self.json)]
+        # The battery's template shares its Debian base with the test run's templates, in a
+        # store of its own (the shared one's index stays the test run's).
+        argv += ["--template-dir", str(templates)]
+        with open(self.workdir / "stdout", "wb") as out, open(self.workdir / "stderr", "wb") as err:
+            self.proc = subprocess.Popen(argv, stdout=out, stderr=err, start_new_session=True)
+        self.started = time.monotonic()
+
+    def wait(self) -> str:
+        """Waits for the battery to end; returns the tail of its output."""
+        if self.proc is not None:
+            left = BATTERY_TIMEOUT - (time.monotonic() - self.started)
+            try:
+                self.proc.wait(timeout=max(left, 1.0))
+            except subprocess.TimeoutExpired:
+                self.stop()
+                self.failed = f"the battery ran longer than {BATTERY_TIMEOUT:.0f} s"
+        tails = [self.failed]
+        for name in ("stdout", "stderr"):
+            if (self.workdir / name).exists():
+                tails.append((self.workdir / name).read_text(errors="replace")[-3000:])
+        return "\n".join(tails)
+
+    def stop(self) -> None:
+        """Interrupts the battery, which then stops its servers and removes what it planted."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGINT)
+        try:
+            self.proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def battery_tiers() -> list[str]:
+    """Every isolation tier installed here."""
+    tiers = ["process"]
+    tiers += [
+        t for t, binary in (("container", "runc"), ("gvisor", "runsc")) if shutil.which(binary)
+    ]
+    return tiers
+
+
+def _place(item: pytest.Item) -> int:
+    parts = item.nodeid.split("/")
+    return ORDER.get(parts[1], 1) if len(parts) > 2 else 1
+
+
+@pytest.hookimpl(trylast=True)  # after -k and -m have deselected
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=_place)
+    wanted = any(item.nodeid == BATTERY_TEST for item in items)
+    if not wanted or os.geteuid() != 0 or config.option.collectonly:
+        return
+    import tempfile
+
+    run = BatteryRun(Path(tempfile.mkdtemp(prefix="agentbox-battery-")), battery_tiers())
+    config.stash[BATTERY_KEY] = run
+    run.start()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    run = session.config.stash.get(BATTERY_KEY, None)
+    if run is not None:
+        run.stop()
+        shutil.rmtree(run.workdir, ignore_errors=True)

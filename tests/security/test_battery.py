@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import seed_template_store
+from conftest import BATTERY_KEY, BatteryRun, battery_tiers
 
 from agentbox.battery.__main__ import CONTROL_PLANE_ONLY
 from agentbox.battery.checks import CHECKS
@@ -36,46 +36,20 @@ KNOWN_GAPS: dict[str, dict[str, str]] = {
 }
 
 
-def _tiers() -> list[str]:
-    tiers = ["process"]
-    tiers += [
-        t for t, binary in (("container", "runc"), ("gvisor", "runsc")) if shutil.which(binary)
-    ]
-    return tiers
-
-
 @pytest.mark.timeout(3000)
 @pytest.mark.skipif(os.geteuid() != 0, reason="the battery needs root")
-def test_escape_battery(tmp_path: Path) -> None:
+def test_escape_battery(request: pytest.FixtureRequest, tmp_path: Path) -> None:
     """The battery on every installed tier, as the committed scorecard is made: each check
     BLOCKED (or N/A) on each tier's shipped configuration but for the tier's known gaps, and
     every positive control BROKEN (on the tier weakened, or on the process tier where the tier
     cannot be weakened so)."""
-    md, js = tmp_path / "scorecard.md", tmp_path / "scorecard.json"
-    templates = tmp_path / "templates"
-    seed_template_store(templates)
-    tiers = _tiers()
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "agentbox.battery",
-            "--runtime",
-            ",".join(tiers),
-            "--markdown",
-            str(md),
-            "--json",
-            str(js),
-            # The battery's template shares its Debian base with the test run's templates,
-            # in a store of its own (the shared one's index stays the test run's).
-            "--template-dir",
-            str(templates),
-        ],  # fmt: skip
-        capture_output=True,
-        text=True,
-        timeout=2900,
-    )
-    assert js.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = request.config.stash.get(BATTERY_KEY, None)
+    if run is None:  # started by conftest when a run selects this test; here if it did not
+        run = BatteryRun(tmp_path, battery_tiers())
+        run.start()
+    tail = run.wait()
+    md, js, tiers = run.markdown, run.json, run.tiers
+    assert js.exists(), tail
     keep = os.environ.get("AGENTBOX_BATTERY_KEEP")  # a directory: the scorecard is copied there
     if keep:
         for f in (md, js):
