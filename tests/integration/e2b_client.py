@@ -16,7 +16,7 @@ import sys
 from datetime import UTC, datetime, timedelta
 
 import httpx
-from e2b import Sandbox, SandboxQuery, SandboxState
+from e2b import CommandExitException, Sandbox, SandboxQuery, SandboxState
 from e2b.exceptions import (
     AuthenticationException,
     FileNotFoundException,
@@ -170,6 +170,105 @@ def files() -> None:
         sbx.kill()
 
 
+def commands() -> None:
+    """envd's process RPC: foreground, background, stdin, signals, list, connect, users."""
+    sbx = Sandbox.create(TEMPLATE, timeout=120)
+    try:
+        r = sbx.commands.run("echo out; echo err >&2")
+        assert (r.exit_code, r.stdout, r.stderr, r.error) == (0, "out\n", "err\n", None), r
+        ok("run")
+
+        seen: list[str] = []
+        r = sbx.commands.run(
+            "for i in 1 2 3; do echo $i; sleep 0.2; done; echo $A",
+            envs={"A": "env"},
+            on_stdout=seen.append,
+        )
+        assert r.stdout == "1\n2\n3\nenv\n" and "".join(seen) == r.stdout, (r, seen)
+        assert sbx.commands.run("pwd", cwd="/tmp").stdout == "/tmp\n"
+        ok("stream_envs_cwd")
+
+        try:
+            sbx.commands.run("echo bad >&2; exit 3")
+        except CommandExitException as e:
+            assert e.exit_code == 3 and e.stderr == "bad\n", e
+        else:
+            raise AssertionError("a failing command did not raise")
+        ok("exit_code")
+
+        assert sbx.commands.run("id -un").stdout.strip() == "user"
+        assert sbx.commands.run("id -un", user="root").stdout.strip() == "root"
+        ok("users")
+
+        h = sbx.commands.run("sleep 60", background=True)
+        assert h.pid > 0
+        assert h.pid in [p.pid for p in sbx.commands.list()], sbx.commands.list()
+        listed = next(p for p in sbx.commands.list() if p.pid == h.pid)
+        assert listed.cmd == "/bin/bash" and listed.args[-1] == "sleep 60", listed
+        assert sbx.commands.kill(h.pid) is True
+        try:
+            h.wait()
+        except CommandExitException as e:
+            assert e.exit_code != 0, e
+        assert h.pid not in [p.pid for p in sbx.commands.list()]
+        assert sbx.commands.kill(h.pid) is False  # gone: envd's "not found"
+        ok("background_kill")
+
+        h = sbx.commands.run("read line; echo got:$line", background=True, stdin=True)
+        sbx.commands.send_stdin(h.pid, "hello\n")
+        assert h.wait().stdout == "got:hello\n"
+        ok("stdin")
+
+        h = sbx.commands.run("echo first; sleep 1; echo second", background=True)
+        again = sbx.commands.connect(h.pid)
+        assert "second" in again.wait().stdout
+        ok("connect")
+    finally:
+        sbx.kill()
+
+
+def filesystem() -> None:
+    """envd's filesystem RPC: make_dir, list (with depth), exists, get_info, rename, remove."""
+    sbx = Sandbox.create(TEMPLATE, timeout=120)
+    try:
+        assert sbx.files.make_dir("/tmp/fs/sub") is True
+        assert sbx.files.make_dir("/tmp/fs/sub") is False  # there already
+        sbx.files.write("/tmp/fs/sub/a.txt", "abc")
+        info = sbx.files.get_info("/tmp/fs/sub/a.txt")
+        assert (info.name, info.type.value, info.size) == ("a.txt", "file", 3), info
+        assert info.permissions.startswith("rw"), info
+        ok("make_dir_info")
+
+        top = sbx.files.list("/tmp/fs")
+        assert [(e.name, e.type.value) for e in top] == [("sub", "dir")], top
+        deep = {e.path for e in sbx.files.list("/tmp/fs", depth=2)}
+        assert deep == {"/tmp/fs/sub", "/tmp/fs/sub/a.txt"}, deep
+        ok("list")
+
+        sbx.commands.run("ln -s sub/a.txt /tmp/fs/link")  # every SDK line decodes its entry
+        link = next(e for e in sbx.files.list("/tmp/fs") if e.name == "link")
+        assert link.symlink_target == "sub/a.txt" and link.type.value == "symlink", link
+        sbx.files.remove("/tmp/fs/link")
+        ok("symlink")
+
+        moved = sbx.files.rename("/tmp/fs/sub/a.txt", "/tmp/fs/b.txt")
+        assert moved.path == "/tmp/fs/b.txt", moved
+        assert sbx.files.exists("/tmp/fs/b.txt") and not sbx.files.exists("/tmp/fs/sub/a.txt")
+        sbx.files.remove("/tmp/fs/b.txt")
+        assert not sbx.files.exists("/tmp/fs/b.txt")
+        ok("rename_remove")
+
+        try:
+            sbx.files.get_info("/tmp/fs/nothing")
+        except FileNotFoundException:
+            pass
+        else:
+            raise AssertionError("stat of a missing path did not raise")
+        ok("missing")
+    finally:
+        sbx.kill()
+
+
 def tenants() -> None:
     """Another tenant's key sees nothing of this tenant's sandbox; no key gets 401."""
     sbx = Sandbox.create(TEMPLATE, timeout=60)
@@ -213,6 +312,6 @@ def refusals() -> None:
 
 
 if __name__ == "__main__":
-    {"lifecycle": lifecycle, "files": files, "tenants": tenants, "refusals": refusals}[
-        sys.argv[1]
-    ]()
+    scenarios = {"lifecycle": lifecycle, "files": files, "tenants": tenants}
+    scenarios |= {"refusals": refusals, "commands": commands, "filesystem": filesystem}
+    scenarios[sys.argv[1]]()

@@ -1,7 +1,7 @@
 """E2B's sandbox traffic (`E2B_SANDBOX_URL`): requests that carry `E2b-Sandbox-Id` and
 `E2b-Sandbox-Port` are a sandbox's, whatever their path. On port 49983 (envd) this serves
-`/health` and `/files`; the token is the sandbox's envd access token (`X-Access-Token`), never
-an API key.
+`/health`, `/files` and envd's Connect RPC (rpc.py); the token is the sandbox's envd access
+token (`X-Access-Token`), never an API key.
 
 Without a valid token a sandbox looks the same whether it exists or not: `/health` answers 502
 (E2B's "not running"), every other route 401.
@@ -21,6 +21,7 @@ from starlette.types import Scope
 from agentbox.core.auth import Caller
 from agentbox.core.errors import InvalidRequest, LimitExceeded, Unauthorized
 from agentbox.server.e2b.common import ENVD_PORT, E2BRoute, e2b_error, token_matches
+from agentbox.server.e2b.rpc import PROCESS_PATH, rpc_apps
 from agentbox.server.streaming import Streamed
 from agentbox.server.surfaces import Core, SurfaceRoutes
 from agentbox.store.db import SandboxRow
@@ -135,9 +136,10 @@ def envd_surface(core: Core) -> SurfaceRoutes:
         entry = await core.manager.write_file(caller, box.id, path, body, user)
         return [_written(entry)]
 
-    return SurfaceRoutes(
-        router=r, predicate=claims, authenticates=True, streams=frozenset({("POST", FILES)})
-    )
+    for prefix, app in rpc_apps(core, _Sandbox).items():  # envd's Connect RPC
+        r.mount(prefix, app)
+    streams = frozenset({("POST", FILES), ("POST", f"{PROCESS_PATH}/StreamInput")})
+    return SurfaceRoutes(router=r, predicate=claims, authenticates=True, streams=streams)
 
 
 def _written(entry: dict[str, Any]) -> dict[str, Any]:

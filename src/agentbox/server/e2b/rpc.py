@@ -1,0 +1,532 @@
+"""envd's RPC as the E2B SDKs speak it: the Connect protocol (JSON codec, HTTP/1.1) for
+`process.Process` and `filesystem.Filesystem`, on the envd surface (requests that carry
+`E2b-Sandbox-Id` and `E2b-Sandbox-Port: 49983`).
+
+The Connect framing, codecs and errors are connectrpc's; the messages are generated from
+proto/envd (`wire/`, scripts/gen-envd.sh). Each method is one call into the core, as the /v1
+API's: the sandbox's envd token names the tenant, the core checks and audits. A process is an
+agentbox command: its pid is the one the sandbox sees, its output streams as E2B's events.
+
+Not served yet (UNIMPLEMENTED, with what to use instead): PTY terminals (`pty` on Start,
+Update) and directory watching (WatchDir and the watcher calls).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import shlex
+import signal
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from contextvars import ContextVar
+from typing import Any, TypeVar, cast
+
+from connectrpc.code import Code
+from connectrpc.errors import ConnectError
+from connectrpc.request import RequestContext
+from protobuf import Oneof
+from protobuf.wkt.google.protobuf.timestamp_pb import Timestamp
+from starlette.requests import Request
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from agentbox.core.auth import Caller
+from agentbox.core.errors import AgentboxError
+from agentbox.core.requests import CommandRequest
+from agentbox.server.e2b.wire.filesystem import filesystem_pb as fs
+from agentbox.server.e2b.wire.filesystem.filesystem_connect import (
+    Filesystem,
+    FilesystemASGIApplication,
+)
+from agentbox.server.e2b.wire.process import process_pb as pb
+from agentbox.server.e2b.wire.process.process_connect import Process, ProcessASGIApplication
+from agentbox.server.surfaces import Core
+from agentbox.vocab import status_of
+
+T = TypeVar("T")
+
+PROCESS_PATH = "/process.Process"
+FILESYSTEM_PATH = "/filesystem.Filesystem"
+KEEPALIVE_S = 30.0  # a silent stream carries a keepalive event this often (the SDK asks 50 s)
+MAX_LIST_ENTRIES = 10_000  # ListDir answers in one message; deeper trees are refused, said so
+READ_MAX_BYTES = 4 << 20  # one request message (stdin chunks are far smaller)
+MAX_KNOWN_PROCESSES = 4096  # E2B configs and tags kept for List and tag selectors, newest
+
+# The request's sandbox, set by _Authenticated for the call it wraps.
+_BOX: ContextVar[Any] = ContextVar("agentbox_e2b_box")
+
+_STATUS_CODES = {
+    400: Code.INVALID_ARGUMENT,
+    401: Code.UNAUTHENTICATED,
+    403: Code.PERMISSION_DENIED,
+    404: Code.NOT_FOUND,
+    408: Code.DEADLINE_EXCEEDED,
+    409: Code.FAILED_PRECONDITION,
+    413: Code.RESOURCE_EXHAUSTED,
+    429: Code.RESOURCE_EXHAUSTED,
+    503: Code.UNAVAILABLE,
+    504: Code.DEADLINE_EXCEEDED,
+    507: Code.RESOURCE_EXHAUSTED,
+}
+_CODE_OVERRIDES = {
+    "path_exists": Code.ALREADY_EXISTS,
+    "path_not_found": Code.NOT_FOUND,
+    "sandbox_not_running": Code.UNAVAILABLE,
+}
+
+
+def connect_error(e: AgentboxError) -> ConnectError:
+    """A core error as Connect says it: the status's code, the message unchanged."""
+    code = _CODE_OVERRIDES.get(e.code) or _STATUS_CODES.get(status_of(e.code), Code.INTERNAL)
+    return ConnectError(code, e.message)
+
+
+@asynccontextmanager
+async def _said() -> AsyncIterator[None]:
+    try:
+        yield
+    except AgentboxError as e:
+        raise connect_error(e) from None
+
+
+async def _call(work: Awaitable[T]) -> T:
+    async with _said():
+        return await work
+
+
+class _Authenticated:
+    """ASGI: the request's sandbox, from its headers and envd token, for the service methods
+    (a method of a request without a valid token is UNAUTHENTICATED)."""
+
+    def __init__(self, core: Core, app: ASGIApp, sandbox: Callable[[Core, Request], Any]) -> None:
+        self.core, self.app, self.sandbox = core, app, sandbox
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        box = self.sandbox(self.core, Request(scope))
+        token = _BOX.set(box)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            _BOX.reset(token)
+
+
+def _caller() -> tuple[Caller, str]:
+    """Who acts, by the request's envd token, and on which sandbox."""
+    box = _BOX.get()
+    try:
+        return box.caller(), box.id
+    except AgentboxError as e:
+        raise connect_error(e) from None
+
+
+def _user(ctx: RequestContext) -> str | None:
+    """envd's user: `Authorization: Basic base64("name:")`; none is the sandbox's default."""
+    value = ctx.request_headers.get("authorization") or ""
+    if not value:
+        return None
+    scheme, _, encoded = value.partition(" ")
+    try:
+        name = base64.b64decode(encoded.strip(), validate=True).decode().partition(":")[0]
+    except (binascii.Error, UnicodeDecodeError):
+        name = None
+    if scheme.lower() != "basic" or name is None:
+        raise ConnectError(Code.UNAUTHENTICATED, 'Authorization must be Basic base64("user:")')
+    if name not in ("user", "root"):
+        raise ConnectError(Code.PERMISSION_DENIED, f"unknown user {name!r}: use user or root")
+    return name
+
+
+def _shell(cfg: pb.ProcessConfig) -> str:
+    """The command line agentbox runs (`bash -l -c`) for E2B's cmd and args."""
+    args = list(cfg.args)
+    if cfg.cmd in ("/bin/bash", "bash") and len(args) == 3 and args[:2] == ["-l", "-c"]:
+        return args[2]  # the SDK's own form: the same shell agentbox starts
+    if not cfg.cmd:
+        raise ConnectError(Code.INVALID_ARGUMENT, "process.cmd must not be empty")
+    return "exec " + shlex.join([cfg.cmd, *args])
+
+
+def _of(field: str, value: Any) -> Any:
+    """A oneof's value (the generated types want each field name as a literal)."""
+    return cast(Any, Oneof(field, value))
+
+
+def _ended(end: dict[str, Any]) -> pb.ProcessEvent.EndEvent:
+    code, sig = end.get("exit_code"), end.get("signal")
+    error = None
+    violation = end.get("violation")
+    if isinstance(violation, dict) and violation.get("message"):
+        error = str(violation["message"])
+    elif end.get("type") == "error":
+        error = str(end.get("message") or "the command's stream failed")
+    if code is not None and code >= 0:
+        return pb.ProcessEvent.EndEvent(
+            exit_code=code, exited=True, status=f"exit status {code}", error=error
+        )
+    name = _signal_name(sig if sig is not None else (-code if code is not None else None))
+    return pb.ProcessEvent.EndEvent(
+        exit_code=-1, exited=False, status=f"signal: {name}" if name else "killed", error=error
+    )
+
+
+def _signal_name(number: int | None) -> str:
+    if not number:
+        return ""
+    try:
+        return signal.Signals(number).name.removeprefix("SIG").lower()
+    except ValueError:
+        return str(number)
+
+
+def _event(item: dict[str, Any]) -> pb.ProcessEvent | None:
+    kind = item.get("type")
+    if kind in ("stdout", "stderr"):
+        out = pb.ProcessEvent.DataEvent(output=_of(kind, str(item.get("data", "")).encode()))
+        return pb.ProcessEvent(event=_of("data", out))
+    if kind == "truncated":  # said where the reader looks, never dropped silently
+        note = f"\n[agentbox] {item.get('message', 'output was dropped')}\n".encode()
+        return pb.ProcessEvent(
+            event=_of("data", pb.ProcessEvent.DataEvent(output=_of("stderr", note)))
+        )
+    if kind in ("end", "error"):
+        return pb.ProcessEvent(event=_of("end", _ended(item)))
+    return None
+
+
+async def _with_keepalive(
+    events: AsyncIterator[dict[str, Any]],
+) -> AsyncIterator[pb.ProcessEvent]:
+    """The command's events as envd's, a keepalive after each silent KEEPALIVE_S."""
+    it = aiter(events)
+    pending: asyncio.Task[dict[str, Any]] | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(anext(it))
+            done, _ = await asyncio.wait({pending}, timeout=KEEPALIVE_S)
+            if not done:
+                yield pb.ProcessEvent(event=_of("keepalive", pb.ProcessEvent.KeepAlive()))
+                continue
+            task, pending = pending, None
+            try:
+                item = task.result()
+            except StopAsyncIteration:
+                return
+            event = _event(item)
+            if event is not None:
+                yield event
+            if item.get("type") in ("end", "error"):
+                return
+    finally:
+        if pending is not None:
+            pending.cancel()
+            await asyncio.gather(pending, return_exceptions=True)
+        close = getattr(it, "aclose", None)
+        if close is not None:
+            await close()
+
+
+class _Known:
+    """E2B's view of the processes started here: config and tag by (sandbox, command), for
+    List and for tag selectors (newest MAX_KNOWN_PROCESSES; a restart forgets them, and List
+    then shows the command line agentbox ran)."""
+
+    def __init__(self) -> None:
+        self._configs: OrderedDict[tuple[str, str], tuple[pb.ProcessConfig, str | None]] = (
+            OrderedDict()
+        )
+        self._tags: dict[tuple[str, str], str] = {}
+
+    def add(self, sandbox_id: str, cmd_id: str, cfg: pb.ProcessConfig, tag: str | None) -> None:
+        self._configs[(sandbox_id, cmd_id)] = (cfg, tag)
+        if tag is not None:
+            self._tags[(sandbox_id, tag)] = cmd_id
+        while len(self._configs) > MAX_KNOWN_PROCESSES:
+            (sid, _), (_, old_tag) = self._configs.popitem(last=False)
+            if old_tag is not None:
+                self._tags.pop((sid, old_tag), None)
+
+    def get(self, sandbox_id: str, cmd_id: str) -> tuple[pb.ProcessConfig, str | None] | None:
+        return self._configs.get((sandbox_id, cmd_id))
+
+    def by_tag(self, sandbox_id: str, tag: str) -> str | None:
+        return self._tags.get((sandbox_id, tag))
+
+
+class ProcessService(Process):
+    """process.Process: commands of the request's sandbox."""
+
+    def __init__(self, core: Core) -> None:
+        self.core = core
+        self.known = _Known()
+
+    async def _running(self, caller: Caller, sandbox_id: str) -> list[dict[str, Any]]:
+        commands = self.core.manager.commands
+        listed = await _call(commands.list(caller, sandbox_id))
+        return [c for c in listed if c.get("running")]
+
+    async def _select(
+        self, caller: Caller, sandbox_id: str, selector: pb.ProcessSelector | None
+    ) -> dict[str, Any]:
+        """The running command a selector names (by pid or by tag)."""
+        which = selector.selector if selector is not None else None
+        if which is None:
+            raise ConnectError(Code.INVALID_ARGUMENT, "process: give a pid or a tag")
+        running = await self._running(caller, sandbox_id)
+        if which.field == "pid":
+            found = [c for c in running if c.get("pid") == which.value]
+        else:
+            cmd_id = self.known.by_tag(sandbox_id, which.value)
+            found = [c for c in running if c.get("cmd_id") == cmd_id]
+        if not found:
+            raise ConnectError(Code.NOT_FOUND, f"no process with {which.field} {which.value}")
+        return found[0]
+
+    async def list(self, request: pb.ListRequest, ctx: RequestContext) -> pb.ListResponse:
+        caller, sandbox_id = _caller()
+        out = []
+        for c in await self._running(caller, sandbox_id):
+            known = self.known.get(sandbox_id, str(c.get("cmd_id")))
+            if known is not None:
+                cfg, tag = known
+            else:
+                cmd = str(c.get("cmd", ""))
+                cfg, tag = pb.ProcessConfig(cmd="/bin/bash", args=["-l", "-c", cmd]), None
+                if c.get("cwd"):
+                    cfg.cwd = str(c["cwd"])
+            out.append(pb.ProcessInfo(config=cfg, pid=int(c.get("pid") or 0), tag=tag))
+        return pb.ListResponse(processes=out)
+
+    async def start(
+        self, request: pb.StartRequest, ctx: RequestContext
+    ) -> AsyncIterator[pb.StartResponse]:
+        caller, sandbox_id = _caller()
+        if request.pty is not None:
+            raise ConnectError(
+                Code.UNIMPLEMENTED,
+                "PTY terminals are not served by agentbox yet: run the command without a "
+                "PTY (sandbox.commands.run)",
+            )
+        cfg = request.process or pb.ProcessConfig()
+        req = CommandRequest(
+            cmd=_shell(cfg),
+            cwd=cfg.cwd or None,
+            user=_user(ctx),
+            envs=dict(cfg.envs),
+            timeout=0,  # E2B's timeout bounds the client's stream, not the process
+            stdin=bool(request.stdin),
+        )
+        info, events = await _call(self.core.manager.commands.run_command(caller, sandbox_id, req))
+        self.known.add(sandbox_id, str(info["cmd_id"]), cfg, request.tag)
+        start = pb.ProcessEvent.StartEvent(pid=int(info.get("pid") or 0))
+        yield pb.StartResponse(event=pb.ProcessEvent(event=_of("start", start)))
+        async for event in _with_keepalive(events):
+            yield pb.StartResponse(event=event)
+
+    async def connect(
+        self, request: pb.ConnectRequest, ctx: RequestContext
+    ) -> AsyncIterator[pb.ConnectResponse]:
+        """The process's output from its start (all agentbox still holds), then its end."""
+        caller, sandbox_id = _caller()
+        c = await self._select(caller, sandbox_id, request.process)
+        commands = self.core.manager.commands
+        events = await _call(commands.command_events(caller, sandbox_id, str(c["cmd_id"]), 0))
+        start = pb.ProcessEvent.StartEvent(pid=int(c.get("pid") or 0))
+        yield pb.ConnectResponse(event=pb.ProcessEvent(event=_of("start", start)))
+        async for event in _with_keepalive(events):
+            yield pb.ConnectResponse(event=event)
+
+    async def update(self, request: pb.UpdateRequest, ctx: RequestContext) -> pb.UpdateResponse:
+        _caller()
+        raise ConnectError(Code.UNIMPLEMENTED, "PTY terminals are not served by agentbox yet")
+
+    async def _input(
+        self, caller: Caller, sandbox_id: str, c: dict[str, Any], given: pb.ProcessInput | None
+    ) -> None:
+        which = given.input if given is not None else None
+        if which is None:
+            return
+        if which.field == "pty":
+            raise ConnectError(Code.UNIMPLEMENTED, "PTY terminals are not served by agentbox yet")
+        try:
+            text = bytes(which.value).decode()
+        except UnicodeDecodeError:
+            raise ConnectError(
+                Code.INVALID_ARGUMENT, "stdin must be UTF-8 text on agentbox"
+            ) from None
+        commands = self.core.manager.commands
+        await _call(commands.command_stdin(caller, sandbox_id, str(c["cmd_id"]), text, False))
+
+    async def send_input(
+        self, request: pb.SendInputRequest, ctx: RequestContext
+    ) -> pb.SendInputResponse:
+        caller, sandbox_id = _caller()
+        c = await self._select(caller, sandbox_id, request.process)
+        await self._input(caller, sandbox_id, c, request.input)
+        return pb.SendInputResponse()
+
+    async def stream_input(
+        self, requests: AsyncIterator[pb.StreamInputRequest], ctx: RequestContext
+    ) -> pb.StreamInputResponse:
+        caller, sandbox_id = _caller()
+        c: dict[str, Any] | None = None
+        async for r in requests:
+            event = r.event
+            if event is None or event.field == "keepalive":
+                continue
+            if event.field == "start":
+                c = await self._select(caller, sandbox_id, event.value.process)
+            elif c is None:
+                raise ConnectError(Code.INVALID_ARGUMENT, "the stream's first event is start")
+            else:
+                await self._input(caller, sandbox_id, c, event.value.input)
+        return pb.StreamInputResponse()
+
+    async def send_signal(
+        self, request: pb.SendSignalRequest, ctx: RequestContext
+    ) -> pb.SendSignalResponse:
+        caller, sandbox_id = _caller()
+        sig = int(request.signal)
+        if sig not in (signal.SIGTERM, signal.SIGKILL):
+            raise ConnectError(Code.INVALID_ARGUMENT, "signal must be SIGTERM or SIGKILL")
+        c = await self._select(caller, sandbox_id, request.process)
+        commands = self.core.manager.commands
+        await _call(commands.command_kill(caller, sandbox_id, str(c["cmd_id"]), sig))
+        return pb.SendSignalResponse()
+
+    async def close_stdin(
+        self, request: pb.CloseStdinRequest, ctx: RequestContext
+    ) -> pb.CloseStdinResponse:
+        caller, sandbox_id = _caller()
+        c = await self._select(caller, sandbox_id, request.process)
+        commands = self.core.manager.commands
+        await _call(commands.command_stdin(caller, sandbox_id, str(c["cmd_id"]), "", True))
+        return pb.CloseStdinResponse()
+
+
+_FILE_TYPES = {
+    "file": fs.FileType.FILE,
+    "dir": fs.FileType.DIRECTORY,
+    "symlink": fs.FileType.SYMLINK,
+}
+
+
+def entry_info(entry: dict[str, Any]) -> fs.EntryInfo:
+    """An agent's file entry as envd's EntryInfo (SDKs before 2.55 have no is_symlink; they
+    skip fields they do not know)."""
+    path = str(entry.get("path", ""))
+    modified = float(entry.get("modified_time") or 0)
+    seconds = int(modified)
+    info = fs.EntryInfo(
+        name=str(entry.get("name") or path.rsplit("/", 1)[-1]),
+        type=_FILE_TYPES.get(str(entry.get("type")), fs.FileType.UNSPECIFIED),
+        path=path,
+        size=int(entry.get("size") or 0),
+        mode=int(entry.get("mode") or 0),
+        permissions=str(entry.get("permissions") or ""),
+        modified_time=Timestamp(seconds=seconds, nanos=int((modified - seconds) * 1e9)),
+        is_symlink=entry.get("type") == "symlink",
+    )
+    if entry.get("symlink_target") is not None:
+        info.symlink_target = str(entry["symlink_target"])
+    return info
+
+
+def _not_watching() -> ConnectError:
+    return ConnectError(
+        Code.UNIMPLEMENTED,
+        "watching directories is not served by agentbox yet: list the directory again "
+        "(sandbox.files.list) to see what changed",
+    )
+
+
+class FilesystemService(Filesystem):
+    """filesystem.Filesystem: the request's sandbox's files, as the /v1 files API's."""
+
+    def __init__(self, core: Core) -> None:
+        self.core = core
+
+    async def stat(self, request: fs.StatRequest, ctx: RequestContext) -> fs.StatResponse:
+        caller, sandbox_id = _caller()
+        files = self.core.manager.files
+        entry = await _call(files.stat(caller, sandbox_id, request.path, _user(ctx)))
+        return fs.StatResponse(entry=entry_info(entry))
+
+    async def make_dir(self, request: fs.MakeDirRequest, ctx: RequestContext) -> fs.MakeDirResponse:
+        caller, sandbox_id = _caller()
+        files = self.core.manager.files
+        reply = await _call(files.make_dir(caller, sandbox_id, request.path, _user(ctx)))
+        if not reply.get("created"):  # envd's answer, which the SDK reads as "not made"
+            raise ConnectError(Code.ALREADY_EXISTS, f"directory {request.path} already exists")
+        return fs.MakeDirResponse(entry=entry_info(reply.get("entry") or {}))
+
+    async def move(self, request: fs.MoveRequest, ctx: RequestContext) -> fs.MoveResponse:
+        caller, sandbox_id = _caller()
+        files = self.core.manager.files
+        src, dst, user = request.source, request.destination, _user(ctx)
+        entry = await _call(files.rename(caller, sandbox_id, src, dst, user))
+        return fs.MoveResponse(entry=entry_info(entry))
+
+    async def list_dir(self, request: fs.ListDirRequest, ctx: RequestContext) -> fs.ListDirResponse:
+        caller, sandbox_id = _caller()
+        files, user = self.core.manager.files, _user(ctx)
+        depth = max(int(request.depth), 1)
+        entries: list[fs.EntryInfo] = []
+        cursor: str | None = None
+        while True:
+            page = await _call(
+                files.list(caller, sandbox_id, request.path, depth, None, cursor, user)
+            )
+            entries += [entry_info(e) for e in page["entries"]]
+            if len(entries) > MAX_LIST_ENTRIES:
+                raise ConnectError(
+                    Code.RESOURCE_EXHAUSTED,
+                    f"more than {MAX_LIST_ENTRIES} entries under {request.path}: list with a "
+                    "smaller depth, or page through agentbox's /v1 files API",
+                )
+            cursor = page.get("next_cursor")
+            if not page.get("truncated") or not cursor:
+                return fs.ListDirResponse(entries=entries)
+
+    async def remove(self, request: fs.RemoveRequest, ctx: RequestContext) -> fs.RemoveResponse:
+        caller, sandbox_id = _caller()
+        files = self.core.manager.files
+        await _call(files.remove(caller, sandbox_id, request.path, _user(ctx)))
+        return fs.RemoveResponse()
+
+    async def watch_dir(
+        self, request: fs.WatchDirRequest, ctx: RequestContext
+    ) -> AsyncIterator[fs.WatchDirResponse]:
+        _caller()
+        raise _not_watching()
+        yield fs.WatchDirResponse()  # pragma: no cover (makes this a stream)
+
+    async def create_watcher(
+        self, request: fs.CreateWatcherRequest, ctx: RequestContext
+    ) -> fs.CreateWatcherResponse:
+        _caller()
+        raise _not_watching()
+
+    async def get_watcher_events(
+        self, request: fs.GetWatcherEventsRequest, ctx: RequestContext
+    ) -> fs.GetWatcherEventsResponse:
+        _caller()
+        raise _not_watching()
+
+    async def remove_watcher(
+        self, request: fs.RemoveWatcherRequest, ctx: RequestContext
+    ) -> fs.RemoveWatcherResponse:
+        _caller()
+        raise _not_watching()
+
+
+def rpc_apps(core: Core, sandbox: Callable[[Core, Request], Any]) -> dict[str, ASGIApp]:
+    """The Connect apps by path prefix, each behind the envd token check."""
+    process = ProcessASGIApplication(ProcessService(core), read_max_bytes=READ_MAX_BYTES)
+    filesystem = FilesystemASGIApplication(FilesystemService(core), read_max_bytes=READ_MAX_BYTES)
+    return {
+        PROCESS_PATH: _Authenticated(core, process, sandbox),
+        FILESYSTEM_PATH: _Authenticated(core, filesystem, sandbox),
+    }
