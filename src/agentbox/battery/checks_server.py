@@ -8,6 +8,7 @@ battery/server.py), never the runtime.
 
 from __future__ import annotations
 
+import json
 import socket
 import statistics
 import threading
@@ -379,8 +380,9 @@ def _gw_deaf_peer(ctx: Ctx) -> Verdict:
     "e2b-envd-token",
     "control-plane",
     "E2B's sandbox traffic (envd) needs the sandbox's own envd token: its port token, another "
-    "sandbox's envd token, another tenant's API key or no token reach none of its files; "
-    "another tenant's key cannot look it up or end it through E2B's API",
+    "sandbox's envd token, another tenant's API key or no token reach none of its files and "
+    "run nothing in it (envd's RPC); another tenant's key cannot look it up or end it through "
+    "E2B's API",
     {"e2b-envd-open"},
     tier_free=True,
 )
@@ -412,7 +414,29 @@ def _e2b_envd_token(ctx: Ctx) -> Verdict:
             read = c.get("/files", params={"path": "/workspace/e2b-secret.txt"}, headers=headers)
             drop = f"/workspace/e2b-drop-{ctx.oracle.nonce}"
             wrote = c.post("/files", params={"path": drop}, content=b"x", headers=headers)
-            seen.append(f"{label}: read {read.status_code}, write {wrote.status_code}")
+            ran = f"/workspace/e2b-ran-{ctx.oracle.nonce}"
+            start = {"process": {"cmd": "/bin/sh", "args": ["-c", f"echo x > {ran}"]}}
+            body = json.dumps(start).encode()
+            run = c.post(
+                "/process.Process/Start",
+                content=b"\0" + len(body).to_bytes(4, "big") + body,  # one enveloped message
+                headers={**headers, "Content-Type": "application/connect+json"},
+            )
+            listed = c.post(
+                "/filesystem.Filesystem/ListDir",
+                json={"path": "/workspace"},
+                headers={**headers, "Content-Type": "application/json"},
+            )
+            started = b'"start"' in run.content  # a stream's error is in its body
+            said = "started" if started else _connect_code(run)
+            seen.append(
+                f"{label}: read {read.status_code}, write {wrote.status_code}, "
+                f"rpc start {said}, rpc list {listed.status_code}"
+            )
+            if started or box.get(ran).status_code == 200:
+                v.add_break("ESCAPE", f"{label} ran a command in the sandbox (envd RPC)")
+            if listed.status_code == 200 and "e2b-secret.txt" in listed.text:
+                v.add_break("READ", f"{label} listed the sandbox's files (envd RPC)")
             if read.status_code == 200 and secret in read.text:
                 v.add_break("READ", f"{label} read the sandbox's file")
             if wrote.status_code == 200:
@@ -427,3 +451,11 @@ def _e2b_envd_token(ctx: Ctx) -> Verdict:
         c.delete(f"/sandboxes/{other['sandboxID']}", headers={"X-API-KEY": b_key})
     v.evidence = "; ".join(seen)
     return v
+
+
+def _connect_code(r: httpx.Response) -> str:
+    """The Connect error code of a streamed answer (its end message), else its status."""
+    for code in (b'"unauthenticated"', b'"permission_denied"', b'"not_found"'):
+        if code in r.content:
+            return code.decode().strip('"')
+    return str(r.status_code)
