@@ -13,10 +13,12 @@ from __future__ import annotations
 import io
 import os
 import sys
+import threading
+import time
 from datetime import UTC, datetime, timedelta
 
 import httpx
-from e2b import CommandExitException, Sandbox, SandboxQuery, SandboxState
+from e2b import CommandExitException, PtySize, Sandbox, SandboxQuery, SandboxState
 from e2b.exceptions import (
     AuthenticationException,
     FileNotFoundException,
@@ -269,6 +271,54 @@ def filesystem() -> None:
         sbx.kill()
 
 
+def pty() -> None:
+    """A terminal: input typed, its size read and changed, job control, ^C, exit."""
+    sbx = Sandbox.create(TEMPLATE, timeout=120)
+    try:
+        out = bytearray()
+        ended: list[int] = []
+        term = sbx.pty.create(PtySize(rows=24, cols=80), timeout=60)
+        assert term.pid > 0
+
+        def follow() -> None:
+            try:
+                term.wait(on_pty=out.extend)
+            except CommandExitException as e:
+                ended.append(e.exit_code)
+
+        def shows(text: str) -> None:
+            deadline = time.monotonic() + 30
+            while text not in out.decode(errors="replace"):
+                assert time.monotonic() < deadline, (text, bytes(out))
+                time.sleep(0.05)
+
+        reader = threading.Thread(target=follow)
+        reader.start()
+        sbx.pty.send_stdin(term.pid, b"stty size; tty; echo $((6*7))\n")
+        shows("\n42")
+        text = out.decode(errors="replace")
+        assert "24 80" in text and "/dev/pts/" in text, text
+        sbx.pty.resize(term.pid, PtySize(rows=30, cols=100))
+        sbx.pty.send_stdin(term.pid, b"stty size; sleep 30\n")
+        shows("30 100")
+        sbx.pty.send_stdin(term.pid, b"\x03")  # ^C ends the sleep, not the shell
+        sbx.pty.send_stdin(term.pid, b"echo after-$((1+1)); exit 7\n")
+        reader.join(30)
+        assert ended == [7] and "after-2" in out.decode(errors="replace"), (ended, bytes(out))
+        ok("terminal")
+
+        term = sbx.pty.create(PtySize(rows=10, cols=40), timeout=60)
+        assert term.pid in [p.pid for p in sbx.commands.list()]
+        assert sbx.pty.kill(term.pid) is True
+        try:
+            term.wait()
+        except CommandExitException:
+            pass
+        ok("kill")
+    finally:
+        sbx.kill()
+
+
 def tenants() -> None:
     """Another tenant's key sees nothing of this tenant's sandbox; no key gets 401."""
     sbx = Sandbox.create(TEMPLATE, timeout=60)
@@ -314,4 +364,5 @@ def refusals() -> None:
 if __name__ == "__main__":
     scenarios = {"lifecycle": lifecycle, "files": files, "tenants": tenants}
     scenarios |= {"refusals": refusals, "commands": commands, "filesystem": filesystem}
+    scenarios |= {"pty": pty}
     scenarios[sys.argv[1]]()

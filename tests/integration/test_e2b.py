@@ -37,6 +37,7 @@ SCENARIOS = {
         "run", "stream_envs_cwd", "exit_code", "users", "background_kill", "stdin", "connect",
     ],
     "filesystem": ["make_dir_info", "list", "symlink", "rename_remove", "missing"],
+    "pty": ["terminal", "kill"],
     "tenants": ["tenants"],
     "refusals": ["refusals"],
 }  # fmt: skip
@@ -175,7 +176,8 @@ def test_malformed_e2b_requests_get_a_4xx(server: ServerHandle) -> None:
 
 def test_envd_rpc_refuses_by_name(server: ServerHandle) -> None:
     """envd's Connect RPC, spoken raw: no token is UNAUTHENTICATED (another sandbox's token
-    too), a malformed body INVALID_ARGUMENT, what agentbox does not serve yet UNIMPLEMENTED
+    too), a malformed body or a PTY of no width INVALID_ARGUMENT, what agentbox does not serve
+    yet UNIMPLEMENTED
     with what to use instead; never a 5xx. The calls made are audited as the tenant's."""
     tenant = f"e2b-rpc-{time.monotonic_ns() % 10**9}"
     key = server.make_key(tenant)
@@ -193,9 +195,10 @@ def test_envd_rpc_refuses_by_name(server: ServerHandle) -> None:
             assert r.status_code == 200 and r.json() == {}, r.text
             r = c.post("/process.Process/List", content=b"{nope", headers=envd)
             assert r.status_code == 400 and r.json()["code"] == "invalid_argument", r.text
-            pty = {"process": {"cmd": "/bin/bash"}, "pty": {"size": {"cols": 80, "rows": 24}}}
+            pty = {"process": {"cmd": "/bin/bash"}, "pty": {"size": {"cols": 0, "rows": 24}}}
             r = c.post("/process.Process/Start", content=_enveloped(pty), headers=_stream(envd))
-            assert r.status_code == 200 and b"unimplemented" in r.content, r.content
+            assert r.status_code == 200 and b"invalid_argument" in r.content, r.content
+            assert b"cols must be 1 to 4096" in r.content, r.content
             r = c.post("/filesystem.Filesystem/CreateWatcher", json={"path": "/"}, headers=envd)
             assert r.status_code == 501 and "list the directory" in r.json()["message"], r.text
             r = c.post("/filesystem.Filesystem/Stat", json={"path": "/nope"}, headers=envd)

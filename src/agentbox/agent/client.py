@@ -190,7 +190,7 @@ class AgentClient:
 
     async def start_command(self, **spec: Any) -> dict[str, Any]:
         """Start a background command (`cmd`, `cwd`, `envs`, `timeout`, `stdin`, `cmd_id`,
-        `hidden`); its info."""
+        `hidden`, `pty`: {cols, rows} for a terminal of its own); its info."""
         return dict((await self.call({"op": "exec.start", **spec}))["command"])
 
     async def run_command(self, **spec: Any) -> tuple[dict[str, Any], AsyncIterator[Any]]:
@@ -209,6 +209,12 @@ class AgentClient:
 
     async def kill_command(self, cmd_id: str, signal: int) -> None:
         await self.call({"op": "exec.kill", "cmd_id": cmd_id, "signal": signal})
+
+    async def resize_terminal(self, cmd_id: str, cols: int, rows: int) -> None:
+        """A command started with a `pty`: its terminal's new size."""
+        await self.call(
+            {"op": "exec.resize", "cmd_id": cmd_id, "pty": {"cols": cols, "rows": rows}}
+        )
 
     async def ended_commands(self, after: int) -> dict[str, Any]:
         """Ends of commands numbered past `after`, once there is one: {seq, ends, complete}."""

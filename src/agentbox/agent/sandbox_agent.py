@@ -829,6 +829,8 @@ class Command:
         self.timeout = timeout
         self.proc: subprocess.Popen = None  # type: ignore[assignment]  # set by start()
         self.pid = 0
+        self.pty = -1  # a terminal's master side (its output is stdout), -1 none, -2 closed
+        self.pty_lock = threading.Lock()  # input, resizes and the close take turns on it
         self.started_at = time.time()
         self.ended_at: float | None = None
         self.exit_code: int | None = None
@@ -867,9 +869,11 @@ class Command:
             "killed": self.killed,
             "started_at": self.started_at,
             "ended_at": self.ended_at,
-            "stdin": self.proc is not None
-            and self.proc.stdin is not None
-            and not self.proc.stdin.closed,
+            "stdin": self.pty >= 0
+            or (
+                self.proc is not None and self.proc.stdin is not None and not self.proc.stdin.closed
+            ),
+            "pty": self.pty != -1,
         }
 
     def end_event(self) -> dict:
@@ -1013,6 +1017,7 @@ class Commands:
         envs = check_envs(req.get("envs") or {})
         timeout = req.get("timeout") or 0
         user = resolve_user(req)
+        size = pty_size(req.get("pty"))
         with self.lock:
             self.seq += 1
             cmd_id = req.get("cmd_id") or f"c{self.seq}"
@@ -1023,7 +1028,10 @@ class Commands:
         env["AGENTBOX_CMD_ID"] = cmd_id  # lets kill() find daemons that left the process tree
         try:
             with users.spawning_as(user):
-                c.proc = self._popen(cmd, cwd, env, req.get("stdin"))
+                if size is None:
+                    c.proc = self._popen(cmd, cwd, env, req.get("stdin"))
+                else:
+                    c.proc, c.pty = self._popen_pty(cmd, cwd, env, size)
         except OSError as e:
             if e.errno in (errno.EAGAIN, errno.ENOMEM):
                 raise PIDS_EXHAUSTED from None
@@ -1031,11 +1039,13 @@ class Commands:
             raise os_error(e, cwd) from None
         c.pid = c.proc.pid
         try:
-            for stream, pipe in ((P.STDOUT, c.proc.stdout), (P.STDERR, c.proc.stderr)):
-                assert pipe is not None
-                t = threading.Thread(
-                    target=self._read, args=(c, stream, pipe.fileno()), daemon=True
-                )
+            if c.pty >= 0:
+                fds = [(P.STDOUT, c.pty)]
+            else:
+                assert c.proc.stdout is not None and c.proc.stderr is not None
+                fds = [(P.STDOUT, c.proc.stdout.fileno()), (P.STDERR, c.proc.stderr.fileno())]
+            for stream, fd in fds:
+                t = threading.Thread(target=self._read, args=(c, stream, fd), daemon=True)
                 t.start()
                 c.readers.append(t)
             threading.Thread(target=self._wait, args=(c,), daemon=True).start()
@@ -1065,6 +1075,40 @@ class Commands:
             close_fds=True,
             pass_fds=(LEAKED_FD,) if LEAKED_FD >= 0 else (),
         )
+
+    @staticmethod
+    def _popen_pty(
+        cmd: str, cwd: str, env: dict, size: tuple[int, int]
+    ) -> tuple[subprocess.Popen, int]:
+        """The command on a terminal of its own (`size`: cols, rows), which it controls; its
+        output, stdout and stderr alike, is read from the returned master side."""
+        import fcntl
+        import subprocess
+        import termios
+
+        master, slave = os.openpty()
+        try:
+            set_winsize(slave, size)
+            proc = subprocess.Popen(
+                ["/bin/bash", "-l", "-c", cmd],
+                cwd=cwd,
+                env=env,
+                start_new_session=True,
+                stdin=slave,
+                stdout=slave,
+                stderr=slave,
+                close_fds=True,
+                pass_fds=(LEAKED_FD,) if LEAKED_FD >= 0 else (),
+                # After setsid: the terminal becomes the new session's controlling one.
+                preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0),  # noqa: PLW1509
+            )
+        except BaseException:
+            os.close(master)
+            raise
+        finally:
+            os.close(slave)
+        os.set_blocking(master, True)
+        return proc, master
 
     def _trim(self) -> None:
         finished = [c for c in self.by_id.values() if not c.running]
@@ -1111,6 +1155,13 @@ class Commands:
             try:
                 if pipe is not None:
                     pipe.close()
+            except OSError:
+                pass
+        if c.pty >= 0:
+            with c.pty_lock:  # input and resizes use the fd under it, or find it closed
+                fd, c.pty = c.pty, -2
+            try:
+                os.close(fd)
             except OSError:
                 pass
         c.full = full_filesystems(c.stderr_tail) if code else []
@@ -1312,6 +1363,10 @@ def op_exec_ended(conn: Conn, req: dict) -> None:
 
 def op_exec_stdin(conn: Conn, req: dict) -> None:
     c = COMMANDS.get(req.get("cmd_id"))
+    if c.pty != -1:
+        _terminal_input(c, req)
+        conn.reply({"ok": True})
+        return
     stdin = c.proc.stdin if c.proc else None
     if stdin is None or stdin.closed or not c.running:
         raise OpError("conflict", "this command's stdin is not open (start it with stdin=true)")
@@ -1327,6 +1382,59 @@ def op_exec_stdin(conn: Conn, req: dict) -> None:
     except BrokenPipeError:
         raise OpError("conflict", "the command closed its stdin") from None
     conn.reply({"ok": True})
+
+
+def _terminal_input(c: Command, req: dict) -> None:
+    """Input typed at a command's terminal (end of input is ^D, as a terminal's)."""
+    data = req.get("data", "")
+    if not isinstance(data, str):
+        raise OpError("invalid_request", "data must be a string")
+    raw = data.encode() + (b"\x04" if req.get("eof") else b"")
+    with c.pty_lock:
+        if c.pty < 0:
+            raise OpError("conflict", "this command's terminal is closed")
+        view = memoryview(raw)
+        try:
+            while view:
+                view = view[os.write(c.pty, view) :]
+        except OSError as e:
+            raise OpError("conflict", f"the terminal refused input: {e.strerror}") from None
+
+
+def op_exec_resize(conn: Conn, req: dict) -> None:
+    c = COMMANDS.get(req.get("cmd_id"))
+    size = pty_size(req.get("pty"))
+    if size is None:
+        raise OpError("invalid_request", "pty must be {cols, rows}")
+    with c.pty_lock:
+        if c.pty == -1:
+            raise OpError("conflict", "this command has no terminal (start it with a pty)")
+        if c.pty < 0:
+            raise OpError("conflict", "this command's terminal is closed")
+        set_winsize(c.pty, size)
+    conn.reply({"ok": True})
+
+
+def pty_size(value: object) -> tuple[int, int] | None:
+    """A terminal's size, {cols, rows}, each 1..4096; None when no terminal is asked for."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise OpError("invalid_request", "pty must be {cols, rows}")
+    cols, rows = value.get("cols"), value.get("rows")
+    for name, n in (("cols", cols), ("rows", rows)):
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 4096:
+            raise OpError("invalid_request", f"pty {name} must be an integer from 1 to 4096")
+    return cols, rows  # type: ignore[return-value]
+
+
+def set_winsize(fd: int, size: tuple[int, int]) -> None:
+    import fcntl
+    import struct
+    import termios
+
+    cols, rows = size
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
 
 
 def op_exec_kill(conn: Conn, req: dict) -> None:
@@ -1483,6 +1591,7 @@ OPS = {
     "exec.ended": op_exec_ended,
     "exec.stdin": op_exec_stdin,
     "exec.kill": op_exec_kill,
+    "exec.resize": op_exec_resize,
     "code.call": op_code_call,
     "code.execute": op_code_execute,
     "env.set": op_env_set,
@@ -1496,7 +1605,7 @@ OPS = {
 # the loop until it ended, and nothing else, not even the kill that would end it, got through.
 INLINE_OPS = frozenset(
     {"ping", "fs.stat", "fs.list", "fs.mkdir", "fs.remove", "fs.rename"}
-    | {"exec.info", "exec.list", "exec.stdin", "exec.kill", "quiesce"}
+    | {"exec.info", "exec.list", "exec.stdin", "exec.kill", "exec.resize", "quiesce"}
 )
 
 

@@ -92,13 +92,15 @@ class CommandService:
         check_envs(req.envs)
         if req.user not in (None, "user", "root"):
             raise InvalidRequest(f'user must be "user" or "root", not {req.user!r}')
-        spec = {
+        spec: dict[str, Any] = {
             "cmd": req.cmd,
             "cwd": req.cwd,
             "envs": req.envs,
             "timeout": req.timeout,
             "stdin": req.stdin,
         }
+        if req.pty is not None:
+            spec["pty"] = _terminal(*req.pty)
         return spec if req.user is None else {**spec, "user": req.user}
 
     async def start_command(
@@ -389,6 +391,20 @@ class CommandService:
             eof=eof,
         )
 
+    async def command_resize(
+        self, caller: Caller, sandbox_id: str, cmd_id: str, cols: int, rows: int
+    ) -> None:
+        """A terminal command's new size."""
+        size = _terminal(cols, rows)
+        await self.core.agent_do(
+            caller,
+            sandbox_id,
+            "command.resize",
+            lambda c: c.resize_terminal(cmd_id, size["cols"], size["rows"]),
+            cmd_id=cmd_id,
+            **size,
+        )
+
     async def command_kill(self, caller: Caller, sandbox_id: str, cmd_id: str, sig: int) -> None:
         await self.core.agent_do(
             caller,
@@ -398,6 +414,16 @@ class CommandService:
             cmd_id=cmd_id,
             signal=sig,
         )
+
+
+MAX_TERMINAL_SIDE = 4096  # columns or rows of a command's terminal
+
+
+def _terminal(cols: int, rows: int) -> dict[str, int]:
+    for name, n in (("cols", cols), ("rows", rows)):
+        if not 1 <= n <= MAX_TERMINAL_SIDE:
+            raise InvalidRequest(f"a terminal's {name} must be 1 to {MAX_TERMINAL_SIDE}, not {n}")
+    return {"cols": cols, "rows": rows}
 
 
 def _truncated_event(item: dict[str, Any]) -> dict[str, Any]:

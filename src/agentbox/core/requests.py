@@ -48,6 +48,7 @@ class CommandRequest:
     timeout: float = 60
     background: bool = False
     stdin: bool = False
+    pty: tuple[int, int] | None = None  # a terminal of its own: (cols, rows)
 
 
 # A code result's fields (docs/API.md, "Code interpreter"): strings, or any JSON value.

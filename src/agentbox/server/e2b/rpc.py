@@ -7,8 +7,9 @@ proto/envd (`wire/`, scripts/gen-envd.sh). Each method is one call into the core
 API's: the sandbox's envd token names the tenant, the core checks and audits. A process is an
 agentbox command: its pid is the one the sandbox sees, its output streams as E2B's events.
 
-Not served yet (UNIMPLEMENTED, with what to use instead): PTY terminals (`pty` on Start,
-Update) and directory watching (WatchDir and the watcher calls).
+A process started with a `pty` gets a terminal of its own (its output is the `pty` data; input
+and Update's size go to the terminal). Not served yet (UNIMPLEMENTED, with what to use
+instead): directory watching (WatchDir and the watcher calls).
 """
 
 from __future__ import annotations
@@ -153,6 +154,14 @@ def _of(field: str, value: Any) -> Any:
     return cast(Any, Oneof(field, value))
 
 
+def _size(pty: pb.PTY | None) -> tuple[int, int] | None:
+    """A PTY's (cols, rows); None for no PTY."""
+    if pty is None:
+        return None
+    size = pty.size or pb.PTY.Size()
+    return int(size.cols), int(size.rows)
+
+
 def _ended(end: dict[str, Any]) -> pb.ProcessEvent.EndEvent:
     code, sig = end.get("exit_code"), end.get("signal")
     error = None
@@ -180,10 +189,11 @@ def _signal_name(number: int | None) -> str:
         return str(number)
 
 
-def _event(item: dict[str, Any]) -> pb.ProcessEvent | None:
+def _event(item: dict[str, Any], terminal: bool) -> pb.ProcessEvent | None:
     kind = item.get("type")
     if kind in ("stdout", "stderr"):
-        out = pb.ProcessEvent.DataEvent(output=_of(kind, str(item.get("data", "")).encode()))
+        field = "pty" if terminal else kind  # a terminal's output is all on stdout
+        out = pb.ProcessEvent.DataEvent(output=_of(field, str(item.get("data", "")).encode()))
         return pb.ProcessEvent(event=_of("data", out))
     if kind == "truncated":  # said where the reader looks, never dropped silently
         note = f"\n[agentbox] {item.get('message', 'output was dropped')}\n".encode()
@@ -196,7 +206,7 @@ def _event(item: dict[str, Any]) -> pb.ProcessEvent | None:
 
 
 async def _with_keepalive(
-    events: AsyncIterator[dict[str, Any]],
+    events: AsyncIterator[dict[str, Any]], terminal: bool
 ) -> AsyncIterator[pb.ProcessEvent]:
     """The command's events as envd's, a keepalive after each silent KEEPALIVE_S."""
     it = aiter(events)
@@ -214,7 +224,7 @@ async def _with_keepalive(
                 item = task.result()
             except StopAsyncIteration:
                 return
-            event = _event(item)
+            event = _event(item, terminal)
             if event is not None:
                 yield event
             if item.get("type") in ("end", "error"):
@@ -303,12 +313,7 @@ class ProcessService(Process):
         self, request: pb.StartRequest, ctx: RequestContext
     ) -> AsyncIterator[pb.StartResponse]:
         caller, sandbox_id = _caller()
-        if request.pty is not None:
-            raise ConnectError(
-                Code.UNIMPLEMENTED,
-                "PTY terminals are not served by agentbox yet: run the command without a "
-                "PTY (sandbox.commands.run)",
-            )
+        size = _size(request.pty)
         cfg = request.process or pb.ProcessConfig()
         req = CommandRequest(
             cmd=_shell(cfg),
@@ -316,13 +321,14 @@ class ProcessService(Process):
             user=_user(ctx),
             envs=dict(cfg.envs),
             timeout=0,  # E2B's timeout bounds the client's stream, not the process
-            stdin=bool(request.stdin),
+            stdin=bool(request.stdin) or size is not None,
+            pty=size,
         )
         info, events = await _call(self.core.manager.commands.run_command(caller, sandbox_id, req))
         self.known.add(sandbox_id, str(info["cmd_id"]), cfg, request.tag)
         start = pb.ProcessEvent.StartEvent(pid=int(info.get("pid") or 0))
         yield pb.StartResponse(event=pb.ProcessEvent(event=_of("start", start)))
-        async for event in _with_keepalive(events):
+        async for event in _with_keepalive(events, size is not None):
             yield pb.StartResponse(event=event)
 
     async def connect(
@@ -335,12 +341,19 @@ class ProcessService(Process):
         events = await _call(commands.command_events(caller, sandbox_id, str(c["cmd_id"]), 0))
         start = pb.ProcessEvent.StartEvent(pid=int(c.get("pid") or 0))
         yield pb.ConnectResponse(event=pb.ProcessEvent(event=_of("start", start)))
-        async for event in _with_keepalive(events):
+        async for event in _with_keepalive(events, bool(c.get("pty"))):
             yield pb.ConnectResponse(event=event)
 
     async def update(self, request: pb.UpdateRequest, ctx: RequestContext) -> pb.UpdateResponse:
-        _caller()
-        raise ConnectError(Code.UNIMPLEMENTED, "PTY terminals are not served by agentbox yet")
+        """A terminal's new size (the only update envd has)."""
+        caller, sandbox_id = _caller()
+        size = _size(request.pty)
+        c = await self._select(caller, sandbox_id, request.process)
+        if size is not None:
+            commands = self.core.manager.commands
+            cmd_id = str(c["cmd_id"])
+            await _call(commands.command_resize(caller, sandbox_id, cmd_id, *size))
+        return pb.UpdateResponse()
 
     async def _input(
         self, caller: Caller, sandbox_id: str, c: dict[str, Any], given: pb.ProcessInput | None
@@ -348,8 +361,6 @@ class ProcessService(Process):
         which = given.input if given is not None else None
         if which is None:
             return
-        if which.field == "pty":
-            raise ConnectError(Code.UNIMPLEMENTED, "PTY terminals are not served by agentbox yet")
         try:
             text = bytes(which.value).decode()
         except UnicodeDecodeError:
