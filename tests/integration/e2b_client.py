@@ -24,6 +24,7 @@ from e2b.exceptions import (
     FileNotFoundException,
     NotFoundException,
     SandboxException,
+    TimeoutException,
 )
 
 TEMPLATE = os.environ.get("E2B_TEST_TEMPLATE", "host")
@@ -225,6 +226,18 @@ def commands() -> None:
         again = sbx.commands.connect(h.pid)
         assert "second" in again.wait().stdout
         ok("connect")
+
+        try:  # as envd: the command's timeout ends the process, not only the wait
+            sbx.commands.run("sleep 30 && echo late", timeout=2)
+        except TimeoutException:
+            pass
+        else:
+            raise AssertionError("a command past its timeout did not raise")
+        deadline = time.monotonic() + 10
+        while any(p.args[-1:] == ["sleep 30 && echo late"] for p in sbx.commands.list()):
+            assert time.monotonic() < deadline, sbx.commands.list()
+            time.sleep(0.2)
+        ok("timeout")
     finally:
         sbx.kill()
 

@@ -35,6 +35,7 @@ SCENARIOS = {
     ],
     "commands": [
         "run", "stream_envs_cwd", "exit_code", "users", "background_kill", "stdin", "connect",
+        "timeout",
     ],
     "filesystem": ["make_dir_info", "list", "symlink", "rename_remove", "missing"],
     "pty": ["terminal", "kill"],
@@ -195,6 +196,13 @@ def test_envd_rpc_refuses_by_name(server: ServerHandle) -> None:
             assert r.status_code == 200 and r.json() == {}, r.text
             r = c.post("/process.Process/List", content=b"{nope", headers=envd)
             assert r.status_code == 400 and r.json()["code"] == "invalid_argument", r.text
+            grpc = {**envd, "Content-Type": "application/grpc"}
+            r = c.post("/process.Process/List", content=b"\0\0\0\0\0", headers=grpc)
+            assert r.status_code == 415 and "Connect" in r.json()["message"], r.text
+            r = c.post(
+                "/filesystem.Filesystem/ListDir", json={"path": "/", "depth": 65}, headers=envd
+            )
+            assert r.status_code == 400 and "64" in r.json()["message"], r.text
             pty = {"process": {"cmd": "/bin/bash"}, "pty": {"size": {"cols": 0, "rows": 24}}}
             r = c.post("/process.Process/Start", content=_enveloped(pty), headers=_stream(envd))
             assert r.status_code == 200 and b"invalid_argument" in r.content, r.content

@@ -17,11 +17,16 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import functools
+import inspect
+import json
+import logging
+import math
 import shlex
 import signal
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from contextlib import aclosing, asynccontextmanager
 from contextvars import ContextVar
 from typing import Any, TypeVar, cast
 
@@ -47,13 +52,22 @@ from agentbox.server.surfaces import Core
 from agentbox.vocab import status_of
 
 T = TypeVar("T")
+log = logging.getLogger("agentbox.e2b")
 
 PROCESS_PATH = "/process.Process"
 FILESYSTEM_PATH = "/filesystem.Filesystem"
 KEEPALIVE_S = 30.0  # a silent stream carries a keepalive event this often (the SDK asks 50 s)
 MAX_LIST_ENTRIES = 10_000  # ListDir answers in one message; deeper trees are refused, said so
 READ_MAX_BYTES = 4 << 20  # one request message (stdin chunks are far smaller)
-MAX_KNOWN_PROCESSES = 4096  # E2B configs and tags kept for List and tag selectors, newest
+MAX_LIST_DEPTH = 64  # as the /v1 files API's
+MAX_LIST_PAGES = 100  # agent pages read for one ListDir
+MAX_TAG_CHARS = 256
+KNOWN_BYTES = 16 << 20  # E2B configs and tags kept for List and tag selectors, newest first
+KNOWN_PER_SANDBOX = 256
+CONTENT_TYPES = frozenset(
+    {"application/json", "application/proto"}
+    | {"application/connect+json", "application/connect+proto"}
+)
 
 # The request's sandbox, set by _Authenticated for the call it wraps.
 _BOX: ContextVar[Any] = ContextVar("agentbox_e2b_box")
@@ -65,11 +79,11 @@ _STATUS_CODES = {
     404: Code.NOT_FOUND,
     408: Code.DEADLINE_EXCEEDED,
     409: Code.FAILED_PRECONDITION,
-    413: Code.RESOURCE_EXHAUSTED,
-    429: Code.RESOURCE_EXHAUSTED,
+    413: Code.INVALID_ARGUMENT,
+    429: Code.RESOURCE_EXHAUSTED,  # the SDK says "rate limit": only for what is one
     503: Code.UNAVAILABLE,
     504: Code.DEADLINE_EXCEEDED,
-    507: Code.RESOURCE_EXHAUSTED,
+    507: Code.FAILED_PRECONDITION,
 }
 _CODE_OVERRIDES = {
     "path_exists": Code.ALREADY_EXISTS,
@@ -92,6 +106,50 @@ async def _said() -> AsyncIterator[None]:
         raise connect_error(e) from None
 
 
+def _guarded(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A service method whose failures are Connect errors: core errors by their code, anything
+    else INTERNAL without its text (logged here), never an exception's words verbatim."""
+
+    def failed(e: Exception) -> ConnectError:
+        if isinstance(e, ConnectError):
+            return e
+        if isinstance(e, AgentboxError):
+            return connect_error(e)
+        log.exception("envd RPC %s failed", method.__name__)
+        return ConnectError(Code.INTERNAL, "internal error (logged by the server)")
+
+    if inspect.isasyncgenfunction(method):
+
+        @functools.wraps(method)
+        async def stream(self: Any, request: Any, ctx: RequestContext) -> AsyncIterator[Any]:
+            try:
+                async with aclosing(method(self, request, ctx)) as events:
+                    async for event in events:
+                        yield event
+            except Exception as e:
+                raise failed(e) from None
+
+        return stream
+
+    @functools.wraps(method)
+    async def unary(self: Any, request: Any, ctx: RequestContext) -> Any:
+        try:
+            return await method(self, request, ctx)
+        except Exception as e:
+            raise failed(e) from None
+
+    return unary
+
+
+def _guard_methods(cls: type[T]) -> type[T]:
+    for name, value in list(vars(cls).items()):
+        if not name.startswith("_") and inspect.iscoroutinefunction(value):
+            setattr(cls, name, _guarded(value))
+        elif not name.startswith("_") and inspect.isasyncgenfunction(value):
+            setattr(cls, name, _guarded(value))
+    return cls
+
+
 async def _call(work: Awaitable[T]) -> T:
     async with _said():
         return await work
@@ -105,12 +163,45 @@ class _Authenticated:
         self.core, self.app, self.sandbox = core, app, sandbox
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        box = self.sandbox(self.core, Request(scope))
+        request = Request(scope)
+        box = self.sandbox(self.core, request)
+        try:
+            box.caller()  # no valid token (or not envd's port): answered before any body
+        except AgentboxError as e:
+            await _refuse(send, connect_error(e))
+            return
+        kind = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+        if kind not in CONTENT_TYPES:
+            unsupported = ConnectError(
+                Code.INVALID_ARGUMENT,
+                f"content type {kind!r}: envd speaks Connect (application/json, "
+                "application/proto, application/connect+json or application/connect+proto)",
+            )
+            await _refuse(send, unsupported, 415)
+            return
         token = _BOX.set(box)
         try:
             await self.app(scope, receive, send)
         finally:
             _BOX.reset(token)
+
+
+_HTTP_STATUS = {
+    Code.INVALID_ARGUMENT: 400,
+    Code.UNAUTHENTICATED: 401,
+    Code.PERMISSION_DENIED: 403,
+    Code.NOT_FOUND: 404,
+}
+
+
+async def _refuse(send: Send, error: ConnectError, status: int | None = None) -> None:
+    """A Connect error answered without reading the request (Connect's unary error shape;
+    a streaming client reads the HTTP status)."""
+    body = json.dumps({"code": error.code.value, "message": error.message}).encode()
+    status = status or _HTTP_STATUS.get(error.code, 400)
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 def _caller() -> tuple[Caller, str]:
@@ -162,34 +253,39 @@ def _size(pty: pb.PTY | None) -> tuple[int, int] | None:
     return int(size.cols), int(size.rows)
 
 
+# Go's names for the signals a process most often ends by (envd says what Go says).
+_SIGNAL_WORDS = {signal.SIGKILL: "killed", signal.SIGTERM: "terminated", signal.SIGINT: "interrupt"}
+
+
 def _ended(end: dict[str, Any]) -> pb.ProcessEvent.EndEvent:
     code, sig = end.get("exit_code"), end.get("signal")
     error = None
     violation = end.get("violation")
     if isinstance(violation, dict) and violation.get("message"):
         error = str(violation["message"])
-    elif end.get("type") == "error":
-        error = str(end.get("message") or "the command's stream failed")
-    if code is not None and code >= 0:
+    if isinstance(code, int) and 0 <= code <= 255:
         return pb.ProcessEvent.EndEvent(
             exit_code=code, exited=True, status=f"exit status {code}", error=error
         )
-    name = _signal_name(sig if sig is not None else (-code if code is not None else None))
+    if not isinstance(sig, int) and isinstance(code, int) and code < 0:
+        sig = -code
+    status = f"signal: {_signal_word(sig)}" if isinstance(sig, int) else "signal: killed"
     return pb.ProcessEvent.EndEvent(
-        exit_code=-1, exited=False, status=f"signal: {name}" if name else "killed", error=error
+        exit_code=-1, exited=False, status=status, error=error or status
     )
 
 
-def _signal_name(number: int | None) -> str:
-    if not number:
-        return ""
+def _signal_word(number: int) -> str:
     try:
-        return signal.Signals(number).name.removeprefix("SIG").lower()
+        sig = signal.Signals(number)
     except ValueError:
         return str(number)
+    return _SIGNAL_WORDS.get(sig, sig.name.removeprefix("SIG").lower())
 
 
 def _event(item: dict[str, Any], terminal: bool) -> pb.ProcessEvent | None:
+    """A core command event as envd's; a stream that failed (the agent lost, the sandbox
+    ended) is an error, as envd's stream would be, never a made-up exit."""
     kind = item.get("type")
     if kind in ("stdout", "stderr"):
         field = "pty" if terminal else kind  # a terminal's output is all on stdout
@@ -200,18 +296,28 @@ def _event(item: dict[str, Any], terminal: bool) -> pb.ProcessEvent | None:
         return pb.ProcessEvent(
             event=_of("data", pb.ProcessEvent.DataEvent(output=_of("stderr", note)))
         )
-    if kind in ("end", "error"):
+    if kind == "error":
+        code = str(item.get("code") or "internal_error")
+        raise connect_error(AgentboxError(str(item.get("message") or "stream failed"), code))
+    if kind == "end":
+        violation = item.get("violation")
+        if isinstance(violation, dict) and violation.get("code") == "sandbox_ended":
+            raise ConnectError(Code.UNAVAILABLE, str(violation.get("message")))
         return pb.ProcessEvent(event=_of("end", _ended(item)))
     return None
 
 
-async def _with_keepalive(
-    events: AsyncIterator[dict[str, Any]], terminal: bool
-) -> AsyncIterator[pb.ProcessEvent]:
-    """The command's events as envd's, a keepalive after each silent KEEPALIVE_S."""
+async def _stream(
+    start: pb.ProcessEvent, events: AsyncIterator[dict[str, Any]], terminal: bool
+) -> AsyncGenerator[pb.ProcessEvent, None]:
+    """`start`, then the command's events as envd's, a keepalive after each silent
+    KEEPALIVE_S. The core's stream is under way before `start` is yielded, so closing this at
+    any point closes it too (its end is then audited when it comes)."""
     it = aiter(events)
-    pending: asyncio.Task[dict[str, Any]] | None = None
+    pending: asyncio.Task[dict[str, Any]] | None = asyncio.ensure_future(anext(it))
     try:
+        await asyncio.sleep(0)  # the task's first step runs: the core's stream has begun
+        yield start
         while True:
             if pending is None:
                 pending = asyncio.ensure_future(anext(it))
@@ -227,7 +333,7 @@ async def _with_keepalive(
             event = _event(item, terminal)
             if event is not None:
                 yield event
-            if item.get("type") in ("end", "error"):
+            if item.get("type") == "end":
                 return
     finally:
         if pending is not None:
@@ -238,33 +344,63 @@ async def _with_keepalive(
             await close()
 
 
+def _pid(info: dict[str, Any]) -> int:
+    pid = info.get("pid")
+    return pid if isinstance(pid, int) and 0 < pid < 1 << 32 else 0
+
+
 class _Known:
     """E2B's view of the processes started here: config and tag by (sandbox, command), for
-    List and for tag selectors (newest MAX_KNOWN_PROCESSES; a restart forgets them, and List
-    then shows the command line agentbox ran)."""
+    List and for tag selectors. Bounded: KNOWN_PER_SANDBOX per sandbox and KNOWN_BYTES in all,
+    oldest forgotten first (List then shows the command line agentbox ran; a restart forgets
+    them all)."""
 
     def __init__(self) -> None:
-        self._configs: OrderedDict[tuple[str, str], tuple[pb.ProcessConfig, str | None]] = (
+        self._configs: OrderedDict[tuple[str, str], tuple[pb.ProcessConfig, str | None, int]] = (
             OrderedDict()
         )
         self._tags: dict[tuple[str, str], str] = {}
+        self._per_sandbox: dict[str, int] = {}
+        self._bytes = 0
 
     def add(self, sandbox_id: str, cmd_id: str, cfg: pb.ProcessConfig, tag: str | None) -> None:
-        self._configs[(sandbox_id, cmd_id)] = (cfg, tag)
+        size = len(cfg.to_binary()) + len(tag or "") + 128
+        if size > KNOWN_BYTES // 64:
+            cfg = pb.ProcessConfig(cmd=cfg.cmd[:256])  # too large to keep: its name only
+            size = len(cfg.cmd) + len(tag or "") + 128
+        self._forget((sandbox_id, cmd_id))
+        self._configs[(sandbox_id, cmd_id)] = (cfg, tag, size)
+        self._per_sandbox[sandbox_id] = self._per_sandbox.get(sandbox_id, 0) + 1
+        self._bytes += size
         if tag is not None:
             self._tags[(sandbox_id, tag)] = cmd_id
-        while len(self._configs) > MAX_KNOWN_PROCESSES:
-            (sid, _), (_, old_tag) = self._configs.popitem(last=False)
-            if old_tag is not None:
-                self._tags.pop((sid, old_tag), None)
+        while self._per_sandbox[sandbox_id] > KNOWN_PER_SANDBOX:
+            oldest = next(k for k in self._configs if k[0] == sandbox_id)
+            self._forget(oldest)
+        while self._bytes > KNOWN_BYTES:
+            self._forget(next(iter(self._configs)))
+
+    def _forget(self, key: tuple[str, str]) -> None:
+        known = self._configs.pop(key, None)
+        if known is None:
+            return
+        _, tag, size = known
+        self._bytes -= size
+        self._per_sandbox[key[0]] -= 1
+        if not self._per_sandbox[key[0]]:
+            del self._per_sandbox[key[0]]
+        if tag is not None and self._tags.get((key[0], tag)) == key[1]:
+            del self._tags[(key[0], tag)]
 
     def get(self, sandbox_id: str, cmd_id: str) -> tuple[pb.ProcessConfig, str | None] | None:
-        return self._configs.get((sandbox_id, cmd_id))
+        known = self._configs.get((sandbox_id, cmd_id))
+        return None if known is None else (known[0], known[1])
 
     def by_tag(self, sandbox_id: str, tag: str) -> str | None:
         return self._tags.get((sandbox_id, tag))
 
 
+@_guard_methods
 class ProcessService(Process):
     """process.Process: commands of the request's sandbox."""
 
@@ -306,7 +442,7 @@ class ProcessService(Process):
                 cfg, tag = pb.ProcessConfig(cmd="/bin/bash", args=["-l", "-c", cmd]), None
                 if c.get("cwd"):
                     cfg.cwd = str(c["cwd"])
-            out.append(pb.ProcessInfo(config=cfg, pid=int(c.get("pid") or 0), tag=tag))
+            out.append(pb.ProcessInfo(config=cfg, pid=_pid(c), tag=tag))
         return pb.ListResponse(processes=out)
 
     async def start(
@@ -315,21 +451,26 @@ class ProcessService(Process):
         caller, sandbox_id = _caller()
         size = _size(request.pty)
         cfg = request.process or pb.ProcessConfig()
+        if request.tag is not None and len(request.tag) > MAX_TAG_CHARS:
+            raise ConnectError(Code.INVALID_ARGUMENT, f"tag: at most {MAX_TAG_CHARS} characters")
+        # envd's process lives as long as the call's deadline (the SDK's `timeout`; none when
+        # 0), and its stdin is open unless the request says otherwise.
+        left = ctx.timeout_ms
         req = CommandRequest(
             cmd=_shell(cfg),
             cwd=cfg.cwd or None,
             user=_user(ctx),
             envs=dict(cfg.envs),
-            timeout=0,  # E2B's timeout bounds the client's stream, not the process
-            stdin=bool(request.stdin) or size is not None,
+            timeout=max(left / 1000, 0.001) if left is not None else 0,
+            stdin=request.stdin if request.has_field("stdin") else True,
             pty=size,
         )
         info, events = await _call(self.core.manager.commands.run_command(caller, sandbox_id, req))
         self.known.add(sandbox_id, str(info["cmd_id"]), cfg, request.tag)
-        start = pb.ProcessEvent.StartEvent(pid=int(info.get("pid") or 0))
-        yield pb.StartResponse(event=pb.ProcessEvent(event=_of("start", start)))
-        async for event in _with_keepalive(events, size is not None):
-            yield pb.StartResponse(event=event)
+        start = pb.ProcessEvent(event=_of("start", pb.ProcessEvent.StartEvent(pid=_pid(info))))
+        async with aclosing(_stream(start, events, size is not None)) as stream:
+            async for event in stream:
+                yield pb.StartResponse(event=event)
 
     async def connect(
         self, request: pb.ConnectRequest, ctx: RequestContext
@@ -339,10 +480,10 @@ class ProcessService(Process):
         c = await self._select(caller, sandbox_id, request.process)
         commands = self.core.manager.commands
         events = await _call(commands.command_events(caller, sandbox_id, str(c["cmd_id"]), 0))
-        start = pb.ProcessEvent.StartEvent(pid=int(c.get("pid") or 0))
-        yield pb.ConnectResponse(event=pb.ProcessEvent(event=_of("start", start)))
-        async for event in _with_keepalive(events, bool(c.get("pty"))):
-            yield pb.ConnectResponse(event=event)
+        start = pb.ProcessEvent(event=_of("start", pb.ProcessEvent.StartEvent(pid=_pid(c))))
+        async with aclosing(_stream(start, events, bool(c.get("pty")))) as stream:
+            async for event in stream:
+                yield pb.ConnectResponse(event=event)
 
     async def update(self, request: pb.UpdateRequest, ctx: RequestContext) -> pb.UpdateResponse:
         """A terminal's new size (the only update envd has)."""
@@ -412,6 +553,8 @@ class ProcessService(Process):
     ) -> pb.CloseStdinResponse:
         caller, sandbox_id = _caller()
         c = await self._select(caller, sandbox_id, request.process)
+        if c.get("stdin") is False:  # closed already: as envd, that is no error
+            return pb.CloseStdinResponse()
         commands = self.core.manager.commands
         await _call(commands.command_stdin(caller, sandbox_id, str(c["cmd_id"]), "", True))
         return pb.CloseStdinResponse()
@@ -428,21 +571,30 @@ def entry_info(entry: dict[str, Any]) -> fs.EntryInfo:
     """An agent's file entry as envd's EntryInfo (SDKs before 2.55 have no is_symlink; they
     skip fields they do not know)."""
     path = str(entry.get("path", ""))
-    modified = float(entry.get("modified_time") or 0)
-    seconds = int(modified)
+    try:  # any time a file may carry, within what a Timestamp holds (years 1 to 9999)
+        modified = min(max(float(entry.get("modified_time") or 0), -62135596800.0), 253402300799.0)
+    except (TypeError, ValueError):
+        modified = 0.0
+    seconds = math.floor(modified)
+    nanos = min(int((modified - seconds) * 1e9), 999_999_999)
     info = fs.EntryInfo(
         name=str(entry.get("name") or path.rsplit("/", 1)[-1]),
         type=_FILE_TYPES.get(str(entry.get("type")), fs.FileType.UNSPECIFIED),
         path=path,
-        size=int(entry.get("size") or 0),
-        mode=int(entry.get("mode") or 0),
+        size=_within(entry.get("size"), 1 << 63),
+        mode=_within(entry.get("mode"), 1 << 32),
         permissions=str(entry.get("permissions") or ""),
-        modified_time=Timestamp(seconds=seconds, nanos=int((modified - seconds) * 1e9)),
+        modified_time=Timestamp(seconds=seconds, nanos=nanos),
         is_symlink=entry.get("type") == "symlink",
     )
     if entry.get("symlink_target") is not None:
         info.symlink_target = str(entry["symlink_target"])
     return info
+
+
+def _within(value: object, bound: int) -> int:
+    """A non-negative count the agent gave, 0 when it is not one that fits."""
+    return value if isinstance(value, int) and 0 <= value < bound else 0
 
 
 def _not_watching() -> ConnectError:
@@ -453,6 +605,7 @@ def _not_watching() -> ConnectError:
     )
 
 
+@_guard_methods
 class FilesystemService(Filesystem):
     """filesystem.Filesystem: the request's sandbox's files, as the /v1 files API's."""
 
@@ -468,7 +621,12 @@ class FilesystemService(Filesystem):
     async def make_dir(self, request: fs.MakeDirRequest, ctx: RequestContext) -> fs.MakeDirResponse:
         caller, sandbox_id = _caller()
         files = self.core.manager.files
-        reply = await _call(files.make_dir(caller, sandbox_id, request.path, _user(ctx)))
+        try:
+            reply = await files.make_dir(caller, sandbox_id, request.path, _user(ctx))
+        except AgentboxError as e:
+            if e.code == "path_exists":  # a file is there: envd's "invalid", not "exists"
+                raise ConnectError(Code.INVALID_ARGUMENT, e.message) from None
+            raise
         if not reply.get("created"):  # envd's answer, which the SDK reads as "not made"
             raise ConnectError(Code.ALREADY_EXISTS, f"directory {request.path} already exists")
         return fs.MakeDirResponse(entry=entry_info(reply.get("entry") or {}))
@@ -484,22 +642,28 @@ class FilesystemService(Filesystem):
         caller, sandbox_id = _caller()
         files, user = self.core.manager.files, _user(ctx)
         depth = max(int(request.depth), 1)
+        if depth > MAX_LIST_DEPTH:
+            raise ConnectError(Code.INVALID_ARGUMENT, f"depth: at most {MAX_LIST_DEPTH}")
         entries: list[fs.EntryInfo] = []
         cursor: str | None = None
-        while True:
+        for _ in range(MAX_LIST_PAGES):
             page = await _call(
                 files.list(caller, sandbox_id, request.path, depth, None, cursor, user)
             )
             entries += [entry_info(e) for e in page["entries"]]
             if len(entries) > MAX_LIST_ENTRIES:
                 raise ConnectError(
-                    Code.RESOURCE_EXHAUSTED,
+                    Code.FAILED_PRECONDITION,
                     f"more than {MAX_LIST_ENTRIES} entries under {request.path}: list with a "
                     "smaller depth, or page through agentbox's /v1 files API",
                 )
-            cursor = page.get("next_cursor")
-            if not page.get("truncated") or not cursor:
+            following = page.get("next_cursor")
+            if not page.get("truncated") or not following:
                 return fs.ListDirResponse(entries=entries)
+            if following == cursor or not page["entries"]:  # a page that does not advance
+                break
+            cursor = following
+        raise ConnectError(Code.INTERNAL, "the sandbox's listing did not advance; try again")
 
     async def remove(self, request: fs.RemoveRequest, ctx: RequestContext) -> fs.RemoveResponse:
         caller, sandbox_id = _caller()
