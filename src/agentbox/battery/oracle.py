@@ -375,8 +375,21 @@ def _host_mounts() -> set[str]:
     except OSError:
         return set()
     points = {line.split()[4] for line in text.splitlines() if len(line.split()) > 4}
-    # Workspaces of any agentbox data dir on this host (tests may run beside the battery).
-    return {p for p in points if not p.startswith("/run/agentbox/") and "/sandboxes/sbx_" not in p}
+    # Workspaces and volumes of any agentbox data dir on this host (tests run beside the
+    # battery): a sandbox's escape would have to mount exactly there to go unseen.
+    return {p for p in points if not p.startswith("/run/agentbox/") and not _agentbox_mount(p)}
+
+
+def _agentbox_mount(point: str) -> bool:
+    if "/sandboxes/sbx_" in point:
+        return True
+    parts = point.rsplit("/", 3)
+    return (
+        len(parts) == 4
+        and parts[1] == "volumes"
+        and parts[2].startswith("vol_")
+        and (parts[3] == "mnt")
+    )
 
 
 def _listing(d: Path) -> set[str]:
