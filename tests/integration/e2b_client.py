@@ -332,6 +332,57 @@ def pty() -> None:
         sbx.kill()
 
 
+def watch() -> None:
+    """files.watch_dir (CreateWatcher, GetWatcherEvents, RemoveWatcher): what changed, by
+    name, in the tree, and nothing after stop()."""
+    sbx = Sandbox.create(TEMPLATE, timeout=120)
+    try:
+        sbx.files.make_dir("/tmp/w/old")
+        handle = sbx.files.watch_dir("/tmp/w", recursive=True)
+        sbx.files.write("/tmp/w/a.txt", "x")
+        sbx.files.make_dir("/tmp/w/sub")
+        time.sleep(0.3)  # the new directory is followed once its create is read
+        sbx.files.write("/tmp/w/sub/b.txt", "y")
+        sbx.files.write("/tmp/w/old/c.txt", "z")
+        sbx.files.rename("/tmp/w/a.txt", "/tmp/w/moved.txt")
+        sbx.commands.run("chmod 600 /tmp/w/moved.txt; rm /tmp/w/moved.txt")
+        wanted = {
+            ("a.txt", "create"), ("sub", "create"), ("sub/b.txt", "create"),
+            ("old/c.txt", "create"), ("a.txt", "rename"), ("moved.txt", "create"),
+            ("moved.txt", "chmod"), ("moved.txt", "remove"),
+        }  # fmt: skip
+        seen: set[tuple[str, str]] = set()
+        deadline = time.monotonic() + 20
+        while not wanted <= seen:
+            assert time.monotonic() < deadline, (wanted - seen, seen)
+            seen |= {(e.name, e.type.value) for e in handle.get_new_events()}
+            time.sleep(0.2)
+        sbx.commands.run("echo more >> /tmp/w/old/c.txt")  # written in place: a write
+        while ("old/c.txt", "write") not in seen:
+            assert time.monotonic() < deadline, seen
+            seen |= {(e.name, e.type.value) for e in handle.get_new_events()}
+            time.sleep(0.2)
+        assert not [name for name, _ in seen if "agentbox-upload" in name], seen
+        handle.stop()
+        try:
+            handle.get_new_events()
+        except SandboxException:
+            pass
+        else:
+            raise AssertionError("a stopped watcher gave events")
+        ok("watch_dir")
+
+        try:
+            sbx.files.watch_dir("/tmp/nowhere")
+        except (FileNotFoundException, NotFoundException):
+            pass
+        else:
+            raise AssertionError("watching a missing directory did not raise")
+        ok("missing")
+    finally:
+        sbx.kill()
+
+
 def tenants() -> None:
     """Another tenant's key sees nothing of this tenant's sandbox; no key gets 401."""
     sbx = Sandbox.create(TEMPLATE, timeout=60)
@@ -377,5 +428,5 @@ def refusals() -> None:
 if __name__ == "__main__":
     scenarios = {"lifecycle": lifecycle, "files": files, "tenants": tenants}
     scenarios |= {"refusals": refusals, "commands": commands, "filesystem": filesystem}
-    scenarios |= {"pty": pty}
+    scenarios |= {"pty": pty, "watch": watch}
     scenarios[sys.argv[1]]()

@@ -39,6 +39,7 @@ SCENARIOS = {
     ],
     "filesystem": ["make_dir_info", "list", "symlink", "rename_remove", "missing"],
     "pty": ["terminal", "kill"],
+    "watch": ["watch_dir", "missing"],
     "tenants": ["tenants"],
     "refusals": ["refusals"],
 }  # fmt: skip
@@ -177,9 +178,9 @@ def test_malformed_e2b_requests_get_a_4xx(server: ServerHandle) -> None:
 
 def test_envd_rpc_refuses_by_name(server: ServerHandle) -> None:
     """envd's Connect RPC, spoken raw: no token is UNAUTHENTICATED (another sandbox's token
-    too), a malformed body or a PTY of no width INVALID_ARGUMENT, what agentbox does not serve
-    yet UNIMPLEMENTED
-    with what to use instead; never a 5xx. The calls made are audited as the tenant's."""
+    too), a malformed body or a PTY of no width INVALID_ARGUMENT, a 17th directory watch
+    FAILED_PRECONDITION, another sandbox's watcher NOT_FOUND; never a 5xx. The calls made
+    are audited as the tenant's."""
     tenant = f"e2b-rpc-{time.monotonic_ns() % 10**9}"
     key = server.make_key(tenant)
     rpc = {"Content-Type": "application/json", "Connect-Protocol-Version": "1"}
@@ -207,8 +208,38 @@ def test_envd_rpc_refuses_by_name(server: ServerHandle) -> None:
             r = c.post("/process.Process/Start", content=_enveloped(pty), headers=_stream(envd))
             assert r.status_code == 200 and b"invalid_argument" in r.content, r.content
             assert b"cols must be 1 to 4096" in r.content, r.content
-            r = c.post("/filesystem.Filesystem/CreateWatcher", json={"path": "/"}, headers=envd)
-            assert r.status_code == 501 and "list the directory" in r.json()["message"], r.text
+            watch = {"path": "/tmp", "recursive": False}
+            with c.stream(
+                "POST",
+                "/filesystem.Filesystem/WatchDir",
+                content=_enveloped(watch),
+                headers=_stream(envd),
+            ) as streamed:  # WatchDir streams: start, then each change
+                frames = streamed.iter_raw()
+                got = next(frames)
+                assert b'"start"' in got, got
+                r = c.post("/filesystem.Filesystem/MakeDir", json={"path": "/tmp/w1"}, headers=envd)
+                assert r.status_code == 200, r.text
+                while b"w1" not in got:
+                    got += next(frames)
+                assert b'"EVENT_TYPE_CREATE"' in got, got
+            watchers = [
+                c.post("/filesystem.Filesystem/CreateWatcher", json={"path": "/"}, headers=envd)
+                for _ in range(17)
+            ]
+            assert [w.status_code for w in watchers[:16]] == [200] * 16, watchers[0].text
+            assert watchers[16].json()["code"] == "failed_precondition", watchers[16].text
+            assert "16 directory watches" in watchers[16].json()["message"]
+            other = {
+                **envd,
+                "E2b-Sandbox-Id": made[1]["sandboxID"],
+                "X-Access-Token": made[1]["envdAccessToken"],
+            }  # another sandbox of the tenant: its token does not reach this one's watchers
+            poll = {"watcherId": watchers[0].json()["watcherId"]}
+            r = c.post("/filesystem.Filesystem/GetWatcherEvents", json=poll, headers=other)
+            assert r.status_code == 404, r.text
+            r = c.post("/filesystem.Filesystem/GetWatcherEvents", json=poll, headers=envd)
+            assert r.status_code == 200, r.text
             r = c.post("/filesystem.Filesystem/Stat", json={"path": "/nope"}, headers=envd)
             assert r.status_code == 404 and r.json()["code"] == "not_found", r.text
             r = c.post(

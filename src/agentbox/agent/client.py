@@ -168,6 +168,32 @@ class AgentClient:
             req["cursor"] = cursor
         return await self.call(_as(req, user))
 
+    async def watch_dir(
+        self, path: str, recursive: bool = False, user: str | None = None
+    ) -> AsyncIterator[dict[str, Any]]:
+        """A directory's changes until closed: {"type": "fs", name, op} (op: create, write,
+        remove, rename, chmod) and {"type": "overflow"}. Errors (no such directory, too many
+        to watch) surface here, before any event."""
+        conn = await self._open(_as({"op": "fs.watch", "path": path, "recursive": recursive}, user))
+        try:
+            await conn.reply()
+        except BaseException:
+            conn.close()
+            raise
+
+        async def events() -> AsyncIterator[dict[str, Any]]:
+            try:
+                while True:
+                    event = await conn.recv_json()
+                    if event.get("type") != "keepalive":
+                        yield event
+            except OSError as e:
+                raise AgentUnavailable(f"lost the sandbox agent: {e}") from None
+            finally:
+                conn.close()
+
+        return events()
+
     async def stat(self, path: str, user: str | None = None) -> dict[str, Any]:
         return dict((await self.call(_as({"op": "fs.stat", "path": path}, user)))["entry"])
 

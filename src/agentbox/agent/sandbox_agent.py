@@ -52,6 +52,7 @@ FINISHED_KEPT = 32
 LIST_LIMIT = P.LIST_LIMIT
 STDERR_TAIL = 4096
 KEEPALIVE_S = 15.0
+UPLOAD_PREFIX = ".agentbox-upload-"  # a file being written; renamed into place when whole
 ENDS_KEPT = 1024  # end events `exec.ended` can still hand out
 ENDS_PER_REPLY = 128
 
@@ -527,7 +528,7 @@ def _write(conn: Conn, req: dict) -> None:
     if len(parts[-1].encode("utf-8", "surrogateescape")) > 255:
         raise OpError("invalid_path", f"{path}: a file name may be at most 255 bytes", path=path)
     pfd = parent_of(parts, create=True)
-    tmp = f".agentbox-upload-{os.getpid()}-{threading.get_ident()}-{time.monotonic_ns()}"
+    tmp = f"{UPLOAD_PREFIX}{os.getpid()}-{threading.get_ident()}-{time.monotonic_ns()}"
     fd = -1
     try:
         _check_destination(pfd, parts[-1], path)
@@ -626,6 +627,138 @@ def op_list(conn: Conn, req: dict) -> None:
     if more:
         reply["next_cursor"] = out[-1]["path"]
     conn.reply(reply)
+
+
+# inotify (inotify(7)): what a watch reports, and the word each event is said with.
+_IN_MODIFY, _IN_ATTRIB, _IN_MOVED_FROM, _IN_MOVED_TO = 0x2, 0x4, 0x40, 0x80
+_IN_CREATE, _IN_DELETE, _IN_DELETE_SELF, _IN_MOVE_SELF = 0x100, 0x200, 0x400, 0x800
+_IN_Q_OVERFLOW, _IN_IGNORED, _IN_ONLYDIR, _IN_DONT_FOLLOW = 0x4000, 0x8000, 0x1000000, 0x2000000
+_IN_EXCL_UNLINK, _IN_ISDIR = 0x4000000, 0x40000000
+_WATCH_MASK = _IN_MODIFY | _IN_ATTRIB | _IN_MOVED_FROM | _IN_MOVED_TO | _IN_CREATE | _IN_DELETE
+_WATCH_MASK |= _IN_DELETE_SELF | _IN_ONLYDIR | _IN_DONT_FOLLOW | _IN_EXCL_UNLINK
+_WATCH_WORDS = (
+    (_IN_CREATE | _IN_MOVED_TO, "create"),
+    (_IN_MODIFY, "write"),
+    (_IN_DELETE, "remove"),
+    (_IN_MOVED_FROM, "rename"),
+    (_IN_ATTRIB, "chmod"),
+)
+MAX_WATCHED_DIRS = 4096  # directories one recursive watch follows
+
+
+class DirWatch:
+    """A directory's changes, by inotify: the directory, or its whole tree (directories made
+    later are followed too, up to MAX_WATCHED_DIRS). Names are relative to the directory."""
+
+    def __init__(self, parts: list[str], recursive: bool) -> None:
+        self.recursive = recursive
+        self.root = join(parts)
+        self.dirs: dict[int, str] = {}  # watch descriptor -> path relative to the root
+        self.fd = _libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+        if self.fd < 0:
+            err = ctypes.get_errno()
+            raise OpError(
+                "limit_exceeded", f"no directory watch to be had here ({os.strerror(err)})"
+            )
+        try:
+            top = open_dir(parts, os.O_RDONLY)  # no symlink on the way, as every file op
+            try:
+                self._add(f"/proc/self/fd/{top}", "", _WATCH_MASK & ~_IN_DONT_FOLLOW)
+            finally:
+                os.close(top)
+            if recursive:
+                self._add_tree("")
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def _add(self, path: str, rel: str, mask: int = _WATCH_MASK) -> None:
+        if len(self.dirs) >= MAX_WATCHED_DIRS:
+            raise OpError(
+                "limit_exceeded",
+                f"{self.root} has more than {MAX_WATCHED_DIRS} directories to watch: watch a "
+                "smaller tree, or without recursive",
+            )
+        wd = _libc.inotify_add_watch(self.fd, path.encode("utf-8", "surrogateescape"), mask)
+        if wd < 0:
+            err = ctypes.get_errno()
+            if not rel:  # the watched directory itself
+                raise os_error(OSError(err, os.strerror(err)), self.root)
+            return  # a subdirectory that went away or cannot be read: the rest is watched
+        self.dirs[wd] = rel
+
+    def _add_tree(self, rel: str) -> None:
+        stack = [rel]
+        while stack:
+            here = stack.pop()
+            base = self.root.rstrip("/") + ("/" + here if here else "")
+            try:
+                with os.scandir(base) as it:
+                    subdirs = [e.name for e in it if e.is_dir(follow_symlinks=False)]
+            except OSError:
+                continue
+            for name in subdirs:
+                sub = f"{here}/{name}" if here else name
+                self._add(f"{base}/{name}", sub)
+                stack.append(sub)
+
+    def read(self, timeout: float) -> list[dict]:
+        """The events of up to `timeout` seconds ([] when none came)."""
+        import select
+        import struct
+
+        ready, _, _ = select.select([self.fd], [], [], timeout)
+        if not ready:
+            return []
+        try:
+            data = os.read(self.fd, 65536)
+        except BlockingIOError:
+            return []
+        out, i = [], 0
+        while i + 16 <= len(data):
+            wd, mask, _cookie, size = struct.unpack_from("iIII", data, i)
+            name = data[i + 16 : i + 16 + size].rstrip(b"\0").decode("utf-8", "surrogateescape")
+            i += 16 + size
+            if mask & _IN_Q_OVERFLOW:
+                out.append({"type": "overflow"})
+                continue
+            if mask & _IN_IGNORED:
+                self.dirs.pop(wd, None)
+                continue
+            rel = self.dirs.get(wd)
+            if rel is None or not name or name.startswith(UPLOAD_PREFIX):
+                continue  # the file API's own temporary files: it renames them into place
+            path = f"{rel}/{name}" if rel else name
+            if self.recursive and mask & _IN_ISDIR and mask & (_IN_CREATE | _IN_MOVED_TO):
+                try:
+                    self._add(f"{self.root.rstrip('/')}/{path}", path)
+                    self._add_tree(path)
+                except OpError as e:
+                    out.append({"type": "overflow", "message": str(e)})
+            for bit, word in _WATCH_WORDS:
+                if mask & bit:
+                    out.append({"type": "fs", "name": path, "op": word})
+        return out
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def op_watch(conn: Conn, req: dict) -> None:
+    """A directory's changes, streamed until the client leaves: {"type": "fs", name, op}, a
+    keepalive after each silent KEEPALIVE_S, and {"type": "overflow"} where the kernel's queue
+    dropped events."""
+    watch = DirWatch(parse_path(req.get("path")), req.get("recursive") is True)
+    try:
+        conn.reply({"ok": True, "path": watch.root})
+        while True:
+            events = watch.read(KEEPALIVE_S)
+            if not events:
+                conn.reply({"type": "keepalive"})  # also notices a client that went away
+            for event in events:
+                conn.reply(event)
+    finally:
+        watch.close()
 
 
 def _listing(dparts: list[str], level: int) -> tuple[list[str], int, int, list[str]]:
@@ -1582,6 +1715,7 @@ OPS = {
     "fs.mkdir": op_mkdir,
     "fs.remove": op_remove,
     "fs.rename": op_rename,
+    "fs.watch": op_watch,
     "exec.start": op_exec_start,
     "exec.run": op_exec_run,
     "exec.info": op_exec_info,

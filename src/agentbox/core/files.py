@@ -104,6 +104,22 @@ class FileService:
             "next_cursor": reply.get("next_cursor"),
         }
 
+    async def watch(
+        self,
+        caller: Caller,
+        sandbox_id: str,
+        path: str,
+        recursive: bool = False,
+        user: str | None = None,
+    ) -> AsyncIterator[dict[str, Any]]:
+        """A directory's changes until the iterator is closed (AgentClient.watch_dir)."""
+        check_user(user)
+        return await self.core.agent_do(
+            caller, sandbox_id, "file.watch",
+            lambda c: c.watch_dir(path, recursive, user), path=path, recursive=recursive,
+            **_who(user),
+        )  # fmt: skip
+
     async def stat(
         self, caller: Caller, sandbox_id: str, path: str, user: str | None = None
     ) -> dict[str, Any]:

@@ -8,8 +8,9 @@ API's: the sandbox's envd token names the tenant, the core checks and audits. A 
 agentbox command: its pid is the one the sandbox sees, its output streams as E2B's events.
 
 A process started with a `pty` gets a terminal of its own (its output is the `pty` data; input
-and Update's size go to the terminal). Not served yet (UNIMPLEMENTED, with what to use
-instead): directory watching (WatchDir and the watcher calls).
+and Update's size go to the terminal). Directories are watched with inotify in the sandbox
+(WatchDir streams; CreateWatcher's watchers hold events until polled), MAX_WATCHES per
+sandbox.
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ import inspect
 import json
 import logging
 import math
+import secrets
 import shlex
 import signal
+import time
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, asynccontextmanager
@@ -38,6 +41,7 @@ from protobuf.wkt.google.protobuf.timestamp_pb import Timestamp
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from agentbox.agent.client import AgentUnavailable
 from agentbox.core.auth import Caller
 from agentbox.core.errors import AgentboxError
 from agentbox.core.requests import CommandRequest
@@ -307,33 +311,39 @@ def _event(item: dict[str, Any], terminal: bool) -> pb.ProcessEvent | None:
     return None
 
 
-async def _stream(
-    start: pb.ProcessEvent, events: AsyncIterator[dict[str, Any]], terminal: bool
-) -> AsyncGenerator[pb.ProcessEvent, None]:
-    """`start`, then the command's events as envd's, a keepalive after each silent
-    KEEPALIVE_S. The core's stream is under way before `start` is yielded, so closing this at
-    any point closes it too (its end is then audited when it comes)."""
+async def _relay(
+    first: T,
+    events: AsyncIterator[dict[str, Any]],
+    convert: Callable[[dict[str, Any]], tuple[list[T], bool]],
+    keepalive: Callable[[], T],
+) -> AsyncGenerator[T, None]:
+    """`first`, then each core event converted (to messages, and whether it was the last), a
+    keepalive after each silent KEEPALIVE_S. The core's stream is under way before `first`
+    is yielded, so closing this at any point closes it too (a command's end is then audited
+    when it comes)."""
     it = aiter(events)
     pending: asyncio.Task[dict[str, Any]] | None = asyncio.ensure_future(anext(it))
     try:
         await asyncio.sleep(0)  # the task's first step runs: the core's stream has begun
-        yield start
+        yield first
         while True:
             if pending is None:
                 pending = asyncio.ensure_future(anext(it))
             done, _ = await asyncio.wait({pending}, timeout=KEEPALIVE_S)
             if not done:
-                yield pb.ProcessEvent(event=_of("keepalive", pb.ProcessEvent.KeepAlive()))
+                yield keepalive()
                 continue
             task, pending = pending, None
             try:
                 item = task.result()
             except StopAsyncIteration:
                 return
-            event = _event(item, terminal)
-            if event is not None:
-                yield event
-            if item.get("type") == "end":
+            except AgentUnavailable as e:
+                raise ConnectError(Code.UNAVAILABLE, str(e)) from None
+            messages, last = convert(item)
+            for message in messages:
+                yield message
+            if last:
                 return
     finally:
         if pending is not None:
@@ -342,6 +352,19 @@ async def _stream(
         close = getattr(it, "aclose", None)
         if close is not None:
             await close()
+
+
+def _process_events(
+    start: pb.ProcessEvent, events: AsyncIterator[dict[str, Any]], terminal: bool
+) -> AsyncGenerator[pb.ProcessEvent, None]:
+    def convert(item: dict[str, Any]) -> tuple[list[pb.ProcessEvent], bool]:
+        event = _event(item, terminal)
+        return ([event] if event is not None else []), item.get("type") == "end"
+
+    def keepalive() -> pb.ProcessEvent:
+        return pb.ProcessEvent(event=_of("keepalive", pb.ProcessEvent.KeepAlive()))
+
+    return _relay(start, events, convert, keepalive)
 
 
 def _pid(info: dict[str, Any]) -> int:
@@ -468,7 +491,7 @@ class ProcessService(Process):
         info, events = await _call(self.core.manager.commands.run_command(caller, sandbox_id, req))
         self.known.add(sandbox_id, str(info["cmd_id"]), cfg, request.tag)
         start = pb.ProcessEvent(event=_of("start", pb.ProcessEvent.StartEvent(pid=_pid(info))))
-        async with aclosing(_stream(start, events, size is not None)) as stream:
+        async with aclosing(_process_events(start, events, size is not None)) as stream:
             async for event in stream:
                 yield pb.StartResponse(event=event)
 
@@ -481,7 +504,7 @@ class ProcessService(Process):
         commands = self.core.manager.commands
         events = await _call(commands.command_events(caller, sandbox_id, str(c["cmd_id"]), 0))
         start = pb.ProcessEvent(event=_of("start", pb.ProcessEvent.StartEvent(pid=_pid(c))))
-        async with aclosing(_stream(start, events, bool(c.get("pty")))) as stream:
+        async with aclosing(_process_events(start, events, bool(c.get("pty")))) as stream:
             async for event in stream:
                 yield pb.ConnectResponse(event=event)
 
@@ -597,12 +620,66 @@ def _within(value: object, bound: int) -> int:
     return value if isinstance(value, int) and 0 <= value < bound else 0
 
 
-def _not_watching() -> ConnectError:
-    return ConnectError(
-        Code.UNIMPLEMENTED,
-        "watching directories is not served by agentbox yet: list the directory again "
-        "(sandbox.files.list) to see what changed",
-    )
+_EVENT_TYPES = {
+    "create": fs.EventType.CREATE,
+    "write": fs.EventType.WRITE,
+    "remove": fs.EventType.REMOVE,
+    "rename": fs.EventType.RENAME,
+    "chmod": fs.EventType.CHMOD,
+}
+MAX_WATCHES = 16  # per sandbox: WatchDir streams and pollable watchers together
+WATCHER_EVENTS = 4096  # a pollable watcher's events held until polled, at most
+WATCHER_BYTES = 1 << 20  # and their names' bytes
+WATCHER_IDLE_S = 600.0  # a watcher not polled this long is removed
+
+
+def _fs_event(item: dict[str, Any]) -> fs.FilesystemEvent:
+    """An agent's watch event as envd's; a queue overflow is an error, never a silent gap."""
+    if item.get("type") == "overflow":
+        raise ConnectError(
+            Code.RESOURCE_EXHAUSTED,
+            "events were lost (the sandbox's kernel dropped some, or the tree grew past what "
+            f"one watch follows{': ' + str(item['message']) if item.get('message') else ''}): "
+            "list the directory, then watch it again",
+        )
+    kind = _EVENT_TYPES.get(str(item.get("op")), fs.EventType.UNSPECIFIED)
+    return fs.FilesystemEvent(name=str(item.get("name", "")), type=kind)
+
+
+class _Watcher:
+    """A pollable watcher (CreateWatcher): its events wait here for GetWatcherEvents."""
+
+    def __init__(self, sandbox_id: str, events: AsyncIterator[dict[str, Any]]) -> None:
+        self.sandbox_id = sandbox_id
+        self.events: list[fs.FilesystemEvent] = []
+        self.held = 0  # bytes of the names in `events`
+        self.failed: ConnectError | None = None
+        self.polled = time.monotonic()
+        self.task = asyncio.ensure_future(self._follow(events))
+
+    async def _follow(self, events: AsyncIterator[dict[str, Any]]) -> None:
+        try:
+            async with aclosing(events) as stream:  # type: ignore[type-var]
+                async for item in stream:
+                    event = _fs_event(item)
+                    self.events.append(event)
+                    self.held += len(event.name) + 16
+                    if len(self.events) > WATCHER_EVENTS or self.held > WATCHER_BYTES:
+                        raise ConnectError(
+                            Code.RESOURCE_EXHAUSTED,
+                            f"more than {WATCHER_EVENTS} events waited to be polled: poll "
+                            "more often, or watch a smaller tree",
+                        )
+        except ConnectError as e:
+            self.failed = e
+        except AgentUnavailable as e:
+            self.failed = ConnectError(Code.UNAVAILABLE, str(e))
+        else:
+            self.failed = ConnectError(Code.UNAVAILABLE, "the watch ended with the sandbox")
+
+    async def stop(self) -> None:
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
 
 
 @_guard_methods
@@ -611,6 +688,8 @@ class FilesystemService(Filesystem):
 
     def __init__(self, core: Core) -> None:
         self.core = core
+        self._open: dict[str, int] = {}  # sandbox -> WatchDir streams open
+        self._watchers: dict[str, _Watcher] = {}
 
     async def stat(self, request: fs.StatRequest, ctx: RequestContext) -> fs.StatResponse:
         caller, sandbox_id = _caller()
@@ -674,27 +753,94 @@ class FilesystemService(Filesystem):
     async def watch_dir(
         self, request: fs.WatchDirRequest, ctx: RequestContext
     ) -> AsyncIterator[fs.WatchDirResponse]:
-        _caller()
-        raise _not_watching()
-        yield fs.WatchDirResponse()  # pragma: no cover (makes this a stream)
+        """The directory's changes, streamed: a start event once the watch is set, then
+        create/write/remove/rename/chmod events by name (relative to the directory)."""
+        caller, sandbox_id = _caller()
+        user = _user(ctx)
+        self._room(sandbox_id)
+        self._open[sandbox_id] = self._open.get(sandbox_id, 0) + 1
+        try:
+            files = self.core.manager.files
+            path, recursive = request.path, request.recursive
+            events = await _call(files.watch(caller, sandbox_id, path, recursive, user))
+
+            def convert(item: dict[str, Any]) -> tuple[list[fs.WatchDirResponse], bool]:
+                return [fs.WatchDirResponse(event=_of("filesystem", _fs_event(item)))], False
+
+            def keepalive() -> fs.WatchDirResponse:
+                return fs.WatchDirResponse(event=_of("keepalive", fs.WatchDirResponse.KeepAlive()))
+
+            start = fs.WatchDirResponse(event=_of("start", fs.WatchDirResponse.StartEvent()))
+            async with aclosing(_relay(start, events, convert, keepalive)) as stream:
+                async for message in stream:
+                    yield message
+        finally:
+            self._open[sandbox_id] -= 1
+            if not self._open[sandbox_id]:
+                del self._open[sandbox_id]
 
     async def create_watcher(
         self, request: fs.CreateWatcherRequest, ctx: RequestContext
     ) -> fs.CreateWatcherResponse:
-        _caller()
-        raise _not_watching()
+        caller, sandbox_id = _caller()
+        user = _user(ctx)
+        await self._sweep()
+        self._room(sandbox_id)
+        files = self.core.manager.files
+        path, recursive = request.path, request.recursive
+        events = await _call(files.watch(caller, sandbox_id, path, recursive, user))
+        watcher_id = secrets.token_hex(12)
+        self._watchers[watcher_id] = _Watcher(sandbox_id, events)
+        await asyncio.sleep(0)  # its task has begun: a stop now closes the agent's stream
+        return fs.CreateWatcherResponse(watcher_id=watcher_id)
 
     async def get_watcher_events(
         self, request: fs.GetWatcherEventsRequest, ctx: RequestContext
     ) -> fs.GetWatcherEventsResponse:
-        _caller()
-        raise _not_watching()
+        _, sandbox_id = _caller()
+        watcher = self._watcher(sandbox_id, request.watcher_id)
+        events, watcher.events, watcher.held = watcher.events, [], 0
+        watcher.polled = time.monotonic()
+        if not events and watcher.failed is not None:
+            await self._drop(request.watcher_id)
+            raise watcher.failed
+        return fs.GetWatcherEventsResponse(events=events)
 
     async def remove_watcher(
         self, request: fs.RemoveWatcherRequest, ctx: RequestContext
     ) -> fs.RemoveWatcherResponse:
-        _caller()
-        raise _not_watching()
+        _, sandbox_id = _caller()
+        self._watcher(sandbox_id, request.watcher_id)
+        await self._drop(request.watcher_id)
+        return fs.RemoveWatcherResponse()
+
+    def _room(self, sandbox_id: str) -> None:
+        held = self._open.get(sandbox_id, 0)
+        held += sum(w.sandbox_id == sandbox_id for w in self._watchers.values())
+        if held >= MAX_WATCHES:
+            raise ConnectError(
+                Code.FAILED_PRECONDITION,
+                f"this sandbox has {MAX_WATCHES} directory watches already: remove one "
+                "(remove_watcher, or stop a watch_dir) first",
+            )
+
+    def _watcher(self, sandbox_id: str, watcher_id: str) -> _Watcher:
+        watcher = self._watchers.get(watcher_id)
+        if watcher is None or watcher.sandbox_id != sandbox_id:
+            raise ConnectError(Code.NOT_FOUND, f"no watcher {watcher_id[:64]!r} in this sandbox")
+        return watcher
+
+    async def _drop(self, watcher_id: str) -> None:
+        watcher = self._watchers.pop(watcher_id, None)
+        if watcher is not None:
+            await watcher.stop()
+
+    async def _sweep(self) -> None:
+        """Watchers nobody polled for WATCHER_IDLE_S, or whose sandbox ended, go."""
+        now = time.monotonic()
+        for watcher_id, w in list(self._watchers.items()):
+            if now - w.polled > WATCHER_IDLE_S or (w.failed is not None and not w.events):
+                await self._drop(watcher_id)
 
 
 def rpc_apps(core: Core, sandbox: Callable[[Core, Request], Any]) -> dict[str, ASGIApp]:
