@@ -46,6 +46,7 @@ RULES: list[tuple[str, str]] = [
     (r"__aiter__", "__iter__"),
     (r"aread", "read"),
     (r"aclose", "close"),
+    (r"anext", "next"),
     (r"aiter_lines", "iter_lines"),
     (r"aiter_bytes", "iter_bytes"),
     (r"import asyncio", "import time"),

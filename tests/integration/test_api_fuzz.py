@@ -264,8 +264,9 @@ class Fuzzer:
         desc = f"{kw['method']} {kw['url']} " + _short(
             {k: v for k, v in send.items() if k != "headers" and v is not None}
         )
-        # An event stream of a running command legitimately waits for output: peek, then go.
-        waits = op.method.upper() == "GET" and op.path.endswith("/events")
+        # An event stream of a running command, or a directory watch, legitimately waits for
+        # output: peek, then go.
+        waits = op.method.upper() == "GET" and op.path.endswith(("/events", "/files/watch"))
         read = STREAM_PEEK_S if waits else REQUEST_TIMEOUT
         timeout = httpx.Timeout(REQUEST_TIMEOUT, connect=5.0, read=read)
         try:

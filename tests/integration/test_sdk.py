@@ -472,3 +472,43 @@ def test_async_templates_and_secrets_match_the_sync_ones(server: Any,
             assert isinstance(await admin_t.pools(), list)
 
     asyncio.run(flow())
+
+
+def test_watch_dir_streams_a_trees_changes(sbx: Sandbox) -> None:
+    """files.watch_dir: what changed, by name relative to the directory, as it happens; new
+    directories followed; a missing directory raises; 16 watches per sandbox, a closed one
+    gives its place back."""
+    from agentbox.sdk import ConflictError, NotFoundError
+
+    sbx.files.make_dir("/workspace/w")
+    events = sbx.files.watch_dir("/workspace/w", recursive=True)
+    sbx.files.write("/workspace/w/a.txt", "x")
+    sbx.commands.run("mkdir /workspace/w/d && sleep 0.3 && echo hi > /workspace/w/d/f")
+    sbx.commands.run("chmod 600 /workspace/w/a.txt && rm /workspace/w/a.txt")
+    seen: list[tuple[str, str]] = []
+    for event in events:
+        seen.append((event.name, event.type))
+        if seen[-1] == ("a.txt", "remove"):
+            break
+    events.close()  # type: ignore[attr-defined]
+    wanted = {("a.txt", "create"), ("d", "create"), ("d/f", "create"), ("d/f", "write")}
+    assert wanted | {("a.txt", "chmod")} <= set(seen), seen
+    assert not [name for name, _ in seen if "agentbox-upload" in name], seen
+
+    with pytest.raises(NotFoundError):
+        sbx.files.watch_dir("/workspace/nowhere")
+    open_ = [sbx.files.watch_dir("/workspace/w") for _ in range(16)]
+    with pytest.raises(ConflictError, match="16 directory watches"):
+        sbx.files.watch_dir("/workspace/w")
+    open_.pop().close()  # type: ignore[attr-defined]
+    deadline = time.monotonic() + 10
+    while True:  # the server notices the closed stream when it next writes to it
+        try:
+            open_.append(sbx.files.watch_dir("/workspace/w"))
+            break
+        except ConflictError:
+            assert time.monotonic() < deadline
+            sbx.files.write("/workspace/w/poke", "x")
+            time.sleep(0.2)
+    for watch in open_:
+        watch.close()  # type: ignore[attr-defined]

@@ -172,8 +172,9 @@ class AgentClient:
         self, path: str, recursive: bool = False, user: str | None = None
     ) -> AsyncIterator[dict[str, Any]]:
         """A directory's changes until closed: {"type": "fs", name, op} (op: create, write,
-        remove, rename, chmod) and {"type": "overflow"}. Errors (no such directory, too many
-        to watch) surface here, before any event."""
+        remove, rename, chmod), {"type": "overflow"}, and a {"type": "keepalive"} after each
+        silent while. Errors (no such directory, too many to watch) surface here, before any
+        event."""
         conn = await self._open(_as({"op": "fs.watch", "path": path, "recursive": recursive}, user))
         try:
             await conn.reply()
@@ -184,9 +185,7 @@ class AgentClient:
         async def events() -> AsyncIterator[dict[str, Any]]:
             try:
                 while True:
-                    event = await conn.recv_json()
-                    if event.get("type") != "keepalive":
-                        yield event
+                    yield await conn.recv_json()
             except OSError as e:
                 raise AgentUnavailable(f"lost the sandbox agent: {e}") from None
             finally:

@@ -9,12 +9,13 @@ agent requests.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+import weakref
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from agentbox.agent.client import AgentOpError, AgentUnavailable
 from agentbox.core.auth import Caller
-from agentbox.core.errors import InvalidRequest
+from agentbox.core.errors import Conflict, InvalidRequest
 
 if TYPE_CHECKING:
     from agentbox.core.manager import SandboxManager
@@ -30,12 +31,28 @@ def _who(user: str | None) -> dict[str, Any]:
     return {} if user is None else {"user": user}
 
 
+MAX_WATCHES = 16  # directory watches open at once per sandbox
+
+
+async def _closing(events: AsyncIterator[dict[str, Any]]) -> AsyncGenerator[dict[str, Any], None]:
+    """`events`, closed with this (a generator's frame is its liveness, for the count)."""
+    try:
+        async for event in events:
+            yield event
+    finally:
+        close = getattr(events, "aclose", None)
+        if close is not None:
+            await close()
+
+
 class FileService:
     """Each operation takes `user` ("user" or "root"; None: the sandbox's default user), whose
     permissions apply inside the sandbox and who owns what it makes."""
 
     def __init__(self, core: SandboxManager) -> None:
         self.core = core
+        # Each sandbox's open directory watches (their event iterators, while alive).
+        self._watches: dict[str, weakref.WeakSet[AsyncGenerator[dict[str, Any], None]]] = {}
 
     async def read(
         self, caller: Caller, sandbox_id: str, path: str, user: str | None = None
@@ -112,13 +129,26 @@ class FileService:
         recursive: bool = False,
         user: str | None = None,
     ) -> AsyncIterator[dict[str, Any]]:
-        """A directory's changes until the iterator is closed (AgentClient.watch_dir)."""
+        """A directory's changes until the iterator is closed (AgentClient.watch_dir), at
+        most MAX_WATCHES open per sandbox (each holds a thread and an inotify instance in it)."""
         check_user(user)
-        return await self.core.agent_do(
+        live = self._watches.setdefault(sandbox_id, weakref.WeakSet())
+        if sum(getattr(w, "ag_frame", None) is not None for w in live) >= MAX_WATCHES:
+            raise Conflict(
+                f"this sandbox has {MAX_WATCHES} directory watches open already: stop one first"
+            )
+        events = await self.core.agent_do(
             caller, sandbox_id, "file.watch",
             lambda c: c.watch_dir(path, recursive, user), path=path, recursive=recursive,
             **_who(user),
         )  # fmt: skip
+        watch = _closing(events)
+        live.add(watch)
+        return watch
+
+    def forget(self, sandbox_id: str) -> None:
+        """An ended sandbox's watches (their streams end with its agent)."""
+        self._watches.pop(sandbox_id, None)
 
     async def stat(
         self, caller: Caller, sandbox_id: str, path: str, user: str | None = None

@@ -415,5 +415,6 @@ class Lifecycle:
             await self.core.volumes.detach(fresh.sandbox_id)
         self.core.table.forget(row.sandbox_id)
         self.core.commands.forget(row.sandbox_id)
+        self.core.files.forget(row.sandbox_id)
         self.core.metrics.forget(row.sandbox_id)
         return True

@@ -38,6 +38,7 @@ from agentbox.sdk.models import (
     EntryList,
     Execution,
     ExecutionError,
+    FilesystemEvent,
     KeptWorkspace,
     OutputMessage,
     PoolStats,
@@ -502,6 +503,35 @@ class AsyncFiles:
         return await self._transport.call(
             p.timed(p.stat_file(self._sandbox_id, path, user), request_timeout)
         )
+
+    async def watch_dir(
+        self,
+        path: str,
+        *,
+        recursive: bool = False,
+        user: str | None = None,
+        request_timeout: float | None = None,
+    ) -> AsyncIterator[FilesystemEvent]:
+        """The directory's changes as they happen, until you stop iterating (close the
+        iterator, or leave the loop): create, write, remove, rename, chmod, by name relative
+        to the directory; `recursive` follows the whole tree, new directories too. A missing
+        directory raises here; lost events end the iteration with an error, never a gap."""
+        call = p.timed(p.watch_dir(self._sandbox_id, path, recursive, user), request_timeout)
+        lines = self._transport.events(call, None)
+        await anext(lines)  # the start line: the watch is set (or the error raised)
+
+        async def changes() -> AsyncIterator[FilesystemEvent]:
+            try:
+                async for line in lines:
+                    event = p.watch_event(line)
+                    if event is not None:
+                        yield event
+            finally:
+                close = getattr(lines, "aclose", None)  # the HTTP stream with it
+                if close is not None:
+                    await close()
+
+        return changes()
 
     async def make_dir(
         self, path: str, *, user: str | None = None, request_timeout: float | None = None

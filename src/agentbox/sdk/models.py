@@ -334,6 +334,19 @@ class EntryInfo:
         )
 
 
+@dataclass(frozen=True)
+class FilesystemEvent:
+    """A change in a watched directory: `name` relative to it, `type` create, write, remove,
+    rename (the old name; the new one comes as create) or chmod."""
+
+    name: str
+    type: str
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> FilesystemEvent:
+        return cls(name=str(data.get("name", "")), type=str(data.get("op", "")))
+
+
 class EntryList(list[EntryInfo]):
     """A page of a directory listing: a list of entries that also says whether the listing
     stopped at its limit. When `truncated`, ask for the rest with `cursor=next_cursor`."""

@@ -49,6 +49,7 @@ from agentbox.sdk.models import (
     EntryList,
     Execution,
     ExecutionError,
+    FilesystemEvent,
     KeptWorkspace,
     KeyInfo,
     NetworkInfo,
@@ -592,6 +593,22 @@ def list_files(sandbox_id: str, path: str, depth: int, limit: int | None = None,
 
 def stat_file(sandbox_id: str, path: str, user: str | None = None) -> Call[EntryInfo]:
     return Call("GET", f"{_sbx(sandbox_id)}/files/stat", _entry, params=_path_params(path, user))
+
+
+def watch_dir(sandbox_id: str, path: str, recursive: bool, user: str | None = None) -> Call[None]:
+    params = [*_path_params(path, user), ("recursive", "true" if recursive else "false")]
+    return Call("GET", f"{_sbx(sandbox_id)}/files/watch", _none, params=params)
+
+
+def watch_event(event: dict[str, Any]) -> FilesystemEvent | None:
+    """A line of a watch: its change, None for what is not one; an error line raises."""
+    kind = event.get("type")
+    if kind == "fs":
+        return FilesystemEvent.from_json(event)
+    if kind == "error":
+        raise error_from_code(str(event.get("code") or "error"),
+                              str(event.get("message") or "the watch failed"), None)
+    return None
 
 
 def make_dir(sandbox_id: str, path: str, user: str | None = None) -> Call[bool]:

@@ -33,6 +33,7 @@ from agentbox.sdk.models import (
     EntryList,
     Execution,
     ExecutionError,
+    FilesystemEvent,
     KeptWorkspace,
     OutputMessage,
     PoolStats,
@@ -487,6 +488,35 @@ class Files:
         return self._transport.call(
             p.timed(p.stat_file(self._sandbox_id, path, user), request_timeout)
         )
+
+    def watch_dir(
+        self,
+        path: str,
+        *,
+        recursive: bool = False,
+        user: str | None = None,
+        request_timeout: float | None = None,
+    ) -> Iterator[FilesystemEvent]:
+        """The directory's changes as they happen, until you stop iterating (close the
+        iterator, or leave the loop): create, write, remove, rename, chmod, by name relative
+        to the directory; `recursive` follows the whole tree, new directories too. A missing
+        directory raises here; lost events end the iteration with an error, never a gap."""
+        call = p.timed(p.watch_dir(self._sandbox_id, path, recursive, user), request_timeout)
+        lines = self._transport.events(call, None)
+        next(lines)  # the start line: the watch is set (or the error raised)
+
+        def changes() -> Iterator[FilesystemEvent]:
+            try:
+                for line in lines:
+                    event = p.watch_event(line)
+                    if event is not None:
+                        yield event
+            finally:
+                close = getattr(lines, "close", None)  # the HTTP stream with it
+                if close is not None:
+                    close()
+
+        return changes()
 
     def make_dir(
         self, path: str, *, user: str | None = None, request_timeout: float | None = None

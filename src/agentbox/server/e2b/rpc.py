@@ -9,8 +9,8 @@ agentbox command: its pid is the one the sandbox sees, its output streams as E2B
 
 A process started with a `pty` gets a terminal of its own (its output is the `pty` data; input
 and Update's size go to the terminal). Directories are watched with inotify in the sandbox
-(WatchDir streams; CreateWatcher's watchers hold events until polled), MAX_WATCHES per
-sandbox.
+(WatchDir streams; CreateWatcher's watchers hold events until polled), as many per sandbox
+as the core allows (core/files.py).
 """
 
 from __future__ import annotations
@@ -627,7 +627,6 @@ _EVENT_TYPES = {
     "rename": fs.EventType.RENAME,
     "chmod": fs.EventType.CHMOD,
 }
-MAX_WATCHES = 16  # per sandbox: WatchDir streams and pollable watchers together
 WATCHER_EVENTS = 4096  # a pollable watcher's events held until polled, at most
 WATCHER_BYTES = 1 << 20  # and their names' bytes
 WATCHER_IDLE_S = 600.0  # a watcher not polled this long is removed
@@ -661,6 +660,8 @@ class _Watcher:
         try:
             async with aclosing(events) as stream:  # type: ignore[type-var]
                 async for item in stream:
+                    if item.get("type") == "keepalive":
+                        continue
                     event = _fs_event(item)
                     self.events.append(event)
                     self.held += len(event.name) + 16
@@ -688,7 +689,6 @@ class FilesystemService(Filesystem):
 
     def __init__(self, core: Core) -> None:
         self.core = core
-        self._open: dict[str, int] = {}  # sandbox -> WatchDir streams open
         self._watchers: dict[str, _Watcher] = {}
 
     async def stat(self, request: fs.StatRequest, ctx: RequestContext) -> fs.StatResponse:
@@ -756,28 +756,22 @@ class FilesystemService(Filesystem):
         """The directory's changes, streamed: a start event once the watch is set, then
         create/write/remove/rename/chmod events by name (relative to the directory)."""
         caller, sandbox_id = _caller()
-        user = _user(ctx)
-        self._room(sandbox_id)
-        self._open[sandbox_id] = self._open.get(sandbox_id, 0) + 1
-        try:
-            files = self.core.manager.files
-            path, recursive = request.path, request.recursive
-            events = await _call(files.watch(caller, sandbox_id, path, recursive, user))
+        files = self.core.manager.files
+        path, recursive, user = request.path, request.recursive, _user(ctx)
+        events = await _call(files.watch(caller, sandbox_id, path, recursive, user))
 
-            def convert(item: dict[str, Any]) -> tuple[list[fs.WatchDirResponse], bool]:
-                return [fs.WatchDirResponse(event=_of("filesystem", _fs_event(item)))], False
+        def convert(item: dict[str, Any]) -> tuple[list[fs.WatchDirResponse], bool]:
+            if item.get("type") == "keepalive":
+                return [], False
+            return [fs.WatchDirResponse(event=_of("filesystem", _fs_event(item)))], False
 
-            def keepalive() -> fs.WatchDirResponse:
-                return fs.WatchDirResponse(event=_of("keepalive", fs.WatchDirResponse.KeepAlive()))
+        def keepalive() -> fs.WatchDirResponse:
+            return fs.WatchDirResponse(event=_of("keepalive", fs.WatchDirResponse.KeepAlive()))
 
-            start = fs.WatchDirResponse(event=_of("start", fs.WatchDirResponse.StartEvent()))
-            async with aclosing(_relay(start, events, convert, keepalive)) as stream:
-                async for message in stream:
-                    yield message
-        finally:
-            self._open[sandbox_id] -= 1
-            if not self._open[sandbox_id]:
-                del self._open[sandbox_id]
+        start = fs.WatchDirResponse(event=_of("start", fs.WatchDirResponse.StartEvent()))
+        async with aclosing(_relay(start, events, convert, keepalive)) as stream:
+            async for message in stream:
+                yield message
 
     async def create_watcher(
         self, request: fs.CreateWatcherRequest, ctx: RequestContext
@@ -785,7 +779,6 @@ class FilesystemService(Filesystem):
         caller, sandbox_id = _caller()
         user = _user(ctx)
         await self._sweep()
-        self._room(sandbox_id)
         files = self.core.manager.files
         path, recursive = request.path, request.recursive
         events = await _call(files.watch(caller, sandbox_id, path, recursive, user))
@@ -813,16 +806,6 @@ class FilesystemService(Filesystem):
         self._watcher(sandbox_id, request.watcher_id)
         await self._drop(request.watcher_id)
         return fs.RemoveWatcherResponse()
-
-    def _room(self, sandbox_id: str) -> None:
-        held = self._open.get(sandbox_id, 0)
-        held += sum(w.sandbox_id == sandbox_id for w in self._watchers.values())
-        if held >= MAX_WATCHES:
-            raise ConnectError(
-                Code.FAILED_PRECONDITION,
-                f"this sandbox has {MAX_WATCHES} directory watches already: remove one "
-                "(remove_watcher, or stop a watch_dir) first",
-            )
 
     def _watcher(self, sandbox_id: str, watcher_id: str) -> _Watcher:
         watcher = self._watchers.get(watcher_id)

@@ -1,16 +1,20 @@
-"""Files in a running sandbox: read and write (streamed), list, stat, mkdir, remove, rename."""
+"""Files in a running sandbox: read and write (streamed), list, stat, watch, mkdir, remove,
+rename."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import JSONResponse
 
+from agentbox.agent.client import AgentUnavailable
 from agentbox.agent.protocol import LIST_LIMIT
 from agentbox.server import models as m
 from agentbox.server.routes.deps import RESPONSES, Mgr, Who
-from agentbox.server.streaming import Streamed
+from agentbox.server.streaming import Streamed, ndjson
+from agentbox.vocab import ErrorCode
 
 PathQ = Annotated[str, Query(max_length=8192, description="sandbox path")]
 UserQ = Annotated[m.SandboxUser | None, Query(description=m.USER_DOC)]
@@ -91,6 +95,28 @@ def router() -> APIRouter:
     ) -> m.EntryInfo:
         return m.EntryInfo.of(await mgr.files.stat(who, sandbox_id, path, user))
 
+    @r.get(
+        "/v1/sandboxes/{sandbox_id}/files/watch",
+        responses={**RESPONSES, 200: {"content": {"application/x-ndjson": {}}}},
+        tags=["files"],
+    )
+    async def watch_files(
+        sandbox_id: str,
+        path: PathQ,
+        mgr: Mgr,
+        who: Who,
+        recursive: Annotated[
+            bool, Query(description="the whole tree (new directories too)")
+        ] = False,
+        user: UserQ = None,
+    ) -> Response:
+        """A directory's changes, as NDJSON until the client leaves: `start`, then
+        `{"type": "fs", "name", "op"}` (op create, write, remove, rename or chmod; name relative
+        to the directory) and `keepalive` lines; `error` ends it (events lost, the sandbox
+        gone). At most 16 watches per sandbox at once (409 past that)."""
+        events = await mgr.files.watch(who, sandbox_id, path, recursive, user)
+        return ndjson(_watched(path, events))
+
     @r.post(
         "/v1/sandboxes/{sandbox_id}/files/mkdir",
         response_model=m.EntryInfo,
@@ -125,3 +151,23 @@ def router() -> APIRouter:
         return m.EntryInfo.of(entry)
 
     return r
+
+
+async def _watched(
+    path: str, events: AsyncIterator[dict[str, Any]]
+) -> AsyncIterator[dict[str, Any]]:
+    yield {"type": "start", "path": path}
+    try:
+        async for event in events:
+            if event.get("type") == "overflow":
+                yield {
+                    "type": "error",
+                    "code": ErrorCode.LIMIT_EXCEEDED,
+                    "message": "events were lost (the sandbox's kernel dropped some, or the tree "
+                    "grew past what one watch follows): list the directory, then watch it again",
+                }
+                return
+            if event.get("type") in ("fs", "keepalive"):
+                yield event
+    except AgentUnavailable as e:
+        yield {"type": "error", "code": ErrorCode.SANDBOX_UNAVAILABLE, "message": str(e)}
