@@ -459,6 +459,7 @@ class Fuzzer:
         self.client.close()
 
 
+@pytest.mark.timeout(600)  # ~150 s alone; more beside the battery (tests/conftest.py)
 def test_fuzz_every_operation(fuzz_server: ServerHandle) -> None:
     raw = httpx.get(f"{fuzz_server.url}/openapi.json", timeout=10).json()
     ops = operations(schemathesis.openapi.from_dict(raw))
