@@ -175,23 +175,8 @@ class AgentClient:
         remove, rename, chmod), {"type": "overflow"}, and a {"type": "keepalive"} after each
         silent while. Errors (no such directory, too many to watch) surface here, before any
         event."""
-        conn = await self._open(_as({"op": "fs.watch", "path": path, "recursive": recursive}, user))
-        try:
-            await conn.reply()
-        except BaseException:
-            conn.close()
-            raise
-
-        async def events() -> AsyncIterator[dict[str, Any]]:
-            try:
-                while True:
-                    yield await conn.recv_json()
-            except OSError as e:
-                raise AgentUnavailable(f"lost the sandbox agent: {e}") from None
-            finally:
-                conn.close()
-
-        return events()
+        request = _as({"op": "fs.watch", "path": path, "recursive": recursive}, user)
+        return await self.event_stream(request, keepalives=True)
 
     async def stat(self, path: str, user: str | None = None) -> dict[str, Any]:
         return dict((await self.call(_as({"op": "fs.stat", "path": path}, user)))["entry"])
@@ -353,9 +338,12 @@ class AgentClient:
 
     # ------------------------------------------------------------------ code
 
-    async def event_stream(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def event_stream(
+        self, request: dict[str, Any], keepalives: bool = False
+    ) -> AsyncIterator[dict[str, Any]]:
         """Send a request answered by `{"ok": true}` and then JSON events, up to one whose
-        type is `done` or `failed`. Refusals surface here, before any event."""
+        type is `done` or `failed` (keepalives among them too if asked). Refusals surface
+        here, before any event."""
         conn = await self._open(request)
         try:
             await conn.reply()
@@ -367,7 +355,7 @@ class AgentClient:
             try:
                 while True:
                     event = await conn.recv_json()
-                    if event.get("type") == "keepalive":
+                    if event.get("type") == "keepalive" and not keepalives:
                         continue
                     yield event
                     if event.get("type") in ("done", "failed"):
