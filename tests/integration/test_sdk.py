@@ -495,6 +495,18 @@ def test_watch_dir_streams_a_trees_changes(sbx: Sandbox) -> None:
     assert wanted | {("a.txt", "chmod")} <= set(seen), seen
     assert not [name for name, _ in seen if "agentbox-upload" in name], seen
 
+    # What a new directory holds before its watch is set is reported too; the watched
+    # directory removed ends the watch with an error, never a silent stream.
+    sbx.files.make_dir("/workspace/w2")
+    events = sbx.files.watch_dir("/workspace/w2", recursive=True)
+    sbx.commands.run("mkdir -p /workspace/w2/x/y && touch /workspace/w2/x/y/f")
+    sbx.commands.run("rm -rf /workspace/w2")
+    seen = []
+    with pytest.raises(AgentboxError, match="w2 was removed"):
+        for event in events:
+            seen.append((event.name, event.type))
+    assert {("x", "create"), ("x/y", "create"), ("x/y/f", "create")} <= set(seen), seen
+
     with pytest.raises(NotFoundError):
         sbx.files.watch_dir("/workspace/nowhere")
     open_ = [sbx.files.watch_dir("/workspace/w") for _ in range(16)]

@@ -7,6 +7,7 @@ hostile agent can only fail its own sandbox's requests.
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -334,7 +335,7 @@ class AgentClient:
             finally:
                 conn.close()
 
-        return info, events()
+        return info, _closed_with(events(), conn)
 
     # ------------------------------------------------------------------ code
 
@@ -365,7 +366,14 @@ class AgentClient:
             finally:
                 conn.close()
 
-        return events()
+        return _closed_with(events(), conn)
+
+
+def _closed_with(events: AsyncIterator[Any], conn: _Conn) -> AsyncIterator[Any]:
+    """`events`, whose connection is closed also when the generator is dropped unstarted (its
+    own `finally` then never runs: a client gone before the first event)."""
+    weakref.finalize(events, conn.close)
+    return events
 
 
 def _as(req: dict[str, Any], user: str | None) -> dict[str, Any]:

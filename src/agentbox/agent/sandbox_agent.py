@@ -53,6 +53,7 @@ LIST_LIMIT = P.LIST_LIMIT
 STDERR_TAIL = 4096
 KEEPALIVE_S = 15.0
 UPLOAD_PREFIX = ".agentbox-upload-"  # a file being written; renamed into place when whole
+TERMINAL_INPUT_S = 2.0  # input to a terminal whose program does not read it waits this long
 ENDS_KEPT = 1024  # end events `exec.ended` can still hand out
 ENDS_PER_REPLY = 128
 
@@ -654,6 +655,7 @@ class DirWatch:
         self.recursive = recursive
         self.root = join(parts)
         self.dirs: dict[int, str] = {}  # watch descriptor -> path relative to the root
+        self.ended = False  # the directory itself is gone: nothing more will come
         self.fd = _libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
         if self.fd < 0:
             err = ctypes.get_errno()
@@ -684,31 +686,41 @@ class DirWatch:
             err = ctypes.get_errno()
             if not rel:  # the watched directory itself
                 raise os_error(OSError(err, os.strerror(err)), self.root)
-            return  # a subdirectory that went away or cannot be read: the rest is watched
+            if err in (errno.ENOENT, errno.ENOTDIR, errno.EACCES, errno.ELOOP):
+                return  # a subdirectory that went away or cannot be read: the rest is watched
+            raise OpError(  # out of inotify watches, memory: said, never a silent gap
+                "limit_exceeded", f"cannot watch {self.root}/{rel}: {os.strerror(err)}"
+            )
         self.dirs[wd] = rel
 
-    def _add_tree(self, rel: str) -> None:
+    def _add_tree(self, rel: str, found: list[str] | None = None) -> None:
+        """Watch the directories below `rel`; with `found`, note every name there too (what
+        a new directory held before its watch was set, reported as created)."""
         stack = [rel]
         while stack:
             here = stack.pop()
             base = self.root.rstrip("/") + ("/" + here if here else "")
             try:
                 with os.scandir(base) as it:
-                    subdirs = [e.name for e in it if e.is_dir(follow_symlinks=False)]
+                    entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
             except OSError:
                 continue
-            for name in subdirs:
+            for name, is_dir in entries:
                 sub = f"{here}/{name}" if here else name
-                self._add(f"{base}/{name}", sub)
-                stack.append(sub)
+                if found is not None and not name.startswith(UPLOAD_PREFIX):
+                    found.append(sub)
+                if is_dir:
+                    self._add(f"{base}/{name}", sub)
+                    stack.append(sub)
 
     def read(self, timeout: float) -> list[dict]:
         """The events of up to `timeout` seconds ([] when none came)."""
         import select
         import struct
 
-        ready, _, _ = select.select([self.fd], [], [], timeout)
-        if not ready:
+        poller = select.poll()  # not select(): the descriptor may be past 1023
+        poller.register(self.fd, select.POLLIN)
+        if not poller.poll(timeout * 1000):
             return []
         try:
             data = os.read(self.fd, 65536)
@@ -723,21 +735,25 @@ class DirWatch:
                 out.append({"type": "overflow"})
                 continue
             if mask & _IN_IGNORED:
-                self.dirs.pop(wd, None)
+                if self.dirs.pop(wd, None) == "":
+                    self.ended = True
+                    out.append({"type": "overflow", "message": f"{self.root} was removed"})
                 continue
             rel = self.dirs.get(wd)
             if rel is None or not name or name.startswith(UPLOAD_PREFIX):
                 continue  # the file API's own temporary files: it renames them into place
             path = f"{rel}/{name}" if rel else name
-            if self.recursive and mask & _IN_ISDIR and mask & (_IN_CREATE | _IN_MOVED_TO):
-                try:
-                    self._add(f"{self.root.rstrip('/')}/{path}", path)
-                    self._add_tree(path)
-                except OpError as e:
-                    out.append({"type": "overflow", "message": str(e)})
             for bit, word in _WATCH_WORDS:
                 if mask & bit:
                     out.append({"type": "fs", "name": path, "op": word})
+            if self.recursive and mask & _IN_ISDIR and mask & (_IN_CREATE | _IN_MOVED_TO):
+                found: list[str] = []
+                try:
+                    self._add(f"{self.root.rstrip('/')}/{path}", path)
+                    self._add_tree(path, found)
+                except OpError as e:
+                    out.append({"type": "overflow", "message": str(e)})
+                out += [{"type": "fs", "name": name, "op": "create"} for name in found]
         return out
 
     def close(self) -> None:
@@ -757,6 +773,8 @@ def op_watch(conn: Conn, req: dict) -> None:
                 conn.reply({"type": "keepalive"})  # also notices a client that went away
             for event in events:
                 conn.reply(event)
+            if watch.ended:
+                return
     finally:
         watch.close()
 
@@ -1160,11 +1178,12 @@ class Commands:
         env = login_env(users.environment(user, {**os.environ, **envs}))
         env["AGENTBOX_CMD_ID"] = cmd_id  # lets kill() find daemons that left the process tree
         try:
+            master = -1
             with users.spawning_as(user):
                 if size is None:
                     c.proc = self._popen(cmd, cwd, env, req.get("stdin"))
                 else:
-                    c.proc, c.pty = self._popen_pty(cmd, cwd, env, size)
+                    c.proc, master = self._popen_pty(cmd, cwd, env, size)
         except OSError as e:
             if e.errno in (errno.EAGAIN, errno.ENOMEM):
                 raise PIDS_EXHAUSTED from None
@@ -1172,21 +1191,32 @@ class Commands:
             raise os_error(e, cwd) from None
         c.pid = c.proc.pid
         try:
-            if c.pty >= 0:
-                fds = [(P.STDOUT, c.pty)]
+            if size is not None:
+                # The reader owns `master` and closes it at the terminal's hang-up; input and
+                # resizes use a duplicate, closed when the command ends (no number is closed
+                # while another thread may still use it).
+                c.pty = os.dup(master)
+                t = threading.Thread(target=self._read_terminal, args=(c, master), daemon=True)
+                t.start()
+                master = -1
+                c.readers.append(t)
             else:
                 assert c.proc.stdout is not None and c.proc.stderr is not None
                 fds = [(P.STDOUT, c.proc.stdout.fileno()), (P.STDERR, c.proc.stderr.fileno())]
-            for stream, fd in fds:
-                t = threading.Thread(target=self._read, args=(c, stream, fd), daemon=True)
-                t.start()
-                c.readers.append(t)
+                for stream, fd in fds:
+                    t = threading.Thread(target=self._read, args=(c, stream, fd), daemon=True)
+                    t.start()
+                    c.readers.append(t)
             threading.Thread(target=self._wait, args=(c,), daemon=True).start()
         except RuntimeError:  # no thread for it: the sandbox is at its process limit
             # "Could not start" must leave nothing running: the command may already have
             # forked (a fork bomb fills the pids cgroup before its reader threads exist).
             kill_tree(c)
             c.proc.wait()
+            for fd in (master, c.pty):
+                if fd >= 0:
+                    os.close(fd)
+            c.pty = -2
             raise PIDS_EXHAUSTED from None
         with self.lock:
             self.by_id[cmd_id] = c
@@ -1235,12 +1265,15 @@ class Commands:
                 # After setsid: the terminal becomes the new session's controlling one.
                 preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0),  # noqa: PLW1509
             )
+        except subprocess.SubprocessError as e:  # the terminal could not be made its own
+            os.close(master)
+            raise OpError("io_error", f"could not give the command a terminal: {e}") from None
         except BaseException:
             os.close(master)
             raise
         finally:
             os.close(slave)
-        os.set_blocking(master, True)
+        os.set_blocking(master, False)  # its reader polls; input waits TERMINAL_INPUT_S at most
         return proc, master
 
     def _trim(self) -> None:
@@ -1249,6 +1282,29 @@ class Commands:
             del self.by_id[c.id]
             with self.spool_lock:
                 self.spool -= c.buffered
+
+    @staticmethod
+    def _read_terminal(c: Command, fd: int) -> None:
+        """A terminal's output, until it hangs up (every holder of its slave side gone, EIO);
+        then its master side is closed here, by its one reader."""
+        import select
+
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        try:
+            while True:
+                poller.poll()
+                try:
+                    data = os.read(fd, 65536)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    break
+                if not data:
+                    break
+                c.append(P.STDOUT, data)
+        finally:
+            os.close(fd)
 
     @staticmethod
     def _read(c: Command, stream: int, fd: int) -> None:
@@ -1522,16 +1578,31 @@ def _terminal_input(c: Command, req: dict) -> None:
     data = req.get("data", "")
     if not isinstance(data, str):
         raise OpError("invalid_request", "data must be a string")
+    import select
+
     raw = data.encode() + (b"\x04" if req.get("eof") else b"")
+    deadline = time.monotonic() + TERMINAL_INPUT_S
     with c.pty_lock:
         if c.pty < 0:
             raise OpError("conflict", "this command's terminal is closed")
         view = memoryview(raw)
-        try:
-            while view:
+        while view:
+            try:
                 view = view[os.write(c.pty, view) :]
-        except OSError as e:
-            raise OpError("conflict", f"the terminal refused input: {e.strerror}") from None
+            except BlockingIOError:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    sent = len(raw) - len(view)
+                    raise OpError(
+                        "conflict",
+                        f"the terminal's input is full ({sent} of {len(raw)} bytes went in): "
+                        "the program in it is not reading",
+                    ) from None
+                poller = select.poll()
+                poller.register(c.pty, select.POLLOUT)
+                poller.poll(left * 1000)
+            except OSError as e:
+                raise OpError("conflict", f"the terminal refused input: {e.strerror}") from None
 
 
 def op_exec_resize(conn: Conn, req: dict) -> None:

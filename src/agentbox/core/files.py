@@ -53,6 +53,7 @@ class FileService:
         self.core = core
         # Each sandbox's open directory watches (their event iterators, while alive).
         self._watches: dict[str, weakref.WeakSet[AsyncGenerator[dict[str, Any], None]]] = {}
+        self._starting: dict[str, int] = {}  # watches being set up, their places held
 
     async def read(
         self, caller: Caller, sandbox_id: str, path: str, user: str | None = None
@@ -133,17 +134,24 @@ class FileService:
         most MAX_WATCHES open per sandbox (each holds a thread and an inotify instance in it)."""
         check_user(user)
         live = self._watches.setdefault(sandbox_id, weakref.WeakSet())
-        if sum(getattr(w, "ag_frame", None) is not None for w in live) >= MAX_WATCHES:
+        held = sum(getattr(w, "ag_frame", None) is not None for w in live)
+        if held + self._starting.get(sandbox_id, 0) >= MAX_WATCHES:
             raise Conflict(
                 f"this sandbox has {MAX_WATCHES} directory watches open already: stop one first"
             )
-        events = await self.core.agent_do(
-            caller, sandbox_id, "file.watch",
-            lambda c: c.watch_dir(path, recursive, user), path=path, recursive=recursive,
-            **_who(user),
-        )  # fmt: skip
-        watch = _closing(events)
-        live.add(watch)
+        self._starting[sandbox_id] = self._starting.get(sandbox_id, 0) + 1  # its place, now
+        try:
+            events = await self.core.agent_do(
+                caller, sandbox_id, "file.watch",
+                lambda c: c.watch_dir(path, recursive, user), path=path, recursive=recursive,
+                **_who(user),
+            )  # fmt: skip
+            watch = _closing(events)
+            live.add(watch)
+        finally:
+            self._starting[sandbox_id] -= 1
+            if not self._starting[sandbox_id]:
+                del self._starting[sandbox_id]
         return watch
 
     def forget(self, sandbox_id: str) -> None:

@@ -627,8 +627,9 @@ _EVENT_TYPES = {
     "rename": fs.EventType.RENAME,
     "chmod": fs.EventType.CHMOD,
 }
-WATCHER_EVENTS = 4096  # a pollable watcher's events held until polled, at most
-WATCHER_BYTES = 1 << 20  # and their names' bytes
+WATCHER_EVENTS = 2048  # a pollable watcher's events held until polled, at most
+WATCHER_BYTES = 256 << 10  # and their names' bytes
+MAX_WATCHERS = 16  # pollable watchers per sandbox, failed ones until polled or swept too
 WATCHER_IDLE_S = 600.0  # a watcher not polled this long is removed
 
 
@@ -779,6 +780,11 @@ class FilesystemService(Filesystem):
         caller, sandbox_id = _caller()
         user = _user(ctx)
         await self._sweep()
+        if sum(w.sandbox_id == sandbox_id for w in self._watchers.values()) >= MAX_WATCHERS:
+            raise ConnectError(
+                Code.FAILED_PRECONDITION,
+                f"this sandbox has {MAX_WATCHERS} watchers: remove one (remove_watcher) first",
+            )
         files = self.core.manager.files
         path, recursive = request.path, request.recursive
         events = await _call(files.watch(caller, sandbox_id, path, recursive, user))
@@ -791,6 +797,7 @@ class FilesystemService(Filesystem):
         self, request: fs.GetWatcherEventsRequest, ctx: RequestContext
     ) -> fs.GetWatcherEventsResponse:
         _, sandbox_id = _caller()
+        await self._sweep()
         watcher = self._watcher(sandbox_id, request.watcher_id)
         events, watcher.events, watcher.held = watcher.events, [], 0
         watcher.polled = time.monotonic()
@@ -819,10 +826,13 @@ class FilesystemService(Filesystem):
             await watcher.stop()
 
     async def _sweep(self) -> None:
-        """Watchers nobody polled for WATCHER_IDLE_S, or whose sandbox ended, go."""
+        """Watchers nobody polled for WATCHER_IDLE_S, whose sandbox no longer runs, or that
+        failed with nothing left to give, go (with the events they held)."""
         now = time.monotonic()
+        manager = self.core.manager
         for watcher_id, w in list(self._watchers.items()):
-            if now - w.polled > WATCHER_IDLE_S or (w.failed is not None and not w.events):
+            gone = manager.running_row(w.sandbox_id) is None
+            if gone or now - w.polled > WATCHER_IDLE_S or (w.failed is not None and not w.events):
                 await self._drop(watcher_id)
 
 

@@ -160,11 +160,13 @@ async def _watched(
     try:
         async for event in events:
             if event.get("type") == "overflow":
+                why = f": {event['message']}" if event.get("message") else ""
                 yield {
                     "type": "error",
                     "code": ErrorCode.LIMIT_EXCEEDED,
-                    "message": "events were lost (the sandbox's kernel dropped some, or the tree "
-                    "grew past what one watch follows): list the directory, then watch it again",
+                    "message": "the watch ended, events may be lost (the sandbox's kernel dropped "
+                    f"some, or the tree grew past what one watch follows{why}): list the "
+                    "directory, then watch it again",
                 }
                 return
             if event.get("type") in ("fs", "keepalive"):
