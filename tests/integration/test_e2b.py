@@ -19,11 +19,12 @@ import pytest
 from conftest import ServerHandle
 
 CLIENT = Path(__file__).with_name("e2b_client.py")
+INTERPRETER_CLIENT = Path(__file__).with_name("e2b_interpreter_client.py")
 # The SDK lines: the oldest the issue names (creates through POST /sandboxes) and the newest
 # (POST /v2/sandboxes).
 SDKS = {
-    "2.45": ["e2b==2.45.1", "connectrpc<0.12"],
-    "2.63": ["e2b==2.63.0"],
+    "2.45": ["e2b==2.45.1", "e2b-code-interpreter==2.9.2", "connectrpc<0.12"],
+    "2.63": ["e2b==2.63.0", "e2b-code-interpreter==2.11.5"],
 }
 SCENARIOS = {
     "lifecycle": [
@@ -71,8 +72,32 @@ def sdk(request: pytest.FixtureRequest) -> tuple[str, Path]:
     return request.param, _venv(SDKS[request.param])
 
 
+INTERPRETER_SCENARIOS = {
+    "cells": [
+        "stateful", "rich_results", "error", "languages", "envs", "timeout_interrupts",
+    ],
+    "contexts": ["create", "list", "restart", "remove", "credential"],
+}  # fmt: skip
+
+
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 def test_e2b_sdk(sdk: tuple[str, Path], scenario: str, server: ServerHandle) -> None:
+    _drive(sdk, CLIENT, scenario, SCENARIOS[scenario], server)
+
+
+@pytest.mark.slow  # the code-interpreter template (built once per machine)
+@pytest.mark.parametrize("scenario", sorted(INTERPRETER_SCENARIOS))
+def test_e2b_code_interpreter_sdk(
+    sdk: tuple[str, Path], scenario: str, ci_server: ServerHandle
+) -> None:
+    """`e2b-code-interpreter` on E2B's port 49999, its default template `code-interpreter-v1`
+    being agentbox's code interpreter."""
+    _drive(sdk, INTERPRETER_CLIENT, scenario, INTERPRETER_SCENARIOS[scenario], ci_server)
+
+
+def _drive(
+    sdk: tuple[str, Path], client: Path, scenario: str, steps: list[str], server: ServerHandle
+) -> None:
     line, python = sdk
     tag = f"{time.monotonic_ns() % 10**9}"
     env = {
@@ -86,10 +111,10 @@ def test_e2b_sdk(sdk: tuple[str, Path], scenario: str, server: ServerHandle) -> 
     }
     env.pop("E2B_DEBUG", None)
     done = subprocess.run(
-        [str(python), str(CLIENT), scenario], env=env, capture_output=True, text=True, timeout=240
+        [str(python), str(client), scenario], env=env, capture_output=True, text=True, timeout=240
     )
     passed = [line[3:] for line in done.stdout.splitlines() if line.startswith("ok ")]
-    assert done.returncode == 0 and passed == SCENARIOS[scenario], (
+    assert done.returncode == 0 and passed == steps, (
         f"e2b {line}, {scenario}: passed {passed}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
     )
 

@@ -330,6 +330,54 @@ def test_cell_that_ignores_the_interrupt_is_killed(host: Host) -> None:
     host.ok("remove_context", context_id=ctx)
 
 
+def test_cancel_interrupts_a_running_cell_and_drops_a_queued_one(host: Host) -> None:
+    """`cancel` is what the agent sends when a cell's client goes away (E2B's SDK times out by
+    disconnecting): the running cell (no timeout of its own) is interrupted within moments, a
+    cell queued behind it never runs, the context keeps its state."""
+    host.run("kept = 'still here'")
+    running = host.send("execute", code="import time\nprint('started', flush=True)\ntime.sleep(60)")
+    queued = host.send("execute", code="print('must not run')")
+    q = host._queue(running)
+    assert q.get(timeout=WAIT_S)["event"] == "accepted"
+    assert q.get(timeout=WAIT_S)["text"] == "started\n"
+    start = time.monotonic()
+    assert host.call("cancel", target=queued)[-1]["event"] == "done"
+    assert host.call("cancel", target=running)[-1]["event"] == "done"
+    rest = host.collect(running)
+    assert time.monotonic() - start < 3, rest
+    (err,) = errors(rest)
+    assert err["name"] == "TimeoutError" and "client went away" in err["value"], err
+    assert done(rest)["timed_out"] is True
+    skipped = host.collect(queued)
+    assert [e["event"] for e in skipped] == ["accepted", "failed"], skipped
+    assert stdout(host.run("print(kept)")) == "still here\n"
+    # A cancel for a request that has ended (or never was) is answered and changes nothing.
+    assert host.call("cancel", target=running)[-1]["event"] == "done"
+    assert host.call("cancel", target=10**9)[-1]["event"] == "done"
+
+
+def test_an_execute_is_accepted_before_its_cell_says_anything(host: Host) -> None:
+    """A silent cell's first event would otherwise be its end: the agent answers its caller
+    (and the server its client, who may hang up) on `accepted`; a bad request fails instead."""
+    rid = host.send("execute", code="import time\ntime.sleep(2)")
+    start = time.monotonic()
+    assert host._queue(rid).get(timeout=WAIT_S)["event"] == "accepted"
+    assert time.monotonic() - start < 1
+    assert done(host.collect(rid))["execution_count"]
+    refused = host.call("execute", code="1", context_id="nope")
+    assert [e["event"] for e in refused] == ["failed"] and refused[0]["code"] == "not_found"
+
+
+def test_cancel_of_a_bash_cell(host: Host) -> None:
+    host.run("SURVIVOR=yes", language="bash")
+    running = host.send("execute", code="echo go; sleep 60", language="bash")
+    assert host._queue(running).get(timeout=WAIT_S)["event"] == "accepted"
+    assert host._queue(running).get(timeout=WAIT_S)["text"] == "go\n"
+    host.ok("cancel", target=running)
+    assert [e["name"] for e in errors(host.collect(running))] == ["TimeoutError"]
+    assert stdout(host.run("echo $SURVIVOR", language="bash")) == "yes\n"
+
+
 # ---------------------------------------------------------------- javascript
 
 

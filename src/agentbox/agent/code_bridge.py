@@ -104,8 +104,8 @@ class CodeHost:
         for q in orphans:
             q.put(gone)
 
-    def request(self, op: str, args: dict) -> queue.SimpleQueue:
-        """Send a request; its events arrive on the returned queue, ending with a terminal."""
+    def request(self, op: str, args: dict) -> tuple[int, queue.SimpleQueue]:
+        """Send a request; its id, and the queue its events arrive on, ending with a terminal."""
         q: queue.SimpleQueue = queue.SimpleQueue()
         with self.lock:
             proc = self._ensure()
@@ -120,11 +120,24 @@ class CodeHost:
             except OSError as e:
                 self.waiters.pop(rid, None)
                 raise HostGone(f"the code interpreter is not answering: {e}") from None
-        return q
+        return rid, q
+
+    def abandon(self, rid: int) -> None:
+        """Nobody waits for request `rid` any more: its events are dropped, and an execution
+        it started is interrupted (the host's `cancel`)."""
+        with self.lock:
+            if self.waiters.pop(rid, None) is None:
+                return  # it has ended
+        try:
+            cancel, _ = self.request("cancel", {"target": rid})
+        except HostGone:
+            return
+        with self.lock:
+            self.waiters.pop(cancel, None)  # its own reply is dropped too
 
     def call(self, op: str, args: dict) -> dict:
         """A request whose only interesting event is its terminal one."""
-        q = self.request(op, args)
+        _, q = self.request(op, args)
         while True:
             event = q.get()
             if event.get("event") in TERMINAL:

@@ -23,13 +23,16 @@ one of `invalid`, `not_found`, `unsupported`, `kernel_dead`, `internal`.
 - `remove_context {context_id}` -> kills it; queued jobs fail `not_found`.
 - `set_env {envs}` -> for future contexts and, queued behind running work, existing ones.
 - `warm {languages}` -> starts each language's default context; done `{"contexts": [...]}`.
-- `execute {code, context_id?, language?, envs?, timeout?}` streams `stdout`/`stderr`
+- `execute {code, context_id?, language?, envs?, timeout?}` -> `accepted` once it is queued
+  (or failed at once: a bad request, an unknown context), then streams `stdout`/`stderr`
   `{text, timestamp}` (timestamp: Unix epoch in nanoseconds), `result {result}` (E2B Result
   fields, only those present, plus `is_main_result`), `error {error: {name, value, traceback}}`,
   then `execution_count {execution_count}` and done `{execution_count, timed_out?, exit_code?}`.
   No context_id: the language's (default "python") default context, started on demand. Both
   context_id and a different language: `invalid`. `envs` hold for this execution only.
   `timeout` in seconds; absent, null or 0: none.
+- `cancel {target}` -> the execute of request `target` is interrupted as at its timeout (its
+  TimeoutError says its client went away), or never runs if still queued; done.
 - `shutdown {}` -> kills everything, done, exit. EOF on stdin does the same without a reply.
 
 Conventions chosen here:
@@ -85,6 +88,7 @@ INTERRUPT_GRACE_S = 5.0
 STDERR_TAIL = 2000
 # Without a pidfd (very old kernels, some gVisor versions) a dead child is noticed by this poll.
 LIVENESS_POLL_MS = 500
+CANCEL_POLL_MS = 250  # how soon a running cell sees a `cancel` (its deadline moved to now)
 JS_REPL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "js_repl.js")
 NO_PYTHON_KERNEL = (
     "this template's python3 lacks ipykernel (and pyzmq), so Python contexts cannot run here; "
@@ -166,6 +170,7 @@ class Run:
         self.kill_at = 0.0
         self.reinterrupt_at: float | None = None
         self.timed_out = False
+        self.cancelled = False  # its client went away (the host's `cancel`)
         self.interrupt_traceback = ""
         # False while an interrupt would hit the interpreter before the cell runs (bash reading
         # the cell); the deadline is checked again the moment the backend arms it.
@@ -184,9 +189,22 @@ class Run:
             return
         self.emit("error", error={"name": name, "value": value, "traceback": traceback})
 
+    def cancel(self) -> None:
+        """Interrupt the cell as its timeout would (from the host's request thread: the
+        worker sees the deadline within CANCEL_POLL_MS)."""
+        self.cancelled = True
+        self.deadline = time.monotonic()
+
+    @property
+    def why(self) -> str:
+        """What the interrupt was for, for the messages that tell."""
+        if self.cancelled:
+            return "its client went away"
+        return f"its {self.timeout:g} s timeout"
+
     def wait_ms(self, have_pidfd: bool) -> int | None:
         """How long a poll may block before the deadline machinery must look again."""
-        cap = None if have_pidfd else LIVENESS_POLL_MS
+        cap = CANCEL_POLL_MS if have_pidfd else min(LIVENESS_POLL_MS, CANCEL_POLL_MS)
         if not self.armed:
             due = None
         elif not self.timed_out:
@@ -217,7 +235,7 @@ class Run:
             backend.kill("ignored_interrupt")
             raise HostError(
                 "kernel_dead",
-                f"the code ignored the interrupt sent at its {self.timeout:g} s timeout, so the "
+                f"the code ignored the interrupt sent at {self.why}, so the "
                 f"{backend.language} process was killed; restart the context",
             )
 
@@ -227,8 +245,8 @@ class Run:
                 "error",
                 error={
                     "name": "TimeoutError",
-                    "value": f"execution exceeded the {self.timeout:g} s timeout and was "
-                    "interrupted; the context keeps its state",
+                    "value": f"execution was interrupted at {self.why}; "
+                    "the context keeps its state",
                     "traceback": self.interrupt_traceback,
                 },
             )
@@ -1244,6 +1262,7 @@ class CodeHost:
         self.runtime_dir = tempfile.mkdtemp(prefix="agentbox-code-")
         self.contexts: dict[str, Context] = {}
         self.defaults: dict[str, Context] = {}
+        self.runs: dict[int, Run] = {}  # executions queued or running, by request id
         self.lock = threading.Lock()
 
     def handle(self, line: bytes) -> bool:
@@ -1435,25 +1454,57 @@ class CodeHost:
         else:
             ctx = self._default(self._language(req.get("language"), "python"))
         run = Run(rid, code, envs, float(timeout) if timeout else None, self.out)
+        if isinstance(rid, int):
+            with self.lock:
+                self.runs[rid] = run
 
         def job() -> None:
             try:
-                backend = ctx.usable()
-            except HostError as e:  # dead before this cell: nothing of it ran
-                self.out.failed(rid, e)
-                return
-            try:
-                backend.execute(run)
-            except HostError as e:
-                if e.code == "kernel_dead":
-                    # Died under this cell: an error the caller's code can catch, as E2B's
-                    # clients expect, before the failure that says the context is gone.
-                    run.emit(
-                        "error", error={"name": "KernelDied", "value": e.message, "traceback": ""}
-                    )
-                self.out.failed(rid, e)
+                if run.cancelled:  # its client went away while it queued: it never runs
+                    self.out.failed(rid, HostError("invalid", "cancelled before it ran"))
+                    return
+                try:
+                    backend = ctx.usable()
+                except HostError as e:  # dead before this cell: nothing of it ran
+                    self.out.failed(rid, e)
+                    return
+                try:
+                    backend.execute(run)
+                except HostError as e:
+                    if e.code == "kernel_dead":
+                        # Died under this cell: an error the caller's code can catch, as E2B's
+                        # clients expect, before the failure that says the context is gone.
+                        run.emit(
+                            "error",
+                            error={"name": "KernelDied", "value": e.message, "traceback": ""},
+                        )
+                    self.out.failed(rid, e)
+            finally:
+                self._ran(rid)
 
-        ctx.submit(Job(job, lambda e: self.out.failed(rid, e)))
+        def cancelled(e: HostError) -> None:
+            self._ran(rid)
+            self.out.failed(rid, e)
+
+        # Taken: the caller learns now (not at the cell's first output, which a silent cell
+        # sends only at its end) that nothing was refused, and can hand its client a stream.
+        self.out.send({"id": rid, "event": "accepted"})
+        ctx.submit(Job(job, cancelled))
+
+    def _ran(self, rid: object) -> None:
+        with self.lock:
+            if isinstance(rid, int):
+                self.runs.pop(rid, None)
+
+    def op_cancel(self, rid: object, req: dict[str, Any]) -> None:
+        """`{target}`: the execution of request `target` is interrupted as its timeout would
+        (or never runs, if it is still queued); done either way, also for one that ended."""
+        target = req.get("target")
+        with self.lock:
+            run = self.runs.get(target) if isinstance(target, int) else None
+        if run is not None:
+            run.cancel()
+        self.out.done(rid)
 
     def op_shutdown(self, rid: object, req: dict[str, Any]) -> bool:
         self.close()

@@ -30,6 +30,7 @@ import users
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # the agent imports subprocess lazily: most sandboxes idle without it
+    import queue
     import subprocess
 
 WORKSPACE = "/workspace"
@@ -52,6 +53,7 @@ FINISHED_KEPT = 32
 LIST_LIMIT = P.LIST_LIMIT
 STDERR_TAIL = 4096
 KEEPALIVE_S = 15.0
+HANGUP_POLL_S = 0.5  # how soon a running cell notices its client has gone
 UPLOAD_PREFIX = ".agentbox-upload-"  # a file being written; renamed into place when whole
 TERMINAL_INPUT_S = 2.0  # input to a terminal whose program does not read it waits this long
 ENDS_KEPT = 1024  # end events `exec.ended` can still hand out
@@ -159,6 +161,16 @@ class Conn:
 
     def reply(self, obj: dict) -> None:
         self.send(P.encode_json(obj))
+
+    def hung_up(self) -> bool:
+        """Whether the client has closed its end (asked of a stream whose client sends
+        nothing more)."""
+        try:
+            return self.sock.recv(1, _socket.MSG_PEEK | _socket.MSG_DONTWAIT) == b""
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
 
 
 class OpError(Exception):
@@ -1691,18 +1703,36 @@ def op_code_execute(conn: Conn, req: dict) -> None:
     cb = _code_host()
     args = {k: v for k, v in req.items() if k != "op"}
     try:
-        q = cb.HOST_PROCESS.request("execute", args)
+        rid, q = cb.HOST_PROCESS.request("execute", args)
     except cb.HostGone as e:
         raise OpError("code_host_unavailable", str(e)) from None
+    try:
+        _code_events(conn, q)
+    except BaseException:
+        # The client went away (or this failed): the cell is interrupted, as E2B's clients
+        # expect of a dropped request, so the context's next cell does not wait behind it.
+        cb.HOST_PROCESS.abandon(rid)
+        raise
+
+
+def _code_events(conn: Conn, q: queue.SimpleQueue) -> None:
     import queue
 
+    cb = _code_host()
+
     first = True
+    quiet_since = time.monotonic()
     while True:
         try:
-            event = q.get(timeout=KEEPALIVE_S)
+            event = q.get(timeout=HANGUP_POLL_S)
         except queue.Empty:
-            conn.reply({"type": "keepalive"})  # also notices a client that went away
+            if conn.hung_up():
+                raise ConnectionLost(errno.EPIPE, "the client closed the stream") from None
+            if time.monotonic() - quiet_since >= KEEPALIVE_S:
+                conn.reply({"type": "keepalive"})  # also notices a client that went away
+                quiet_since = time.monotonic()
             continue
+        quiet_since = time.monotonic()
         kind = event.pop("event", None)
         event.pop("id", None)
         if first:
@@ -1710,6 +1740,8 @@ def op_code_execute(conn: Conn, req: dict) -> None:
             if kind == "failed":  # refused before it ran: an ordinary error reply
                 raise _code_failed({"event": kind, **event})
             conn.reply({"ok": True})
+        if kind == "accepted":  # queued in its context: the caller has its answer (above)
+            continue
         if kind == "failed":
             code, message = cb.failure(event)
             conn.reply({"type": "failed", "code": code, "message": message})

@@ -381,8 +381,8 @@ def _gw_deaf_peer(ctx: Ctx) -> Verdict:
     "control-plane",
     "E2B's sandbox traffic (envd) needs the sandbox's own envd token: its port token, another "
     "sandbox's envd token, another tenant's API key or no token reach none of its files and "
-    "run nothing in it (envd's RPC); another tenant's key cannot look it up or end it through "
-    "E2B's API",
+    "run nothing in it (envd's RPC, the code interpreter's port 49999); another tenant's key "
+    "cannot look it up or end it through E2B's API",
     {"e2b-envd-open"},
     tier_free=True,
 )
@@ -429,12 +429,26 @@ def _e2b_envd_token(ctx: Ctx) -> Verdict:
             )
             started = b'"start"' in run.content  # a stream's error is in its body
             said = "started" if started else _connect_code(run)
+            # The code interpreter's port: the SDK sends the token in either header there.
+            token = extra.get("X-Access-Token")
+            port = {**headers, "E2b-Sandbox-Port": "49999"}
+            if token is not None:
+                port["E2B-Traffic-Access-Token"] = token
+            coded = f"/workspace/e2b-coded-{ctx.oracle.nonce}"
+            cell = {"code": f"echo x > {coded}", "language": "bash"}
+            execute = c.post("/execute", json=cell, headers=port)
+            contexts = c.get("/contexts", headers=port)
             seen.append(
                 f"{label}: read {read.status_code}, write {wrote.status_code}, "
-                f"rpc start {said}, rpc list {listed.status_code}"
+                f"rpc start {said}, rpc list {listed.status_code}, "
+                f"execute {execute.status_code}, contexts {contexts.status_code}"
             )
             if started or box.get(ran).status_code == 200:
                 v.add_break("ESCAPE", f"{label} ran a command in the sandbox (envd RPC)")
+            if execute.status_code == 200 or box.get(coded).status_code == 200:
+                v.add_break("ESCAPE", f"{label} ran code in the sandbox (port 49999)")
+            if contexts.status_code == 200:
+                v.add_break("READ", f"{label} listed the sandbox's code contexts")
             if listed.status_code == 200 and "e2b-secret.txt" in listed.text:
                 v.add_break("READ", f"{label} listed the sandbox's files (envd RPC)")
             if read.status_code == 200 and secret in read.text:

@@ -124,6 +124,9 @@ def created(row: SandboxRow, core: Core) -> dict[str, Any]:
         "clientID": "agentbox",
         "envdVersion": ENVD_VERSION,
         "envdAccessToken": envd_token(core, row),
+        # The code interpreter's credential: the SDK sends it on each of its requests (the
+        # envd token only on /execute), so agentbox always issues it.
+        "trafficAccessToken": envd_token(core, row),
         "domain": None,
     }
 

@@ -40,6 +40,14 @@ BUILD_WAIT_S = 900.0
 
 Str = Annotated[str, Field(max_length=300)]
 
+# E2B's template names that name an agentbox template of another name: e2b-code-interpreter's
+# default is agentbox's code interpreter (E2B's `base` is agentbox's `base` already).
+TEMPLATES = {"code-interpreter-v1": "code-interpreter"}
+
+
+def template_name(e2b_name: str) -> str:
+    return TEMPLATES.get(e2b_name, e2b_name)
+
 
 class _Body(BaseModel):
     # Fields a newer SDK adds are ignored; those whose meaning agentbox cannot give are refused
@@ -154,7 +162,7 @@ def _create_request(body: NewSandbox) -> CreateRequest:
             "auto_resume": bool(body.autoResume and body.autoResume.enabled),
         }
     return CreateRequest(
-        template=body.templateID,
+        template=template_name(body.templateID),
         timeout=max(body.timeout, 1),
         metadata=body.metadata or {},
         envs=body.envVars or {},
@@ -372,7 +380,7 @@ def control_surface(core: Core) -> SurfaceRoutes:
         after = started_after.timestamp() if started_after is not None else None
 
         def match(row: SandboxRow) -> bool:
-            return (template is None or row.template == template) and (
+            return (template is None or row.template == template_name(template)) and (
                 after is None or row.created_at > after
             )
 

@@ -1,7 +1,8 @@
 """E2B's sandbox traffic (`E2B_SANDBOX_URL`): requests that carry `E2b-Sandbox-Id` and
 `E2b-Sandbox-Port` are a sandbox's, whatever their path. On port 49983 (envd) this serves
-`/health`, `/files` and envd's Connect RPC (rpc.py); the token is the sandbox's envd access
-token (`X-Access-Token`), never an API key.
+`/health`, `/files` and envd's Connect RPC (rpc.py); on port 49999 the code interpreter
+(interpreter.py). The token is the sandbox's envd access token (`X-Access-Token`; on 49999 also
+`E2B-Traffic-Access-Token`, which carries the same token), never an API key.
 
 Without a valid token a sandbox looks the same whether it exists or not: `/health` answers 502
 (E2B's "not running"), every other route 401.
@@ -20,7 +21,14 @@ from starlette.types import Scope
 
 from agentbox.core.auth import Caller
 from agentbox.core.errors import InvalidRequest, LimitExceeded, Unauthorized
-from agentbox.server.e2b.common import ENVD_PORT, E2BRoute, e2b_error, token_matches
+from agentbox.server.e2b.common import (
+    CODE_INTERPRETER_PORT,
+    ENVD_PORT,
+    E2BRoute,
+    e2b_error,
+    token_matches,
+)
+from agentbox.server.e2b.interpreter import interpreter_routes
 from agentbox.server.e2b.rpc import PROCESS_PATH, rpc_apps
 from agentbox.server.streaming import Streamed
 from agentbox.server.surfaces import Core, SurfaceRoutes
@@ -50,18 +58,21 @@ class _Sandbox:
         paused = mgr.paused_row(self.id)
         row: SandboxRow | None = self.running or paused
         given = request.headers.get("x-access-token")
+        if self.port == str(CODE_INTERPRETER_PORT):  # the SDK sends only this on /contexts
+            given = given or request.headers.get("e2b-traffic-access-token")
         self.row = row if token_matches(core, self.id, row, given) else None
         if self.row is not None:
             conn = request.scope.get("agentbox.connection")
             if conn is not None:  # a valid credential: not an anonymous connection
                 conn.mark_authenticated()
 
-    def caller(self) -> Caller:
-        """Who acts: the sandbox's tenant, by the sandbox's envd token."""
+    def caller(self, port: int = ENVD_PORT) -> Caller:
+        """Who acts: the sandbox's tenant, by the sandbox's envd token, on `port` (the one
+        that serves what was asked for)."""
         if self.row is None:
             raise Unauthorized("missing or invalid X-Access-Token for this sandbox")
-        if self.port != str(ENVD_PORT):
-            raise InvalidRequest(f"nothing is served on port {self.port} of this sandbox")
+        if self.port != str(port):
+            raise InvalidRequest(f"this is not served on port {self.port} of this sandbox")
         return Caller(tenant=self.row.tenant, key_id="e2b-envd", admin=False)
 
 
@@ -78,12 +89,14 @@ def envd_surface(core: Core) -> SurfaceRoutes:
 
     @r.get("/health")
     async def health(request: Request) -> Response:
-        """204 while the sandbox runs; 502 when it does not (paused, ended, unknown, or the
-        token is not its own): what the SDK's is_running() reads."""
+        """204 while the sandbox runs (200 from the code interpreter); 502 when it does not
+        (paused, ended, unknown, or the token is not its own): what the SDK's is_running()
+        reads."""
         box = _Sandbox(core, request)
-        if box.row is None or box.running is None or box.port != str(ENVD_PORT):
+        ports = (str(ENVD_PORT), str(CODE_INTERPRETER_PORT))
+        if box.row is None or box.running is None or box.port not in ports:
             return e2b_error(502, "the sandbox is not running")
-        return Response(status_code=204)
+        return Response(status_code=204 if box.port == str(ENVD_PORT) else 200)
 
     @r.get(FILES)
     async def read_file(
@@ -136,6 +149,7 @@ def envd_surface(core: Core) -> SurfaceRoutes:
         entry = await core.manager.write_file(caller, box.id, path, body, user)
         return [_written(entry)]
 
+    r.include_router(interpreter_routes(core, _Sandbox))  # port 49999
     for prefix, app in rpc_apps(core, _Sandbox).items():  # envd's Connect RPC
         r.mount(prefix, app)
     streams = frozenset({("POST", FILES), ("POST", f"{PROCESS_PATH}/StreamInput")})
