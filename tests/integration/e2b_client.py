@@ -169,6 +169,31 @@ def files() -> None:
             r = httpx.get(f"{url}/files", params={"path": "/tmp/e2b/a.txt"}, headers=headers)
             assert r.status_code == 401 and r.json()["code"] == 401, r.text
         ok("token_required")
+
+        # Signed URLs, opened by a plain client that sends no E2B header: the signature alone
+        # names the sandbox and authorizes that path, that operation, that user.
+        r = httpx.get(sbx.download_url("/tmp/e2b/a.txt"))
+        assert r.status_code == 200 and r.content == b"replaced", r.text
+        up = sbx.upload_url("/tmp/e2b/up.txt", use_signature_expiration=60)
+        r = httpx.post(up, files={"file": ("up.txt", b"uploaded")})
+        assert r.status_code == 200, r.text
+        assert sbx.files.read("/tmp/e2b/up.txt") == "uploaded"
+        assert httpx.get(sbx.download_url("/tmp/e2b-root.txt", user="root")).text == "root's"
+        read_a = sbx.download_url("/tmp/e2b/a.txt")
+        as_root = sbx.download_url("/tmp/e2b/a.txt", user="root")
+        for forged in (
+            read_a.replace("a.txt", "b.bin"),  # another path
+            read_a.replace("signature=v1_", "signature=v1_A"),  # another signature
+            as_root.replace("username=root", "username=user"),  # another user
+        ):
+            r = httpx.get(forged)
+            assert r.status_code == 401 and r.json()["code"] == 401, (forged, r.text)
+        r = httpx.post(read_a, files={"file": ("a.txt", b"overwritten")})  # read's, not write's
+        assert r.status_code == 401 and sbx.files.read("/tmp/e2b/a.txt") == "replaced", r.text
+        r = httpx.get(sbx.download_url("/tmp/e2b/a.txt", use_signature_expiration=-5))
+        assert r.status_code == 401, r.text
+        assert r.json() == {"code": 401, "message": "signature is already expired"}, r.text
+        ok("signed_urls")
     finally:
         sbx.kill()
 

@@ -33,6 +33,7 @@ SCENARIOS = {
     ],
     "files": [
         "write_read_text", "stream", "gzip", "multipart", "missing", "users", "token_required",
+        "signed_urls",
     ],
     "commands": [
         "run", "stream_envs_cwd", "exit_code", "users", "background_kill", "stdin", "connect",

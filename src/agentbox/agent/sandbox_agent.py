@@ -32,6 +32,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:  # the agent imports subprocess lazily: most sandboxes idle without it
     import queue
     import subprocess
+    from typing import IO
 
 WORKSPACE = "/workspace"
 DEFAULT_CWD = WORKSPACE  # where commands start: the template's working dir (the agent's cwd)
@@ -53,6 +54,7 @@ FINISHED_KEPT = 32
 LIST_LIMIT = P.LIST_LIMIT
 STDERR_TAIL = 4096
 KEEPALIVE_S = 15.0
+READ_POLL_MS = 500  # how soon a pipe reader left behind by an ended command goes
 HANGUP_POLL_S = 0.5  # how soon a running cell notices its client has gone
 UPLOAD_PREFIX = ".agentbox-upload-"  # a file being written; renamed into place when whole
 TERMINAL_INPUT_S = 2.0  # input to a terminal whose program does not read it waits this long
@@ -1010,6 +1012,7 @@ class Command:
         # Attached streams -> the offset each has sent up to; pipe readers waiting for them.
         self.attached: dict[object, int] = {}
         self.backlogged = 0
+        self.reading_stopped = False  # set once the command has ended and its readers may go
         self.first_stream: object | None = None  # a foreground run's own stream
         # The control plane's own commands (readiness checks, a pool member's warm-up): not
         # listed, so whoever gets the sandbox sees only the commands it ran.
@@ -1214,9 +1217,9 @@ class Commands:
                 c.readers.append(t)
             else:
                 assert c.proc.stdout is not None and c.proc.stderr is not None
-                fds = [(P.STDOUT, c.proc.stdout.fileno()), (P.STDERR, c.proc.stderr.fileno())]
-                for stream, fd in fds:
-                    t = threading.Thread(target=self._read, args=(c, stream, fd), daemon=True)
+                pipes = [(P.STDOUT, c.proc.stdout), (P.STDERR, c.proc.stderr)]
+                for stream, pipe in pipes:
+                    t = threading.Thread(target=self._read, args=(c, stream, pipe), daemon=True)
                     t.start()
                     c.readers.append(t)
             threading.Thread(target=self._wait, args=(c,), daemon=True).start()
@@ -1319,15 +1322,28 @@ class Commands:
             os.close(fd)
 
     @staticmethod
-    def _read(c: Command, stream: int, fd: int) -> None:
-        while True:
-            try:
-                data = os.read(fd, 65536)
-            except OSError:
-                break
-            if not data:
-                break
-            c.append(stream, data)
+    def _read(c: Command, stream: int, pipe: IO[bytes]) -> None:
+        """A pipe's output until its end, or until the command has ended and `_wait` stops
+        waiting (a daemon it left may hold the pipe open for ever); the pipe is closed here,
+        by its one reader, never under it."""
+        import select
+
+        fd = pipe.fileno()
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        try:
+            while not c.reading_stopped:
+                if not poller.poll(READ_POLL_MS):
+                    continue
+                try:
+                    data = os.read(fd, 65536)
+                except OSError:
+                    break
+                if not data:
+                    break
+                c.append(stream, data)
+        finally:
+            pipe.close()
 
     def _wait(self, c: Command) -> None:
         import select
@@ -1352,12 +1368,7 @@ class Commands:
                 t.join(0.05)
                 if time.monotonic() > deadline and not c.backlogged:
                     break
-        for pipe in (c.proc.stdout, c.proc.stderr):
-            try:
-                if pipe is not None:
-                    pipe.close()
-            except OSError:
-                pass
+        c.reading_stopped = True  # pipe readers still blocked close their pipes and go
         if c.pty >= 0:
             with c.pty_lock:  # input and resizes use the fd under it, or find it closed
                 fd, c.pty = c.pty, -2

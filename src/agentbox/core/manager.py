@@ -236,6 +236,10 @@ class SandboxManager:
         row = self.table.running.get(sandbox_id)
         return row if row is not None and row.tenant != POOL_TENANT else None
 
+    def running_rows(self) -> list[SandboxRow]:
+        """Every tenant's running sandboxes (E2B's signed file URLs name none)."""
+        return [r for r in self.table.running.values() if r.tenant != POOL_TENANT]
+
     def paused_row(self, sandbox_id: str) -> SandboxRow | None:
         """A paused sandbox of any tenant (the ports gateway tells who may reach it so)."""
         return self.table.paused.get(sandbox_id)

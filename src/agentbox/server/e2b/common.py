@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
-from agentbox.core.errors import AgentboxError
+from agentbox.core.errors import AgentboxError, Unauthorized
 from agentbox.server import models as m
 from agentbox.server.errors import http_status, validation_message
 from agentbox.server.surfaces import Core
@@ -36,6 +36,14 @@ RUNNING_STATES = ("starting", "building", "running", "unhealthy")
 PAUSED_STATES = ("paused",)
 
 
+# envd's answer to a valid file URL signature past its expiry, word for word.
+EXPIRED = "signature is already expired"
+
+
+class ExpiredSignature(Unauthorized):
+    """A valid signature past its expiry (answered with E2B's exact body, see signed.py)."""
+
+
 def e2b_error(status: int, message: str, reason: str | None = None) -> JSONResponse:
     """E2B's error body, `{"code": <HTTP status>, "message": ...}` (the SDK raises its
     message); `reason` is agentbox's reason code, kept beside it."""
@@ -48,6 +56,8 @@ def e2b_error(status: int, message: str, reason: str | None = None) -> JSONRespo
 
 def error_of(e: Exception) -> JSONResponse | None:
     """E2B's answer to an error a route raised; None for one it does not know."""
+    if isinstance(e, ExpiredSignature):
+        return e2b_error(401, EXPIRED)
     if isinstance(e, AgentboxError):
         return e2b_error(http_status(e), e.message, e.code)
     if isinstance(e, RequestValidationError):

@@ -30,6 +30,7 @@ from agentbox.server.e2b.common import (
 )
 from agentbox.server.e2b.interpreter import interpreter_routes
 from agentbox.server.e2b.rpc import PROCESS_PATH, rpc_apps
+from agentbox.server.e2b.signed import is_signed, signed_row
 from agentbox.server.streaming import Streamed
 from agentbox.server.surfaces import Core, SurfaceRoutes
 from agentbox.store.db import SandboxRow
@@ -40,11 +41,14 @@ PART_QUEUE = 8  # chunks of a part held while the sandbox takes the previous one
 
 
 def claims(scope: Scope) -> bool:
-    """A request for a sandbox's port, by E2B's headers."""
+    """A request for a sandbox's port, by E2B's headers; or a signed file URL, which carries
+    none (signed.py)."""
     if scope["type"] != "http":
         return False
     names = {k for k, _ in scope["headers"]}
-    return b"e2b-sandbox-id" in names and b"e2b-sandbox-port" in names
+    if b"e2b-sandbox-id" in names and b"e2b-sandbox-port" in names:
+        return True
+    return scope["path"] == FILES and b"signature=" in scope.get("query_string", b"")
 
 
 class _Sandbox:
@@ -53,6 +57,8 @@ class _Sandbox:
     def __init__(self, core: Core, request: Request) -> None:
         self.id = request.headers.get("e2b-sandbox-id", "")
         self.port = request.headers.get("e2b-sandbox-port", "")
+        self.via = "e2b-envd"  # the credential, as the audit log names the key
+        self.refusal: Unauthorized | None = None
         mgr = core.manager
         self.running = mgr.running_row(self.id)
         paused = mgr.paused_row(self.id)
@@ -60,20 +66,38 @@ class _Sandbox:
         given = request.headers.get("x-access-token")
         if self.port == str(CODE_INTERPRETER_PORT):  # the SDK sends only this on /contexts
             given = given or request.headers.get("e2b-traffic-access-token")
-        self.row = row if token_matches(core, self.id, row, given) else None
+        if given is None and request.url.path == FILES and is_signed(request):
+            self.row = self._signed(core, request, row)
+        else:
+            self.row = row if token_matches(core, self.id, row, given) else None
         if self.row is not None:
             conn = request.scope.get("agentbox.connection")
             if conn is not None:  # a valid credential: not an anonymous connection
                 conn.mark_authenticated()
 
+    def _signed(self, core: Core, request: Request, named: SandboxRow | None) -> SandboxRow | None:
+        """The sandbox a signed file URL is for: the one its headers name, else the running
+        one whose token made the signature."""
+        if not self.id:
+            self.port = str(ENVD_PORT)
+        candidates = [named] if named is not None else []
+        try:
+            row = signed_row(core, request, candidates if self.id else core.manager.running_rows())
+        except Unauthorized as e:
+            self.refusal = e
+            return None
+        self.id, self.via = row.sandbox_id, "e2b-signed-url"
+        self.running = core.manager.running_row(row.sandbox_id)
+        return row
+
     def caller(self, port: int = ENVD_PORT) -> Caller:
-        """Who acts: the sandbox's tenant, by the sandbox's envd token, on `port` (the one
-        that serves what was asked for)."""
+        """Who acts: the sandbox's tenant, by the sandbox's envd token (or a URL signed with
+        it), on `port` (the one that serves what was asked for)."""
         if self.row is None:
-            raise Unauthorized("missing or invalid X-Access-Token for this sandbox")
+            raise self.refusal or Unauthorized("missing or invalid X-Access-Token for this sandbox")
         if self.port != str(port):
             raise InvalidRequest(f"this is not served on port {self.port} of this sandbox")
-        return Caller(tenant=self.row.tenant, key_id="e2b-envd", admin=False)
+        return Caller(tenant=self.row.tenant, key_id=self.via, admin=False)
 
 
 def _user(username: str | None) -> str | None:
