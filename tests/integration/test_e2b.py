@@ -20,6 +20,7 @@ from conftest import ServerHandle
 
 CLIENT = Path(__file__).with_name("e2b_client.py")
 INTERPRETER_CLIENT = Path(__file__).with_name("e2b_interpreter_client.py")
+OPERATIONS_CLIENT = Path(__file__).with_name("e2b_operations_client.py")
 # The SDK lines: the oldest the issue names (creates through POST /sandboxes) and the newest
 # (POST /v2/sandboxes).
 SDKS = {
@@ -84,6 +85,12 @@ INTERPRETER_SCENARIOS = {
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 def test_e2b_sdk(sdk: tuple[str, Path], scenario: str, server: ServerHandle) -> None:
     _drive(sdk, CLIENT, scenario, SCENARIOS[scenario], server)
+
+
+def test_e2b_sdk_operations(sdk: tuple[str, Path], server: ServerHandle) -> None:
+    """Metrics, snapshots (create, list, start from, delete), fork and network updates."""
+    steps = ["metrics", "snapshot", "fork", "delete_snapshot", "update_network"]
+    _drive(sdk, OPERATIONS_CLIENT, "operations", steps, server)
 
 
 @pytest.mark.slow  # the code-interpreter template (built once per machine)

@@ -144,9 +144,10 @@ class Lifecycle:
         return {"on_timeout": on_timeout, "auto_resume": auto_resume, "timeout": req.timeout}
 
     async def set_network(
-        self, caller: Caller, sandbox_id: str, network: dict[str, Any]
+        self, caller: Caller, sandbox_id: str, network: dict[str, Any] | None
     ) -> SandboxRow:
-        """Replace a running sandbox's network settings; the next egress attempt obeys them."""
+        """Replace a running sandbox's network settings (None: the tenant's default); the
+        next egress attempt obeys them."""
         self.core.running(caller, sandbox_id)
         net = self.core.network.sandbox_network(caller.tenant, network)
         async with self.core.table.lock(sandbox_id):

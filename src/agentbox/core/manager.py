@@ -526,7 +526,7 @@ class SandboxManager:
         return await self.lifecycle.resume(caller, sandbox_id, timeout)
 
     async def set_network(
-        self, caller: Caller, sandbox_id: str, network: dict[str, Any]
+        self, caller: Caller, sandbox_id: str, network: dict[str, Any] | None
     ) -> SandboxRow:
         return await self.lifecycle.set_network(caller, sandbox_id, network)
 

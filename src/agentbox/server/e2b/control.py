@@ -28,6 +28,7 @@ from agentbox.server.e2b.common import (
     e2b_state,
     listed,
 )
+from agentbox.server.e2b.operations import operations_routes
 from agentbox.server.routes.deps import Mgr, Who
 from agentbox.server.surfaces import Core, SurfaceRoutes
 from agentbox.store.db import SandboxRow
@@ -303,6 +304,7 @@ def control_surface(core: Core) -> SurfaceRoutes:
             row = await _until_started(mgr, who, row, request)
         return JSONResponse(status_code=201, content=created(row, core))
 
+    r.include_router(operations_routes(core))  # metrics, fork, snapshots, network
     r.add_api_route("/sandboxes", create, methods=["POST"], status_code=201)
     r.add_api_route("/v2/sandboxes", create, methods=["POST"], status_code=201)
 

@@ -1,0 +1,169 @@
+"""E2B's control plane beyond a sandbox's life and death (issue 17, slice 4): metrics, fork,
+snapshots and network updates, each one call of the agentbox feature of the same name.
+
+Where the two differ: agentbox snapshots and forks hold a sandbox's disk, not its memory (a
+sandbox started from one boots fresh on a copy of the disk; E2B's `mode="filesystem"`), on
+every tier; E2B's default is a full memory snapshot. agentbox's fork is all or none (E2B
+reports each fork's success on its own): one that cannot start ends the others, and the
+request fails as a whole.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query, Response
+from pydantic import BaseModel, ConfigDict, Field
+
+from agentbox.core.errors import InvalidRequest, NotFound
+from agentbox.server.e2b.common import E2BRoute, created, e2b_state, rfc3339
+from agentbox.server.routes.deps import Mgr, Who
+from agentbox.server.surfaces import Core
+from agentbox.store.db import SnapshotRow
+
+Str = Annotated[str, Field(max_length=300)]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # what a newer SDK adds; refused by name below
+
+
+class ForkBody(_Body):
+    timeout: int = Field(15, ge=1, le=10**9)
+    count: int = Field(1, ge=1, le=16)
+
+
+class SnapshotBody(_Body):
+    name: Annotated[str | None, Field(max_length=64)] = None
+    memory: bool | None = None
+
+
+class NetworkUpdate(_Body):
+    """E2B's `SandboxNetworkUpdateConfig`: the whole egress configuration, an omitted field
+    cleared."""
+
+    allowOut: list[Str] | None = Field(None, max_length=256)
+    denyOut: list[Str] | None = Field(None, max_length=256)
+    allowInternetAccess: bool | None = None
+    dnsServers: Any = None
+    egressProxy: Any = None
+    rules: Any = None
+
+
+def snapshot_info(snap: SnapshotRow) -> dict[str, Any]:
+    """E2B's `SnapshotInfo`: the id a create names it by, and its names."""
+    return {"snapshotID": snap.snapshot_id, "names": [snap.name] if snap.name else []}
+
+
+def network_of(body: NetworkUpdate, current: dict[str, Any]) -> dict[str, Any] | None:
+    """agentbox's network settings for E2B's update, mapped as at create: allowOut is what
+    the sandbox may reach (beating its own denyOut), everything else stays denied unless
+    `allowInternetAccess` is true (within the tenant's ceiling); an empty update is the
+    tenant's default policy. Public traffic to exposed ports is not E2B's to change here."""
+    for name in ("dnsServers", "egressProxy", "rules"):
+        if getattr(body, name) not in (None, [], {}):
+            raise InvalidRequest(f"network.{name} is not supported by agentbox")
+    if body.allowOut is None and body.denyOut is None and body.allowInternetAccess is None:
+        return None
+    allow = list(body.allowOut or [])
+    deny = [d for d in body.denyOut or [] if d not in allow and d not in ("0.0.0.0/0", "::/0")]
+    return {
+        "allow_out": allow,
+        "deny_out": deny,
+        "allow_internet_access": body.allowInternetAccess is True,
+        "allow_public_traffic": bool(current.get("allow_public_traffic")),
+    }
+
+
+def operations_routes(core: Core) -> APIRouter:
+    r = APIRouter(route_class=E2BRoute, include_in_schema=False)
+
+    def alive(mgr: Any, who: Any, sandbox_id: str) -> None:
+        if e2b_state(mgr.get(who, sandbox_id)) is None:
+            raise NotFound(f"sandbox {sandbox_id} not found (it ended)")
+
+    @r.get("/sandboxes/{sandbox_id}/metrics")
+    async def metrics(
+        sandbox_id: str,
+        mgr: Mgr,
+        who: Who,
+        start: Annotated[int | None, Query(ge=0, le=10**11)] = None,
+        end: Annotated[int | None, Query(ge=0, le=10**11)] = None,
+    ) -> list[dict[str, Any]]:
+        """E2B's `SandboxMetric`s, oldest first. `memCache` is 0: agentbox counts the page
+        cache a sandbox is charged for in `memUsed`."""
+        alive(mgr, who, sandbox_id)
+        samples = mgr.get_metrics(who, sandbox_id, start, end)
+        return [
+            {
+                "timestamp": rfc3339(s["timestamp"]),
+                "timestampUnix": int(s["timestamp"]),
+                "cpuCount": max(1, round(s["cpu_count"])),
+                "cpuUsedPct": s["cpu_used_pct"],
+                "memUsed": s["mem_used"],
+                "memTotal": s["mem_total"],
+                "memCache": 0,
+                "diskUsed": s["disk_used"],
+                "diskTotal": s["disk_total"],
+            }
+            for s in samples
+        ]
+
+    @r.post("/sandboxes/{sandbox_id}/fork", status_code=201)
+    async def fork(
+        sandbox_id: str, mgr: Mgr, who: Who, body: ForkBody | None = None
+    ) -> list[dict[str, Any]]:
+        """E2B's `SandboxForkResult`s: each a running sandbox with a copy of this one's disk."""
+        alive(mgr, who, sandbox_id)
+        body = body or ForkBody(timeout=15, count=1)
+        rows = await mgr.snapshots.fork(who, sandbox_id, body.count, body.timeout)
+        return [{"sandbox": created(row, core)} for row in rows]
+
+    @r.post("/sandboxes/{sandbox_id}/snapshots", status_code=201)
+    async def create_snapshot(
+        sandbox_id: str, mgr: Mgr, who: Who, body: SnapshotBody | None = None
+    ) -> dict[str, Any]:
+        """A snapshot of the sandbox's disk (whatever `memory` asks: see the module's note);
+        `Sandbox.create(snapshotID)` starts from it."""
+        alive(mgr, who, sandbox_id)
+        name = body.name if body is not None else None
+        return snapshot_info(await mgr.snapshots.create(who, sandbox_id, name or None))
+
+    @r.get("/snapshots")
+    async def list_snapshots(
+        mgr: Mgr,
+        who: Who,
+        sandboxID: Annotated[str | None, Query(max_length=128)] = None,  # noqa: N803
+        name: Annotated[str | None, Query(max_length=64)] = None,
+        limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+        nextToken: Annotated[str | None, Query(max_length=64)] = None,  # noqa: N803, ARG001
+    ) -> list[dict[str, Any]]:
+        """The tenant's ready snapshots, newest first (one page: a tenant's snapshots are
+        capped by its quota)."""
+        snaps = await asyncio.to_thread(mgr.snapshots.of_tenant, who)
+        chosen = [
+            s
+            for s in sorted(snaps, key=lambda s: s.created_at, reverse=True)
+            if s.state == "ready"
+            and (sandboxID is None or s.sandbox_id == sandboxID)
+            and (name is None or s.name == name)
+        ]
+        return [snapshot_info(s) for s in chosen[:limit]]
+
+    @r.delete("/templates/{template_id}", status_code=204)
+    async def delete_snapshot(template_id: str, mgr: Mgr, who: Who) -> Response:
+        """E2B deletes snapshots as templates; here only snapshots go this way (404 for
+        anything else)."""
+        await mgr.snapshots.delete(who, template_id)
+        return Response(status_code=204)
+
+    @r.put("/sandboxes/{sandbox_id}/network", status_code=204)
+    async def update_network(sandbox_id: str, body: NetworkUpdate, mgr: Mgr, who: Who) -> Response:
+        row = mgr.get(who, sandbox_id)
+        if e2b_state(row) is None:
+            raise NotFound(f"sandbox {sandbox_id} not found (it ended)")
+        await mgr.set_network(who, sandbox_id, network_of(body, row.network or {}))
+        return Response(status_code=204)
+
+    return r
