@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -21,6 +22,13 @@ from conftest import ServerHandle
 CLIENT = Path(__file__).with_name("e2b_client.py")
 INTERPRETER_CLIENT = Path(__file__).with_name("e2b_interpreter_client.py")
 OPERATIONS_CLIENT = Path(__file__).with_name("e2b_operations_client.py")
+NPM_CLIENT = Path(__file__).with_name("e2b_npm_client.mjs")
+NPM_E2B = "e2b@2.51.0"  # npm's newest here; needs node >= 20.18.1
+NPM_SCENARIOS = {
+    "lifecycle": ["create", "timeout_list", "pause_connect", "kill"],
+    "commands": ["run", "exit_code", "background_stdin_kill", "pty"],
+    "files": ["write_read", "filesystem", "watch", "signed_url"],
+}
 # The SDK lines: the oldest the issue names (creates through POST /sandboxes) and the newest
 # (POST /v2/sandboxes).
 SDKS = {
@@ -67,6 +75,29 @@ def _venv(requirements: list[str]) -> Path:
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     (home / "ready").touch()
     return python
+
+
+def _npm_package(package: str) -> Path:
+    """A directory with `package` installed from npm, kept between runs under /var/tmp."""
+    node = subprocess.run(["node", "--version"], capture_output=True, text=True, check=True)
+    version = tuple(int(x) for x in node.stdout.strip().lstrip("v").split("."))
+    assert version >= (20, 18, 1), f"E2B's npm SDK needs node >= 20.18.1, this is {node.stdout}"
+    digest = hashlib.sha256(f"{node.stdout}{package}".encode()).hexdigest()[:12]
+    home = VENVS / f"npm-{digest}"
+    if (home / "ready").exists():
+        return home
+    home.mkdir(parents=True, exist_ok=True)
+    (home / "package.json").write_text('{"name": "agentbox-e2b-npm-test", "private": true}\n')
+    done = subprocess.run(
+        ["npm", "install", "--no-audit", "--no-fund", "--loglevel=error", package],
+        cwd=home,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    (home / "ready").touch()
+    return home
 
 
 @pytest.fixture(scope="module", params=sorted(SDKS))
@@ -124,6 +155,30 @@ def _drive(
     passed = [line[3:] for line in done.stdout.splitlines() if line.startswith("ok ")]
     assert done.returncode == 0 and passed == steps, (
         f"e2b {line}, {scenario}: passed {passed}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+    )
+
+
+@pytest.mark.parametrize("scenario", sorted(NPM_SCENARIOS))
+def test_e2b_npm_sdk(scenario: str, server: ServerHandle) -> None:
+    """The npm `e2b` package under node, unmodified: sandboxes, commands, terminals, files,
+    watching, signed URLs."""
+    home = _npm_package(NPM_E2B)
+    script = home / NPM_CLIENT.name  # node resolves `e2b` from the script's directory
+    shutil.copyfile(NPM_CLIENT, script)
+    env = {
+        **os.environ,
+        "E2B_API_URL": server.url,
+        "E2B_SANDBOX_URL": server.url,
+        "E2B_DOMAIN": "localhost",
+        "E2B_API_KEY": server.make_key(f"e2b-npm-{scenario}-{time.monotonic_ns() % 10**9}"),
+    }
+    env.pop("E2B_DEBUG", None)
+    done = subprocess.run(
+        ["node", str(script), scenario], env=env, capture_output=True, text=True, timeout=240
+    )
+    passed = [line[3:] for line in done.stdout.splitlines() if line.startswith("ok ")]
+    assert done.returncode == 0 and passed == NPM_SCENARIOS[scenario], (
+        f"npm {NPM_E2B}, {scenario}: passed {passed}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
     )
 
 
