@@ -1060,6 +1060,28 @@ def exec_command(
 
 
 @app.command()
+def shell(
+    ctx: typer.Context,
+    sandbox_id: Annotated[str, typer.Argument(help="Sandbox to open a shell in.")],
+    cmd: Annotated[str, typer.Option(help="What runs on the terminal.")] = "exec bash -i",
+    cwd: Annotated[str | None, typer.Option(
+        help="Working directory.", show_default="/workspace")] = None,
+    user: Annotated[str | None, typer.Option(
+        "--user", "-u", help='Run as "user" (uid 1000) or "root" (the sandbox\'s own root).',
+        show_default="the template's user")] = None,
+) -> None:
+    """An interactive terminal in a sandbox, like `ssh`: a shell on a terminal of its own,
+    your keys (^C, ^Z, arrows) to it as typed, resizes followed; exits with the shell's exit
+    status. Needs a terminal: for pipes and scripts use `agentbox exec`."""
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        err.print("[red]agentbox shell needs a terminal; use agentbox exec for pipes[/red]")
+        raise typer.Exit(2)
+    from agentbox.cli.shell import run_shell
+
+    raise typer.Exit(run_shell(_conn(ctx), sandbox_id, cmd, user, cwd))
+
+
+@app.command()
 def logs(
     ctx: typer.Context,
     sandbox_id: Annotated[str, typer.Argument(help="Sandbox the command runs in.")],

@@ -513,9 +513,12 @@ def remove_secret(name: str) -> Call[None]:
 
 
 def _command_body(cmd: str, background: bool, envs: Mapping[str, str] | None, cwd: str | None,
-                  timeout: float, stdin: bool, user: str | None) -> dict[str, Any]:
-    body = {"cmd": cmd, "cwd": cwd, "envs": dict(envs or {}), "timeout": timeout,
-            "background": background, "stdin": stdin}
+                  timeout: float, stdin: bool, user: str | None,
+                  pty: tuple[int, int] | None = None) -> dict[str, Any]:
+    body: dict[str, Any] = {"cmd": cmd, "cwd": cwd, "envs": dict(envs or {}), "timeout": timeout,
+                            "background": background, "stdin": stdin}
+    if pty is not None:
+        body["pty"] = {"cols": pty[0], "rows": pty[1]}
     return _with_user(body, user)
 
 
@@ -527,9 +530,15 @@ def run_command(sandbox_id: str, cmd: str, envs: Mapping[str, str] | None, cwd: 
 
 
 def start_command(sandbox_id: str, cmd: str, envs: Mapping[str, str] | None, cwd: str | None,
-                  timeout: float, stdin: bool, user: str | None = None) -> Call[CommandInfo]:
+                  timeout: float, stdin: bool, user: str | None = None,
+                  pty: tuple[int, int] | None = None) -> Call[CommandInfo]:
     return Call("POST", f"{_sbx(sandbox_id)}/commands", _command,
-                json=_command_body(cmd, True, envs, cwd, timeout, stdin, user))
+                json=_command_body(cmd, True, envs, cwd, timeout, stdin, user, pty))
+
+
+def resize_command(sandbox_id: str, cmd_id: str, cols: int, rows: int) -> Call[None]:
+    return Call("POST", f"{_sbx(sandbox_id)}/commands/{_seg(cmd_id)}/resize", _none,
+                json={"cols": cols, "rows": rows})
 
 
 def command_events(sandbox_id: str, cmd_id: str, offset: int) -> Call[None]:

@@ -363,6 +363,54 @@ class Commands:
         )
 
 
+class Pty:
+    """`sbx.pty`: terminals, each a command on a pty of its own (`/dev/pts/N`, its controlling
+    terminal: job control and ^C work), its output one stream (on_data / stdout). Attach a
+    live client to one over the WebSocket `.../commands/{cmd_id}/terminal` (as `agentbox
+    shell` does)."""
+
+    def __init__(self, commands: Commands) -> None:
+        self._commands = commands
+
+    def create(
+        self,
+        cols: int = 80,
+        rows: int = 24,
+        on_data: OutputCallback | None = None,
+        cmd: str = "exec bash -i",
+        envs: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        timeout: float = 0,
+        *,
+        user: str | None = None,
+        request_timeout: float | None = None,
+    ) -> CommandHandle:
+        """Start `cmd` (an interactive shell) on a `cols` x `rows` terminal; its handle takes
+        input (`send_stdin`), and `wait()` gives its exit. `timeout` 0: none."""
+        c = self._commands
+        info = c._transport.call(
+            p.timed(
+                p.start_command(c._sandbox_id, cmd, envs, cwd, timeout, True, user, (cols, rows)),
+                request_timeout,
+            )
+        )
+        return CommandHandle(c, info.cmd_id, info.pid, on_data, None, request_timeout)
+
+    def resize(
+        self, cmd_id: str, cols: int, rows: int, *, request_timeout: float | None = None
+    ) -> None:
+        c = self._commands
+        c._transport.call(
+            p.timed(p.resize_command(c._sandbox_id, cmd_id, cols, rows), request_timeout)
+        )
+
+    def send_input(self, cmd_id: str, data: str, *, request_timeout: float | None = None) -> None:
+        self._commands.send_stdin(cmd_id, data, request_timeout=request_timeout)
+
+    def kill(self, cmd_id: str, *, request_timeout: float | None = None) -> bool:
+        return self._commands.kill(cmd_id, request_timeout=request_timeout)
+
+
 class Files:
     """`sbx.files`: the sandbox file system. Paths are absolute or relative to /workspace."""
 
@@ -847,6 +895,7 @@ class Sandbox:
         self._transport = transport
         self._info = info
         self.commands = Commands(sandbox_id, transport)
+        self.pty = Pty(self.commands)
         self.files = Files(sandbox_id, transport)
 
     def __repr__(self) -> str:

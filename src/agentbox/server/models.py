@@ -282,6 +282,11 @@ USER_DOC = (
 )
 
 
+class TerminalSize(Strict):
+    cols: int = Field(ge=1, le=4096)
+    rows: int = Field(ge=1, le=4096)
+
+
 class CommandBody(Strict):
     cmd: str = Field(min_length=1, max_length=1 << 20)
     cwd: str | None = Field(None, max_length=4096)
@@ -290,6 +295,12 @@ class CommandBody(Strict):
     timeout: float = Field(60, ge=0, le=10**9, description="seconds; 0 = no timeout")
     background: bool = False
     stdin: bool = False
+    pty: TerminalSize | None = Field(
+        None,
+        description="run on a terminal of its own (/dev/pts/N, its controlling terminal) of "
+        "this size: its output (one stream, stdout) and input are the terminal's; resize it "
+        "with .../resize, or attach to it over the WebSocket .../terminal",
+    )
 
 
 class CommandInfo(BaseModel):

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 from agentbox.core.errors import InvalidRequest
 from agentbox.core.manager import CommandRequest
 from agentbox.server import models as m
+from agentbox.server.routes import terminal
 from agentbox.server.routes.deps import RESPONSES, Mgr, Who
 from agentbox.server.streaming import ndjson
 
@@ -40,6 +41,7 @@ def router() -> APIRouter:
             timeout=body.timeout,
             background=body.background,
             stdin=body.stdin,
+            pty=(body.pty.cols, body.pty.rows) if body.pty is not None else None,
         )
         if body.background:
             info = await mgr.start_command(who, sandbox_id, req)
@@ -87,6 +89,23 @@ def router() -> APIRouter:
     ) -> Response:
         await mgr.command_stdin(who, sandbox_id, cmd_id, body.data, body.eof)
         return Response(status_code=204)
+
+    @r.post(
+        "/v1/sandboxes/{sandbox_id}/commands/{cmd_id}/resize",
+        status_code=204,
+        responses=RESPONSES,
+        tags=["commands"],
+    )
+    async def command_resize(
+        sandbox_id: str, cmd_id: str, body: m.TerminalSize, mgr: Mgr, who: Who
+    ) -> Response:
+        """A terminal command's new size (SIGWINCH to its foreground process group)."""
+        await mgr.commands.command_resize(who, sandbox_id, cmd_id, body.cols, body.rows)
+        return Response(status_code=204)
+
+    r.add_api_websocket_route(
+        "/v1/sandboxes/{sandbox_id}/commands/{cmd_id}/terminal", terminal.attach
+    )
 
     @r.post(
         "/v1/sandboxes/{sandbox_id}/commands/{cmd_id}/kill",
