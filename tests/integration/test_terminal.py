@@ -137,6 +137,7 @@ def test_agentbox_shell_on_a_real_terminal(server: ServerHandle, tenant_key: str
         os.execvpe(sys.executable, [sys.executable, "-m", "agentbox.cli.app", "shell", sid], env)
     out = b""
     try:
+
         def read_until(want: bytes, timeout: float = 30) -> None:
             nonlocal out
             deadline = time.monotonic() + timeout

@@ -26,8 +26,9 @@ from agentbox.sdk import protocol as p
 POLL_S = 0.2  # how often the key loop looks at resizes and the shell's end
 
 
-def run_shell(conn: dict[str, Any], sandbox_id: str, cmd: str, user: str | None,
-              cwd: str | None) -> int:
+def run_shell(
+    conn: dict[str, Any], sandbox_id: str, cmd: str, user: str | None, cwd: str | None
+) -> int:
     """Attach this terminal to a new shell in the sandbox; the shell's exit status."""
     from websockets.sync.client import connect
 
@@ -40,8 +41,9 @@ def run_shell(conn: dict[str, Any], sandbox_id: str, cmd: str, user: str | None,
         base = config.api_url.replace("http", "ws", 1)
         url = f"{base}/v1/sandboxes/{sandbox_id}/commands/{term.cmd_id}/terminal"
         tls = p.client_options(config)["verify"] if url.startswith("wss:") else None
-        with connect(url, additional_headers={p.API_KEY_HEADER: config.api_key}, ssl=tls,
-                     max_size=None) as ws:
+        with connect(
+            url, additional_headers={p.API_KEY_HEADER: config.api_key}, ssl=tls, max_size=None
+        ) as ws:
             return _attached(ws, fd)
     finally:
         sbx.close()
@@ -105,8 +107,11 @@ def _attached(ws: Any, fd: int) -> int:
         signal.signal(signal.SIGWINCH, old_handler)
     reader.join(5)
     if not end:
-        print("agentbox: the connection to the shell ended before the shell did; it may "
-              "still run (agentbox exec ID -- ps)", file=sys.stderr)
+        print(
+            "agentbox: the connection to the shell ended before the shell did; it may "
+            "still run (agentbox exec ID -- ps)",
+            file=sys.stderr,
+        )
         return 255
     if end.get("exit_code") is not None:
         return int(end["exit_code"])
