@@ -397,6 +397,22 @@ def watch() -> None:
             raise AssertionError("a stopped watcher gave events")
         ok("watch_dir")
 
+        handle = sbx.files.watch_dir("/tmp/w", include_entry=True)
+        sbx.files.write("/tmp/w/e.txt", "12345")
+        sbx.files.remove("/tmp/w/e.txt")
+        events: list = []
+        deadline = time.monotonic() + 20
+        while not any(e.type.value == "remove" for e in events):
+            assert time.monotonic() < deadline, events
+            events += handle.get_new_events()
+            time.sleep(0.2)
+        made = next(e for e in events if e.type.value == "create")
+        assert made.name == "e.txt" and made.entry is not None, made
+        assert made.entry.path == "/tmp/w/e.txt" and made.entry.type.value == "file", made.entry
+        assert next(e for e in events if e.type.value == "remove").entry is None, events
+        handle.stop()
+        ok("include_entry")
+
         try:
             sbx.files.watch_dir("/tmp/nowhere")
         except (FileNotFoundException, NotFoundException):

@@ -63,6 +63,13 @@ def cells() -> None:
             raise AssertionError("an R cell ran")
         ok("languages")
 
+        # E2B's home: files written there are where code finds them.
+        sbx.files.write("/home/user/data.csv", "a,b\n1,2\n3,4\n")
+        ex = sbx.run_code("import pandas as pd\npd.read_csv('/home/user/data.csv')['b'].sum()")
+        assert ex.text == "6", ex
+        assert sbx.commands.run("cat /home/user/data.csv").stdout.endswith("3,4\n")
+        ok("home_user")
+
         code = "import os\nos.environ.get('ONCE')"
         assert sbx.run_code(code, envs={"ONCE": "yes"}).text == "'yes'"
         assert sbx.run_code(code).text is None  # None's repr is no result

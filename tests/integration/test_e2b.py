@@ -50,7 +50,7 @@ SCENARIOS = {
     ],
     "filesystem": ["make_dir_info", "list", "symlink", "rename_remove", "missing"],
     "pty": ["terminal", "kill"],
-    "watch": ["watch_dir", "missing"],
+    "watch": ["watch_dir", "include_entry", "missing"],
     "tenants": ["tenants"],
     "refusals": ["refusals"],
 }  # fmt: skip
@@ -107,7 +107,8 @@ def sdk(request: pytest.FixtureRequest) -> tuple[str, Path]:
 
 INTERPRETER_SCENARIOS = {
     "cells": [
-        "stateful", "rich_results", "error", "languages", "envs", "timeout_interrupts",
+        "stateful", "rich_results", "error", "languages", "home_user", "envs",
+        "timeout_interrupts",
     ],
     "contexts": ["create", "list", "restart", "remove", "credential"],
 }  # fmt: skip

@@ -170,13 +170,17 @@ class AgentClient:
         return await self.call(_as(req, user))
 
     async def watch_dir(
-        self, path: str, recursive: bool = False, user: str | None = None
+        self, path: str, recursive: bool = False, user: str | None = None, entries: bool = False
     ) -> AsyncIterator[dict[str, Any]]:
         """A directory's changes until closed: {"type": "fs", name, op} (op: create, write,
-        remove, rename, chmod), {"type": "overflow"}, and a {"type": "keepalive"} after each
+        remove, rename, chmod; with `entries`, also the path's `entry` as fs.stat gives it when
+        it is still there), {"type": "overflow"}, and a {"type": "keepalive"} after each
         silent while. Errors (no such directory, too many to watch) surface here, before any
         event."""
-        request = _as({"op": "fs.watch", "path": path, "recursive": recursive}, user)
+        request = {"op": "fs.watch", "path": path, "recursive": recursive}
+        if entries:
+            request["entries"] = True
+        request = _as(request, user)
         return await self.event_stream(request, keepalives=True)
 
     async def stat(self, path: str, user: str | None = None) -> dict[str, Any]:

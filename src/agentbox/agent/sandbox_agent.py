@@ -115,6 +115,16 @@ def _landlock(writable: list[str]) -> int:
 ROOT_KEPT = frozenset({"proc", "dev", "sys", ".agentbox"})
 
 
+def link_e2b_home() -> None:
+    """E2B's home, /home/user, as a link to the workspace in a writable root whose template
+    has none: code written for E2B reads and writes its files there."""
+    try:
+        if os.path.isdir("/home") and not os.path.lexists("/home/user"):
+            os.symlink(WORKSPACE, "/home/user")
+    except OSError:
+        pass  # a template with a read-only /home: nothing to add
+
+
 def writable_root_dirs() -> list[str]:
     """The top-level directories of a writable root (the template copy-on-write) that the
     sandbox may write below: all but ROOT_KEPT. Landlock only adds rights, so `/` itself gets
@@ -779,6 +789,7 @@ def op_watch(conn: Conn, req: dict) -> None:
     keepalive after each silent KEEPALIVE_S, and {"type": "overflow"} where the kernel's queue
     dropped events."""
     watch = DirWatch(parse_path(req.get("path")), req.get("recursive") is True)
+    entries = req.get("entries") is True  # each event with what its path is now, if anything
     try:
         conn.reply({"ok": True, "path": watch.root})
         while True:
@@ -786,6 +797,12 @@ def op_watch(conn: Conn, req: dict) -> None:
             if not events:
                 conn.reply({"type": "keepalive"})  # also notices a client that went away
             for event in events:
+                if entries and event.get("type") == "fs" and event.get("op") != "remove":
+                    try:
+                        path = watch.root.rstrip("/") + "/" + str(event["name"])
+                        event = {**event, "entry": stat_entry(parse_path(path))}
+                    except (OpError, OSError):
+                        pass  # gone already (renamed away, removed): the event alone
                 conn.reply(event)
             if watch.ended:
                 return
@@ -2021,6 +2038,8 @@ def main() -> None:
         os.set_inheritable(fd, False)  # commands must never reach the control channel
         listener = _socket.socket(fileno=fd)
     _libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: sandboxed code cannot read agent memory
+    if "--writable-root" in sys.argv:
+        link_e2b_home()
     if "no-landlock" not in WEAKENED:
         writable = [WORKSPACE, "/tmp", "/dev/shm"]
         if "--writable-root" in sys.argv:

@@ -129,6 +129,7 @@ class FileService:
         path: str,
         recursive: bool = False,
         user: str | None = None,
+        entries: bool = False,
     ) -> AsyncIterator[dict[str, Any]]:
         """A directory's changes until the iterator is closed (AgentClient.watch_dir), at
         most MAX_WATCHES open per sandbox (each holds a thread and an inotify instance in it)."""
@@ -143,7 +144,8 @@ class FileService:
         try:
             events = await self.core.agent_do(
                 caller, sandbox_id, "file.watch",
-                lambda c: c.watch_dir(path, recursive, user), path=path, recursive=recursive,
+                lambda c: c.watch_dir(path, recursive, user, entries), path=path,
+                recursive=recursive,
                 **_who(user),
             )  # fmt: skip
             watch = _closing(events)

@@ -643,7 +643,10 @@ def _fs_event(item: dict[str, Any]) -> fs.FilesystemEvent:
             "list the directory, then watch it again",
         )
     kind = _EVENT_TYPES.get(str(item.get("op")), fs.EventType.UNSPECIFIED)
-    return fs.FilesystemEvent(name=str(item.get("name", "")), type=kind)
+    event = fs.FilesystemEvent(name=str(item.get("name", "")), type=kind)
+    if isinstance(item.get("entry"), dict):  # asked for with include_entry
+        event.entry = entry_info(item["entry"])
+    return event
 
 
 class _Watcher:
@@ -759,7 +762,8 @@ class FilesystemService(Filesystem):
         caller, sandbox_id = _caller()
         files = self.core.manager.files
         path, recursive, user = request.path, request.recursive, _user(ctx)
-        events = await _call(files.watch(caller, sandbox_id, path, recursive, user))
+        entries = request.include_entry
+        events = await _call(files.watch(caller, sandbox_id, path, recursive, user, entries))
 
         def convert(item: dict[str, Any]) -> tuple[list[fs.WatchDirResponse], bool]:
             if item.get("type") == "keepalive":
@@ -786,8 +790,8 @@ class FilesystemService(Filesystem):
                 f"this sandbox has {MAX_WATCHERS} watchers: remove one (remove_watcher) first",
             )
         files = self.core.manager.files
-        path, recursive = request.path, request.recursive
-        events = await _call(files.watch(caller, sandbox_id, path, recursive, user))
+        path, recursive, entries = request.path, request.recursive, request.include_entry
+        events = await _call(files.watch(caller, sandbox_id, path, recursive, user, entries))
         watcher_id = secrets.token_hex(12)
         self._watchers[watcher_id] = _Watcher(sandbox_id, events)
         await asyncio.sleep(0)  # its task has begun: a stop now closes the agent's stream
