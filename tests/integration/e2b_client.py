@@ -22,6 +22,7 @@ from e2b import CommandExitException, PtySize, Sandbox, SandboxQuery, SandboxSta
 from e2b.exceptions import (
     AuthenticationException,
     FileNotFoundException,
+    InvalidArgumentException,
     NotFoundException,
     SandboxException,
     TimeoutException,
@@ -156,6 +157,25 @@ def files() -> None:
         else:
             raise AssertionError("user overwrote root's file")
         ok("users")
+
+        # File metadata: X-Metadata-* headers, kept as the file's user.e2b.* xattrs.
+        info = sbx.files.write("/tmp/e2b/meta.txt", "m", metadata={"Author": "me", "run": "7"})
+        assert info.metadata == {"author": "me", "run": "7"}, info
+        assert sbx.files.get_info("/tmp/e2b/meta.txt").metadata == {"author": "me", "run": "7"}
+        listed = {e.name: e.metadata for e in sbx.files.list("/tmp/e2b")}
+        assert listed["meta.txt"] == {"author": "me", "run": "7"} and not listed["a.txt"], listed
+        got = sbx.commands.run("getfattr -d --absolute-names /tmp/e2b/meta.txt || true").stdout
+        assert 'user.e2b.author="me"' in got or not got, got  # getfattr may be missing
+        sbx.files.write("/tmp/e2b/meta.txt", "m2")  # replaced whole: its metadata with it
+        assert not sbx.files.get_info("/tmp/e2b/meta.txt").metadata
+        try:
+            sbx.files.write("/tmp/e2b/meta.txt", "m", metadata={"big": "x" * 1000} | {
+                f"k{i}": "v" for i in range(40)})
+        except (SandboxException, InvalidArgumentException) as e:
+            assert "metadata" in str(e), e
+        else:
+            raise AssertionError("40 metadata keys were kept")
+        ok("metadata")
 
         # Without the sandbox's envd token: the sandbox is as good as unknown.
         url = os.environ["E2B_SANDBOX_URL"]

@@ -41,8 +41,8 @@ SCENARIOS = {
         "timeout_zero",
     ],
     "files": [
-        "write_read_text", "stream", "gzip", "multipart", "missing", "users", "token_required",
-        "signed_urls",
+        "write_read_text", "stream", "gzip", "multipart", "missing", "users", "metadata",
+        "token_required", "signed_urls",
     ],
     "commands": [
         "run", "stream_envs_cwd", "exit_code", "users", "background_kill", "stdin", "connect",

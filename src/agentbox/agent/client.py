@@ -284,9 +284,18 @@ class AgentClient:
         return size, chunks()
 
     async def write_file(
-        self, path: str, chunks: AsyncIterator[bytes], user: str | None = None
+        self,
+        path: str,
+        chunks: AsyncIterator[bytes],
+        user: str | None = None,
+        metadata: dict[str, str] | None = None,
     ) -> dict[str, Any]:
-        conn = await self._open(_as({"op": "fs.write", "path": path}, user))
+        """Write a file whole (replaced by rename once it is all in), with `metadata` as its
+        user.e2b.* xattrs if given."""
+        request: dict[str, Any] = {"op": "fs.write", "path": path}
+        if metadata:
+            request["metadata"] = metadata
+        conn = await self._open(_as(request, user))
         try:
             try:
                 async for chunk in chunks:

@@ -415,6 +415,51 @@ def make_dirs(parts: list[str]) -> bool:
     return created
 
 
+XATTR_PREFIX = "user.e2b."  # a file's metadata (E2B's X-Metadata-* uploads), as xattrs
+MAX_XATTRS = 32  # per file
+MAX_XATTR_BYTES = 3072  # names and values together: what an ext4 inode keeps without a block
+
+
+def metadata_of(name: str, path: str, dir_fd: int | None) -> dict:
+    """A regular file's metadata (its user.e2b.* xattrs), {} for none or where unsupported."""
+    where = f"/proc/self/fd/{dir_fd}/{name}" if dir_fd is not None else path
+    try:
+        names = os.listxattr(where, follow_symlinks=False)
+        return {
+            n[len(XATTR_PREFIX) :]: os.getxattr(where, n, follow_symlinks=False).decode(
+                "utf-8", "replace"
+            )
+            for n in [n for n in names if n.startswith(XATTR_PREFIX)][:MAX_XATTRS]
+        }
+    except OSError:
+        return {}
+
+
+def set_metadata(fd: int, metadata: object, path: str) -> None:
+    """A file's metadata as user.e2b.<key> xattrs, within what a file holds."""
+    if metadata is None:
+        return
+    if not isinstance(metadata, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) and k for k, v in metadata.items()
+    ):
+        raise OpError("invalid_request", "metadata must be an object of strings")
+    size = sum(len((XATTR_PREFIX + k).encode()) + len(v.encode()) for k, v in metadata.items())
+    if len(metadata) > MAX_XATTRS or size > MAX_XATTR_BYTES:
+        raise OpError(
+            "invalid_request",
+            f"file metadata holds at most {MAX_XATTRS} keys and {MAX_XATTR_BYTES} bytes",
+        )
+    for key, value in metadata.items():
+        try:
+            os.setxattr(fd, XATTR_PREFIX + key, value.encode())
+        except OSError as e:
+            if e.errno in (errno.ENOTSUP, errno.EOPNOTSUPP):
+                raise OpError(
+                    "unsupported", f"{path}: this filesystem keeps no file metadata", path=path
+                ) from None
+            raise os_error(e, path) from None
+
+
 def entry(name: str, path: str, st: os.stat_result, dir_fd: int | None) -> dict:
     mode = st.st_mode
     if stat.S_ISREG(mode):
@@ -431,7 +476,7 @@ def entry(name: str, path: str, st: os.stat_result, dir_fd: int | None) -> dict:
             target = os.readlink(name, dir_fd=dir_fd) if dir_fd is not None else os.readlink(path)
         except OSError:
             pass
-    return {
+    out = {
         "name": name,
         "path": path,
         "type": kind,
@@ -441,6 +486,11 @@ def entry(name: str, path: str, st: os.stat_result, dir_fd: int | None) -> dict:
         "modified_time": st.st_mtime,
         "symlink_target": target,
     }
+    if kind == "file":
+        metadata = metadata_of(name, path, dir_fd)
+        if metadata:
+            out["metadata"] = metadata
+    return out
 
 
 def stat_entry(parts: list[str]) -> dict:
@@ -567,6 +617,7 @@ def _write(conn: Conn, req: dict) -> None:
         except OSError as e:
             raise os_error(e, path) from None
         _receive_into(conn, fd, path)
+        set_metadata(fd, req.get("metadata"), path)
         os.close(fd)
         fd = -1
         # Checked again: the destination may have been swapped while the body arrived.

@@ -77,12 +77,14 @@ class FileService:
         path: str,
         chunks: AsyncIterator[bytes],
         user: str | None = None,
+        metadata: dict[str, str] | None = None,
     ) -> dict[str, Any]:
+        """Write a file; `metadata` (E2B's file metadata) is kept as its user.e2b.* xattrs."""
         check_user(user)
         started = time.monotonic()
         row = await self.core.awake(caller, sandbox_id)
         try:
-            reply = await self.core.client(row).write_file(path, chunks, user)
+            reply = await self.core.client(row).write_file(path, chunks, user, metadata)
         except (AgentOpError, AgentUnavailable) as e:
             raise self.core.failed(caller, row, "file.write", started, e, path=path) from None
         except OSError as e:  # the agent hung up mid-upload: its reply, if any, is lost

@@ -11,6 +11,7 @@ Without a valid token a sandbox looks the same whether it exists or not: `/healt
 from __future__ import annotations
 
 import asyncio
+import re
 import zlib
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
@@ -154,14 +155,13 @@ def envd_surface(core: Core) -> SurfaceRoutes:
         the sandbox; parents are made, files replaced."""
         box = _Sandbox(core, request)
         caller, user = box.caller(), _user(username)
-        if any(k.lower().startswith("x-metadata-") for k in request.headers):
-            raise InvalidRequest("file metadata (X-Metadata-*) is not supported yet by agentbox")
+        metadata = _metadata(request)
         mime, params = parse_options_header(content_type)
         if mime == b"multipart/form-data":
             boundary = params.get(b"boundary")
             if not boundary:
                 raise InvalidRequest("a multipart upload needs a boundary in its Content-Type")
-            return await _multipart(core, caller, box.id, request, boundary, path, user)
+            return await _multipart(core, caller, box.id, request, boundary, path, user, metadata)
         if not path:
             raise InvalidRequest("path is required for a raw upload")
         body: AsyncIterator[bytes] = request.stream()
@@ -170,7 +170,7 @@ def envd_surface(core: Core) -> SurfaceRoutes:
             body = _gunzipped(body)
         elif encoding not in ("", "identity"):
             raise InvalidRequest(f"unsupported Content-Encoding {encoding!r}: use gzip")
-        entry = await core.manager.write_file(caller, box.id, path, body, user)
+        entry = await core.manager.files.write(caller, box.id, path, body, user, metadata)
         return [_written(entry)]
 
     r.include_router(interpreter_routes(core, _Sandbox))  # port 49999
@@ -182,11 +182,33 @@ def envd_surface(core: Core) -> SurfaceRoutes:
 
 def _written(entry: dict[str, Any]) -> dict[str, Any]:
     """envd's `EntryInfo` of a file written."""
-    return {
+    out = {
         "name": entry.get("name") or str(entry.get("path", "")).rsplit("/", 1)[-1],
         "type": "dir" if entry.get("type") == "dir" else "file",
         "path": entry.get("path"),
     }
+    if entry.get("metadata"):
+        out["metadata"] = entry["metadata"]
+    return out
+
+
+METADATA_KEY = re.compile(r"[a-z0-9!#$%&'*+\-.^_`|~]{1,128}")
+
+
+def _metadata(request: Request) -> dict[str, str] | None:
+    """E2B's file metadata: `X-Metadata-<key>: <value>` headers, keys lowercased, values
+    printable ASCII; kept with each file written as its user.e2b.<key> xattr."""
+    found: dict[str, str] = {}
+    for name, value in request.headers.items():
+        if not name.lower().startswith("x-metadata-"):
+            continue
+        key = name.lower().removeprefix("x-metadata-")
+        if not METADATA_KEY.fullmatch(key):
+            raise InvalidRequest(f"invalid file metadata key {key[:64]!r}")
+        if not value.isascii() or not value.isprintable() or len(value) > 1024:
+            raise InvalidRequest(f"file metadata {key}: at most 1024 printable ASCII characters")
+        found[key] = value
+    return found or None
 
 
 async def _gzipped(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
@@ -224,6 +246,7 @@ async def _multipart(
     boundary: bytes,
     path: str | None,
     user: str | None,
+    metadata: dict[str, str] | None = None,
 ) -> list[dict[str, Any]]:
     """Stream each file part of a multipart body into the sandbox, one after the other."""
     events: list[tuple[str, bytes]] = []
@@ -292,7 +315,9 @@ async def _multipart(
                     target = path or name.decode("utf-8", "replace")
                     queue = asyncio.Queue(PART_QUEUE)
                     writer = asyncio.ensure_future(
-                        core.manager.write_file(caller, sandbox_id, target, drain(queue), user)
+                        core.manager.files.write(
+                            caller, sandbox_id, target, drain(queue), user, metadata
+                        )
                     )
                     await put(data)
                 elif kind == "data" and queue is not None:
@@ -306,8 +331,8 @@ async def _multipart(
                             if parts > MAX_UPLOAD_PARTS:
                                 raise LimitExceeded(f"at most {MAX_UPLOAD_PARTS} files per upload")
                             target = path or name.decode("utf-8", "replace")
-                            entry = await core.manager.write_file(
-                                caller, sandbox_id, target, _nothing(), user
+                            entry = await core.manager.files.write(
+                                caller, sandbox_id, target, _nothing(), user, metadata
                             )
                             written.append(_written(entry))
                     elif queue is not None and writer is not None:

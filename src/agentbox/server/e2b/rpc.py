@@ -612,6 +612,9 @@ def entry_info(entry: dict[str, Any]) -> fs.EntryInfo:
     )
     if entry.get("symlink_target") is not None:
         info.symlink_target = str(entry["symlink_target"])
+    metadata = entry.get("metadata")
+    if isinstance(metadata, dict):  # a file's user.e2b.* xattrs (E2B's file metadata)
+        info.metadata.update({str(k): str(v) for k, v in metadata.items()})
     return info
 
 
