@@ -207,6 +207,33 @@ def test_envd_headers_never_reach_the_api_without_a_token(server: ServerHandle) 
     assert r.status_code == 401, r.text
 
 
+def test_the_host_routed_form_serves_envd_and_the_code_interpreter(server: ServerHandle) -> None:
+    """`49983-<id>.<domain>` (and 49999-): the SDK's address for a sandbox when E2B_SANDBOX_URL
+    is unset, served as the header form is, behind the same token."""
+    key = server.make_key(f"e2b-host-{time.monotonic_ns() % 10**9}")
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        made = c.post("/v2/sandboxes", json={"templateID": "host"}, headers={"X-API-KEY": key})
+        assert made.status_code == 201, made.text
+        sid, token = made.json()["sandboxID"], made.json()["envdAccessToken"]
+        envd = {"Host": f"49983-{sid}.localhost:{server.port}"}
+        assert c.get("/health", headers=envd).status_code == 502  # no token: as if unknown
+        assert c.get("/health", headers={**envd, "X-Access-Token": token}).status_code == 204
+        mine = {**envd, "X-Access-Token": token}
+        r = c.post("/files", params={"path": "/tmp/h.txt"}, content=b"via host", headers=mine)
+        assert r.status_code == 200, r.text
+        assert c.get("/files", params={"path": "/tmp/h.txt"}, headers=mine).content == b"via host"
+        # Headers a client adds do not name another sandbox.
+        forged = {**mine, "E2b-Sandbox-Id": "sbx_0000000000000000", "E2b-Sandbox-Port": "1"}
+        assert c.get("/files", params={"path": "/tmp/h.txt"}, headers=forged).status_code == 200
+        r = c.get("/v1/sandboxes", headers={**envd, "X-API-Key": key})
+        assert r.status_code == 404, r.text  # the port serves envd, not the API
+        interp = {"Host": f"49999-{sid}.localhost:{server.port}"}
+        r = c.get("/contexts", headers={**interp, "E2B-Traffic-Access-Token": token})
+        assert r.status_code == 200 and isinstance(r.json(), list), r.text
+        assert c.get("/contexts", headers=interp).status_code == 401
+        c.delete(f"/sandboxes/{sid}", headers={"X-API-KEY": key})
+
+
 def test_a_create_retried_with_its_idempotency_key_makes_one_sandbox(server: ServerHandle) -> None:
     """E2B's newer SDKs send `Idempotency-Key` on creates so that a retry after a lost answer
     does not make a second sandbox."""

@@ -52,7 +52,7 @@ def claiming_surface(core: Core) -> SurfaceRoutes:
     return SurfaceRoutes(router=router, predicate=_claims, open_paths=frozenset({"/v1/health"}))
 
 
-ENVD_PORT = 49983  # the port E2B's SDK reaches a sandbox's envd on
+ENVD_PORT = 49990  # a port the stand-in surface serves (E2B's own surface has 49983 and 49999)
 
 
 async def envd_stand_in(scope: Scope, receive: Receive, send: Send) -> None:
@@ -123,8 +123,8 @@ def test_a_predicate_surface_claims_its_requests_and_leaves_the_rest(url: str) -
 
 
 def test_a_surface_serves_a_sandbox_port_in_place_of_the_sandbox(url: str) -> None:
-    """The gateway hands a port a surface claims to that surface's app (as the E2B envd port
-    will be), with the sandbox it names; every other port is still the sandbox's own."""
+    """The gateway hands a port a surface claims to that surface's app (as E2B's envd port
+    is), with the sandbox it names; every other port is still the sandbox's own."""
     admin = httpx.Client(base_url=url, headers={"X-API-Key": ADMIN_KEY}, timeout=60)
     sid = admin.post("/v1/sandboxes", json={}).raise_for_status().json()["sandbox_id"]
     try:

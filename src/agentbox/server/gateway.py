@@ -738,7 +738,8 @@ class PortGateway:
     ) -> int | None:
         """A port the control plane serves itself: its app gets the request as the sandbox's
         server would (path and query as routed), with `scope["agentbox.port"]` = the sandbox's
-        `PortTarget` (None: no running sandbox of that id) and port. The app authorizes the
+        `PortTarget` (None: no running sandbox of that id), port, id as named, and the rest of
+        the server (`app`). The app authorizes the
         request itself (its own credentials, not the port's access token); the relay budgets
         of the sandbox and its tenant still apply."""
         target = await self._lookup(route.sandbox_id)
@@ -747,7 +748,14 @@ class PortGateway:
         path, _, query = route.target.partition(b"?")
         inner = dict(scope, path=unquote(path.decode("latin-1")), raw_path=path)
         inner["query_string"] = query
-        inner["agentbox.port"] = {"target": target, "port": route.port}
+        # The sandbox as named (also when none runs), and the rest of the server, for an app
+        # that serves the port as one of its own requests (E2B's host-routed envd).
+        inner["agentbox.port"] = {
+            "target": target,
+            "port": route.port,
+            "sandbox_id": route.sandbox_id,
+            "app": self.app,
+        }
         slot = None
         if target is not None:
             try:

@@ -18,7 +18,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Query, Request, Response
 from python_multipart.multipart import MultipartParser, parse_options_header
-from starlette.types import Scope
+from starlette.types import Receive, Scope, Send
 
 from agentbox.core.auth import Caller
 from agentbox.core.errors import InvalidRequest, LimitExceeded, Unauthorized
@@ -177,7 +177,22 @@ def envd_surface(core: Core) -> SurfaceRoutes:
     for prefix, app in rpc_apps(core, _Sandbox).items():  # envd's Connect RPC
         r.mount(prefix, app)
     streams = frozenset({("POST", FILES), ("POST", f"{PROCESS_PATH}/StreamInput")})
-    return SurfaceRoutes(router=r, predicate=claims, authenticates=True, streams=streams)
+    ports = {ENVD_PORT: host_routed, CODE_INTERPRETER_PORT: host_routed}
+    return SurfaceRoutes(
+        router=r, predicate=claims, authenticates=True, streams=streams, ports=ports
+    )
+
+
+async def host_routed(scope: Scope, receive: Receive, send: Send) -> None:
+    """E2B's host-routed form, `49983-<id>.<domain>` (the SDK's address for a sandbox when
+    E2B_SANDBOX_URL is unset; also the port path `/v1/sandboxes/<id>/ports/49983/...`): the
+    same request with E2B's headers naming the sandbox and port, into the rest of the server,
+    where this surface claims it and checks its token as for any other."""
+    port = scope["agentbox.port"]
+    named = (b"e2b-sandbox-id", b"e2b-sandbox-port")
+    headers = [(k, v) for k, v in scope["headers"] if k not in named]
+    headers += [(named[0], port["sandbox_id"].encode()), (named[1], str(port["port"]).encode())]
+    await port["app"](dict(scope, headers=headers), receive, send)
 
 
 def _written(entry: dict[str, Any]) -> dict[str, Any]:
