@@ -13,11 +13,12 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-from conftest import ServerHandle
+from conftest import ServerHandle, start_server
 
 CLIENT = Path(__file__).with_name("e2b_client.py")
 INTERPRETER_CLIENT = Path(__file__).with_name("e2b_interpreter_client.py")
@@ -157,6 +158,40 @@ def _drive(
     assert done.returncode == 0 and passed == steps, (
         f"e2b {line}, {scenario}: passed {passed}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
     )
+
+
+# On the gvisor tier (a user-space kernel): the newest SDK line, every area but the terminal
+# (runsc's 2022 build turns no ^C into SIGINT, docs/E2B.md) and file metadata (its tmpfs keeps
+# no user xattrs).
+GVISOR = shutil.which("runsc") is not None
+GVISOR_SCENARIOS = {
+    "commands": SCENARIOS["commands"],
+    "filesystem": SCENARIOS["filesystem"],
+    "watch": SCENARIOS["watch"],
+}
+
+
+@pytest.fixture(scope="module")
+def gvisor_server(
+    tmp_path_factory: pytest.TempPathFactory, code_template: Path
+) -> Iterator[ServerHandle]:
+    args = ["--runtime", "gvisor", "--template-dir", str(code_template)]
+    handle = start_server(tmp_path_factory.mktemp("e2b-gvisor"), args)
+    yield handle
+    handle.kill_all_sandboxes()
+    handle.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not GVISOR, reason="runsc is not installed (apt-get install runsc)")
+@pytest.mark.parametrize("scenario", [*sorted(GVISOR_SCENARIOS), "cells"])
+def test_e2b_sdk_on_gvisor(scenario: str, gvisor_server: ServerHandle) -> None:
+    sdk = ("2.63", _venv(SDKS["2.63"]))
+    if scenario == "cells":
+        steps = INTERPRETER_SCENARIOS["cells"]
+        _drive(sdk, INTERPRETER_CLIENT, scenario, steps, gvisor_server)
+    else:
+        _drive(sdk, CLIENT, scenario, GVISOR_SCENARIOS[scenario], gvisor_server)
 
 
 @pytest.mark.parametrize("scenario", sorted(NPM_SCENARIOS))
