@@ -216,6 +216,12 @@ def test_limits_hold(client: httpx.Client, tier: str) -> None:
     res = run(client, sid, "dd if=/dev/zero of=/workspace/big bs=1M count=200 2>&1; true")
     assert "No space left on device" in res.stdout, res
     assert run(client, sid, "echo alive").stdout == "alive\n"  # the sandbox survived all three
+    # A command's timeout ends it with its tree, also where the kernel has no pidfd (gVisor's).
+    started = time.monotonic()
+    res = run(client, sid, "sleep 30 && echo late", timeout=1)
+    assert res.end["timed_out"] is True and "late" not in res.stdout, res
+    assert res.end["violation"]["code"] == "command_timeout", res.end
+    assert time.monotonic() - started < 10
     client.delete(f"/v1/sandboxes/{sid}")
 
 

@@ -1426,6 +1426,14 @@ class Commands:
             if not ready:
                 c.timed_out = True
                 kill_tree(c)
+        elif c.timeout > 0:  # no pidfd (gVisor's 2022 kernel): Popen polls the child
+            import subprocess
+
+            try:
+                c.proc.wait(timeout=c.timeout)
+            except subprocess.TimeoutExpired:
+                c.timed_out = True
+                kill_tree(c)
         code = c.proc.wait()
         # Output still in the pipes belongs to the command; daemons holding the pipes open
         # must not keep the command "running", so wait for the readers only briefly, unless
