@@ -65,7 +65,7 @@ def cells() -> None:
 
         # E2B's home: files written there are where code finds them.
         sbx.files.write("/home/user/data.csv", "a,b\n1,2\n3,4\n")
-        ex = sbx.run_code("import pandas as pd\npd.read_csv('/home/user/data.csv')['b'].sum()")
+        ex = sbx.run_code("import pandas as pd\nint(pd.read_csv('/home/user/data.csv')['b'].sum())")
         assert ex.text == "6", ex
         assert sbx.commands.run("cat /home/user/data.csv").stdout.endswith("3,4\n")
         ok("home_user")

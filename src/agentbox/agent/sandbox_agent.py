@@ -321,7 +321,19 @@ def parse_path(raw: object) -> list[str]:
         raise OpError(
             "invalid_path", f"{raw}: '..' is not allowed in paths; use an absolute path", path=raw
         )
+    if parts[:2] == ["home", "user"] and _home_is_workspace():
+        parts = [p for p in WORKSPACE.split("/") if p] + parts[2:]  # E2B's home: the link's
     return parts
+
+
+def _home_is_workspace() -> bool:
+    """Whether /home/user is the agent's own link to the workspace (link_e2b_home): the one
+    symlink the files API resolves, since no one in the sandbox but its root may change it,
+    and a link that root has changed is followed no more."""
+    try:
+        return os.readlink("/home/user") == WORKSPACE
+    except OSError:
+        return False
 
 
 def join(parts: list[str]) -> str:
