@@ -52,6 +52,7 @@ def test_escape_battery(request: pytest.FixtureRequest, tmp_path: Path) -> None:
     assert js.exists(), tail
     keep = os.environ.get("AGENTBOX_BATTERY_KEEP")  # a directory: the scorecard is copied there
     if keep:
+        Path(keep).mkdir(parents=True, exist_ok=True)
         for f in (md, js):
             shutil.copy(f, Path(keep) / f.name)
     card = json.loads(js.read_text())["tiers"]
