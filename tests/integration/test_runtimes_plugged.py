@@ -18,6 +18,7 @@ import pytest
 from conftest import ADMIN_KEY, serving_app
 
 from agentbox import runtimes
+from agentbox.battery.inventory import digest_of
 from agentbox.runtimes.fake import FakeRuntime
 from agentbox.server.app import create_app
 
@@ -159,3 +160,5 @@ def test_an_unknown_runtime_stops_the_server_at_start(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unknown runtime 'nope'; installed: .*process"):
         with TestClient(app):
             pass
+    # Refused before any runtime set up its host scaffolding (nothing left mounted).
+    assert not list(Path("/run/agentbox").glob(f"{digest_of(tmp_path / 'data')}*"))

@@ -229,11 +229,13 @@ def open_runtimes(
 ) -> Runtimes:
     """The runtimes named (comma-separated, the first the default), each over the data dir;
     `default_config` goes to the default one's constructor."""
-    from agentbox.runtimes import get_runtime
+    from agentbox.runtimes import factory, get_runtime
 
     wanted = list(dict.fromkeys(n.strip() for n in names.split(",") if n.strip()))
     if not wanted:
         raise ValueError("no runtime named: give at least one, e.g. --runtime process")
+    for name in wanted:  # an unknown name stops the server before any runtime is made (each
+        factory(name)  # sets up host scaffolding, /run/agentbox/<digest>, that would be left)
     config = default_config or {}
     opened = {wanted[0]: get_runtime(wanted[0], data_dir=data_dir, **config)}
     unavailable: dict[str, str] = {}
