@@ -160,6 +160,7 @@ class AgentClient:
         limit: int | None = None,
         cursor: str | None = None,
         user: str | None = None,
+        metadata: bool = False,
     ) -> dict[str, Any]:
         """A page of entries under `path`: {entries, truncated, next_cursor?}."""
         req: dict[str, Any] = {"op": "fs.list", "path": path, "depth": depth}
@@ -167,6 +168,8 @@ class AgentClient:
             req["limit"] = limit
         if cursor is not None:
             req["cursor"] = cursor
+        if metadata:  # each file's user.e2b.* xattrs too
+            req["metadata"] = True
         return await self.call(_as(req, user))
 
     async def watch_dir(
@@ -183,8 +186,13 @@ class AgentClient:
         request = _as(request, user)
         return await self.event_stream(request, keepalives=True)
 
-    async def stat(self, path: str, user: str | None = None) -> dict[str, Any]:
-        return dict((await self.call(_as({"op": "fs.stat", "path": path}, user)))["entry"])
+    async def stat(
+        self, path: str, user: str | None = None, metadata: bool = False
+    ) -> dict[str, Any]:
+        req: dict[str, Any] = {"op": "fs.stat", "path": path}
+        if metadata:
+            req["metadata"] = True
+        return dict((await self.call(_as(req, user)))["entry"])
 
     async def make_dir(self, path: str, user: str | None = None) -> dict[str, Any]:
         """{entry, created}: created is false when it was a directory already."""

@@ -472,7 +472,11 @@ def set_metadata(fd: int, metadata: object, path: str) -> None:
             raise os_error(e, path) from None
 
 
-def entry(name: str, path: str, st: os.stat_result, dir_fd: int | None) -> dict:
+def entry(
+    name: str, path: str, st: os.stat_result, dir_fd: int | None, metadata: bool = False
+) -> dict:
+    """A file's entry; with `metadata`, a regular file's user.e2b.* xattrs too (asked for by
+    E2B's surface only: one more syscall per file)."""
     mode = st.st_mode
     if stat.S_ISREG(mode):
         kind = "file"
@@ -498,20 +502,20 @@ def entry(name: str, path: str, st: os.stat_result, dir_fd: int | None) -> dict:
         "modified_time": st.st_mtime,
         "symlink_target": target,
     }
-    if kind == "file":
-        metadata = metadata_of(name, path, dir_fd)
-        if metadata:
-            out["metadata"] = metadata
+    if metadata and kind == "file":
+        found = metadata_of(name, path, dir_fd)
+        if found:
+            out["metadata"] = found
     return out
 
 
-def stat_entry(parts: list[str]) -> dict:
+def stat_entry(parts: list[str], metadata: bool = False) -> dict:
     if not parts:
         return entry("/", "/", os.stat("/"), None)
     pfd = parent_of(parts)
     try:
         st = os.stat(parts[-1], dir_fd=pfd, follow_symlinks=False)
-        return entry(parts[-1], join(parts), st, pfd)
+        return entry(parts[-1], join(parts), st, pfd, metadata)
     except OSError as e:
         raise os_error(e, join(parts)) from None
     finally:
@@ -522,7 +526,8 @@ def stat_entry(parts: list[str]) -> dict:
 
 
 def op_stat(conn: Conn, req: dict) -> None:
-    conn.reply({"ok": True, "entry": stat_entry(parse_path(req.get("path")))})
+    wanted = req.get("metadata") is True
+    conn.reply({"ok": True, "entry": stat_entry(parse_path(req.get("path")), wanted)})
 
 
 def op_read(conn: Conn, req: dict) -> None:
@@ -641,7 +646,8 @@ def _write(conn: Conn, req: dict) -> None:
             raise os_error(e, path) from None
         tmp = ""
         st = os.stat(parts[-1], dir_fd=pfd, follow_symlinks=False)
-        conn.reply({"ok": True, "entry": entry(parts[-1], path, st, pfd)})
+        wanted = req.get("metadata") is not None  # the answer shows what was kept
+        conn.reply({"ok": True, "entry": entry(parts[-1], path, st, pfd, wanted)})
     finally:
         if fd >= 0:
             os.close(fd)
@@ -665,6 +671,7 @@ def op_list(conn: Conn, req: dict) -> None:
     limit = req.get("limit", LIST_LIMIT)
     if not isinstance(limit, int) or not 1 <= limit <= LIST_LIMIT:
         raise OpError("invalid_request", f"limit must be an integer from 1 to {LIST_LIMIT}")
+    metadata = req.get("metadata") is True
     after = None
     if req.get("cursor") is not None:
         after = parse_path(req["cursor"])
@@ -701,7 +708,7 @@ def op_list(conn: Conn, req: dict) -> None:
             except OSError:
                 continue
             if not seen:
-                out.append(entry(name, join(here), st, fd))
+                out.append(entry(name, join(here), st, fd, metadata))
                 budget -= len(json.dumps(out[-1])) + 2
             if stat.S_ISDIR(st.st_mode) and level < depth:
                 try:
@@ -863,7 +870,7 @@ def op_watch(conn: Conn, req: dict) -> None:
                 if entries and event.get("type") == "fs" and event.get("op") != "remove":
                     try:
                         path = watch.root.rstrip("/") + "/" + str(event["name"])
-                        event = {**event, "entry": stat_entry(parse_path(path))}
+                        event = {**event, "entry": stat_entry(parse_path(path), True)}
                     except (OpError, OSError):
                         pass  # gone already (renamed away, removed): the event alone
                 conn.reply(event)

@@ -111,12 +111,14 @@ class FileService:
         limit: int | None = None,
         cursor: str | None = None,
         user: str | None = None,
+        metadata: bool = False,
     ) -> dict[str, Any]:
         """A page of entries under `path`: {entries, truncated, next_cursor}."""
         check_user(user)
         reply = await self.core.agent_do(
             caller, sandbox_id, "file.list",
-            lambda c: c.list_dir(path, depth, limit, cursor, user), path=path, **_who(user),
+            lambda c: c.list_dir(path, depth, limit, cursor, user, metadata), path=path,
+            **_who(user),
         )  # fmt: skip
         return {
             "entries": reply.get("entries", []),
@@ -163,12 +165,19 @@ class FileService:
         self._watches.pop(sandbox_id, None)
 
     async def stat(
-        self, caller: Caller, sandbox_id: str, path: str, user: str | None = None
+        self,
+        caller: Caller,
+        sandbox_id: str,
+        path: str,
+        user: str | None = None,
+        metadata: bool = False,
     ) -> dict[str, Any]:
+        """A path's entry; with `metadata`, a file's user.e2b.* xattrs (E2B's file metadata)."""
         check_user(user)
         return await self.core.agent_do(
-            caller, sandbox_id, "file.stat", lambda c: c.stat(path, user), path=path, **_who(user)
-        )
+            caller, sandbox_id, "file.stat", lambda c: c.stat(path, user, metadata), path=path,
+            **_who(user),
+        )  # fmt: skip
 
     async def make_dir(
         self, caller: Caller, sandbox_id: str, path: str, user: str | None = None

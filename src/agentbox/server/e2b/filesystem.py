@@ -157,7 +157,7 @@ class FilesystemService(Filesystem):
     async def stat(self, request: fs.StatRequest, ctx: RequestContext) -> fs.StatResponse:
         caller, sandbox_id = request_caller()
         files = self.core.manager.files
-        entry = await call(files.stat(caller, sandbox_id, request.path, request_user(ctx)))
+        entry = await call(files.stat(caller, sandbox_id, request.path, request_user(ctx), True))
         return fs.StatResponse(entry=entry_info(entry))
 
     async def make_dir(self, request: fs.MakeDirRequest, ctx: RequestContext) -> fs.MakeDirResponse:
@@ -190,7 +190,7 @@ class FilesystemService(Filesystem):
         cursor: str | None = None
         for _ in range(MAX_LIST_PAGES):
             page = await call(
-                files.list(caller, sandbox_id, request.path, depth, None, cursor, user)
+                files.list(caller, sandbox_id, request.path, depth, None, cursor, user, True)
             )
             entries += [entry_info(e) for e in page["entries"]]
             if len(entries) > MAX_LIST_ENTRIES:
