@@ -9,11 +9,12 @@ import hmac
 import time
 from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
@@ -42,6 +43,16 @@ EXPIRED = "signature is already expired"
 
 class ExpiredSignature(Unauthorized):
     """A valid signature past its expiry (answered with E2B's exact body, see signed.py)."""
+
+
+Str = Annotated[str, Field(max_length=300)]  # a string field of E2B's bodies
+
+
+class Body(BaseModel):
+    """An E2B request body. Fields a newer SDK adds are ignored; those whose meaning agentbox
+    cannot give are refused by name (where each body is read) rather than dropped."""
+
+    model_config = ConfigDict(extra="ignore")
 
 
 def e2b_error(status: int, message: str, reason: str | None = None) -> JSONResponse:

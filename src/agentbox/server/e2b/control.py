@@ -14,7 +14,7 @@ from urllib.parse import parse_qsl
 
 from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from agentbox.core.auth import Caller
 from agentbox.core.errors import Conflict, InvalidRequest, NotFound
@@ -23,7 +23,9 @@ from agentbox.core.requests import CreateRequest
 from agentbox.server.e2b.common import (
     PAUSED_STATES,
     RUNNING_STATES,
+    Body,
     E2BRoute,
+    Str,
     created,
     e2b_state,
     listed,
@@ -39,8 +41,6 @@ DEFAULT_TIMEOUT = 15
 # answers once the sandbox runs; agentbox's /v1 answers 202 and lets the client wait).
 BUILD_WAIT_S = 900.0
 
-Str = Annotated[str, Field(max_length=300)]
-
 # E2B's template names that name an agentbox template of another name: e2b-code-interpreter's
 # default is agentbox's code interpreter (E2B's `base` is agentbox's `base` already).
 TEMPLATES = {"code-interpreter-v1": "code-interpreter"}
@@ -50,22 +50,16 @@ def template_name(e2b_name: str) -> str:
     return TEMPLATES.get(e2b_name, e2b_name)
 
 
-class _Body(BaseModel):
-    # Fields a newer SDK adds are ignored; those whose meaning agentbox cannot give are refused
-    # by name below rather than dropped.
-    model_config = ConfigDict(extra="ignore")
-
-
-class AutoResume(_Body):
+class AutoResume(Body):
     enabled: bool = False
 
 
-class VolumeMount(_Body):
+class VolumeMount(Body):
     name: Annotated[str, Field(max_length=128)]
     path: Annotated[str, Field(max_length=1024)]
 
 
-class Network(_Body):
+class Network(Body):
     allowOut: list[Str] | None = Field(None, max_length=256)
     denyOut: list[Str] | None = Field(None, max_length=256)
     allowPublicTraffic: bool | None = None
@@ -76,7 +70,7 @@ class Network(_Body):
     httpsPorts: Any = None
 
 
-class NewSandbox(_Body):
+class NewSandbox(Body):
     templateID: Annotated[str, Field(min_length=1, max_length=128)]
     timeout: int = Field(DEFAULT_TIMEOUT, ge=0, le=10**9)
     secure: bool = True
@@ -96,21 +90,21 @@ class NewSandbox(_Body):
     iam: Any = None
 
 
-class TimeoutBody(_Body):
+class TimeoutBody(Body):
     timeout: int = Field(ge=0, le=10**9)
 
 
-class ConnectBody(_Body):
+class ConnectBody(Body):
     timeout: int = Field(DEFAULT_TIMEOUT, ge=0, le=10**9)
     memory: bool | None = None
 
 
-class PauseBody(_Body):
+class PauseBody(Body):
     memory: bool = True
     requireHealthyGuest: bool | None = None
 
 
-class ResumeBody(_Body):
+class ResumeBody(Body):
     timeout: int = Field(DEFAULT_TIMEOUT, ge=0, le=10**9)
     autoPause: bool | None = None
 

@@ -19,12 +19,12 @@ from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Request, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from agentbox.core.auth import Caller
 from agentbox.core.errors import InvalidRequest, SandboxUnavailable
 from agentbox.core.requests import LANGUAGES, CodeRequest
-from agentbox.server.e2b.common import CODE_INTERPRETER_PORT, E2BRoute
+from agentbox.server.e2b.common import CODE_INTERPRETER_PORT, Body, E2BRoute
 from agentbox.server.streaming import ndjson
 from agentbox.server.surfaces import Core
 
@@ -35,16 +35,14 @@ MISSING = ("typescript", "ts", "r", "java", "deno")
 CODE_MAX = 1 << 20  # characters in one cell
 
 
-class ExecuteBody(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ExecuteBody(Body):
     code: Annotated[str, Field(max_length=CODE_MAX)]
     context_id: Annotated[str | None, Field(max_length=64)] = None
     language: Annotated[str | None, Field(max_length=32)] = None
     env_vars: dict[str, str] | None = None
 
 
-class ContextBody(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ContextBody(Body):
     language: Annotated[str | None, Field(max_length=32)] = None
     cwd: Annotated[str | None, Field(max_length=4096)] = None
 

@@ -14,32 +14,26 @@ import asyncio
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from agentbox.core.errors import InvalidRequest, NotFound
-from agentbox.server.e2b.common import E2BRoute, created, e2b_state, rfc3339
+from agentbox.server.e2b.common import Body, E2BRoute, Str, created, e2b_state, rfc3339
 from agentbox.server.routes.deps import Mgr, Who
 from agentbox.server.surfaces import Core
 from agentbox.store.db import SnapshotRow
 
-Str = Annotated[str, Field(max_length=300)]
 
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # what a newer SDK adds; refused by name below
-
-
-class ForkBody(_Body):
+class ForkBody(Body):
     timeout: int = Field(15, ge=1, le=10**9)
     count: int = Field(1, ge=1, le=16)
 
 
-class SnapshotBody(_Body):
+class SnapshotBody(Body):
     name: Annotated[str | None, Field(max_length=64)] = None
     memory: bool | None = None
 
 
-class NetworkUpdate(_Body):
+class NetworkUpdate(Body):
     """E2B's `SandboxNetworkUpdateConfig`: the whole egress configuration, an omitted field
     cleared."""
 
