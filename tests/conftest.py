@@ -323,6 +323,13 @@ def code_template(base_template: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def full_template(code_template: Path) -> Path:
+    """code-interpreter-full (R and TypeScript kernels besides), built on code-interpreter's
+    layers in the same store: its own steps take about half a minute."""
+    return build_shipped("code-interpreter-full")
+
+
+@pytest.fixture(scope="session")
 def ci_server(
     tmp_path_factory: pytest.TempPathFactory, code_template: Path
 ) -> Iterator[ServerHandle]:

@@ -51,7 +51,7 @@ USER_UID = 1000  # the sandbox's `user`, inside its namespace
 USER_VENV = "opt/venv"  # a built template's Python environment of `user`'s (templates/layers.py)
 
 # The code interpreter's languages; the first is the default.
-LANGUAGES = ("python", "bash", "javascript")
+LANGUAGES = ("python", "bash", "javascript", "typescript", "r")
 DEFAULT_LANGUAGE = LANGUAGES[0]
 
 

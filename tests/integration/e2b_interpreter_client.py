@@ -28,7 +28,7 @@ def cells() -> None:
     and a cell the SDK times out (which interrupts it: the next cell runs at once)."""
     sbx = Sandbox.create(timeout=300)  # E2B's default template, code-interpreter-v1
     try:
-        assert sbx.get_info().template_id == "code-interpreter", sbx.get_info()
+        assert sbx.get_info().template_id == "code-interpreter-full", sbx.get_info()
         seen: list[str] = []
         sbx.run_code("x = 21")
         ex = sbx.run_code("print('half', x)\nx * 2", on_stdout=lambda m: seen.append(m.line))
@@ -55,12 +55,20 @@ def cells() -> None:
         assert ex.text == "9", ex
         ex = sbx.run_code("echo hi; echo oops >&2", language="bash")
         assert ex.logs.stdout == ["hi\n"] and ex.logs.stderr == ["oops\n"], ex.logs
+        ex = sbx.run_code("const n: number = 20;\nawait Promise.resolve(n + 1)", language="ts")
+        assert ex.text == "21", ex
+        ex = sbx.run_code("throw new TypeError('bad')", language="typescript")
+        assert ex.error and ex.error.name == "TypeError" and ex.error.value == "bad", ex.error
+        ex = sbx.run_code("cat('from R\\n')\nsum(1:10)", language="r")
+        assert ex.logs.stdout == ["from R\n"] and ex.results[0].text == "[1] 55", ex
+        ex = sbx.run_code("stop('no')", language="r")
+        assert ex.error and "no" in ex.error.value, ex.error
         try:
-            sbx.run_code("1", language="r")
+            sbx.run_code("1", language="java")
         except SandboxException as e:
             assert "400" in str(e) and "unsupported language" in str(e), e
         else:
-            raise AssertionError("an R cell ran")
+            raise AssertionError("a Java cell ran")
         ok("languages")
 
         # E2B's home: files written there are where code finds them.

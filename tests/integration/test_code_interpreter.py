@@ -138,6 +138,66 @@ def test_javascript_context_keeps_state(sbx):
     assert err.error is not None and "nope" in err.error.value
 
 
+@pytest.fixture(scope="module")
+def full(ci_server, key, full_template):
+    s = Sandbox.create(
+        template="code-interpreter-full", api_url=ci_server.url, api_key=key, timeout=600
+    )
+    yield s
+    s.kill()
+    s.close()
+
+
+def test_typescript_kernel(full):
+    """Deno's Jupyter kernel: types, state, top-level await, node: imports, errors, envs for
+    one cell, and a timeout that interrupts it by a control message (SIGINT would end Deno)
+    and keeps its state."""
+    full.run_code("const base: number = 40; let kept = 'still here'", language="typescript")
+    ex = full.run_code("await Promise.resolve(base + 2)", language="typescript")
+    assert ex.text == "42" and ex.results[0].is_main_result, ex
+    ex = full.run_code("import { join } from 'node:path'; join('a', 'b')", language="typescript")
+    assert ex.text == '"a/b"', ex
+    ex = full.run_code("console.log('out'); console.error('err')", language="typescript")
+    assert ex.logs.stdout == ["out\n"] and ex.logs.stderr == ["err\n"], ex.logs
+    err = full.run_code("throw new RangeError('far')", language="typescript")
+    assert err.error and err.error.name == "RangeError" and err.error.value == "far", err
+    code = "Deno.env.get('ONCE') ?? 'unset'"
+    assert full.run_code(code, language="typescript", envs={"ONCE": "yes"}).text == '"yes"'
+    assert full.run_code(code, language="typescript").text == '"unset"'
+    t0 = time.monotonic()
+    ex = full.run_code("while (true) {}", language="typescript", timeout=2)
+    assert ex.timed_out and time.monotonic() - t0 < 10, ex
+    assert full.run_code("kept", language="typescript").text == '"still here"'
+
+
+def test_r_kernel(full):
+    """IRkernel: state, output, rich results, errors, envs for one cell, a timeout that
+    interrupts (SIGINT) and keeps the state, and its own context."""
+    full.run_code("kept <- 'still here'; x <- 1:3", language="r")
+    ex = full.run_code("cat('sum is', sum(x), '\\n')\nx * 2", language="r")
+    assert ex.logs.stdout == ["sum is 6 \n"], ex.logs
+    assert ex.results and ex.results[0].text == "[1] 2 4 6" and ex.results[0].html, ex
+    err = full.run_code("stop('went wrong')", language="r")
+    assert err.error and "went wrong" in err.error.value, err
+    code = "Sys.getenv('ONCE', 'unset')"
+    assert full.run_code(code, language="r", envs={"ONCE": "yes"}).results[0].text == '[1] "yes"'
+    assert full.run_code(code, language="r").results[0].text == '[1] "unset"'
+    t0 = time.monotonic()
+    ex = full.run_code("while (TRUE) {}", language="r", timeout=2)
+    assert ex.timed_out and time.monotonic() - t0 < 10, ex
+    assert full.run_code("kept", language="r").results[0].text == '[1] "still here"'
+    ctx = full.create_code_context(language="r", cwd="/tmp")
+    assert full.run_code("getwd()", context=ctx).results[0].text == '[1] "/tmp"'
+    assert full.run_code("exists('kept')", context=ctx).results[0].text == "[1] FALSE"
+
+
+def test_kernels_missing_from_a_template_are_named(sbx):
+    """code-interpreter has no R or Deno: the answer names the template that has them."""
+    with pytest.raises(Exception) as info:
+        sbx.run_code("1", language="r")
+    assert "code-interpreter-full" in str(info.value), info.value
+
+
 def test_language_and_context_together_is_refused(sbx):
     with pytest.raises(InvalidArgumentError):
         sbx.run_code("1", language="python", context="abc")
@@ -196,8 +256,12 @@ def test_template_api_build_is_a_cache_hit_and_admin_only(ci_server, key):
         status, events = _build_events(admin, {"spec": 'name = "x"\nbogus = 1\n'})
         assert status == 400 and "bogus" in events[0]["message"], events
         status, events = _build_events(
-            admin, {"spec": 'name = "x"\n[[files]]\ndest = "/etc/a"\nsrc = "../../etc/shadow"\n',
-                    "files": {"../../etc/shadow": "eA=="}})
+            admin,
+            {
+                "spec": 'name = "x"\n[[files]]\ndest = "/etc/a"\nsrc = "../../etc/shadow"\n',
+                "files": {"../../etc/shadow": "eA=="},
+            },
+        )
         assert status == 400, events
         # In use by the warm pool's member and by live sandboxes: refused, not yanked away.
         r = admin.delete("/v1/templates/code-interpreter")
@@ -213,14 +277,16 @@ def test_pool_claim_has_a_warm_kernel_and_the_callers_envs(ci_server, key):
     deadline = time.monotonic() + 120
     while True:
         with ci_server.client() as c:
-            pool = next(p for p in c.get("/v1/pools").json()["pools"]
-                        if p["template"] == "code-interpreter")
+            pool = next(
+                p for p in c.get("/v1/pools").json()["pools"] if p["template"] == "code-interpreter"
+            )
         if pool["ready"] == 1:
             break
         assert time.monotonic() < deadline, pool
         time.sleep(0.2)
-    s = Sandbox.create(template="code-interpreter", envs={"GREETING": "hi"},
-                       api_url=ci_server.url, api_key=key)
+    s = Sandbox.create(
+        template="code-interpreter", envs={"GREETING": "hi"}, api_url=ci_server.url, api_key=key
+    )
     try:
         t0 = time.monotonic()
         ex = s.run_code("import os\nos.environ['GREETING']")
@@ -228,8 +294,9 @@ def test_pool_claim_has_a_warm_kernel_and_the_callers_envs(ci_server, key):
         assert time.monotonic() - t0 < 2  # the kernel was already running
         assert s.commands.run("echo $GREETING").stdout == "hi\n"
         with ci_server.client() as c:
-            after = next(p for p in c.get("/v1/pools").json()["pools"]
-                         if p["template"] == "code-interpreter")
+            after = next(
+                p for p in c.get("/v1/pools").json()["pools"] if p["template"] == "code-interpreter"
+            )
         assert after["hits"] >= pool["hits"] + 1
     finally:
         s.kill()
@@ -246,8 +313,9 @@ def test_templates_in_a_private_dir_still_start(tmp_path, code_template):
     (private / "store").symlink_to(code_template)
     server = start_server(tmp_path, ["--template-dir", str(private / "store")])
     try:
-        s = Sandbox.create(template="code-interpreter", api_url=server.url,
-                           api_key=server.admin_key)
+        s = Sandbox.create(
+            template="code-interpreter", api_url=server.url, api_key=server.admin_key
+        )
         try:
             assert s.run_code("6 * 7").text == "42"
         finally:

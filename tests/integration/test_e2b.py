@@ -129,10 +129,10 @@ def test_e2b_sdk_operations(sdk: tuple[str, Path], server: ServerHandle) -> None
 @pytest.mark.slow  # the code-interpreter template (built once per machine)
 @pytest.mark.parametrize("scenario", sorted(INTERPRETER_SCENARIOS))
 def test_e2b_code_interpreter_sdk(
-    sdk: tuple[str, Path], scenario: str, ci_server: ServerHandle
+    sdk: tuple[str, Path], scenario: str, ci_server: ServerHandle, full_template: Path
 ) -> None:
     """`e2b-code-interpreter` on E2B's port 49999, its default template `code-interpreter-v1`
-    being agentbox's code interpreter."""
+    being agentbox's code interpreter with every kernel (code-interpreter-full)."""
     _drive(sdk, INTERPRETER_CLIENT, scenario, INTERPRETER_SCENARIOS[scenario], ci_server)
 
 
@@ -173,9 +173,9 @@ GVISOR_SCENARIOS = {
 
 @pytest.fixture(scope="module")
 def gvisor_server(
-    tmp_path_factory: pytest.TempPathFactory, code_template: Path
+    tmp_path_factory: pytest.TempPathFactory, full_template: Path
 ) -> Iterator[ServerHandle]:
-    args = ["--runtime", "gvisor", "--template-dir", str(code_template)]
+    args = ["--runtime", "gvisor", "--template-dir", str(full_template)]
     handle = start_server(tmp_path_factory.mktemp("e2b-gvisor"), args)
     yield handle
     handle.kill_all_sandboxes()

@@ -395,6 +395,9 @@ def du(path: Path) -> int:
         ('name = "x"\n[code]\nwarm = "python"', "code.warm"),
         ('name = "x"\n[code]\nwarm = ["Py thon"]', "code.warm"),
         ("name = ", "not valid TOML"),
+        ('name = "x"\nextends = "no-such"', "extends: 'no-such' is not a shipped"),
+        ('name = "x"\nextends = "../base"', "extends: '../base'"),
+        ('name = "x"\nextends = "base"\n[base]\nsuite = "trixie"', "remove [base]"),
     ],
 )
 def test_bad_specs_are_refused_with_the_field_named(text: str, needle: str) -> None:
@@ -430,6 +433,22 @@ def test_shipped_code_interpreter_spec_loads() -> None:
     spec = load_spec(path.read_text(), path.parent)
     assert spec.warm == ("python",) and "nodejs" in spec.apt_packages
     assert spec.env["MPLBACKEND"] == "module://matplotlib_inline.backend_inline"
+    # code-interpreter-full extends it: its settings, merged env, its layers first.
+    path = builtin_spec_path("code-interpreter-full")
+    assert path is not None
+    full = load_spec(path.read_text(), path.parent)
+    assert full.parent == spec and full.warm == spec.warm and full.workdir == spec.workdir
+    assert full.env["MPLBACKEND"] == spec.env["MPLBACKEND"] and full.env["DENO_DIR"]
+    assert "r-cran-irkernel" in full.apt_packages and "nodejs" not in full.apt_packages
+    parent_steps, steps = plan(spec), plan(full)
+    assert [s.key for s in steps[:4]] == [s.key for s in parent_steps[:4]]
+    assert [s.name for s in steps] == ["base", "apt", "pip", "files", "apt", "pip", "files",
+                                       "finalize"]  # fmt: skip
+    # Its own settings win; [base] is the parent's to say.
+    child = load_spec('name = "y"\nextends = "code-interpreter"\n[run]\nworkdir = "/srv"\n'
+                      '[code]\nwarm = []\n[env]\nIPYTHONDIR = "/srv/ipy"')  # fmt: skip
+    assert child.workdir == "/srv" and child.warm == () and child.env["IPYTHONDIR"] == "/srv/ipy"
+    assert plan(child)[-1].key == parent_steps[-1].key  # no layer of its own: the same rootfs
 
 
 # ---------------------------------------------------------------------- the shipped template
@@ -437,20 +456,34 @@ def test_shipped_code_interpreter_spec_loads() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_code_interpreter_builds_and_runs(store: TemplateStore) -> None:
-    path = builtin_spec_path("code-interpreter")
-    assert path is not None
-    info = store.build(load_spec(path.read_text(), path.parent), Events())
+def test_shipped_code_interpreters_build_and_run(full_template: Path) -> None:
+    """code-interpreter and code-interpreter-full as every test server has them (built once per
+    machine in the shared store; from nothing in CI): their tools run in them, full's layers are
+    code-interpreter's with its own two on top, and building either again is all cached."""
+    store = TemplateStore(full_template)
+    ci, full = store.get("code-interpreter"), store.get("code-interpreter-full")
+    assert ci is not None and full is not None
+    assert full.layers[: len(ci.layers)] == ci.layers and len(full.layers) == len(ci.layers) + 2
     r = sandbox_run(
-        info.rootfs, "/usr/bin/python3", "-c",
+        ci.rootfs, "/usr/bin/python3", "-c",
         "import ipykernel, jupyter_client, numpy, pandas, matplotlib, matplotlib_inline; "
         "import matplotlib.pyplot as plt; plt.plot([1, 2]); print('ok', numpy.__version__)",
     )  # fmt: skip
     assert r.returncode == 0 and r.stdout.startswith("ok "), r.stderr
-    r = sandbox_run(info.rootfs, "python3", "-m", "ipykernel_launcher", "--help")
+    r = sandbox_run(ci.rootfs, "python3", "-m", "ipykernel_launcher", "--help")
     assert r.returncode == 0 and "IPython" in r.stdout, r.stderr
-    r = sandbox_run(info.rootfs, "/bin/bash", "-c", "node -e 'console.log(1+1)'; git --version")
+    r = sandbox_run(ci.rootfs, "/bin/bash", "-c", "node -e 'console.log(1+1)'; git --version")
     assert r.returncode == 0 and r.stdout.startswith("2\ngit version"), r.stderr
-    events = Events()
-    again = store.build(load_spec(path.read_text(), path.parent), events)
-    assert set(events.cached().values()) == {True} and again.rootfs == info.rootfs
+    r = sandbox_run(
+        full.rootfs, "/bin/bash", "-c",
+        "R --slave -e 'cat(requireNamespace(\"IRkernel\"))'; echo; "
+        "DENO_DIR=/tmp/deno deno --version | head -1",
+    )  # fmt: skip
+    assert r.returncode == 0 and r.stdout.startswith("TRUE\ndeno 2."), r.stdout + r.stderr
+    for name in ("code-interpreter", "code-interpreter-full"):
+        path = builtin_spec_path(name)
+        assert path is not None
+        events = Events()
+        again = store.build(load_spec(path.read_text(), path.parent), events)
+        assert set(events.cached().values()) == {True}, name
+        assert again.rootfs == (ci if name == "code-interpreter" else full).rootfs

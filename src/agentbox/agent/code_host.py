@@ -82,17 +82,22 @@ from collections.abc import Callable
 from typing import Any
 
 # agentbox.vocab.LANGUAGES, copied: this file runs alone inside the sandbox (test_vocab checks).
-LANGUAGES = ("python", "bash", "javascript")
+LANGUAGES = ("python", "bash", "javascript", "typescript", "r")
 START_TIMEOUT_S = 60.0
 INTERRUPT_GRACE_S = 5.0
 STDERR_TAIL = 2000
 # Without a pidfd (very old kernels, some gVisor versions) a dead child is noticed by this poll.
 LIVENESS_POLL_MS = 500
+SETTLE_MAX_S = 0.5  # the longest a kernel's late output for a cell is awaited
 CANCEL_POLL_MS = 250  # how soon a running cell sees a `cancel` (its deadline moved to now)
 JS_REPL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "js_repl.js")
 NO_PYTHON_KERNEL = (
     "this template's python3 lacks ipykernel (and pyzmq), so Python contexts cannot run here; "
     "use the `code-interpreter` template"
+)
+NO_KERNEL = (
+    "this template has no {what}, so {language} contexts cannot run here; "
+    "use the `code-interpreter-full` template"
 )
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _MIME_FIELDS = {
@@ -509,76 +514,87 @@ class _Cell:
         self.run.finish(self.count)
 
 
-class PythonKernel(Backend):
-    """An ipykernel process, spoken to over ZeroMQ unix sockets.
+class JupyterKernel(Backend):
+    """A Jupyter kernel process, spoken to over ZeroMQ (unix sockets where the kernel can,
+    loopback TCP otherwise). Subclasses say how to start one and how to change its
+    environment in its own language.
 
     The Jupyter wire protocol (v5.3: signed multipart messages) is spoken here directly with
     pyzmq; jupyter_client's Session costs several times as much per message (deep copies,
     ISO-date parsing with dateutil) and ~140 ms to import, all on the latency-critical path.
     """
 
-    language = "python"
     kind = "kernel"
-    # ipykernel ignores SIGINT outside a cell, so one sent while the request was still queued
-    # in a busy kernel is lost; later ones are harmless once the cell is over.
-    reinterrupt_s = 1.0
+    transport = "ipc"
+    # Seconds of iopub quiet awaited after a cell's reply and idle, for kernels that may
+    # publish its output after its idle status (0: the idle is the end).
+    settle_s = 0.0
+    # How a cell is interrupted: SIGINT to the kernel's process group, or (for kernels that
+    # die of SIGINT) an interrupt_request on the control channel.
+    interrupt_mode = "signal"
+
+    def available(self) -> None:
+        """Raise HostError("unsupported") when this template cannot run the kernel."""
+
+    def argv(self, conn_file: str) -> list[str]:
+        raise NotImplementedError
+
+    def kernel_env(self, env: dict[str, str]) -> None:
+        """Adjust the kernel's environment (in place) before it starts."""
+
+    def set_env_code(self, envs: dict[str, str]) -> str:
+        raise NotImplementedError
+
+    def save_env_code(self, envs: dict[str, str]) -> str:
+        """Code that remembers the old values of `envs`' names, then sets `envs`."""
+        raise NotImplementedError
+
+    def restore_env_code(self) -> str:
+        """Code that puts back what save_env_code remembered."""
+        raise NotImplementedError
 
     def start(self) -> None:
-        if not (importlib.util.find_spec("ipykernel") and importlib.util.find_spec("zmq")):
-            raise HostError("unsupported", NO_PYTHON_KERNEL)
+        self.available()
         key = secrets.token_hex(16)
         prefix = os.path.join(self.runtime_dir, self.name)
         conn_file = prefix + ".json"
+        if self.transport == "ipc":
+            ip, ports = prefix, [1, 2, 3, 4, 5]  # ipc endpoints are the files `<ip>-<port>`
+        else:
+            ip, ports = "127.0.0.1", _free_ports(5)
+        self.endpoints = [
+            f"ipc://{prefix}-{port}" if self.transport == "ipc" else f"tcp://{ip}:{port}"
+            for port in ports
+        ]
         conn = {
-            "transport": "ipc",
-            "ip": prefix,  # ipc endpoints are the files `<ip>-<port>`
-            "shell_port": 1,
-            "iopub_port": 2,
-            "stdin_port": 3,
-            "control_port": 4,
-            "hb_port": 5,
+            "transport": self.transport,
+            "ip": ip,
+            "shell_port": ports[0],
+            "iopub_port": ports[1],
+            "stdin_port": ports[2],
+            "control_port": ports[3],
+            "hb_port": ports[4],
             "key": key,
             "signature_scheme": "hmac-sha256",
-            "kernel_name": "python3",
+            "kernel_name": self.language,
         }
         fd = os.open(conn_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             json.dump(conn, f)
         env = dict(self.env)
-        # The inline backend turns every figure a cell creates into a PNG at the end of the
-        # cell, plt.show() or not. ipykernel sets it too, but only when MPLBACKEND is unset.
-        env.setdefault("MPLBACKEND", "module://matplotlib_inline.backend_inline")
-        ipython_dir = os.path.join(self.runtime_dir, "ipython")
         env.update(
-            IPYTHONDIR=ipython_dir,  # HOME may be read-only or the user's; keep profiles here
             JUPYTER_RUNTIME_DIR=self.runtime_dir,
             JUPYTER_DATA_DIR=os.path.join(self.runtime_dir, "jupyter-data"),
             JUPYTER_CONFIG_DIR=os.path.join(self.runtime_dir, "jupyter-config"),
             JUPYTER_PLATFORM_DIRS="1",
             JPY_PARENT_PID=str(os.getpid()),  # the kernel exits if the code host vanishes
-            PYDEVD_DISABLE_FILE_VALIDATION="1",
         )
+        self.kernel_env(env)
         self.env = env
         self.log_path = prefix + ".log"
         log = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
-            self._spawn(
-                [
-                    sys.executable,
-                    "-m",
-                    "ipykernel_launcher",
-                    "-f",
-                    conn_file,
-                    "--HistoryManager.enabled=False",
-                    "--InteractiveShell.colors=nocolor",
-                    # ipykernel sleeps 0.5 ms before each execute_reply so that output reaches
-                    # clients which stop at the reply; we stop at iopub's idle, which follows
-                    # all of the cell's output on the same socket.
-                    "--IPythonKernel._execute_sleep=0",
-                ],
-                stdout=log,
-                stderr=log,
-            )
+            self._spawn(self.argv(conn_file), stdout=log, stderr=log)
         finally:
             os.close(log)
         zmq, zmq_context = _load_zmq()  # overlaps with the kernel's own start-up
@@ -587,17 +603,27 @@ class PythonKernel(Backend):
         self.session_id = secrets.token_hex(16)
         self.shell = zmq_context.socket(zmq.DEALER)
         self.iopub = zmq_context.socket(zmq.SUB)
-        for sock, port in ((self.shell, 1), (self.iopub, 2)):
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.RECONNECT_IVL, 10)  # the kernel binds ~0.5 s from now
-            sock.connect(f"ipc://{prefix}-{port}")
+        self.control = zmq_context.socket(zmq.DEALER) if self.interrupt_mode == "message" else None
+        for sock, i in ((self.shell, 0), (self.iopub, 1), (self.control, 3)):
+            if sock is not None:
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.RECONNECT_IVL, 10)  # the kernel binds ~0.5 s from now
+                sock.connect(self.endpoints[i])
         self.iopub.setsockopt(zmq.SUBSCRIBE, b"")
         self.poller = zmq.Poller()
         self.poller.register(self.shell, zmq.POLLIN)
         self.poller.register(self.iopub, zmq.POLLIN)
+        if self.control is not None:
+            self.poller.register(self.control, zmq.POLLIN)
         if self.pidfd >= 0:
             self.poller.register(self.pidfd, zmq.POLLIN)
         self._wait_ready()
+
+    def interrupt(self) -> None:
+        if self.control is None:
+            super().interrupt()
+        else:  # called on the worker thread, the only one that uses the sockets
+            self._send("interrupt_request", {}, self.control)
 
     def _wait_ready(self) -> None:
         """Ready = a kernel_info reply on shell and a status message on iopub (a SUB socket
@@ -611,13 +637,15 @@ class PythonKernel(Backend):
             if now >= deadline:
                 self.kill("start_timeout")
                 raise HostError(
-                    "internal", f"the python kernel did not start in {START_TIMEOUT_S:g} s"
+                    "internal", f"the {self.language} kernel did not start in {START_TIMEOUT_S:g} s"
                 )
             if now >= next_ask:
                 asked.add(self._send("kernel_info_request", {}))
                 next_ask = now + 0.25
             for sock, _ in self.poller.poll(int((min(next_ask, deadline) - now) * 1000) + 1):
-                if sock is self.shell or sock is self.iopub:
+                if sock is self.control:
+                    self._drain(sock)
+                elif sock is self.shell or sock is self.iopub:
                     for msg in self._drain(sock):
                         if msg["parent_header"].get("msg_id") in asked:
                             if sock is self.shell:
@@ -636,7 +664,7 @@ class PythonKernel(Backend):
         except OSError:
             tail = ""
         rc = self.proc.returncode if self.proc else None
-        return f"the python kernel exited during start-up ({rc}): {tail or 'no output'}"
+        return f"the {self.language} kernel exited during start-up ({rc}): {tail or 'no output'}"
 
     def _drain(self, sock: Any) -> list[dict[str, Any]]:
         """Every message waiting on sock (only msg_type, parent msg_id and content are used)."""
@@ -683,8 +711,8 @@ class PythonKernel(Backend):
         }
         return self._send("execute_request", content)
 
-    def _send(self, msg_type: str, content: dict[str, Any]) -> str:
-        """Sign and send one shell message; returns its msg_id."""
+    def _send(self, msg_type: str, content: dict[str, Any], sock: Any = None) -> str:
+        """Sign and send one shell (or control) message; returns its msg_id."""
         msg_id = secrets.token_hex(16)
         header = {
             "msg_id": msg_id,
@@ -698,7 +726,7 @@ class PythonKernel(Backend):
         mac = hmac.new(self.key, parts[0], hashlib.sha256)
         for part in parts[1:]:
             mac.update(part)
-        self.shell.send_multipart([b"<IDS|MSG>", mac.hexdigest().encode(), *parts])
+        (sock or self.shell).send_multipart([b"<IDS|MSG>", mac.hexdigest().encode(), *parts])
         return msg_id
 
     def _silent(self, code: str) -> None:
@@ -706,7 +734,7 @@ class PythonKernel(Backend):
         msg_id = self._request(code, silent=True)
         while True:
             for sock, _ in self.poller.poll(None if self.pidfd >= 0 else LIVENESS_POLL_MS):
-                if sock is self.iopub:
+                if sock is self.iopub or sock is self.control:
                     self._drain(sock)  # its busy/idle (and stray late output): not for anyone
                 elif sock is self.shell:
                     for msg in self._drain(sock):
@@ -716,14 +744,11 @@ class PythonKernel(Backend):
                 raise self.died()
 
     def set_env(self, envs: dict[str, str]) -> None:
-        self._silent(f"__import__('os').environ.update({envs!r})")
+        self._silent(self.set_env_code(envs))
 
     def execute(self, run: Run) -> None:
         if run.envs:
-            self._silent(
-                "__agentbox_saved_env__ = (lambda e, new: ({k: e.get(k) for k in new}, "
-                f"e.update(new))[0])(__import__('os').environ, {run.envs!r})"
-            )
+            self._silent(self.save_env_code(run.envs))
         cell = _Cell(self._request(run.code, silent=False), run)
         have_pidfd = self.pidfd >= 0
         while not (cell.replied and cell.idle):
@@ -735,6 +760,8 @@ class PythonKernel(Backend):
                 elif sock is self.shell:
                     for msg in self._drain(sock):
                         cell.on_reply(msg)
+                elif sock is self.control:
+                    self._drain(sock)  # interrupt replies
             if (have_pidfd and any(s == self.pidfd for s, _ in ready)) or (
                 not ready and self.exited()
             ):
@@ -744,23 +771,183 @@ class PythonKernel(Backend):
                 raise self.died()
             if not ready or run.deadline is not None:
                 run.check_deadline(self)
+        if self.settle_s:
+            self._settle(cell)
         if run.envs:
-            self._silent(
-                "(lambda e, old: [e.pop(k, None) if v is None else e.__setitem__(k, v) "
-                "for k, v in old.items()])(__import__('os').environ, __agentbox_saved_env__); "
-                "del __agentbox_saved_env__"
-            )
+            self._silent(self.restore_env_code())
         cell.finish()
+
+    def _settle(self, cell: _Cell) -> None:
+        """Take the cell's late iopub messages: until settle_s passes without one (at most
+        SETTLE_MAX_S), before anything else is sent to the kernel, which would be credited
+        with whatever the kernel publishes after that."""
+        quiet_until = time.monotonic() + self.settle_s
+        give_up = time.monotonic() + SETTLE_MAX_S
+        while (now := time.monotonic()) < min(quiet_until, give_up):
+            if self.iopub.poll(int((min(quiet_until, give_up) - now) * 1000) + 1):
+                for msg in self._drain(self.iopub):
+                    if msg["parent_header"].get("msg_id") == cell.msg_id:
+                        cell.on_iopub(msg)
+                        quiet_until = time.monotonic() + self.settle_s
 
     def close(self) -> None:
         super().close()
-        for name in ("shell", "iopub"):
+        for name in ("shell", "iopub", "control"):
             sock = getattr(self, name, None)
             if sock is not None:
                 sock.close(0)
-        for port in range(1, 6):
-            _unlink(os.path.join(self.runtime_dir, f"{self.name}-{port}"))
+        for endpoint in getattr(self, "endpoints", ()):
+            if endpoint.startswith("ipc://"):
+                _unlink(endpoint[len("ipc://") :])
         _unlink(os.path.join(self.runtime_dir, f"{self.name}.json"))
+
+
+def _free_ports(n: int) -> list[int]:
+    """n loopback TCP ports free right now (the kernel binds them a moment later; in a
+    sandbox's own network namespace nothing else is racing for them but its own code)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+class PythonKernel(JupyterKernel):
+    """ipykernel, over unix sockets."""
+
+    language = "python"
+    # ipykernel ignores SIGINT outside a cell, so one sent while the request was still queued
+    # in a busy kernel is lost; later ones are harmless once the cell is over.
+    reinterrupt_s = 1.0
+
+    def available(self) -> None:
+        if not (importlib.util.find_spec("ipykernel") and importlib.util.find_spec("zmq")):
+            raise HostError("unsupported", NO_PYTHON_KERNEL)
+
+    def argv(self, conn_file: str) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "ipykernel_launcher",
+            "-f",
+            conn_file,
+            "--HistoryManager.enabled=False",
+            "--InteractiveShell.colors=nocolor",
+            # ipykernel sleeps 0.5 ms before each execute_reply so that output reaches
+            # clients which stop at the reply; we stop at iopub's idle, which follows
+            # all of the cell's output on the same socket.
+            "--IPythonKernel._execute_sleep=0",
+        ]
+
+    def kernel_env(self, env: dict[str, str]) -> None:
+        # The inline backend turns every figure a cell creates into a PNG at the end of the
+        # cell, plt.show() or not. ipykernel sets it too, but only when MPLBACKEND is unset.
+        env.setdefault("MPLBACKEND", "module://matplotlib_inline.backend_inline")
+        env["IPYTHONDIR"] = os.path.join(self.runtime_dir, "ipython")  # HOME may be read-only
+        env["PYDEVD_DISABLE_FILE_VALIDATION"] = "1"
+
+    def set_env_code(self, envs: dict[str, str]) -> str:
+        return f"__import__('os').environ.update({envs!r})"
+
+    def save_env_code(self, envs: dict[str, str]) -> str:
+        return (
+            "__agentbox_saved_env__ = (lambda e, new: ({k: e.get(k) for k in new}, "
+            f"e.update(new))[0])(__import__('os').environ, {envs!r})"
+        )
+
+    def restore_env_code(self) -> str:
+        return (
+            "(lambda e, old: [e.pop(k, None) if v is None else e.__setitem__(k, v) "
+            "for k, v in old.items()])(__import__('os').environ, __agentbox_saved_env__); "
+            "del __agentbox_saved_env__"
+        )
+
+
+def _literal(value: str) -> str:
+    """A string literal for R and TypeScript alike (JSON's escapes are both languages')."""
+    return json.dumps(value, ensure_ascii=False)
+
+
+class RKernel(JupyterKernel):
+    """R's IRkernel (Debian's r-cran-irkernel), over loopback TCP (its ZeroMQ binding takes
+    `ip:port` endpoints only)."""
+
+    language = "r"
+    transport = "tcp"
+    reinterrupt_s = 1.0
+
+    def available(self) -> None:
+        if shutil.which("R", path=self.env.get("PATH")) is None:
+            raise HostError("unsupported", NO_KERNEL.format(language="r", what="R's IRkernel"))
+
+    def argv(self, conn_file: str) -> list[str]:
+        return ["R", "--no-save", "--no-restore", "--slave", "-e", "IRkernel::main()",
+                "--args", conn_file]  # fmt: skip
+
+    def set_env_code(self, envs: dict[str, str]) -> str:
+        pairs = ", ".join(f"{_literal(k)} = {_literal(v)}" for k, v in envs.items())
+        return f"invisible(do.call(Sys.setenv, list({pairs})))"
+
+    def save_env_code(self, envs: dict[str, str]) -> str:
+        names = ", ".join(_literal(k) for k in envs)
+        return (
+            f".agentbox_saved_env <- Sys.getenv(c({names}), unset = NA, names = TRUE); "
+            + self.set_env_code(envs)
+        )
+
+    def restore_env_code(self) -> str:
+        return (
+            "invisible(for (k in names(.agentbox_saved_env)) { v <- .agentbox_saved_env[[k]]; "
+            "if (is.na(v)) Sys.unsetenv(k) else do.call(Sys.setenv, setNames(list(v), k)) }); "
+            "rm(.agentbox_saved_env)"
+        )
+
+
+class DenoKernel(JupyterKernel):
+    """TypeScript (and JavaScript modules) in Deno's Jupyter kernel, over loopback TCP (it
+    speaks no ipc). SIGINT ends Deno, so cells are interrupted by a control message."""
+
+    language = "typescript"
+    transport = "tcp"
+    interrupt_mode = "message"
+    # Deno publishes a cell's value and its console output from other tasks than its status,
+    # so either can follow the cell's idle (measured: about 1 cell in 50 right after an error),
+    # and is credited to whatever request Deno received last when it goes out.
+    settle_s = 0.025
+    reinterrupt_s = 1.0
+
+    def available(self) -> None:
+        if shutil.which("deno", path=self.env.get("PATH")) is None:
+            raise HostError("unsupported", NO_KERNEL.format(language="typescript", what="Deno"))
+
+    def argv(self, conn_file: str) -> list[str]:
+        return ["deno", "jupyter", "--kernel", "--conn", conn_file]
+
+    def kernel_env(self, env: dict[str, str]) -> None:
+        env.setdefault("DENO_DIR", os.path.join(self.runtime_dir, "deno"))
+        env.setdefault("DENO_NO_UPDATE_CHECK", "1")
+        env["NO_COLOR"] = "1"  # tracebacks as plain text
+
+    def set_env_code(self, envs: dict[str, str]) -> str:
+        sets = "; ".join(f"Deno.env.set({_literal(k)}, {_literal(v)})" for k, v in envs.items())
+        return f"{sets}; void 0"
+
+    def save_env_code(self, envs: dict[str, str]) -> str:
+        names = ", ".join(_literal(k) for k in envs)
+        return (
+            f"globalThis.__agentbox_saved_env__ = Object.fromEntries([{names}]"
+            ".map((k) => [k, Deno.env.get(k) ?? null])); " + self.set_env_code(envs)
+        )
+
+    def restore_env_code(self) -> str:
+        return (
+            "for (const [k, v] of Object.entries(globalThis.__agentbox_saved_env__)) "
+            "{ if (v === null) Deno.env.delete(k); else Deno.env.set(k, v); } "
+            "delete globalThis.__agentbox_saved_env__; void 0"
+        )
 
 
 def _unlink(path: str) -> None:
@@ -1100,6 +1287,8 @@ BACKENDS: dict[str, type[Backend]] = {
     "python": PythonKernel,
     "bash": BashShell,
     "javascript": NodeRepl,
+    "typescript": DenoKernel,
+    "r": RKernel,
 }
 
 

@@ -1358,7 +1358,8 @@ def run_code(
     sandbox_id: Annotated[str, typer.Argument(help="Sandbox to run in.")],
     code: Annotated[str, typer.Argument(help="Code to run; - reads it from stdin.")],
     language: Annotated[str | None, typer.Option(
-        "--language", "-l", help="python, bash or javascript.", show_default="python")] = None,
+        "--language", "-l", help="python, bash, javascript, typescript, r.",
+        show_default="python")] = None,
     context: Annotated[str | None, typer.Option(
         help="Context id (not with --language).", show_default="the language's own")] = None,
     timeout: Annotated[float | None, typer.Option(

@@ -445,7 +445,7 @@ class ErrorBody(BaseModel):
 
 # ---------------------------------------------------------------------- code interpreter
 
-Language = Literal["python", "bash", "javascript"]
+Language = Literal["python", "bash", "javascript", "typescript", "r"]
 
 
 class CodeBody(Strict):

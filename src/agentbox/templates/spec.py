@@ -55,7 +55,10 @@ MAX_ENV = 256
 MAX_VALUE_CHARS = 32 * 1024
 MAX_READY_TIMEOUT = 3600
 
-_TOP_KEYS = ("name", "description", "base", "apt", "pip", "files", "env", "run", "start", "code")
+MAX_EXTENDS_DEPTH = 4
+_TOP_KEYS = (
+    "name", "description", "extends", "base", "apt", "pip", "files", "env", "run", "start", "code",
+)  # fmt: skip
 _TABLE_KEYS = {
     "base": ("suite", "variant", "mirror"),
     "apt": ("packages",),
@@ -96,6 +99,9 @@ class TemplateSpec:
     ready_timeout: float = 30.0
     warm: tuple[str, ...] = ()
     spec_text: str = ""
+    # `extends`: the shipped spec whose layers this one is built on (its apt, pip and files
+    # steps come after the parent's, so the parent's layers are shared, not rebuilt).
+    parent: TemplateSpec | None = None
 
 
 def valid_name(name: str) -> bool:
@@ -115,9 +121,13 @@ def builtin_spec_path(name: str) -> Path | None:
     return path if path.is_file() else None
 
 
-def load_spec(text: str, base_dir: Path | None = None) -> TemplateSpec:
+def load_spec(text: str, base_dir: Path | None = None, _depth: int = 0) -> TemplateSpec:
     """Parse and validate a TOML spec. `base_dir` resolves `[[files]] src` paths (relative to
-    the spec file, and confined to that directory); without it, `src` is refused."""
+    the spec file, and confined to that directory); without it, `src` is refused.
+
+    `extends = "NAME"` builds on the shipped spec NAME: its base, packages and files come
+    first (their layers shared with NAME's own build), then this spec's; its env, run, start
+    and code settings hold unless this spec sets them (env is merged, key by key)."""
     try:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
@@ -136,8 +146,11 @@ def load_spec(text: str, base_dir: Path | None = None) -> TemplateSpec:
             "letters, digits and '-', starting with a letter or digit"
         )
     description = _string(doc.get("description", ""), "description", allow_empty=True)
+    parent = _parent(doc, _depth)
 
     base = _table(doc, "base")
+    if parent is not None and base:
+        raise SpecError(f"base: a spec that extends {parent.name!r} has its base; remove [base]")
     suite = _string(base.get("suite", DEFAULT_SUITE), "base.suite")
     if not _SUITE_RE.fullmatch(suite):
         raise SpecError(
@@ -162,19 +175,27 @@ def load_spec(text: str, base_dir: Path | None = None) -> TemplateSpec:
     )
     files = _files(doc.get("files", []), base_dir)
     env = _env(_table(doc, "env"))
+    if parent is not None:
+        env = {**parent.env, **env}
+        suite, variant, mirror = parent.suite, parent.variant, parent.mirror
 
     run = _table(doc, "run")
-    workdir = _abs_path(_string(run.get("workdir", "/workspace"), "run.workdir"), "run.workdir")
-    user = _string(run.get("user", "user"), "run.user")
+    workdir = _abs_path(
+        _string(run.get("workdir", parent.workdir if parent else "/workspace"), "run.workdir"),
+        "run.workdir",
+    )
+    user = _string(run.get("user", parent.user if parent else "user"), "run.user")
     if user not in ("user", "root"):
         raise SpecError(
             f'run.user: {user!r} is not allowed; use "user" (uid 1000) or "root" '
             "(uid 0 inside the sandbox, without capabilities)"
         )
 
-    start_cmd = ready_cmd = None
-    ready_timeout = 30.0
+    start_cmd = parent.start_cmd if parent else None
+    ready_cmd = parent.ready_cmd if parent else None
+    ready_timeout = parent.ready_timeout if parent else 30.0
     if "start" in doc:
+        ready_cmd, ready_timeout = None, 30.0
         start = _table(doc, "start")
         if "cmd" not in start:
             raise SpecError("start.cmd: missing; [start] needs the command to run, as a string")
@@ -194,7 +215,7 @@ def load_spec(text: str, base_dir: Path | None = None) -> TemplateSpec:
                 )
             ready_timeout = float(t)
 
-    warm: tuple[str, ...] = ()
+    warm: tuple[str, ...] = parent.warm if parent else ()
     if "code" in doc:
         langs = _table(doc, "code").get("warm", [])
         if not isinstance(langs, list) or not all(isinstance(x, str) for x in langs):
@@ -224,7 +245,23 @@ def load_spec(text: str, base_dir: Path | None = None) -> TemplateSpec:
         ready_timeout=ready_timeout,
         warm=warm,
         spec_text=text,
+        parent=parent,
     )
+
+
+def _parent(doc: dict[str, Any], depth: int) -> TemplateSpec | None:
+    if "extends" not in doc:
+        return None
+    name = _string(doc["extends"], "extends")
+    path = builtin_spec_path(name) if valid_name(name) else None
+    if path is None:
+        raise SpecError(
+            f"extends: {name!r} is not a shipped template spec; use one of "
+            f"{', '.join(builtin_spec_names())}"
+        )
+    if depth >= MAX_EXTENDS_DEPTH:
+        raise SpecError(f"extends: more than {MAX_EXTENDS_DEPTH} specs deep (a cycle?)")
+    return load_spec(path.read_text(), path.parent, depth + 1)
 
 
 def _check_keys(table: dict[str, Any], allowed: tuple[str, ...], where: str) -> None:

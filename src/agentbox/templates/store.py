@@ -1,6 +1,7 @@
 """Built templates on disk: the content-addressed layer cache, root filesystems and the index.
 
-A build is five steps: base, apt, pip, files, finalize. Each step's key is
+A build is five steps: base, apt, pip, files, finalize (a spec that `extends` another has the
+parent's base, apt, pip and files steps, then its own apt, pip and files). Each step's key is
 sha256(previous key + the step's canonical content), so a step is rebuilt only when it or a
 step before it changed, and templates with a common prefix share layers. Metadata (env, run,
 start, code) is in no layer key: changing it rebuilds nothing.
@@ -47,7 +48,6 @@ from agentbox.templates.layers import Bind, Output, StepFailed
 from agentbox.templates.spec import TemplateSpec, valid_name
 
 BUILDER_VERSION = 1  # part of every key: bump it when a step's recipe changes
-STEPS = ("base", "apt", "pip", "files", "finalize")
 # Host tools each step runs (Debian packages: mmdebstrap, bubblewrap, util-linux, coreutils).
 _TOOLS = {
     "base": ("mmdebstrap", "setpriv", "unshare"),
@@ -119,6 +119,7 @@ class _Step:
     name: str
     key: str
     work: dict[str, Any] | None  # the step's canonical content; None = nothing to do
+    own: TemplateSpec  # whose packages or files it installs (a parent's, under `extends`)
 
 
 def _key(prev: str, content: dict[str, Any]) -> str:
@@ -133,45 +134,46 @@ def _apt_packages(spec: TemplateSpec) -> list[str]:
     return sorted(pkgs)
 
 
-def plan(spec: TemplateSpec) -> list[_Step]:
-    """The build's steps and their keys. A step with nothing to do keeps the previous key, so
-    an empty [apt] table and no [apt] table are the same template."""
+def _layer_works(spec: TemplateSpec) -> list[tuple[str, dict[str, Any] | None, TemplateSpec]]:
+    """The layer steps (all but finalize): a parent's first, under `extends`."""
     v = BUILDER_VERSION
-    works: list[dict[str, Any] | None] = [
-        {
+    if spec.parent is not None:
+        works = _layer_works(spec.parent)
+    else:
+        base = {
             "step": "base",
             "v": v,
             "suite": spec.suite,
             "variant": spec.variant,
             "mirror": spec.mirror,
             "include": sorted(BASE_PACKAGES),
-        },
-        {"step": "apt", "v": v, "packages": _apt_packages(spec)} if _apt_packages(spec) else None,
-        {"step": "pip", "v": v, "packages": sorted(spec.pip_packages)}
-        if spec.pip_packages
-        else None,
-        {
-            "step": "files",
-            "v": v,
-            "files": sorted(
-                [f.dest, f.mode, hashlib.sha256(f.content).hexdigest()] for f in spec.files
-            ),
         }
-        if spec.files
-        else None,
+        works = [("base", base, spec)]
+    apt = _apt_packages(spec)
+    works.append(("apt", {"step": "apt", "v": v, "packages": apt} if apt else None, spec))
+    pip = sorted(spec.pip_packages)
+    works.append(("pip", {"step": "pip", "v": v, "packages": pip} if pip else None, spec))
+    files = sorted([f.dest, f.mode, hashlib.sha256(f.content).hexdigest()] for f in spec.files)
+    works.append(("files", {"step": "files", "v": v, "files": files} if files else None, spec))
+    return works
+
+
+def plan(spec: TemplateSpec) -> list[_Step]:
+    """The build's steps and their keys. A step with nothing to do keeps the previous key, so
+    an empty [apt] table and no [apt] table are the same template (and a spec that extends
+    another with nothing of its own is that template)."""
+    finalize = {
+        "step": "finalize",
+        "v": BUILDER_VERSION,
         # The mount points it makes are in its key: a new one rebuilds this step alone.
-        {
-            "step": "finalize",
-            "v": v,
-            "mount_points": sorted(layers.MOUNT_POINTS),
-            "venv": [layers.VENV, layers.VENV_UID, layers.PIP_SHIM],
-        },
-    ]
+        "mount_points": sorted(layers.MOUNT_POINTS),
+        "venv": [layers.VENV, layers.VENV_UID, layers.PIP_SHIM],
+    }
     steps: list[_Step] = []
     prev = ""
-    for i, (name, work) in enumerate(zip(STEPS, works, strict=True)):
+    for i, (name, work, own) in enumerate([*_layer_works(spec), ("finalize", finalize, spec)]):
         key = prev if work is None else _key(prev, work)
-        steps.append(_Step(i, name, key, work))
+        steps.append(_Step(i, name, key, work, own))
         prev = key
     return steps
 
@@ -359,20 +361,20 @@ class TemplateStore:
         if step.name == "apt":
             with self._cache_lock("apt", out):
                 return layers.run_in_overlay(
-                    self.layers, lowers, scratch, layers.APT_SCRIPT, _apt_packages(spec),
+                    self.layers, lowers, scratch, layers.APT_SCRIPT, _apt_packages(step.own),
                     apt_binds, out,
                 )  # fmt: skip
         if step.name == "pip":
             with self._cache_lock("pip", out):
                 return layers.run_in_overlay(
-                    self.layers, lowers, scratch, layers.PIP_SCRIPT, spec.pip_packages,
+                    self.layers, lowers, scratch, layers.PIP_SCRIPT, step.own.pip_packages,
                     [Bind(self.cache / "pip", "/tmp/agentbox-pip-cache")], out,
                 )  # fmt: skip
         if step.name == "files":
             staging = scratch / "files"
             staging.mkdir(mode=0o755)
             args: list[str] = []
-            for i, f in enumerate(spec.files):
+            for i, f in enumerate(step.own.files):
                 (staging / str(i)).write_bytes(f.content)
                 args += [f.dest, f"{f.mode:04o}"]
             return layers.run_in_overlay(

@@ -42,8 +42,9 @@ DEFAULT_TIMEOUT = 15
 BUILD_WAIT_S = 900.0
 
 # E2B's template names that name an agentbox template of another name: e2b-code-interpreter's
-# default is agentbox's code interpreter (E2B's `base` is agentbox's `base` already).
-TEMPLATES = {"code-interpreter-v1": "code-interpreter"}
+# default is agentbox's code interpreter with the most kernels (python, javascript, typescript,
+# r, bash; built on first use from code-interpreter's layers). E2B's `base` is agentbox's.
+TEMPLATES = {"code-interpreter-v1": "code-interpreter-full"}
 
 
 def template_name(e2b_name: str) -> str:

@@ -29,9 +29,9 @@ from agentbox.server.streaming import ndjson
 from agentbox.server.surfaces import Core
 
 # E2B's language names beside agentbox's own.
-ALIASES = {"js": "javascript", "sh": "bash"}
-# E2B languages agentbox's code interpreter does not run (yet): refused with what it does run.
-MISSING = ("typescript", "ts", "r", "java", "deno")
+ALIASES = {"js": "javascript", "sh": "bash", "ts": "typescript", "deno": "typescript"}
+# E2B languages agentbox's code interpreter does not run: refused with what it does run.
+MISSING = ("java",)
 CODE_MAX = 1 << 20  # characters in one cell
 
 
@@ -54,7 +54,7 @@ def language(name: str | None) -> str | None:
     name = name.lower()
     name = ALIASES.get(name, name)
     if name not in LANGUAGES:
-        also = " (agentbox has no kernel for it yet)" if name in MISSING else ""
+        also = " (agentbox has no kernel for it: none is packaged here)" if name in MISSING else ""
         raise InvalidRequest(
             f"unsupported language {name!r}{also}; use one of {', '.join(LANGUAGES)}"
         )
