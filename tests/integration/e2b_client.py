@@ -11,6 +11,7 @@ failure with the SDK's own exception.
 from __future__ import annotations
 
 import io
+import inspect
 import os
 import sys
 import threading
@@ -91,6 +92,16 @@ def lifecycle() -> None:
         assert again is False, again
     ok("pause")
 
+    if "on_resume" in inspect.signature(Sandbox.connect).parameters:  # newer SDK lines
+        # A cold boot from disk of a sandbox paused with its memory: refused, as E2B does
+        # where it cannot, never downgraded to a memory resume.
+        try:
+            Sandbox.connect(sbx.sandbox_id, timeout=120, on_resume="reboot")
+        except SandboxException as e:
+            assert "memory=false" in str(e), e
+        else:
+            raise AssertionError("a reboot-resume of a memory pause was answered")
+        assert sbx.get_info().state.value == "paused"
     back = Sandbox.connect(sbx.sandbox_id, timeout=120)
     assert back.sandbox_id == sbx.sandbox_id and back.is_running()
     assert back.get_info().state.value == "running"

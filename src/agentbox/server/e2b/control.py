@@ -329,6 +329,14 @@ def control_surface(core: Core) -> SurfaceRoutes:
         """Resume a paused sandbox (201), or extend a running one's timeout, never shortening
         it (200)."""
         row, state = _alive(mgr, who, sandbox_id)
+        if body.memory is False and state == "paused" and not row.parked:
+            # E2B's rule for a server that cannot: refused, never downgraded to a memory resume.
+            raise InvalidRequest(
+                f"memory=false: sandbox {sandbox_id} was paused with its memory, and agentbox "
+                "cannot resume it from its disk alone; connect with memory=true (its processes "
+                "carry on), or kill it",
+                setting="memory",
+            )
         if row.state in ("building", "starting"):
             row = await _until_started(mgr, who, row, request)
         row = await mgr.resume(who, sandbox_id, max(body.timeout, 1))
