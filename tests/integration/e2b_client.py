@@ -10,8 +10,8 @@ failure with the SDK's own exception.
 
 from __future__ import annotations
 
-import io
 import inspect
+import io
 import os
 import sys
 import threading
