@@ -381,8 +381,8 @@ def _gw_deaf_peer(ctx: Ctx) -> Verdict:
     "control-plane",
     "E2B's sandbox traffic (envd) needs the sandbox's own envd token: its port token, another "
     "sandbox's envd token, another tenant's API key or no token reach none of its files and "
-    "run nothing in it (envd's RPC, the code interpreter's port 49999); another tenant's key "
-    "cannot look it up or end it through E2B's API",
+    "run nothing in it (envd's RPC, the code interpreter's port 49999, the host-routed form); "
+    "another tenant's key cannot look it up or end it through E2B's API",
     {"e2b-envd-open"},
     tier_free=True,
 )
@@ -438,11 +438,26 @@ def _e2b_envd_token(ctx: Ctx) -> Verdict:
             cell = {"code": f"echo x > {coded}", "language": "bash"}
             execute = c.post("/execute", json=cell, headers=port)
             contexts = c.get("/contexts", headers=port)
+            # The host-routed form (`49983-<id>.<domain>`, through the port gateway).
+            host = f"{box.id}.localhost:{httpx.URL(url).port}"
+            routed = {**extra, "Host": f"49983-{host}"}
+            if token is not None:
+                routed["E2B-Traffic-Access-Token"] = token
+            host_read = c.get("/files", params={"path": "/workspace/e2b-secret.txt"},
+                              headers=routed)  # fmt: skip
+            host_execute = c.post(
+                "/execute", json=cell, headers={**routed, "Host": f"49999-{host}"}
+            )
             seen.append(
                 f"{label}: read {read.status_code}, write {wrote.status_code}, "
                 f"rpc start {said}, rpc list {listed.status_code}, "
-                f"execute {execute.status_code}, contexts {contexts.status_code}"
+                f"execute {execute.status_code}, contexts {contexts.status_code}, "
+                f"host-routed read {host_read.status_code}, execute {host_execute.status_code}"
             )
+            if host_read.status_code == 200 and secret in host_read.text:
+                v.add_break("READ", f"{label} read the sandbox's file (host-routed form)")
+            if host_execute.status_code == 200:
+                v.add_break("ESCAPE", f"{label} ran code in the sandbox (host-routed form)")
             if started or box.get(ran).status_code == 200:
                 v.add_break("ESCAPE", f"{label} ran a command in the sandbox (envd RPC)")
             if execute.status_code == 200 or box.get(coded).status_code == 200:
@@ -463,6 +478,87 @@ def _e2b_envd_token(ctx: Ctx) -> Verdict:
         if box.client.get(f"/v1/sandboxes/{box.id}").json().get("state") != "running":
             v.add_break("DOS", "another tenant's key ended the sandbox through E2B's API")
         c.delete(f"/sandboxes/{other['sandboxID']}", headers={"X-API-KEY": b_key})
+    v.evidence = "; ".join(seen)
+    return v
+
+
+@check(
+    "e2b-signed-url",
+    "control-plane",
+    "E2B's signed file URLs open only what they were signed for: a signature over another "
+    "path, for the other operation, made with another sandbox's envd token, past its expiry, "
+    "or forged reads and writes nothing, with or without E2B's headers naming the sandbox",
+    {"e2b-envd-open"},
+    tier_free=True,
+)
+def _e2b_signed_url(ctx: Ctx) -> Verdict:
+    from agentbox.server.e2b.signed import signature
+
+    url, nonce = ctx.server.url, ctx.oracle.nonce
+    secret, target = f"abx-signed-{nonce}", f"/workspace/e2b-signed-{nonce}.txt"
+    a_key, b_key = ctx.server.key("battery-a"), ctx.server.key("battery-b")
+    with httpx.Client(base_url=url, timeout=30) as c:
+        made = []
+        for key in (a_key, b_key):
+            r = c.post(
+                "/v2/sandboxes",
+                json={"templateID": "host", "timeout": 300},
+                headers={"X-API-KEY": key},
+            )
+            if r.status_code != 201:
+                return Verdict("ERROR", evidence=f"E2B create: HTTP {r.status_code} {r.text[:200]}")
+            made.append(r.json())
+        victim, other = made
+        own = {"E2b-Sandbox-Id": victim["sandboxID"], "E2b-Sandbox-Port": "49983"}
+        try:
+            put = c.post(
+                "/files",
+                params={"path": target},
+                content=secret.encode(),
+                headers={**own, "X-Access-Token": victim["envdAccessToken"]},
+            )
+            if put.status_code != 200:
+                return Verdict("ERROR", evidence=f"envd write: HTTP {put.status_code}")
+            token, past = victim["envdAccessToken"], int(time.time()) - 60
+
+            def sig(path: str, op: str, tok: str = token, exp: int | None = None) -> dict[str, str]:
+                q = {"path": target, "username": "user", "signature": signature(tok, path, op,
+                     "user", exp)}  # fmt: skip
+                if exp is not None:
+                    q["signature_expiration"] = str(exp)
+                return q
+
+            reads = {
+                "a signature over another path": sig(f"{target}.other", "read"),
+                "a write signature": sig(target, "write"),
+                "another sandbox's envd token": sig(target, "read", other["envdAccessToken"]),
+                "an expired signature": sig(target, "read", exp=past),
+                "a forged signature": {**sig(target, "read"), "signature": "v1_" + "A" * 43},
+            }
+            # The positive case first: the URL the SDK would make reads the file.
+            good = c.get("/files", params=sig(target, "read"), headers=own)
+            if not (good.status_code == 200 and secret in good.text):
+                return Verdict("ERROR", evidence=f"a good signed URL: HTTP {good.status_code}")
+            writes = {
+                "a read signature": sig(target, "read"),
+                "an expired write signature": sig(target, "write", exp=past),
+            }
+            v = blocked("")
+            seen = []
+            for headers, how in (({}, "bare"), (own, "with E2B headers")):
+                for label, q in reads.items():
+                    r = c.get("/files", params=q, headers=headers)
+                    seen.append(f"{label} ({how}): read {r.status_code}")
+                    if r.status_code == 200 and secret in r.text:
+                        v.add_break("READ", f"{label} ({how}) read the sandbox's file")
+                for label, q in writes.items():
+                    r = c.post("/files", params=q, content=b"tampered", headers=headers)
+                    seen.append(f"{label} ({how}): write {r.status_code}")
+                    if r.status_code == 200:
+                        v.add_break("WRITE", f"{label} ({how}) wrote the sandbox's file")
+        finally:
+            c.delete(f"/sandboxes/{victim['sandboxID']}", headers={"X-API-KEY": a_key})
+            c.delete(f"/sandboxes/{other['sandboxID']}", headers={"X-API-KEY": b_key})
     v.evidence = "; ".join(seen)
     return v
 

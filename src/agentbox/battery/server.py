@@ -41,7 +41,8 @@ SERVER_WEAKENINGS: dict[str, str] = {
     "WebSocket clients get no keepalive pings, and repeated log lines are not counted",
     "budgets-open": "the egress proxy caps no sandbox's or tenant's connections, and every "
     "refused egress attempt is written to the egress log one by one",
-    "e2b-envd-open": "E2B's sandbox traffic (envd) takes any token as the sandbox's envd token",
+    "e2b-envd-open": "E2B's sandbox traffic (envd) takes any token as the sandbox's envd token, "
+    "and any signature as a signed file URL's",
     "host-files-follow": "the files APIs the server serves on the host (volumes, kept "
     "workspaces) follow the symlinks a sandbox left there",
     "quota-open": "tenants get the quota they had before every resource was capped: no cap on "

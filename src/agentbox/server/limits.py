@@ -71,7 +71,8 @@ class ServerLimits:
     # symlink. Off only in the security battery's positive control (`host-files-follow`).
     host_files_nofollow: bool = True
     # E2B's sandbox traffic needs the sandbox's own envd token (server/e2b/). Off only in the
-    # security battery's positive control (`e2b-envd-open`): any token is taken.
+    # security battery's positive control (`e2b-envd-open`): any token (and any signed file
+    # URL's signature) is taken.
     e2b_envd_tokens: bool = True
     # What the audit and egress logs may hold (sandboxes' refused attempts are sampled).
     logs: LogLimits = field(default_factory=LogLimits)
