@@ -45,6 +45,13 @@ def operations() -> None:
         listed = Sandbox.list_snapshots(sandbox_id=sbx.sandbox_id).next_items()
         assert [s.snapshot_id for s in listed] == [snap.snapshot_id], listed
         assert Sandbox.list_snapshots(sandbox_id="sbx_0000000000000000").next_items() == []
+        # Paging: one a page, newest first, through the SDK's paginator (x-next-token).
+        second = sbx.create_snapshot()
+        pager, paged = Sandbox.list_snapshots(sandbox_id=sbx.sandbox_id, limit=1), []
+        while pager.has_next:
+            paged.append([s.snapshot_id for s in pager.next_items()])
+        assert paged == [[second.snapshot_id], [snap.snapshot_id]], paged
+        assert Sandbox.delete_snapshot(second.snapshot_id) is True
         sbx.files.write("/workspace/state.txt", "changed after the snapshot")
         child = Sandbox.create(snap.snapshot_id, timeout=120)
         made.append(child)

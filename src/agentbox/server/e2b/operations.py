@@ -50,6 +50,18 @@ def snapshot_info(snap: SnapshotRow) -> dict[str, Any]:
     return {"snapshotID": snap.snapshot_id, "names": [snap.name] if snap.name else []}
 
 
+def _snapshot_place(snap: SnapshotRow) -> tuple[int, str]:
+    """A snapshot's place in the listing's order: its creation time (µs), then its id."""
+    return int(snap.created_at * 1_000_000), snap.snapshot_id
+
+
+def _snapshot_cursor(token: str) -> tuple[int, str]:
+    at, _, snapshot_id = token.partition(".")
+    if not (at.isdigit() and snapshot_id):
+        raise InvalidRequest("nextToken: not a token this listing gave")
+    return int(at), snapshot_id
+
+
 def network_of(body: NetworkUpdate, current: dict[str, Any]) -> dict[str, Any] | None:
     """agentbox's network settings for E2B's update, mapped as at create: allowOut is what
     the sandbox may reach (beating its own denyOut), everything else stays denied unless
@@ -128,22 +140,30 @@ def operations_routes(core: Core) -> APIRouter:
     async def list_snapshots(
         mgr: Mgr,
         who: Who,
+        response: Response,
         sandboxID: Annotated[str | None, Query(max_length=128)] = None,  # noqa: N803
         name: Annotated[str | None, Query(max_length=64)] = None,
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-        nextToken: Annotated[str | None, Query(max_length=64)] = None,  # noqa: N803, ARG001
+        nextToken: Annotated[str | None, Query(max_length=160)] = None,  # noqa: N803
     ) -> list[dict[str, Any]]:
-        """The tenant's ready snapshots, newest first (one page: a tenant's snapshots are
-        capped by its quota)."""
+        """The tenant's ready snapshots, newest first; the next page's token in
+        `x-next-token` (the last one's place in that order, so a page is not shifted by
+        snapshots made or deleted meanwhile)."""
+        after = _snapshot_cursor(nextToken) if nextToken else None
         snaps = await asyncio.to_thread(mgr.snapshots.of_tenant, who)
         chosen = [
             s
-            for s in sorted(snaps, key=lambda s: s.created_at, reverse=True)
+            for s in sorted(snaps, key=_snapshot_place, reverse=True)
             if s.state == "ready"
             and (sandboxID is None or s.sandbox_id == sandboxID)
             and (name is None or s.name == name)
+            and (after is None or _snapshot_place(s) < after)
         ]
-        return [snapshot_info(s) for s in chosen[:limit]]
+        page = chosen[:limit]
+        if len(chosen) > limit:
+            at, snapshot_id = _snapshot_place(page[-1])
+            response.headers["x-next-token"] = f"{at}.{snapshot_id}"
+        return [snapshot_info(s) for s in page]
 
     @r.delete("/templates/{template_id}", status_code=204)
     async def delete_snapshot(template_id: str, mgr: Mgr, who: Who) -> Response:
