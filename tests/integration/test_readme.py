@@ -192,7 +192,7 @@ def test_the_cli_quick_start(readme: Readme) -> None:
     for i, step in enumerate(_shell_steps(block.body)):
         step = step.replace("sbx_…", "$SBX")
         if step.endswith("agentbox create"):
-            step = f"SBX=$({step}); echo \"$SBX\""
+            step = f'SBX=$({step}); echo "$SBX"'
         script += [f"echo '::step {i}'", step]
     script.append('echo "::key $AGENTBOX_API_KEY"')
     r = subprocess.run(
@@ -221,9 +221,7 @@ def test_the_cli_quick_start(readme: Readme) -> None:
     assert created in output_of("agentbox ls"), r.stdout  # with its whole id
     audit = output_of("agentbox audit")
     assert "sandbox.create" in audit and "file.write" in audit, r.stdout
-    listed = httpx.get(
-        f"{readme.url}/v1/sandboxes/{created}", headers={"X-API-Key": key}
-    ).json()
+    listed = httpx.get(f"{readme.url}/v1/sandboxes/{created}", headers={"X-API-Key": key}).json()
     assert listed["state"] == "killed" and listed["template"] == "base", listed
 
 
@@ -332,6 +330,32 @@ def test_the_code_interpreter_example_builds_its_template_on_first_use(readme: R
     assert [e["status"] for e in built] == [202], creates
     starts = [e for e in events if e["action"] == "sandbox.start"]
     assert [e["status"] for e in starts] == [200], starts
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_the_mcp_config(readme: Readme, anyio_backend: str) -> None:  # noqa: ARG001
+    """The MCP config as an agent would use it: its command, args and env (the key and the URL
+    of this test's server put in), driven by the official `mcp` client. Last: its sandbox
+    is a code-interpreter one, which the code interpreter example builds on first use."""
+    from mcp import ClientSession, StdioServerParameters
+    from mcp.client.stdio import stdio_client
+
+    assert "AGENTBOX_API_KEY" in readme.env, "the CLI quick start exports the key first"
+    block = next(b for b in readme_blocks() if b.lang == "json" and "mcpServers" in b.body)
+    server = json.loads(block.body)["mcpServers"]["agentbox"]
+    env = dict(server["env"])
+    assert env == {"AGENTBOX_API_URL": "http://127.0.0.1:8686", "AGENTBOX_API_KEY": "<your key>"}
+    env["AGENTBOX_API_URL"] = readme.env["AGENTBOX_API_URL"]
+    env["AGENTBOX_API_KEY"] = readme.env["AGENTBOX_API_KEY"]
+    command = str(REPO / ".venv/bin" / server["command"])  # the README's "full path" note
+    params = StdioServerParameters(command=command, args=server["args"], env={**readme.env, **env})
+    async with stdio_client(params) as (read, write), ClientSession(read, write) as s:
+        await s.initialize()
+        assert "run_code" in {t.name for t in (await s.list_tools()).tools}
+        r = await s.call_tool("run_command", {"command": "echo hi from mcp"})
+        text = "\n".join(c.text for c in r.content if c.type == "text")
+        assert not r.is_error and "hi from mcp" in text, text
 
 
 if __name__ == "__main__":  # pragma: no cover

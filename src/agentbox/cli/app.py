@@ -1082,6 +1082,50 @@ def shell(
 
 
 @app.command()
+def mcp(
+    ctx: typer.Context,
+    template: Annotated[str, typer.Option(
+        help="Template of the session's sandbox.")] = "code-interpreter",
+    isolation: Annotated[str | None, typer.Option(
+        help="Isolation tier: process, container or gvisor.",
+        show_default="the tenant's or server's")] = None,
+    idle_timeout: Annotated[float, typer.Option(
+        help="Seconds the sandbox lives after the last tool call.")] = 1800,
+    on_end: Annotated[str, typer.Option(
+        help="What happens to the sandbox when the client disconnects: kill, pause or keep."
+    )] = "kill",
+    sandbox: Annotated[str | None, typer.Option(
+        help="Use this existing sandbox (resumed if paused) instead of making one.")] = None,
+    secret: Annotated[list[str] | None, typer.Option(
+        help="A tenant secret the sandbox gets (repeatable).")] = None,
+    env: Annotated[list[str] | None, typer.Option(
+        "--env", "-e", help="KEY=VALUE in the sandbox's environment (repeatable).")] = None,
+) -> None:
+    """Serve agentbox's sandbox tools over MCP on stdin/stdout (for desktop and IDE agents):
+    one session, one sandbox, made on the first tool call and reused. Needs the `mcp` extra
+    (pip install 'agentbox[mcp]')."""
+    if on_end not in ("kill", "pause", "keep"):
+        err.print(f"[red]--on-end: {on_end!r}; use kill, pause or keep[/red]")
+        raise typer.Exit(2)
+    try:
+        import mcp as _mcp  # noqa: F401
+    except ImportError:
+        err.print("[red]agentbox mcp needs the mcp package: pip install 'agentbox[mcp]'[/red]")
+        raise typer.Exit(2) from None
+    import asyncio
+
+    from agentbox.integrations.mcp_server import serve_stdio
+    from agentbox.integrations.session import SessionConfig
+
+    config = SessionConfig(
+        **_conn(ctx), template=template, isolation=isolation, timeout=idle_timeout,
+        on_end=on_end,  # type: ignore[arg-type]
+        sandbox_id=sandbox, secrets=list(secret or []), envs=_pairs(env, "--env"),
+    )  # fmt: skip
+    asyncio.run(serve_stdio(config))
+
+
+@app.command()
 def logs(
     ctx: typer.Context,
     sandbox_id: Annotated[str, typer.Argument(help="Sandbox the command runs in.")],

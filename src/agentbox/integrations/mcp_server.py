@@ -1,0 +1,75 @@
+"""`agentbox mcp`: the sandbox tools (integrations/tools.py) as an MCP server over stdio, built
+on the official `mcp` SDK (an optional extra: `pip install agentbox[mcp]`).
+
+One server process is one session: its sandbox is made on the first tool call that needs one
+and reused by every later call; when the client goes away (stdin closes) the sandbox is killed,
+paused or kept (`--on-end`). Tool errors come back as MCP tool errors (`isError`) whose text
+says what was blocked, by which setting, and what to do instead.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from agentbox.integrations import tools
+from agentbox.integrations.session import Session, SessionConfig
+
+log = logging.getLogger("agentbox.mcp")
+SERVER_NAME = "agentbox"
+
+
+def build_server(session: Session) -> Any:
+    """An `mcp` low-level Server whose tools run in `session`."""
+    import mcp_types as types
+    from mcp.server.lowlevel import Server
+
+    listing = [
+        types.Tool(name=t.name, description=t.description, input_schema=t.schema())
+        for t in tools.TOOLS.values()
+    ]
+
+    async def list_tools(ctx: Any, params: Any) -> types.ListToolsResult:  # noqa: ARG001
+        return types.ListToolsResult(tools=listing)
+
+    async def call_tool(ctx: Any, params: Any) -> types.CallToolResult:  # noqa: ARG001
+        try:
+            reply = await tools.call(session, params.name, params.arguments)
+        except tools.ToolFailed as e:
+            return types.CallToolResult(
+                content=[types.TextContent(type="text", text=str(e))], is_error=True
+            )
+        content: list[Any] = [types.TextContent(type="text", text=reply.text())]
+        content += [
+            types.ImageContent(type="image", data=data, mime_type=mime)
+            for mime, data in reply.images
+        ]
+        return types.CallToolResult(content=content)
+
+    return Server(
+        SERVER_NAME,
+        instructions=(
+            "Tools for one Linux sandbox of your own (agentbox), kept for this session: run "
+            "commands and stateful code, read and write files, expose servers. Nothing you do "
+            "there reaches the host; the network is closed unless its policy allows a "
+            "destination."
+        ),
+        on_list_tools=list_tools,
+        on_call_tool=call_tool,
+    )
+
+
+async def serve_stdio(config: SessionConfig) -> None:
+    """Serve one session over stdin/stdout until the client closes it, then end the session."""
+    from mcp.server.stdio import stdio_server
+
+    session = Session(config)
+    server = build_server(session)
+    try:
+        async with stdio_server() as (read, write):
+            await server.run(read, write, server.create_initialization_options())
+    finally:
+        try:
+            await session.close()
+        except Exception as e:  # noqa: BLE001 - said, and the process ends anyway
+            log.warning("ending the session's sandbox %s: %s", session.sandbox_id, e)

@@ -1,0 +1,476 @@
+"""The sandbox tools an agent gets, defined once: a name, a description written for a model, a
+pydantic model of the arguments (its JSON schema is the tool's input schema) and an async
+function over a `Session`. Front ends (the MCP server, framework adapters) render them.
+
+A tool answers with `Reply` parts (text, and images for plots). A failure the agent can act on
+(the sandbox blocked something, a file is missing, a command failed) is a `ToolFailed`, whose
+text says what happened, which setting decided it and what to do instead; front ends show it
+to the model as the tool's error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from agentbox.integrations.session import Output, Session
+from agentbox.sdk.exceptions import AgentboxError, CommandExitException
+from agentbox.sdk.models import CommandResult, Execution
+
+PAGE = 16_000  # characters of one stream in one answer; the rest is paged
+FILE_PAGE = 64_000  # characters (or bytes, base64) of a file in one answer
+
+
+@dataclass
+class Reply:
+    """A tool's answer: text parts and images (PNG or JPEG, base64)."""
+
+    texts: list[str] = field(default_factory=list)
+    images: list[tuple[str, str]] = field(default_factory=list)  # (mime type, base64 data)
+
+    def text(self) -> str:
+        return "\n".join(self.texts)
+
+
+class ToolFailed(Exception):
+    """What the model should hear when a tool could not do what it asked."""
+
+
+class Args(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    description: str
+    args: type[Args]
+    run: Callable[[Session, Any], Awaitable[Reply]]
+
+    def schema(self) -> dict[str, Any]:
+        return self.args.model_json_schema()
+
+
+TOOLS: dict[str, Tool] = {}
+
+
+def tool(name: str, description: str, args: type[Args]) -> Callable[[Any], Any]:
+    def register(fn: Callable[[Session, Any], Awaitable[Reply]]) -> Any:
+        TOOLS[name] = Tool(name, description, args, fn)
+        return fn
+
+    return register
+
+
+async def call(session: Session, name: str, arguments: dict[str, Any] | None) -> Reply:
+    """Run tool `name`; ToolFailed (with text for the model) for anything it should hear."""
+    t = TOOLS.get(name)
+    if t is None:
+        raise ToolFailed(f"no tool named {name!r}; the tools are {', '.join(TOOLS)}")
+    try:
+        args = t.args.model_validate(arguments or {})
+    except ValueError as e:
+        raise ToolFailed(f"invalid arguments for {name}: {e}") from None
+    try:
+        return await t.run(session, args)
+    except AgentboxError as e:
+        raise ToolFailed(explain(e)) from None
+
+
+def explain(e: AgentboxError) -> str:
+    """An SDK error as a model should read it: what, and when the sandbox blocked it, which
+    setting did and how to proceed."""
+    lines = [f"{e.message} (error code {e.code})"]
+    if e.violation is not None:
+        v = e.violation
+        lines.append(f"blocked: {v.message} (code {v.code}; setting: {v.setting or 'none'})")
+    hint = e.detail.get("hint") if isinstance(e.detail, dict) else None
+    if hint:
+        lines.append(f"what to do: {hint}")
+    return "\n".join(lines)
+
+
+def _page(label: str, text: str, offset: int, cmd_id: str | None, dropped: int = 0) -> str:
+    """`text` from `offset` (counted from the stream's very start), at most PAGE characters,
+    saying how to read the rest."""
+    start = max(offset - dropped, 0)
+    out = []
+    if offset < dropped:
+        out.append(f"[{label}: the first {dropped} characters are gone (over the buffer)]")
+    chunk = text[start : start + PAGE]
+    out.append(f"{label}:\n{chunk}" if chunk else f"{label}: (empty)")
+    rest = len(text) - (start + len(chunk))
+    if rest > 0:
+        where = f"command_output(command_id={cmd_id!r}, stream={label!r}, offset="
+        out.append(f"[{rest} more characters of {label}: {where}{dropped + start + len(chunk)})]")
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------- commands
+
+
+class RunCommand(Args):
+    command: Annotated[
+        str, Field(description="A bash command line, e.g. `ls -la && python3 x.py`.")
+    ]
+    background: Annotated[
+        bool,
+        Field(
+            description="Start it and return at once with a command_id (for servers and long "
+            "jobs); read its output later with command_output."
+        ),
+    ] = False
+    timeout: Annotated[
+        float,
+        Field(ge=0, le=3600, description="Seconds before it is killed (0: no limit)."),
+    ] = 120
+    cwd: Annotated[str | None, Field(description="Working directory (default /workspace).")] = None
+    envs: Annotated[
+        dict[str, str] | None, Field(description="Extra environment variables for it.")
+    ] = None
+
+
+def _command_reply(cmd_id: str | None, result: CommandResult | Output, note: str = "") -> Reply:
+    dropped = getattr(result, "dropped", {"stdout": 0, "stderr": 0})
+    parts = [f"command_id: {cmd_id}" + (f" ({note})" if note else "")]
+    exit_code = result.exit_code
+    done = getattr(result, "done", True)
+    if done:
+        parts.append(f"exit code: {exit_code}")
+    else:
+        parts.append("still running")
+    if getattr(result, "timed_out", False):
+        parts.append("it was killed at its timeout")
+    violation = getattr(result, "violation", None)
+    if result.error and not (violation is not None and violation.message in result.error):
+        parts.append(f"error: {result.error}")
+    if violation is not None:
+        parts.append(f"blocked: {violation.message} (setting: {violation.setting or 'none'})")
+    for attempt in getattr(result, "network_blocked", []) or []:
+        parts.append(
+            f"network blocked: {attempt.host}:{attempt.port} ({attempt.message}; "
+            f"rule: {attempt.rule or 'default deny'})"
+        )
+    parts.append(_page("stdout", result.stdout, 0, cmd_id, dropped["stdout"]))
+    if result.stderr or dropped["stderr"]:
+        parts.append(_page("stderr", result.stderr, 0, cmd_id, dropped["stderr"]))
+    return Reply([part for part in parts if part])
+
+
+@tool(
+    "run_command",
+    "Run a shell command in the sandbox (a Linux machine of your own: bash, python3, files "
+    "under /workspace). Returns its exit code, stdout and stderr; long output is paged "
+    "(command_output reads the rest). With background=true it returns at once with a "
+    "command_id: use it for servers and long jobs, then command_output, send_stdin or "
+    "kill_command. The network is off unless the sandbox's policy allows a destination; a "
+    "refused connection is reported with the rule that refused it.",
+    RunCommand,
+)
+async def run_command(session: Session, a: RunCommand) -> Reply:
+    sbx = await session.sandbox()
+    if a.background:
+        handle = await sbx.commands.run(
+            a.command, background=True, envs=a.envs, cwd=a.cwd, timeout=a.timeout, stdin=True
+        )
+        try:
+            out = await session.start_background(handle)  # type: ignore[arg-type]
+        except RuntimeError as e:
+            await handle.kill()  # type: ignore[union-attr]
+            raise ToolFailed(str(e)) from None
+        return (
+            Reply([f"command_id: {handle.cmd_id} (started in the background)"])
+            if not (out.stdout or out.stderr)
+            else _command_reply(handle.cmd_id, out, "started in the background")
+        )
+    try:
+        result = await sbx.commands.run(a.command, envs=a.envs, cwd=a.cwd, timeout=a.timeout)
+    except CommandExitException as e:
+        result = CommandResult(
+            stdout=e.stdout, stderr=e.stderr, exit_code=e.exit_code, error=e.error,
+            timed_out=e.timed_out, violation=e.violation, cmd_id=e.cmd_id,
+        )  # fmt: skip
+    assert isinstance(result, CommandResult)
+    out = Output(stdout=result.stdout, stderr=result.stderr, exit_code=result.exit_code, done=True)
+    cmd_id = result.cmd_id or f"fg{len(session.outputs)}"
+    session.keep(cmd_id, out)
+    return _command_reply(cmd_id, result)
+
+
+class CommandOutput(Args):
+    command_id: Annotated[str, Field(description="From run_command.")]
+    stream: Literal["stdout", "stderr"] = "stdout"
+    offset: Annotated[int, Field(ge=0, description="Characters already read.")] = 0
+    wait: Annotated[
+        float,
+        Field(ge=0, le=60, description="Seconds to wait for new output of a running command."),
+    ] = 0
+
+
+@tool(
+    "command_output",
+    "Read a command's output from `offset` (what run_command or an earlier call left unread; "
+    "for a background command, what it has printed so far). Says whether it is still running "
+    "and its exit code once it ended.",
+    CommandOutput,
+)
+async def command_output(session: Session, a: CommandOutput) -> Reply:
+    out = session.outputs.get(a.command_id)
+    if out is None:
+        if a.command_id in session.evicted:
+            raise ToolFailed(
+                f"the output of {a.command_id} is no longer kept (this session keeps the "
+                "newest commands' output); run the command again with its output in a file"
+            )
+        raise ToolFailed(f"no command {a.command_id!r} in this session")
+    text = getattr(out, a.stream)
+    if not out.done and a.wait and len(text) + out.dropped[a.stream] <= a.offset:
+        out.changed.clear()
+        try:
+            await asyncio.wait_for(out.changed.wait(), a.wait)
+        except TimeoutError:
+            pass
+        text = getattr(out, a.stream)
+    state = f"exit code: {out.exit_code}" if out.done else "still running"
+    if out.error:
+        state += f"; error: {out.error}"
+    body = _page(a.stream, text, a.offset, a.command_id, out.dropped[a.stream])
+    return Reply([f"command_id: {a.command_id}; {state}", body])
+
+
+class SendStdin(Args):
+    command_id: str
+    data: Annotated[str, Field(description="Text to write to its stdin (add \\n for a line).")]
+    close: Annotated[bool, Field(description="Close its stdin after writing (EOF).")] = False
+
+
+@tool(
+    "send_stdin",
+    "Write to the stdin of a background command started by run_command.",
+    SendStdin,
+)
+async def send_stdin(session: Session, a: SendStdin) -> Reply:
+    handle = session.handle(a.command_id)
+    if handle is None:
+        raise ToolFailed(f"no running background command {a.command_id!r} in this session")
+    if a.data:
+        await handle.send_stdin(a.data)
+    if a.close:
+        await handle.close_stdin()
+    return Reply([f"sent {len(a.data)} characters" + (" and closed stdin" if a.close else "")])
+
+
+class KillCommand(Args):
+    command_id: str
+
+
+@tool("kill_command", "Kill a background command (and everything it started).", KillCommand)
+async def kill_command(session: Session, a: KillCommand) -> Reply:
+    sbx = await session.sandbox()
+    killed = await sbx.commands.kill(a.command_id)
+    return Reply([f"{a.command_id}: " + ("killed" if killed else "was not running")])
+
+
+# ---------------------------------------------------------------------------- code
+
+
+class RunCode(Args):
+    code: str
+    language: Literal["python", "bash", "javascript", "typescript", "r"] = "python"
+    context_id: Annotated[
+        str | None,
+        Field(description="A context from an earlier answer (default: the language's own)."),
+    ] = None
+    timeout: Annotated[float, Field(ge=0, le=3600)] = 300
+
+
+def _code_reply(ex: Execution) -> Reply:
+    reply = Reply()
+    out = "".join(ex.logs.stdout)
+    err = "".join(ex.logs.stderr)
+    if out:
+        reply.texts.append(_page("stdout", out, 0, None))
+    if err:
+        reply.texts.append(_page("stderr", err, 0, None))
+    for r in ex.results:
+        if r.png:
+            reply.images.append(("image/png", r.png))
+        elif r.jpeg:
+            reply.images.append(("image/jpeg", r.jpeg))
+        value = r.text if r.text is not None else r.markdown
+        if value is not None and not (r.png or r.jpeg):
+            label = "result" if r.is_main_result else "display"
+            reply.texts.append(f"{label}:\n{value[:PAGE]}")
+    if ex.error is not None:
+        reply.texts.append(
+            f"error: {ex.error.name}: {ex.error.value}\n{ex.error.traceback[-PAGE:]}"
+        )
+        if ex.error.violation is not None:
+            v = ex.error.violation
+            reply.texts.append(f"blocked: {v.message} (setting: {v.setting or 'none'})")
+    if ex.timed_out:
+        reply.texts.append("interrupted at its timeout; the context keeps its state")
+    if not reply.texts and not reply.images:
+        reply.texts.append("(no output)")
+    return reply
+
+
+@tool(
+    "run_code",
+    "Run code in a stateful interpreter in the sandbox (variables, imports and functions stay "
+    "for later calls): python (a Jupyter kernel with numpy, pandas, matplotlib; plots come "
+    "back as images), javascript (node), typescript (Deno), r, bash. Returns output, the "
+    "last expression's value and errors with their traceback.",
+    RunCode,
+)
+async def run_code(session: Session, a: RunCode) -> Reply:
+    sbx = await session.sandbox()
+    if a.context_id:
+        ex = await sbx.run_code(a.code, context=a.context_id, timeout=a.timeout)
+    else:
+        ex = await sbx.run_code(a.code, language=a.language, timeout=a.timeout)
+    return _code_reply(ex)
+
+
+# ---------------------------------------------------------------------------- files
+
+
+class ReadFile(Args):
+    path: Annotated[str, Field(description="Absolute, or relative to /workspace.")]
+    offset: Annotated[
+        int, Field(ge=0, description="Characters (text) or bytes (binary) to skip.")
+    ] = 0
+    binary: Annotated[
+        bool, Field(description="Return base64 of the bytes (for non-text files).")
+    ] = False
+
+
+def _abs(path: str) -> str:
+    return path if path.startswith("/") else f"/workspace/{path}"
+
+
+@tool(
+    "read_file",
+    "Read a file from the sandbox: text (default) or, with binary=true, base64. Long files are "
+    "paged: the answer says which offset to ask for next.",
+    ReadFile,
+)
+async def read_file(session: Session, a: ReadFile) -> Reply:
+    sbx = await session.sandbox()
+    path = _abs(a.path)
+    data = await sbx.files.read(path, format="bytes")
+    whole: bytes | str = data if a.binary else data.decode("utf-8", "replace")
+    chunk = whole[a.offset : a.offset + FILE_PAGE]
+    unit = "bytes" if a.binary else "characters"
+    text = base64.b64encode(chunk).decode() if isinstance(chunk, bytes) else chunk
+    parts = [f"{path} ({len(whole)} {unit}):", text]
+    rest = len(whole) - a.offset - len(chunk)
+    if rest > 0:
+        at = a.offset + len(chunk)
+        parts.append(f"[{rest} more {unit}: read_file(path={path!r}, offset={at})]")
+    return Reply(parts)
+
+
+class WriteFile(Args):
+    path: Annotated[str, Field(description="Absolute, or relative to /workspace.")]
+    content: str
+    base64: Annotated[bool, Field(description="`content` is base64 of the bytes to write.")] = False
+
+
+@tool(
+    "write_file",
+    "Write a file in the sandbox (parent directories are made; an existing file is replaced).",
+    WriteFile,
+)
+async def write_file(session: Session, a: WriteFile) -> Reply:
+    sbx = await session.sandbox()
+    data: str | bytes = base64.b64decode(a.content) if a.base64 else a.content
+    info = await sbx.files.write(_abs(a.path), data)
+    return Reply([f"wrote {info.path} ({len(data)} {'bytes' if a.base64 else 'characters'})"])
+
+
+class ListFiles(Args):
+    path: str = "/workspace"
+    depth: Annotated[int, Field(ge=1, le=5)] = 1
+    cursor: Annotated[str | None, Field(description="From an earlier answer, for the rest.")] = None
+
+
+@tool(
+    "list_files",
+    "List a directory of the sandbox (path, type, size), to `depth` levels; a long listing "
+    "is paged (the answer gives the cursor for the rest).",
+    ListFiles,
+)
+async def list_files(session: Session, a: ListFiles) -> Reply:
+    sbx = await session.sandbox()
+    entries = await sbx.files.list(_abs(a.path), depth=a.depth, limit=500, cursor=a.cursor)
+    lines = [f"{e.path}{'/' if e.type == 'dir' else ''}\t{e.type}\t{e.size}" for e in entries]
+    if entries.truncated:
+        lines.append(f"[more: list_files(path={a.path!r}, cursor={entries.next_cursor!r})]")
+    return Reply([f"{_abs(a.path)}: {len(entries)} entries", *lines])
+
+
+class RemoveFile(Args):
+    path: str
+
+
+@tool("remove_file", "Remove a file or a directory (with everything in it).", RemoveFile)
+async def remove_file(session: Session, a: RemoveFile) -> Reply:
+    sbx = await session.sandbox()
+    await sbx.files.remove(_abs(a.path))
+    return Reply([f"removed {_abs(a.path)}"])
+
+
+# ---------------------------------------------------------------------------- the sandbox
+
+
+class NoArgs(Args):
+    pass
+
+
+@tool(
+    "sandbox_info",
+    "This session's sandbox: its id, template, isolation tier, state, time left, resources "
+    "and network policy.",
+    NoArgs,
+)
+async def sandbox_info(session: Session, a: NoArgs) -> Reply:  # noqa: ARG001
+    sbx = await session.sandbox()
+    info = _plain(await sbx.get_info())
+    info.pop("access_token", None)  # it opens the sandbox's ports: expose_port gives URLs
+    return Reply([json.dumps(info, default=str, indent=1)])
+
+
+def _plain(obj: Any) -> Any:
+    if hasattr(obj, "__dataclass_fields__"):
+        return {k: _plain(getattr(obj, k)) for k in obj.__dataclass_fields__}
+    if isinstance(obj, list):
+        return [_plain(x) for x in obj]
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    return obj
+
+
+class ExposePort(Args):
+    port: Annotated[
+        int, Field(ge=1, le=65535, description="A port a server in the sandbox listens on.")
+    ]
+    expires_in: Annotated[float, Field(gt=0, le=86400, description="Seconds the URL works.")] = 3600
+
+
+@tool(
+    "expose_port",
+    "A URL (signed: it works without credentials until it expires) that reaches a server "
+    "listening on `port` inside the sandbox (bind it to 0.0.0.0 or 127.0.0.1).",
+    ExposePort,
+)
+async def expose_port(session: Session, a: ExposePort) -> Reply:
+    sbx = await session.sandbox()
+    url = await sbx.get_url(a.port, expires_in=a.expires_in)
+    return Reply([url])

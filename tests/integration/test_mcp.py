@@ -1,0 +1,132 @@
+"""`agentbox mcp` driven by the official `mcp` client over stdio, against a real server: one
+session, one sandbox reused across tool calls (files, commands, code with a plot, a background
+server exposed on a signed URL), paged output, a blocked action reported with its rule, tool
+errors a model can act on, and the sandbox killed when the client goes away."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import ServerHandle
+
+pytestmark = [pytest.mark.anyio, pytest.mark.slow, pytest.mark.timeout(300)]
+AGENTBOX = str(Path(sys.executable).parent / "agentbox")
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def _text(result: Any) -> str:
+    return "\n".join(c.text for c in result.content if c.type == "text")
+
+
+async def test_an_mcp_session_over_stdio(ci_server: ServerHandle) -> None:
+    from mcp import ClientSession, StdioServerParameters
+    from mcp.client.stdio import stdio_client
+
+    key = ci_server.make_key(f"mcp-{time.monotonic_ns() % 10**9}")
+    env = {**os.environ, "AGENTBOX_API_URL": ci_server.url, "AGENTBOX_API_KEY": key}
+    params = StdioServerParameters(
+        command=AGENTBOX, args=["mcp", "--template", "code-interpreter"], env=env
+    )
+    async with stdio_client(params) as (read, write), ClientSession(read, write) as s:
+        await s.initialize()
+        names = {t.name for t in (await s.list_tools()).tools}
+        assert {"run_command", "command_output", "run_code", "read_file", "write_file",
+                "list_files", "remove_file", "expose_port", "sandbox_info"} <= names  # fmt: skip
+        schema = next(t for t in (await s.list_tools()).tools if t.name == "run_command")
+        assert schema.input_schema["required"] == ["command"], schema.input_schema
+
+        # Files and commands in one sandbox, reused.
+        r = await s.call_tool("write_file", {"path": "hello.py", "content": "print(6 * 7)\n"})
+        assert not r.is_error and "/workspace/hello.py" in _text(r), _text(r)
+        r = await s.call_tool("run_command", {"command": "python3 hello.py"})
+        assert not r.is_error and "exit code: 0" in _text(r) and "42" in _text(r), _text(r)
+        r = await s.call_tool("list_files", {})
+        assert "/workspace/hello.py" in _text(r), _text(r)
+        r = await s.call_tool("read_file", {"path": "/workspace/hello.py"})
+        assert "print(6 * 7)" in _text(r)
+        info = await s.call_tool("sandbox_info", {})
+        sandbox_id = next(
+            line.split('"')[3] for line in _text(info).splitlines() if '"sandbox_id"' in line
+        )
+        assert "access_token" not in _text(info)
+
+        # Stateful code, and a plot as an image.
+        await s.call_tool("run_code", {"code": "data = [3, 1, 2]"})
+        r = await s.call_tool(
+            "run_code",
+            {
+                "code": "import matplotlib.pyplot as plt\nplt.plot(sorted(data))\nplt.show()\n"
+                "sum(data)"
+            },  # fmt: skip
+        )
+        assert "result:\n6" in _text(r), _text(r)
+        images = [c for c in r.content if c.type == "image"]
+        assert images and images[0].mime_type == "image/png", r.content
+
+        # Output past a page is paged, never cut.
+        r = await s.call_tool("run_command", {"command": "seq 1 30000"})
+        text = _text(r)
+        assert "more characters of stdout" in text and "30000" not in text, text[-300:]
+        cmd_id = text.split("command_id: ")[1].split()[0]
+        offset = int(text.rsplit("offset=", 1)[1].split(")")[0])
+        seen = text
+        while "more characters" in text:
+            r = await s.call_tool("command_output", {"command_id": cmd_id, "offset": offset})
+            text = _text(r)
+            seen += text
+            if "offset=" in text:
+                offset = int(text.rsplit("offset=", 1)[1].split(")")[0])
+        assert "\n30000\n" in seen + "\n" and "exit code: 0" in text, text[-300:]
+
+        # A background server, exposed on a signed URL anyone can open.
+        r = await s.call_tool(
+            "run_command",
+            {"command": "cd /workspace && python3 -m http.server 8123", "background": True},
+        )
+        server_id = _text(r).split("command_id: ")[1].split()[0]
+        url = ""
+        for _ in range(40):
+            r = await s.call_tool("expose_port", {"port": 8123})
+            url = _text(r).strip()
+            got = httpx.get(url, timeout=10)
+            if got.status_code == 200:
+                break
+            time.sleep(0.25)
+        assert got.status_code == 200 and "hello.py" in got.text, (url, got.status_code)
+        r = await s.call_tool("command_output", {"command_id": server_id, "stream": "stderr"})
+        assert "still running" in _text(r) and "GET /" in _text(r), _text(r)
+        r = await s.call_tool("kill_command", {"command_id": server_id})
+        assert "killed" in _text(r), _text(r)
+
+        # A blocked action says what blocked it; a failed tool says what to do.
+        r = await s.call_tool("run_command", {"command": "curl -sS -m 5 https://example.com"})
+        text = _text(r)
+        assert "blocked:" in text and "example.com" in text and "setting: network" in text, text
+        assert "allow_out" in text, text  # what to do instead
+        r = await s.call_tool("read_file", {"path": "/workspace/nope.txt"})
+        assert r.is_error and "nope.txt" in _text(r), _text(r)
+        r = await s.call_tool("run_command", {"command": 7})
+        assert r.is_error and "invalid arguments" in _text(r), _text(r)
+
+    # The client went away: the session's sandbox is killed.
+    with ci_server.client(key) as c:
+        for _ in range(50):
+            state = c.get(f"/v1/sandboxes/{sandbox_id}").json()["state"]
+            if state not in ("running", "stopping"):
+                break
+            time.sleep(0.2)
+        assert state == "killed", state
+        audit = c.get("/v1/audit", params={"sandbox_id": sandbox_id}).json()["events"]
+        created = [e for e in audit if e["action"] == "sandbox.create"]
+        assert created, audit
