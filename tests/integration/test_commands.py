@@ -180,6 +180,24 @@ def test_audit_records_commands(server: ServerHandle, sbx: tuple) -> None:
     assert "sandbox.create" in actions
 
 
+def test_audit_records_what_a_request_is_via(sbx: tuple) -> None:
+    """X-Agentbox-Via (an MCP session's tool, say) is recorded as `via` of what it does; a
+    malformed one is refused before anything runs."""
+    c, sid = sbx
+    body = {"cmd": "true"}
+    r = c.post(f"/v1/sandboxes/{sid}/commands", json=body, headers={"X-Agentbox-Via": "x y"})
+    assert r.status_code == 400 and "X-Agentbox-Via" in r.json()["message"], r.text
+    via = "mcp:ses_0123/run_command"
+    r = c.post(f"/v1/sandboxes/{sid}/commands", json=body, headers={"X-Agentbox-Via": via})
+    assert r.status_code == 200, r.text
+    deadline, seen = time.monotonic() + 5, []
+    while time.monotonic() < deadline and via not in seen:
+        events = c.get("/v1/audit", params={"sandbox_id": sid, "action": "command.run"}).json()
+        seen = [e["detail"].get("via") for e in events["events"]]
+        time.sleep(0.05)
+    assert via in seen, seen
+
+
 def test_audit_since_accepts_rfc3339_and_unix(sbx: tuple) -> None:
     c, sid = sbx
     iso = c.get("/v1/audit", params={"sandbox_id": sid, "since": "2020-01-01T00:00:00Z"})

@@ -128,5 +128,10 @@ async def test_an_mcp_session_over_stdio(ci_server: ServerHandle) -> None:
             time.sleep(0.2)
         assert state == "killed", state
         audit = c.get("/v1/audit", params={"sandbox_id": sandbox_id}).json()["events"]
-        created = [e for e in audit if e["action"] == "sandbox.create"]
-        assert created, audit
+        via = {e["action"]: (e.get("detail") or {}).get("via", "") for e in reversed(audit)}
+        session = via.get("sandbox.create", "")
+        assert session.startswith("mcp:ses_") and session.endswith("/write_file"), via
+        prefix = session.rsplit("/", 1)[0]
+        assert via.get("command.run") in (f"{prefix}/run_command", f"{prefix}/command_output")
+        assert via.get("code.run") == f"{prefix}/run_code", via
+        assert via.get("sandbox.kill", "") == "", via  # the session's end is no tool call

@@ -27,6 +27,8 @@ class Audit:
         **detail: Any,
     ) -> None:
         """Record one action (`started`: its time.monotonic() start, for its duration)."""
+        if caller is not None and caller.via:
+            detail = {**detail, "via": caller.via}
         try:
             self.store.add_audit(
                 time=time.time(),

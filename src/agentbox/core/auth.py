@@ -30,6 +30,9 @@ class Caller:
     tenant: str
     key_id: str
     admin: bool
+    # What the request says it does this for (the X-Agentbox-Via header: an MCP session and
+    # tool, say): recorded in the audit of every action it takes. A label, not a credential.
+    via: str | None = None
 
 
 def require_admin(caller: Caller, what: str) -> Caller:

@@ -52,7 +52,7 @@ class AgentboxToolkit:
     isolation, timeout, network, secrets, envs, on_end, sandbox_id, api_url, api_key)."""
 
     def __init__(self, **settings: Any) -> None:
-        self.session = Session(SessionConfig(**settings))
+        self.session = Session(SessionConfig(**settings), front="langchain")
         self._portal = _Portal()
         self._closed = False
 

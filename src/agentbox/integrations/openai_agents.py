@@ -28,7 +28,7 @@ class AgentboxTools:
     """One agentbox session's tools for the OpenAI Agents SDK. Settings as `SessionConfig`'s."""
 
     def __init__(self, **settings: Any) -> None:
-        self.session = Session(SessionConfig(**settings))
+        self.session = Session(SessionConfig(**settings), front="openai-agents")
         self.tools = [_function_tool(self.session, t) for t in tools.TOOLS.values()]
 
     @property

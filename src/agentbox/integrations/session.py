@@ -71,15 +71,21 @@ class Output:
 class Session:
     """A tool session: `sandbox()` makes or connects its sandbox; `close()` ends it."""
 
-    def __init__(self, config: SessionConfig) -> None:
+    def __init__(self, config: SessionConfig, front: str = "mcp") -> None:
         self.config = config
-        self.id = "mcp_" + secrets.token_hex(6)
+        self.front = front  # which front end: mcp, langchain, openai-agents
+        self.id = "ses_" + secrets.token_hex(6)
         self._sandbox: AsyncSandbox | None = None
         self._lock = asyncio.Lock()
         self.outputs: OrderedDict[str, Output] = OrderedDict()
         self.evicted: set[str] = set()
         self._followers: dict[str, asyncio.Task[None]] = {}
         self._handles: dict[str, AsyncCommandHandle] = {}
+
+    @property
+    def label(self) -> str:
+        """The session as the audit records it (`via`): `<front>:<id>`."""
+        return f"{self.front}:{self.id}"
 
     @property
     def sandbox_id(self) -> str | None:
@@ -100,7 +106,7 @@ class Session:
                     self._sandbox = await AsyncSandbox.create(
                         template=c.template,
                         timeout=c.timeout,
-                        metadata={"mcp_session": self.id},
+                        metadata={"session": self.label},
                         envs=c.envs or None,
                         network=c.network,  # type: ignore[arg-type]
                         secrets=c.secrets or None,

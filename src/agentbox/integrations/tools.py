@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from agentbox.integrations.session import Output, Session
 from agentbox.sdk.exceptions import AgentboxError, CommandExitException
 from agentbox.sdk.models import CommandResult, Execution
+from agentbox.sdk.protocol import via
 
 PAGE = 16_000  # characters of one stream in one answer; the rest is paged
 FILE_PAGE = 64_000  # characters (or bytes, base64) of a file in one answer
@@ -78,7 +79,10 @@ async def call(session: Session, name: str, arguments: dict[str, Any] | None) ->
     except ValueError as e:
         raise ToolFailed(f"invalid arguments for {name}: {e}") from None
     try:
-        return await t.run(session, args)
+        # Every request the tool makes (and the commands it leaves running) is audited as
+        # made via this session's tool.
+        with via(f"{session.label}/{name}"):
+            return await t.run(session, args)
     except AgentboxError as e:
         raise ToolFailed(explain(e)) from None
 

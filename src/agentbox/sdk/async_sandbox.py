@@ -72,6 +72,7 @@ class AsyncTransport:
                 params=call.params,
                 json=call.json,
                 content=content,
+                headers=p.call_headers(),
                 timeout=p.call_timeout(self.config, call),
             )
         except httpx.HTTPError as e:
@@ -85,6 +86,7 @@ class AsyncTransport:
             call.path,
             params=call.params,
             json=call.json,
+            headers=p.call_headers(),
             timeout=p.stream_timeout(self.config, read_timeout, call),
         )
         try:

@@ -8,6 +8,8 @@ faces cannot drift apart on paths, bodies, error mapping or NDJSON handling.
 from __future__ import annotations
 
 import base64
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import json
@@ -15,7 +17,7 @@ import logging
 import os
 import ssl
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Generic, Literal, TypeVar
@@ -72,6 +74,26 @@ Params = list[tuple[str, str | int | float | bool | None]]
 NetworkSpec = NetworkInfo | Mapping[str, Any]
 
 API_KEY_HEADER = "X-API-Key"
+# A label for what a request does it for (an MCP session and tool), recorded in the audit.
+VIA_HEADER = "X-Agentbox-Via"
+_VIA: contextvars.ContextVar[str | None] = contextvars.ContextVar("agentbox_via", default=None)
+
+
+@contextlib.contextmanager
+def via(label: str) -> Iterator[None]:
+    """Requests made inside (from this thread or task, and tasks it starts) carry `label`
+    (1-96 characters: letters, digits, `_ . : / @ -`), which the server's audit records as
+    `via` of everything they do, e.g. `with via("mcp:s1/run_command"): sbx.commands.run(...)`."""
+    token = _VIA.set(label)
+    try:
+        yield
+    finally:
+        _VIA.reset(token)
+
+
+def call_headers() -> dict[str, str] | None:
+    label = _VIA.get()
+    return {VIA_HEADER: label} if label else None
 # Reads of file streams and uploads go in chunks of this size, never whole files.
 CHUNK_SIZE = 1 << 20
 # A dropped command stream is resumed from its last offset this many times in a row

@@ -67,6 +67,7 @@ class Transport:
                 params=call.params,
                 json=call.json,
                 content=content,
+                headers=p.call_headers(),
                 timeout=p.call_timeout(self.config, call),
             )
         except httpx.HTTPError as e:
@@ -80,6 +81,7 @@ class Transport:
             call.path,
             params=call.params,
             json=call.json,
+            headers=p.call_headers(),
             timeout=p.stream_timeout(self.config, read_timeout, call),
         )
         try:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Annotated, Any
 from urllib.parse import SplitResult, urlsplit
@@ -9,6 +11,7 @@ from urllib.parse import SplitResult, urlsplit
 from fastapi import Depends, Header, Request
 
 from agentbox.core.auth import Caller, require_admin
+from agentbox.core.errors import InvalidRequest
 from agentbox.core.manager import SandboxManager
 from agentbox.core.network import NetworkService, NetworkSettings
 from agentbox.core.tenants import TenantService
@@ -41,9 +44,24 @@ async def tenants(request: Request) -> TenantService:
     return (await core(request)).manager.tenants
 
 
-async def caller(request: Request, x_api_key: Annotated[str | None, Header()] = None) -> Caller:
+VIA = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:/@-]{0,95}")
+
+
+async def caller(
+    request: Request,
+    x_api_key: Annotated[str | None, Header()] = None,
+    x_agentbox_via: Annotated[str | None, Header()] = None,
+) -> Caller:
     known = request.scope.get("agentbox.caller")  # the RequestGuard's check
-    return known if known is not None else (await core(request)).auth.authenticate(x_api_key)
+    who = known if known is not None else (await core(request)).auth.authenticate(x_api_key)
+    if x_agentbox_via is not None:
+        if not VIA.fullmatch(x_agentbox_via):
+            raise InvalidRequest(
+                "X-Agentbox-Via: a label of 1-96 characters (letters, digits, _ . : / @ -), "
+                "starting with a letter or digit"
+            )
+        who = dataclasses.replace(who, via=x_agentbox_via)
+    return who
 
 
 async def admin(c: Annotated[Caller, Depends(caller)]) -> Caller:
