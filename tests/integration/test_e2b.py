@@ -269,6 +269,47 @@ def test_the_host_routed_form_serves_envd_and_the_code_interpreter(server: Serve
         c.delete(f"/sandboxes/{sid}", headers={"X-API-KEY": key})
 
 
+def test_sandbox_logs_are_its_audit(server: ServerHandle) -> None:
+    """`/sandboxes/{id}/logs` (v1, and v2 with cursor, direction, level and search): what was
+    done to and in the sandbox, from its audit; another tenant's key gets 404."""
+    key = server.make_key(f"e2b-logs-{time.monotonic_ns() % 10**9}")
+    other = server.make_key(f"e2b-logs-other-{time.monotonic_ns() % 10**9}")
+    with httpx.Client(base_url=server.url, timeout=30, headers={"X-API-KEY": key}) as c:
+        made = c.post("/v2/sandboxes", json={"templateID": "host"})
+        assert made.status_code == 201, made.text
+        sid = made.json()["sandboxID"]
+        begun = int(time.time() * 1000) - 1000
+        for cmd in ("echo logged", "exit 3"):
+            c.post(f"/v1/sandboxes/{sid}/commands", json={"cmd": cmd}, headers={"X-API-Key": key})
+        deadline, v1 = time.monotonic() + 5, {}
+        while time.monotonic() < deadline:
+            v1 = c.get(f"/sandboxes/{sid}/logs", params={"start": begun}).json()
+            if any("exit 3" in e["message"] for e in v1["logEntries"]):
+                break
+            time.sleep(0.05)
+        messages = [e["message"] for e in v1["logEntries"]]
+        assert messages[0] == "sandbox.create", messages  # oldest first
+        assert "command.run: echo logged" in messages, messages
+        assert "command.run: exit 3 (exit code 3)" in messages, messages
+        assert [x["line"] for x in v1["logs"]] == messages
+        entry = v1["logEntries"][0]
+        assert entry["level"] == "info" and entry["fields"]["action"] == "sandbox.create", entry
+        assert entry["timestamp"].endswith("Z"), entry
+        newest = c.get(
+            f"/v2/sandboxes/{sid}/logs",
+            params={"cursor": int(time.time() * 1000) + 1000, "direction": "backward", "limit": 1},
+        ).json()["logs"]
+        assert [e["message"] for e in newest] == ["command.run: exit 3 (exit code 3)"], newest
+        found = c.get(f"/v2/sandboxes/{sid}/logs", params={"search": "logged"}).json()["logs"]
+        assert [e["message"] for e in found] == ["command.run: echo logged"], found
+        assert c.get(f"/v2/sandboxes/{sid}/logs", params={"level": "error"}).json() == {"logs": []}
+        bad = c.get(f"/v2/sandboxes/{sid}/logs", params={"direction": "sideways"})
+        assert bad.status_code == 422 and "direction" in bad.json()["message"], bad.text
+        for path in (f"/sandboxes/{sid}/logs", f"/v2/sandboxes/{sid}/logs"):
+            assert c.get(path, headers={"X-API-KEY": other}).status_code == 404
+        c.delete(f"/sandboxes/{sid}")
+
+
 def test_a_create_retried_with_its_idempotency_key_makes_one_sandbox(server: ServerHandle) -> None:
     """E2B's newer SDKs send `Idempotency-Key` on creates so that a retry after a lost answer
     does not make a second sandbox."""

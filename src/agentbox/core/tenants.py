@@ -128,11 +128,13 @@ class TenantService:
         action: str | None,
         since: float | None,
         limit: int,
+        until: float | None = None,
+        oldest_first: bool = False,
     ) -> list[dict[str, Any]]:
-        """The newest audit events: the caller's tenant's, or for an admin `tenant`'s (None:
-        every tenant's)."""
+        """The newest audit events (or the oldest from `since`): the caller's tenant's, or
+        for an admin `tenant`'s (None: every tenant's)."""
         scope = _log_scope(caller, tenant)
-        return self.store.list_audit(scope, sandbox_id, action, since, limit)
+        return self.store.list_audit(scope, sandbox_id, action, since, limit, until, oldest_first)
 
     def egress_events(
         self,

@@ -679,17 +679,25 @@ class Store:
         return self._newest(egress_log, filters, since, limit)
 
     def _newest(
-        self, table: Table, equal: dict[str, Any], since: float | None, limit: int
+        self,
+        table: Table,
+        equal: dict[str, Any],
+        since: float | None,
+        limit: int,
+        until: float | None = None,
+        oldest_first: bool = False,
     ) -> list[dict[str, Any]]:
-        """A log table's rows, newest first: columns equal to the given values (None or ""
-        = any), at or after `since`."""
+        """A log table's rows, newest first (or the oldest first): columns equal to the given
+        values (None or "" = any), at or after `since`, before `until`."""
         q = select(table)
         for name, value in equal.items():
             if value is not None and value != "":
                 q = q.where(table.c[name] == value)
         if since is not None:
             q = q.where(table.c.time >= since)
-        q = q.order_by(table.c.id.desc()).limit(limit)
+        if until is not None:
+            q = q.where(table.c.time < until)
+        q = q.order_by(table.c.id.asc() if oldest_first else table.c.id.desc()).limit(limit)
         with self.engine.connect() as c:
             return [dict(r._mapping) for r in c.execute(q).all()]
 
@@ -708,9 +716,11 @@ class Store:
         action: str | None,
         since: float | None,
         limit: int,
+        until: float | None = None,
+        oldest_first: bool = False,
     ) -> list[dict[str, Any]]:
         filters = {"tenant": tenant, "sandbox_id": sandbox_id, "action": action}
-        return self._newest(audit, filters, since, limit)
+        return self._newest(audit, filters, since, limit, until, oldest_first)
 
     # ------------------------------------------------------------------ log bounds
 

@@ -11,6 +11,7 @@ request fails as a whole.
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Response
@@ -48,6 +49,35 @@ class NetworkUpdate(Body):
 def snapshot_info(snap: SnapshotRow) -> dict[str, Any]:
     """E2B's `SnapshotInfo`: the id a create names it by, and its names."""
     return {"snapshotID": snap.snapshot_id, "names": [snap.name] if snap.name else []}
+
+
+LOGS_MAX = 1000  # entries in one answer
+LEVELS = ("debug", "info", "warn", "error")
+
+
+def log_entry(event: dict[str, Any]) -> dict[str, Any]:
+    """An audit event as E2B's `SandboxLogEntry`: its action (and command) as the message,
+    the rest as string fields; a refusal is `warn`, a server failure `error`."""
+    detail = event.get("detail") or {}
+    status = event.get("status") or 200
+    failed = detail.get("error") or detail.get("violation")
+    level = "error" if status >= 500 else "warn" if status >= 400 or failed else "info"
+    message = event["action"]
+    if detail.get("cmd"):
+        message += f": {str(detail['cmd'])[:200]}"
+    if detail.get("exit_code") not in (None, 0):
+        message += f" (exit code {detail['exit_code']})"
+    fields = {"action": event["action"], "status": str(status)}
+    if event.get("duration_ms") is not None:
+        fields["duration_ms"] = str(event["duration_ms"])
+    for k, v in detail.items():
+        fields[str(k)] = (v if isinstance(v, str) else json.dumps(v, default=str))[:500]
+    return {
+        "timestamp": rfc3339(event["time"]),
+        "level": level,
+        "message": message,
+        "fields": fields,
+    }
 
 
 def _snapshot_place(snap: SnapshotRow) -> tuple[int, str]:
@@ -164,6 +194,55 @@ def operations_routes(core: Core) -> APIRouter:
             at, snapshot_id = _snapshot_place(page[-1])
             response.headers["x-next-token"] = f"{at}.{snapshot_id}"
         return [snapshot_info(s) for s in page]
+
+    @r.get("/sandboxes/{sandbox_id}/logs")
+    async def logs_v1(
+        sandbox_id: str,
+        mgr: Mgr,
+        who: Who,
+        start: Annotated[int | None, Query(ge=0, le=10**15)] = None,
+        limit: Annotated[int, Query(ge=0, le=LOGS_MAX)] = LOGS_MAX,
+    ) -> dict[str, Any]:
+        """The sandbox's log: its audit events (what was done to and in it), oldest first
+        from `start` (Unix ms)."""
+        mgr.get(who, sandbox_id)  # the caller's (404 for anyone else's)
+        since = start / 1000 if start is not None else None
+        events = await asyncio.to_thread(
+            mgr.tenants.audit_events, who, None, sandbox_id, None, since, limit, None, True
+        )
+        entries = [log_entry(e) for e in events]
+        lines = [{"timestamp": e["timestamp"], "line": e["message"]} for e in entries]
+        return {"logs": lines, "logEntries": entries}
+
+    @r.get("/v2/sandboxes/{sandbox_id}/logs")
+    async def logs_v2(
+        sandbox_id: str,
+        mgr: Mgr,
+        who: Who,
+        cursor: Annotated[int | None, Query(ge=0, le=10**15)] = None,
+        limit: Annotated[int, Query(ge=0, le=LOGS_MAX)] = LOGS_MAX,
+        direction: Annotated[str, Query(pattern="^(forward|backward)$")] = "forward",
+        level: Annotated[str | None, Query(pattern="^(debug|info|warn|error)$")] = None,
+        search: Annotated[str | None, Query(max_length=256)] = None,
+    ) -> dict[str, Any]:
+        """The same log, from `cursor` (Unix ms) onwards, or before it going back; `level`
+        keeps entries at that level or above, `search` those whose message holds it (both
+        among the `limit` entries read, so a page may hold fewer)."""
+        mgr.get(who, sandbox_id)
+        at = cursor / 1000 if cursor is not None else None
+        forward = direction == "forward"
+        events = await asyncio.to_thread(
+            mgr.tenants.audit_events, who, None, sandbox_id, None,
+            at if forward else None, limit, None if forward else at, forward,
+        )  # fmt: skip
+        entries = [log_entry(e) for e in events]
+        floor = LEVELS.index(level) if level else 0
+        kept = [
+            e
+            for e in entries
+            if LEVELS.index(e["level"]) >= floor and (not search or search in e["message"])
+        ]
+        return {"logs": kept}
 
     @r.delete("/templates/{template_id}", status_code=204)
     async def delete_snapshot(template_id: str, mgr: Mgr, who: Who) -> Response:
