@@ -1095,7 +1095,8 @@ def mcp(
         help="What happens to the sandbox when the client disconnects: kill, pause or keep."
     )] = "kill",
     sandbox: Annotated[str | None, typer.Option(
-        help="Use this existing sandbox (resumed if paused) instead of making one.")] = None,
+        help="Use this existing sandbox (resumed if paused) instead of making one.",
+        show_default="a new one, made on the first tool call")] = None,
     secret: Annotated[list[str] | None, typer.Option(
         help="A tenant secret the sandbox gets (repeatable).")] = None,
     env: Annotated[list[str] | None, typer.Option(
