@@ -228,6 +228,26 @@ def run(client: httpx.Client, sandbox_id: str, cmd: str, **body) -> RunResult:
     )
 
 
+def pip_venv(root: Path, requirements: list[str]) -> Path:
+    """The python of a virtual environment with `requirements` from PyPI, kept between runs
+    (by their digest) under `root`."""
+    digest = hashlib.sha256("\n".join([sys.version, *requirements]).encode()).hexdigest()[:12]
+    home = root / digest
+    python = home / "bin" / "python"
+    if (home / "ready").exists():
+        return python
+    subprocess.run([sys.executable, "-m", "venv", "--clear", str(home)], check=True)
+    done = subprocess.run(
+        [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", *requirements],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    (home / "ready").touch()
+    return python
+
+
 def shared_template_dir() -> Path:
     """Built templates shared by every test server of a run (and by later runs on the same
     machine): building code-interpreter takes minutes, finding it in the cache takes ms."""

@@ -11,14 +11,13 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-from conftest import ServerHandle, start_server
+from conftest import ServerHandle, pip_venv, start_server
 
 CLIENT = Path(__file__).with_name("e2b_client.py")
 INTERPRETER_CLIENT = Path(__file__).with_name("e2b_interpreter_client.py")
@@ -59,23 +58,7 @@ VENVS = Path("/var/tmp/agentbox-test-e2b")
 
 
 def _venv(requirements: list[str]) -> Path:
-    """A virtual environment with `requirements` from PyPI, kept between runs (by their
-    digest) under /var/tmp."""
-    digest = hashlib.sha256("\n".join([sys.version, *requirements]).encode()).hexdigest()[:12]
-    home = VENVS / digest
-    python = home / "bin" / "python"
-    if (home / "ready").exists():
-        return python
-    subprocess.run([sys.executable, "-m", "venv", "--clear", str(home)], check=True)
-    done = subprocess.run(
-        [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", *requirements],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    (home / "ready").touch()
-    return python
+    return pip_venv(VENVS, requirements)
 
 
 def _npm_package(package: str) -> Path:

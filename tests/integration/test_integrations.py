@@ -6,16 +6,13 @@ a failure with text the model reads, and killing the sandbox when closed."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-
-from tests.conftest import ServerHandle
+from conftest import ServerHandle, pip_venv
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -56,27 +53,8 @@ VENVS = Path("/var/tmp/agentbox-test-integrations")
 SRC = Path(__file__).resolve().parents[2] / "src"
 
 
-def _venv(requirements: list[str]) -> Path:
-    """A virtual environment with `requirements`, kept between runs (by digest) under /var/tmp."""
-    digest = hashlib.sha256("\n".join([sys.version, *requirements]).encode()).hexdigest()[:12]
-    home = VENVS / digest
-    python = home / "bin" / "python"
-    if (home / "ready").exists():
-        return python
-    subprocess.run([sys.executable, "-m", "venv", "--clear", str(home)], check=True)
-    done = subprocess.run(
-        [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", *requirements],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    (home / "ready").touch()
-    return python
-
-
 def test_the_openai_agents_tools(ci_server: ServerHandle) -> None:
-    python = _venv(OPENAI_AGENTS)
+    python = pip_venv(VENVS, OPENAI_AGENTS)
     key = ci_server.make_key(f"oa-{time.monotonic_ns() % 10**9}")
     env = {
         **os.environ,

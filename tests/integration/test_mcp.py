@@ -13,8 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
-
-from tests.conftest import ServerHandle
+from conftest import ServerHandle
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow, pytest.mark.timeout(300)]
 AGENTBOX = str(Path(sys.executable).parent / "agentbox")

@@ -13,6 +13,7 @@ import socket
 import statistics
 import threading
 import time
+from typing import Any
 
 import httpx
 
@@ -393,14 +394,9 @@ def _e2b_envd_token(ctx: Ctx) -> Verdict:
     box.put("/workspace/e2b-secret.txt", secret.encode()).raise_for_status()
     b_key = ctx.server.key("battery-b")
     with httpx.Client(base_url=url, timeout=30) as c:
-        r = c.post(
-            "/v2/sandboxes",
-            json={"templateID": "host", "timeout": 300},
-            headers={"X-API-KEY": b_key},
-        )
-        if r.status_code != 201:
-            return Verdict("ERROR", evidence=f"E2B create: HTTP {r.status_code} {r.text[:200]}")
-        other = r.json()
+        other = _e2b_create(c, b_key)
+        if isinstance(other, Verdict):
+            return other
         attempts: dict[str, dict[str, str]] = {
             "no token": {},
             "its port token": {"X-Access-Token": box.info.get("access_token") or ""},
@@ -498,17 +494,13 @@ def _e2b_signed_url(ctx: Ctx) -> Verdict:
     secret, target = f"abx-signed-{nonce}", f"/workspace/e2b-signed-{nonce}.txt"
     a_key, b_key = ctx.server.key("battery-a"), ctx.server.key("battery-b")
     with httpx.Client(base_url=url, timeout=30) as c:
-        made = []
-        for key in (a_key, b_key):
-            r = c.post(
-                "/v2/sandboxes",
-                json={"templateID": "host", "timeout": 300},
-                headers={"X-API-KEY": key},
-            )
-            if r.status_code != 201:
-                return Verdict("ERROR", evidence=f"E2B create: HTTP {r.status_code} {r.text[:200]}")
-            made.append(r.json())
-        victim, other = made
+        victim = _e2b_create(c, a_key)
+        if isinstance(victim, Verdict):
+            return victim
+        other = _e2b_create(c, b_key)
+        if isinstance(other, Verdict):
+            c.delete(f"/sandboxes/{victim['sandboxID']}", headers={"X-API-KEY": a_key})
+            return other
         own = {"E2b-Sandbox-Id": victim["sandboxID"], "E2b-Sandbox-Port": "49983"}
         try:
             put = c.post(
@@ -561,6 +553,17 @@ def _e2b_signed_url(ctx: Ctx) -> Verdict:
             c.delete(f"/sandboxes/{other['sandboxID']}", headers={"X-API-KEY": b_key})
     v.evidence = "; ".join(seen)
     return v
+
+
+def _e2b_create(c: httpx.Client, key: str) -> dict[str, Any] | Verdict:
+    """A sandbox made through E2B's API with `key` (its answer), or the check's ERROR."""
+    r = c.post(
+        "/v2/sandboxes", json={"templateID": "host", "timeout": 300}, headers={"X-API-KEY": key}
+    )
+    if r.status_code != 201:
+        return Verdict("ERROR", evidence=f"E2B create: HTTP {r.status_code} {r.text[:200]}")
+    made: dict[str, Any] = r.json()
+    return made
 
 
 def _connect_code(r: httpx.Response) -> str:
