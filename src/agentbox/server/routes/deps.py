@@ -50,7 +50,8 @@ VIA = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:/@-]{0,95}")
 async def caller(
     request: Request,
     x_api_key: Annotated[str | None, Header()] = None,
-    x_agentbox_via: Annotated[str | None, Header()] = None,
+    # Not in the OpenAPI schema of every route: docs/API.md ("Keys, tenants, audit") has it.
+    x_agentbox_via: Annotated[str | None, Header(include_in_schema=False)] = None,
 ) -> Caller:
     known = request.scope.get("agentbox.caller")  # the RequestGuard's check
     who = known if known is not None else (await core(request)).auth.authenticate(x_api_key)
