@@ -71,12 +71,7 @@ class AgentboxToolkit:
                     reply = await tools.call(session, t.name, arguments)
                 except tools.ToolFailed as e:
                     raise ToolException(str(e)) from None
-                text = reply.text()
-                if reply.images:  # a text-only tool answer: the images are named, not inlined
-                    text += (
-                        f"\n[{len(reply.images)} image(s): {', '.join(m for m, _ in reply.images)}]"
-                    )
-                return text
+                return reply.text_only()
 
             def call(**arguments: Any) -> str:
                 return portal.submit(run_there(arguments)).result()

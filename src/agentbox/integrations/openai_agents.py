@@ -57,11 +57,7 @@ def _function_tool(session: Session, t: tools.Tool) -> Any:
             reply = await tools.call(session, t.name, arguments)
         except tools.ToolFailed as e:
             return f"error: {e}"
-        text = reply.text()
-        if reply.images:
-            kinds = ", ".join(mime for mime, _ in reply.images)
-            text += f"\n[{len(reply.images)} image(s): {kinds}]"
-        return text
+        return reply.text_only()
 
     return FunctionTool(
         name=t.name,

@@ -38,6 +38,13 @@ class Reply:
     def text(self) -> str:
         return "\n".join(self.texts)
 
+    def text_only(self) -> str:
+        """For front ends that answer in text alone: the images named, not inlined."""
+        if not self.images:
+            return self.text()
+        kinds = ", ".join(mime for mime, _ in self.images)
+        return f"{self.text()}\n[{len(self.images)} image(s): {kinds}]"
+
 
 class ToolFailed(Exception):
     """What the model should hear when a tool could not do what it asked."""
