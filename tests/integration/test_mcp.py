@@ -5,6 +5,7 @@ errors a model can act on, and the sandbox killed when the client goes away."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 import time
@@ -103,7 +104,11 @@ async def test_an_mcp_session_over_stdio(ci_server: ServerHandle) -> None:
                 break
             time.sleep(0.25)
         assert got.status_code == 200 and "hello.py" in got.text, (url, got.status_code)
-        r = await s.call_tool("command_output", {"command_id": server_id, "stream": "stderr"})
+        for _ in range(40):  # http.server logs the request after it has answered it
+            r = await s.call_tool("command_output", {"command_id": server_id, "stream": "stderr"})
+            if "GET /" in _text(r):
+                break
+            await asyncio.sleep(0.25)
         assert "still running" in _text(r) and "GET /" in _text(r), _text(r)
         r = await s.call_tool("kill_command", {"command_id": server_id})
         assert "killed" in _text(r), _text(r)
