@@ -71,6 +71,8 @@ class ErrorCode(StrEnum):
     INSUFFICIENT_STORAGE = "insufficient_storage"
     BODY_TOO_LARGE = "body_too_large"
     TOO_MANY_COMMANDS = "too_many_commands"
+    SERVER_BUSY = "server_busy"
+    NOT_INSTALLED = "not_installed"
     # the port gateway
     PORT_NOT_OPEN = "port_not_open"
     GATEWAY_BUSY = "gateway_busy"
@@ -125,6 +127,8 @@ STATUS: dict[str, int] = {
     _E.INSUFFICIENT_STORAGE: 507,
     _E.BODY_TOO_LARGE: 413,
     _E.TOO_MANY_COMMANDS: 429,
+    _E.SERVER_BUSY: 503,  # a budget of the whole server's (MCP sessions), not a tenant's
+    _E.NOT_INSTALLED: 501,  # a surface whose optional package the server lacks
     _E.SANDBOX_NOT_RUNNING: 409,
     _E.SANDBOX_UNAVAILABLE: 503,
     _E.SANDBOX_UNHEALTHY: 503,

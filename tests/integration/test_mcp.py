@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import ServerHandle
+from conftest import ServerHandle, start_server
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow, pytest.mark.timeout(300)]
 AGENTBOX = str(Path(sys.executable).parent / "agentbox")
@@ -139,3 +139,169 @@ async def test_an_mcp_session_over_stdio(ci_server: ServerHandle) -> None:
         assert via.get("command.run") in (f"{prefix}/run_command", f"{prefix}/command_output")
         assert via.get("code.run") == f"{prefix}/run_code", via
         assert via.get("sandbox.kill", "") == "", via  # the session's end is no tool call
+
+
+async def test_an_mcp_session_over_http(ci_server: ServerHandle) -> None:
+    """The control plane's `/mcp`, with the official client in its default (`auto`) mode: it
+    probes for the sessionless protocol, is told the versions served, and falls back to the
+    handshake. One session, one sandbox; the session's id is the tenant's alone; the client's
+    DELETE kills the sandbox."""
+    import httpx2
+    from mcp import Client
+    from mcp.client.streamable_http import streamable_http_client
+
+    tenant = f"mcp-http-{time.monotonic_ns() % 10**9}"
+    key = ci_server.make_key(tenant)
+    other = ci_server.make_key(tenant + "-other")
+    url = f"{ci_server.url}/mcp?template=code-interpreter&idle_timeout=600"
+    session_ids: list[str] = []
+
+    async def remember(response: Any) -> None:
+        if sid := response.headers.get("mcp-session-id"):
+            session_ids.append(sid)
+
+    async with httpx2.AsyncClient(
+        headers={"Authorization": f"Bearer {key}"},
+        timeout=httpx2.Timeout(120),
+        event_hooks={"response": [remember]},
+    ) as http:
+        async with Client(streamable_http_client(url, http_client=http)) as client:
+            assert client.protocol_version < "2026", client.protocol_version
+            names = {t.name for t in (await client.list_tools()).tools}
+            assert {"run_command", "run_code", "write_file", "expose_port"} <= names, names
+
+            r = await client.call_tool("write_file", {"path": "a.py", "content": "print(2**10)"})
+            assert not r.is_error, _text(r)
+            r = await client.call_tool("run_command", {"command": "python3 /workspace/a.py"})
+            assert "exit code: 0" in _text(r) and "1024" in _text(r), _text(r)
+            r = await client.call_tool("run_code", {"code": "x = 5\nx * 8"})
+            assert "result:\n40" in _text(r), _text(r)
+            r = await client.call_tool(
+                "run_command", {"command": "curl -sS -m 5 https://example.com"}
+            )
+            assert "blocked:" in _text(r) and "setting: network" in _text(r), _text(r)
+            info = _text(await client.call_tool("sandbox_info", {}))
+            sandbox_id = next(
+                line.split('"')[3] for line in info.splitlines() if '"sandbox_id"' in line
+            )
+
+            # The session is its tenant's: another tenant's key finds no such session, and
+            # no key gets nothing at all.
+            sid = session_ids[-1]
+            probe = {"jsonrpc": "2.0", "id": 9, "method": "tools/list"}
+            h = {"Mcp-Session-Id": sid, "Accept": "application/json, text/event-stream"}
+            with httpx.Client(base_url=ci_server.url, timeout=30) as raw:
+                got = raw.post("/mcp", json=probe, headers={**h, "X-API-Key": other})
+                assert got.status_code == 404, got.text
+                got = raw.post("/mcp", json=probe, headers=h)
+                assert got.status_code == 401 and "Bearer" in got.json()["message"], got.text
+                got = raw.post("/mcp", json=probe, headers={**h, "X-API-Key": key})
+                assert got.status_code == 200 and "run_code" in got.text, got.text
+
+    # The client's DELETE ended the session, and the sandbox with it.
+    with ci_server.client(key) as c:
+        for _ in range(50):
+            state = c.get(f"/v1/sandboxes/{sandbox_id}").json()["state"]
+            if state not in ("running", "stopping"):
+                break
+            time.sleep(0.2)
+        assert state == "killed", state
+        audit = c.get("/v1/audit", params={"sandbox_id": sandbox_id}).json()["events"]
+        via = {e["action"]: (e.get("detail") or {}).get("via", "") for e in reversed(audit)}
+        assert via.get("code.run", "").startswith("mcp-http:ses_"), via
+        assert via["code.run"].endswith("/run_code"), via
+
+
+def test_mcp_over_http_refuses_what_it_should(ci_server: ServerHandle) -> None:
+    """Bad connect options and the sessionless protocol version are refused with a reason; a
+    tenant's open sessions are capped."""
+    key = ci_server.make_key(f"mcp-refusals-{time.monotonic_ns() % 10**9}")
+    init = {
+        "jsonrpc": "2.0",
+        "id": 1,
+        "method": "initialize",
+        "params": {
+            "protocolVersion": "2025-06-18",
+            "capabilities": {},
+            "clientInfo": {"name": "t", "version": "1"},
+        },
+    }
+    h = {"X-API-Key": key, "Accept": "application/json, text/event-stream"}
+    with httpx.Client(base_url=ci_server.url, timeout=30) as raw:
+        got = raw.post("/mcp?templat=x", json=init, headers=h)
+        assert got.status_code == 400 and "'templat'" in got.json()["message"], got.text
+        got = raw.post("/mcp?on_end=explode", json=init, headers=h)
+        assert got.status_code == 400 and "on_end" in got.json()["message"], got.text
+        got = raw.post("/mcp?idle_timeout=0", json=init, headers=h)
+        assert got.status_code == 400 and "idle_timeout" in got.json()["message"], got.text
+        modern = {"jsonrpc": "2.0", "id": 7, "method": "server/discover", "params": {}}
+        got = raw.post("/mcp", json=modern, headers={**h, "MCP-Protocol-Version": "2026-07-28"})
+        body = got.json()
+        assert got.status_code == 400 and body["id"] == 7, got.text
+        assert body["error"]["code"] == -32022, body
+        assert "2025-06-18" in body["error"]["data"]["supported"], body
+
+        # Sessions are opened (no sandbox until a tool needs one) up to the tenant's limit.
+        opened = []
+        for _ in range(16):
+            got = raw.post("/mcp", json=init, headers=h)
+            assert got.status_code == 200, got.text
+            opened.append(got.headers["mcp-session-id"])
+        got = raw.post("/mcp", json=init, headers=h)
+        assert got.status_code == 429 and "16 MCP sessions" in got.json()["message"], got.text
+        for sid in opened:
+            assert raw.delete("/mcp", headers={**h, "Mcp-Session-Id": sid}).status_code == 200
+        got = raw.post("/mcp", json=init, headers=h)
+        assert got.status_code == 200, got.text
+        raw.delete("/mcp", headers={**h, "Mcp-Session-Id": got.headers["mcp-session-id"]})
+
+
+async def test_an_mcp_session_over_http_that_idles_out_ends(tmp_path: Path) -> None:
+    """A client that goes away without ending its session (no DELETE): after the server's
+    MCP idle timeout the session ends, and its sandbox with it."""
+    import httpx2
+    from mcp import Client
+    from mcp.client.streamable_http import streamable_http_client
+
+    handle = start_server(tmp_path, ["--mcp-idle-timeout", "2"])
+    try:
+        key = handle.make_key("mcp-idle")
+        ids: list[str] = []
+
+        async def remember(response: Any) -> None:
+            if sid := response.headers.get("mcp-session-id"):
+                ids.append(sid)
+
+        async with httpx2.AsyncClient(
+            headers={"X-API-Key": key}, timeout=60, event_hooks={"response": [remember]}
+        ) as http:
+            transport = streamable_http_client(
+                f"{handle.url}/mcp?template=host", http_client=http, terminate_on_close=False
+            )
+            async with Client(transport) as client:
+                r = await client.call_tool("run_command", {"command": "echo hi"})
+                assert "hi" in _text(r), _text(r)
+                info = _text(await client.call_tool("sandbox_info", {}))
+        sandbox_id = next(
+            line.split('"')[3] for line in info.splitlines() if '"sandbox_id"' in line
+        )
+        with handle.client(key) as c:
+            assert c.get(f"/v1/sandboxes/{sandbox_id}").json()["state"] == "running"
+            for _ in range(60):
+                state = c.get(f"/v1/sandboxes/{sandbox_id}").json()["state"]
+                if state not in ("running", "stopping"):
+                    break
+                time.sleep(0.25)
+            assert state == "killed", state
+            got = c.post(
+                "/mcp",
+                json={"jsonrpc": "2.0", "id": 1, "method": "tools/list"},
+                headers={
+                    "Mcp-Session-Id": ids[-1],
+                    "Accept": "application/json, text/event-stream",
+                },
+            )
+            assert got.status_code == 404, got.text
+    finally:
+        handle.kill_all_sandboxes()
+        handle.stop()

@@ -357,6 +357,24 @@ async def test_the_mcp_config(readme: Readme, anyio_backend: str) -> None:  # no
         text = "\n".join(c.text for c in r.content if c.type == "text")
         assert not r.is_error and "hi from mcp" in text, text
 
+    # The remote agent's config: the server's /mcp over streamable HTTP, with the key.
+    import httpx2
+    from mcp import Client
+    from mcp.client.streamable_http import streamable_http_client
+
+    block = next(b for b in readme_blocks() if b.lang == "json" and '"url"' in b.body)
+    remote = json.loads(block.body)["mcpServers"]["agentbox"]
+    assert remote["type"] == "http" and remote["url"] == "http://127.0.0.1:8686/mcp", remote
+    url = readme.env["AGENTBOX_API_URL"] + "/mcp"
+    auth = remote["headers"]["Authorization"].replace("<your key>", readme.env["AGENTBOX_API_KEY"])
+    async with (
+        httpx2.AsyncClient(headers={"Authorization": auth}, timeout=120) as http,
+        Client(streamable_http_client(url, http_client=http)) as client,
+    ):
+        r = await client.call_tool("run_code", {"code": "print('hi over http')"})
+        text = "\n".join(c.text for c in r.content if c.type == "text")
+        assert not r.is_error and "hi over http" in text, text
+
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-v"]))

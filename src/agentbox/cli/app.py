@@ -178,6 +178,12 @@ def serve(
         min=16, help="Open HTTP connections the server keeps; half at most for clients that "
         "have not shown a valid API key.", show_default="a quarter of the descriptor limit"
     )] = None,
+    mcp_idle_timeout: Annotated[float | None, typer.Option(
+        min=1, help="Seconds an MCP session over HTTP (/mcp) may go without a request before "
+        "it ends, and its sandbox with it.", show_default="1800")] = None,
+    mcp_sessions_per_tenant: Annotated[int | None, typer.Option(
+        min=1, help="MCP sessions over HTTP one tenant may have open at once.",
+        show_default="16")] = None,
     host_path: Annotated[list[str] | None, typer.Option(
         "--host-path", help="A host path sandboxes of the host template see read-only, "
         "e.g. /usr/local (hidden otherwise) or /etc/pip.conf (repeatable).")] = None,
@@ -201,7 +207,7 @@ def serve(
     from agentbox.core.network import NetworkSettings
     from agentbox.server.app import serve as run_server  # the server is heavy: load on use
     from agentbox.server.gateway import RelayLimits
-    from agentbox.server.limits import ServerLimits
+    from agentbox.server.limits import McpLimits, ServerLimits
     from agentbox.templates import valid_name
 
     default_template = default_template or config.default_template()
@@ -246,7 +252,10 @@ def serve(
                network=network, limits=ServerLimits(
                    max_connections=max_connections,
                    relay=RelayLimits(write_timeout=relay_write_timeout),
-                   logs=LogLimits(retention_days=log_retention_days, max_rows=log_max_rows)),
+                   logs=LogLimits(retention_days=log_retention_days, max_rows=log_max_rows),
+                   mcp=McpLimits(
+                       idle_timeout=mcp_idle_timeout or McpLimits.idle_timeout,
+                       per_tenant=mcp_sessions_per_tenant or McpLimits.per_tenant)),
                runtime_name=runtime,
                runtime_config={"host_paths": host_path} if host_path else None,
                default_template=default_template)

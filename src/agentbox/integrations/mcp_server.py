@@ -1,15 +1,17 @@
 """`agentbox mcp`: the sandbox tools (integrations/tools.py) as an MCP server over stdio, built
-on the official `mcp` SDK (an optional extra: `pip install agentbox[mcp]`).
+on the official `mcp` SDK (an optional extra: `pip install agentbox[mcp]`). The control plane
+serves the same server over streamable HTTP at `/mcp` (integrations/mcp_http.py).
 
-One server process is one session: its sandbox is made on the first tool call that needs one
-and reused by every later call; when the client goes away (stdin closes) the sandbox is killed,
-paused or kept (`--on-end`). Tool errors come back as MCP tool errors (`isError`) whose text
-says what was blocked, by which setting, and what to do instead.
+Over stdio, one server process is one session: its sandbox is made on the first tool call
+that needs one and reused by every later call; when the client goes away (stdin closes) the
+sandbox is killed, paused or kept (`--on-end`). Tool errors come back as MCP tool errors
+(`isError`) whose text says what was blocked, by which setting, and what to do instead.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from agentbox.integrations import tools
@@ -19,8 +21,9 @@ log = logging.getLogger("agentbox.mcp")
 SERVER_NAME = "agentbox"
 
 
-def build_server(session: Session) -> Any:
-    """An `mcp` low-level Server whose tools run in `session`."""
+def build_server(session_of: Callable[[Any], Session]) -> Any:
+    """An `mcp` low-level Server whose tools run in the session `session_of(ctx)` gives for
+    a request's context (stdio: always the process's one; HTTP: the MCP session's)."""
     import mcp_types as types
     from mcp.server.lowlevel import Server
 
@@ -32,9 +35,9 @@ def build_server(session: Session) -> Any:
     async def list_tools(ctx: Any, params: Any) -> types.ListToolsResult:  # noqa: ARG001
         return types.ListToolsResult(tools=listing)
 
-    async def call_tool(ctx: Any, params: Any) -> types.CallToolResult:  # noqa: ARG001
+    async def call_tool(ctx: Any, params: Any) -> types.CallToolResult:
         try:
-            reply = await tools.call(session, params.name, params.arguments)
+            reply = await tools.call(session_of(ctx), params.name, params.arguments)
         except tools.ToolFailed as e:
             return types.CallToolResult(
                 content=[types.TextContent(type="text", text=str(e))], is_error=True
@@ -64,7 +67,7 @@ async def serve_stdio(config: SessionConfig) -> None:
     from mcp.server.stdio import stdio_server
 
     session = Session(config)
-    server = build_server(session)
+    server = build_server(lambda _ctx: session)
     try:
         async with stdio_server() as (read, write):
             await server.run(read, write, server.create_initialization_options())

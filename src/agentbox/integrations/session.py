@@ -6,8 +6,8 @@ the session (killed, paused or kept: `on_end`). A session may instead start on a
 already exists (`sandbox_id`): it is connected (and resumed if paused) on first use.
 
 Command output the model has not read yet is kept here, so a long output is paged, never cut:
-each command's stdout and stderr are buffered (the newest commands' first, OUTPUT_KEEP bytes
-in all; a command pushed out says so when asked for).
+each command's stdout and stderr are buffered (the newest commands' first, `output_keep`
+characters in all; a command pushed out says so when asked for).
 """
 
 from __future__ import annotations
@@ -41,12 +41,14 @@ class SessionConfig:
     envs: dict[str, str] = field(default_factory=dict)
     on_end: OnEnd = "kill"
     sandbox_id: str | None = None  # start on this sandbox instead of making one
+    # Characters of command output kept for paging, all commands (one stream: half of it).
+    output_keep: int = OUTPUT_KEEP
 
 
 @dataclass
 class Output:
     """One command's output as far as it has come (each stream's oldest part dropped past
-    STREAM_KEEP, and counted), and whether it has ended."""
+    `stream_keep`, and counted), and whether it has ended."""
 
     stdout: str = ""
     stderr: str = ""
@@ -55,12 +57,13 @@ class Output:
     error: str | None = None
     done: bool = False
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    stream_keep: int = STREAM_KEEP
 
     def add(self, stream: str, text: str) -> None:
         kept = getattr(self, stream) + text
-        if len(kept) > STREAM_KEEP:
-            self.dropped[stream] += len(kept) - STREAM_KEEP
-            kept = kept[-STREAM_KEEP:]
+        if len(kept) > self.stream_keep:
+            self.dropped[stream] += len(kept) - self.stream_keep
+            kept = kept[-self.stream_keep :]
         setattr(self, stream, kept)
         self.changed.set()
 
@@ -121,13 +124,13 @@ class Session:
     # ------------------------------------------------------------------ command output
 
     def keep(self, cmd_id: str, out: Output) -> None:
-        """Keep a command's output for paging; past OUTPUT_KEEP in all, the oldest ended
+        """Keep a command's output for paging; past `output_keep` in all, the oldest ended
         commands' output goes (and a later read of it says so)."""
         self.outputs[cmd_id] = out
         self.outputs.move_to_end(cmd_id)
         total = sum(o.size() for o in self.outputs.values())
         for old_id in list(self.outputs)[:-1]:
-            if total <= OUTPUT_KEEP:
+            if total <= self.config.output_keep:
                 break
             old = self.outputs[old_id]
             if old.done:
@@ -141,7 +144,7 @@ class Session:
                 f"this session already follows {MAX_BACKGROUND} background commands; "
                 "kill one (kill_command) or wait for one to end"
             )
-        out = Output()
+        out = self.output()
         self.keep(handle.cmd_id, out)
         self._handles[handle.cmd_id] = handle
 
@@ -165,6 +168,10 @@ class Session:
 
         self._followers[handle.cmd_id] = asyncio.create_task(follow())
         return out
+
+    def output(self) -> Output:
+        """An empty output buffer under this session's budget."""
+        return Output(stream_keep=min(STREAM_KEEP, self.config.output_keep // 2))
 
     def handle(self, cmd_id: str) -> AsyncCommandHandle | None:
         return self._handles.get(cmd_id)

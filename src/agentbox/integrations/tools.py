@@ -208,7 +208,10 @@ async def run_command(session: Session, a: RunCommand) -> Reply:
             timed_out=e.timed_out, violation=e.violation, cmd_id=e.cmd_id,
         )  # fmt: skip
     assert isinstance(result, CommandResult)
-    out = Output(stdout=result.stdout, stderr=result.stderr, exit_code=result.exit_code, done=True)
+    out = session.output()  # kept for paging, under the session's output budget
+    out.add("stdout", result.stdout)
+    out.add("stderr", result.stderr)
+    out.exit_code, out.done = result.exit_code, True
     cmd_id = result.cmd_id or f"fg{len(session.outputs)}"
     session.keep(cmd_id, out)
     return _command_reply(cmd_id, result)

@@ -11,7 +11,7 @@ import os
 import sys
 import time
 from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -124,7 +124,10 @@ def create_app(
         log_keeper.start()
         core.attach(Services(manager, store, auth, runtime, netsvc))
         try:
-            yield
+            async with AsyncExitStack() as surfaces_running:
+                for surface_lifespan in installed.lifespans:
+                    await surfaces_running.enter_async_context(surface_lifespan())
+                yield
         finally:
             # Sandboxes are not stopped: they outlive the server and are re-adopted.
             await manager.stop()

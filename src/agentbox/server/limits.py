@@ -40,6 +40,16 @@ MiB = 2**20
 
 
 @dataclass(frozen=True)
+class McpLimits:
+    """What MCP sessions over HTTP (`/mcp`) may hold: each keeps its commands' unread output."""
+
+    sessions: int = 128  # open at once, every tenant together
+    per_tenant: int = 16  # open at once, one tenant
+    output_keep: int = 2 * MiB  # characters of command output one session keeps for paging
+    idle_timeout: float = 1800.0  # a session with no request (and no open stream) this long ends
+
+
+@dataclass(frozen=True)
 class ServerLimits:
     """The server's budgets for clients. Defaults suit one small host; see docs/API.md."""
 
@@ -76,6 +86,7 @@ class ServerLimits:
     e2b_envd_tokens: bool = True
     # What the audit and egress logs may hold (sandboxes' refused attempts are sampled).
     logs: LogLimits = field(default_factory=LogLimits)
+    mcp: McpLimits = field(default_factory=McpLimits)
 
     def connection_cap(self) -> int:
         if self.max_connections is not None:

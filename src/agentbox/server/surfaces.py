@@ -12,6 +12,7 @@ built in, so it is there whether or not the package's entry points are installed
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING
@@ -93,7 +94,12 @@ class Core:
 class SurfaceRoutes:
     """What a surface contributes: its routes, when they apply, and which need no API key."""
 
-    router: APIRouter
+    router: APIRouter = field(default_factory=APIRouter)
+    # Served as it is, in place of the router, for the requests `predicate` claims: a surface
+    # that speaks its own protocol over HTTP (MCP).
+    asgi: ASGIApp | None = None
+    # Entered once the core has started, left before it stops (a surface's own tasks).
+    lifespan: Callable[[], AbstractAsyncContextManager[None]] | None = None
     # Checked before any path: the requests it claims are this surface's alone.
     predicate: Callable[[Scope], bool] | None = None
     open_paths: frozenset[str] = frozenset()
@@ -118,6 +124,7 @@ class Installed:
     # Every claim in the order requests are routed (the first that matches takes it): whether
     # its surface checks its own credential, and its streamed routes.
     claims: tuple[tuple[Callable[[Scope], bool], bool, frozenset[tuple[str, str]]], ...] = ()
+    lifespans: tuple[Callable[[], AbstractAsyncContextManager[None]], ...] = ()
 
     def own_credentials(self, scope: Scope) -> tuple[bool, bool]:
         """Whether the surface that takes the request checks its credential itself, and
@@ -173,22 +180,26 @@ def install(app: FastAPI, core: Core, surfaces: Iterable[Surface]) -> Installed:
     own: list[tuple[Callable[[Scope], bool], bool, frozenset[tuple[str, str]]]] = []
     open_paths: set[str] = set()
     ports: dict[int, ASGIApp] = {}
+    lifespans = []
     for contribution in (surface(core) for surface in surfaces):
         if contribution.predicate is None:
             app.include_router(contribution.router)
         else:
-            claims.append((contribution.predicate, _own_app(contribution.router, core)))
+            served = contribution.asgi or _own_app(contribution.router, core)
+            claims.append((contribution.predicate, served))
             own.append((contribution.predicate, contribution.authenticates, contribution.streams))
         open_paths |= contribution.open_paths
         for port, handler in contribution.ports.items():
             if port in ports:
                 raise ValueError(f"two surfaces serve sandbox port {port}")
             ports[port] = handler
+        if contribution.lifespan is not None:
+            lifespans.append(contribution.lifespan)
     if claims:
         # Added before the request guard and the gateway, so inside them: the same keys and
         # limits apply to every surface.
         app.add_middleware(_Claimed, claims=claims)  # type: ignore[arg-type]
-    return Installed(frozenset(open_paths), ports, tuple(own))
+    return Installed(frozenset(open_paths), ports, tuple(own), tuple(lifespans))
 
 
 def _own_app(router: APIRouter, core: Core) -> FastAPI:
