@@ -139,7 +139,13 @@ def main(argv: list[str] | None = None) -> int:
 # Weakenings of the API and the port gateway alone: their code is the same whatever the tier,
 # so their positive controls run once, on the process tier (the default runs on every tier).
 CONTROL_PLANE_ONLY = frozenset(
-    {"server-unguarded", "gateway-unbounded", "host-files-follow", "e2b-envd-open"}
+    {
+        "server-unguarded",
+        "gateway-unbounded",
+        "host-files-follow",
+        "e2b-envd-open",
+        "mcp-sessions-open",
+    }
 )
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 
-from agentbox.battery.checks import Ctx, Verdict, blocked, check
+from agentbox.battery.checks import Ctx, Verdict, blocked, check, na
 from agentbox.battery.netns import RELAY_WRITE_TIMEOUT
 from agentbox.battery.target import Box, answers
 
@@ -551,6 +551,95 @@ def _e2b_signed_url(ctx: Ctx) -> Verdict:
         finally:
             c.delete(f"/sandboxes/{victim['sandboxID']}", headers={"X-API-KEY": a_key})
             c.delete(f"/sandboxes/{other['sandboxID']}", headers={"X-API-KEY": b_key})
+    v.evidence = "; ".join(seen)
+    return v
+
+
+# ---------------------------------------------------------------------------- MCP over HTTP
+
+_MCP_ACCEPT = {"Accept": "application/json, text/event-stream"}
+
+
+def _mcp_rpc(
+    c: httpx.Client, headers: dict[str, str], method: str, params: dict[str, Any] | None = None
+) -> tuple[int, str]:
+    """One JSON-RPC request to /mcp: its status and its answer's text (SSE or JSON)."""
+    body: dict[str, Any] = {"jsonrpc": "2.0", "id": 1, "method": method}
+    if params is not None:
+        body["params"] = params
+    r = c.post("/mcp", json=body, headers={**_MCP_ACCEPT, **headers})
+    return r.status_code, r.text
+
+
+@check(
+    "mcp-session-owner",
+    "control-plane",
+    "An MCP session over HTTP (/mcp) is its opening tenant's alone: with another tenant's key "
+    "(either header) or no key, no tool runs in it, nothing of its sandbox is read, and the "
+    "session cannot be ended",
+    {"mcp-sessions-open"},
+    tier_free=True,
+)
+def _mcp_session_owner(ctx: Ctx) -> Verdict:
+    nonce = ctx.oracle.nonce
+    secret = f"abx-mcp-{nonce}"
+    a_key, b_key = ctx.server.key("battery-a"), ctx.server.key("battery-b")
+    init = {
+        "protocolVersion": "2025-06-18",
+        "capabilities": {},
+        "clientInfo": {"name": "battery", "version": "1"},
+    }
+    with httpx.Client(base_url=ctx.server.url, timeout=120) as c:
+        opened = c.post(
+            "/mcp?template=host",
+            json={"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": init},
+            headers={**_MCP_ACCEPT, "Authorization": f"Bearer {a_key}"},
+        )
+        if opened.status_code == 501:
+            return na("the server has no mcp package: /mcp is not served")
+        sid = opened.headers.get("mcp-session-id")
+        if opened.status_code != 200 or not sid:
+            said = f"initialize: {opened.status_code} {opened.text[:200]}"
+            return Verdict("ERROR", evidence=said)
+        owner = {"X-API-Key": a_key, "Mcp-Session-Id": sid, "MCP-Protocol-Version": "2025-06-18"}
+        c.post(
+            "/mcp",
+            json={"jsonrpc": "2.0", "method": "notifications/initialized"},
+            headers={**_MCP_ACCEPT, **owner},
+        )
+        wrote = {"name": "write_file", "arguments": {"path": "mcp-secret.txt", "content": secret}}
+        status, text = _mcp_rpc(c, owner, "tools/call", wrote)
+        if status != 200 or "/workspace/mcp-secret.txt" not in text:
+            return Verdict("ERROR", evidence=f"the owner's write_file: {status} {text[:200]}")
+        ran = f"/workspace/mcp-ran-{nonce}"
+        attempts = {
+            "another tenant's key": {"X-API-Key": b_key},
+            "another tenant's bearer": {"Authorization": f"Bearer {b_key}"},
+            "no key": {},
+        }
+        v, seen = blocked(""), []
+        for label, key in attempts.items():
+            h = {**key, "Mcp-Session-Id": sid, "MCP-Protocol-Version": "2025-06-18"}
+            read = {"name": "read_file", "arguments": {"path": "mcp-secret.txt"}}
+            run = {"name": "run_command", "arguments": {"command": f"echo x > {ran}"}}
+            r_status, r_text = _mcp_rpc(c, h, "tools/call", read)
+            x_status, _ = _mcp_rpc(c, h, "tools/call", run)
+            listed, _ = _mcp_rpc(c, h, "tools/list")
+            ended = c.delete("/mcp", headers={**_MCP_ACCEPT, **h}).status_code
+            seen.append(
+                f"{label}: read_file {r_status}, run_command {x_status}, tools/list {listed}, "
+                f"DELETE {ended}"
+            )
+            if secret in r_text:
+                v.add_break("READ", f"{label} read the session's sandbox's file")
+        status, text = _mcp_rpc(c, owner, "tools/call", {"name": "list_files", "arguments": {}})
+        if f"mcp-ran-{nonce}" in text:
+            v.add_break("ESCAPE", "another tenant's key ran a command in the session's sandbox")
+        if status == 404:
+            v.add_break("DOS", "another tenant's key (or none) ended the session")
+        elif status != 200:
+            return Verdict("ERROR", evidence=f"the owner's list_files: {status} {text[:200]}")
+        c.delete("/mcp", headers={**_MCP_ACCEPT, **owner})
     v.evidence = "; ".join(seen)
     return v
 

@@ -43,6 +43,8 @@ SERVER_WEAKENINGS: dict[str, str] = {
     "refused egress attempt is written to the egress log one by one",
     "e2b-envd-open": "E2B's sandbox traffic (envd) takes any token as the sandbox's envd token, "
     "and any signature as a signed file URL's",
+    "mcp-sessions-open": "an MCP session over HTTP (/mcp) answers any tenant's key, not only "
+    "its own tenant's",
     "host-files-follow": "the files APIs the server serves on the host (volumes, kept "
     "workspaces) follow the symlinks a sandbox left there",
     "quota-open": "tenants get the quota they had before every resource was capped: no cap on "
@@ -96,6 +98,8 @@ def weakened_limits(flags: set[str], relay_write_timeout: float = 30.0) -> Serve
         limits = dataclasses.replace(limits, host_files_nofollow=False)
     if "e2b-envd-open" in flags:
         limits = dataclasses.replace(limits, e2b_envd_tokens=False)
+    if "mcp-sessions-open" in flags:
+        limits = dataclasses.replace(limits, mcp=dataclasses.replace(limits.mcp, owner_check=False))
     return limits
 
 

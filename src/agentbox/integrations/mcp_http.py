@@ -197,7 +197,7 @@ class McpEndpoint:
         self, sid: str, caller: Caller, scope: Scope, receive: Receive, send: Send
     ) -> None:
         live = self._live.get(sid)
-        if live is None or live.tenant != caller.tenant:
+        if live is None or (live.tenant != caller.tenant and self.limits.owner_check):
             # Unknown, ended, or another tenant's: the same answer.
             await _jsonrpc_error(send, 404, -32600, "Session not found")
             return

@@ -47,6 +47,9 @@ class McpLimits:
     per_tenant: int = 16  # open at once, one tenant
     output_keep: int = 2 * MiB  # characters of command output one session keeps for paging
     idle_timeout: float = 1800.0  # a session with no request (and no open stream) this long ends
+    # A session answers only its own tenant's keys. Off only in the security battery's positive
+    # control (`mcp-sessions-open`): any valid key may use any session.
+    owner_check: bool = True
 
 
 @dataclass(frozen=True)
