@@ -110,6 +110,13 @@ async def test_an_mcp_session_over_stdio(ci_server: ServerHandle) -> None:
                 break
             await asyncio.sleep(0.25)
         assert "still running" in _text(r) and "GET /" in _text(r), _text(r)
+        # fetch_url runs in the sandbox: its own loopback needs no egress policy.
+        r = await s.call_tool(
+            "fetch_url", {"url": "http://127.0.0.1:8123/hello.py", "path": "copy/hello.py"}
+        )
+        assert not r.is_error and "saved" in _text(r) and "/workspace/copy/hello.py" in _text(r)
+        r = await s.call_tool("read_file", {"path": "copy/hello.py"})
+        assert "print(6 * 7)" in _text(r), _text(r)
         r = await s.call_tool("kill_command", {"command_id": server_id})
         assert "killed" in _text(r), _text(r)
 
@@ -118,6 +125,10 @@ async def test_an_mcp_session_over_stdio(ci_server: ServerHandle) -> None:
         text = _text(r)
         assert "blocked:" in text and "example.com" in text and "setting: network" in text, text
         assert "allow_out" in text, text  # what to do instead
+        r = await s.call_tool("fetch_url", {"url": "https://example.com/x.txt"})
+        assert r.is_error and "blocked:" in _text(r) and "example.com" in _text(r), _text(r)
+        r = await s.call_tool("fetch_url", {"url": "file:///etc/passwd"})
+        assert r.is_error and "http" in _text(r), _text(r)
         r = await s.call_tool("read_file", {"path": "/workspace/nope.txt"})
         assert r.is_error and "nope.txt" in _text(r), _text(r)
         r = await s.call_tool("run_command", {"command": 7})
@@ -136,7 +147,9 @@ async def test_an_mcp_session_over_stdio(ci_server: ServerHandle) -> None:
         session = via.get("sandbox.create", "")
         assert session.startswith("mcp:ses_") and session.endswith("/write_file"), via
         prefix = session.rsplit("/", 1)[0]
-        assert via.get("command.run") in (f"{prefix}/run_command", f"{prefix}/command_output")
+        assert via.get("command.run") == f"{prefix}/fetch_url", (
+            via
+        )  # the last command: in the sandbox
         assert via.get("code.run") == f"{prefix}/run_code", via
         assert via.get("sandbox.kill", "") == "", via  # the session's end is no tool call
 
@@ -174,6 +187,17 @@ async def test_an_mcp_session_over_http(ci_server: ServerHandle) -> None:
             assert not r.is_error, _text(r)
             r = await client.call_tool("run_command", {"command": "python3 /workspace/a.py"})
             assert "exit code: 0" in _text(r) and "1024" in _text(r), _text(r)
+            listed = await client.list_resources()
+            uris = {str(res.uri): res for res in listed.resources}
+            assert "file:///workspace/a.py" in uris, uris
+            assert uris["file:///workspace/a.py"].size == len("print(2**10)")
+            got = await client.read_resource("file:///workspace/a.py")
+            assert got.contents[0].text == "print(2**10)", got
+            await client.call_tool(
+                "write_file", {"path": "b.bin", "content": "/wD+", "base64": True}
+            )
+            got = await client.read_resource("file:///workspace/b.bin")
+            assert got.contents[0].blob == "/wD+", got
             r = await client.call_tool("run_code", {"code": "x = 5\nx * 8"})
             assert "result:\n40" in _text(r), _text(r)
             r = await client.call_tool(
@@ -282,9 +306,18 @@ async def test_an_mcp_session_over_http_that_idles_out_ends(tmp_path: Path) -> N
                 r = await client.call_tool("run_command", {"command": "echo hi"})
                 assert "hi" in _text(r), _text(r)
                 info = _text(await client.call_tool("sandbox_info", {}))
+                await client.call_tool("write_file", {"path": "mark.txt", "content": "forked"})
+                r = await client.call_tool("snapshot_sandbox", {"name": "mcp-idle-snap"})
+                assert "template='mcp-idle-snap'" in _text(r), _text(r)
+                r = await client.call_tool("fork_sandbox", {})
+                assert _text(r).startswith("forked: sbx_"), _text(r)
+                fork_id = _text(r).split()[1]
         sandbox_id = next(
             line.split('"')[3] for line in info.splitlines() if '"sandbox_id"' in line
         )
+        with handle.client(key) as c:  # the fork has the sandbox's files
+            got = c.get(f"/v1/sandboxes/{fork_id}/files", params={"path": "/workspace/mark.txt"})
+            assert got.text == "forked", got.text
         with handle.client(key) as c:
             assert c.get(f"/v1/sandboxes/{sandbox_id}").json()["state"] == "running"
             for _ in range(60):
@@ -293,6 +326,7 @@ async def test_an_mcp_session_over_http_that_idles_out_ends(tmp_path: Path) -> N
                     break
                 time.sleep(0.25)
             assert state == "killed", state
+            assert c.get(f"/v1/sandboxes/{fork_id}").json()["state"] == "killed"
             got = c.post(
                 "/mcp",
                 json={"jsonrpc": "2.0", "id": 1, "method": "tools/list"},

@@ -52,6 +52,17 @@ def test_the_sdk_gets_every_line(sbx: Sandbox) -> None:
     _is_seq("".join(got))
     assert not result.truncated
 
+    # keep_output=False: the output goes to the callback alone; the result keeps none of it.
+    got.clear()
+    result = sbx.commands.run(
+        f"seq 1 {LINES}", on_stdout=got.append, timeout=120, keep_output=False
+    )
+    _is_seq("".join(got))
+    assert result.stdout == "" and result.exit_code == 0
+    handle = sbx.commands.run("seq 1 3", background=True, keep_output=False)
+    assert "".join(out for out, _ in handle if out) == "1\n2\n3\n"
+    assert handle.wait().stdout == ""
+
 
 def test_raw_http_gets_every_line_even_reading_slowly(sbx: Sandbox, conn: dict[str, Any]) -> None:
     with httpx.Client(

@@ -10,6 +10,7 @@ sandbox is killed, paused or kept (`--on-end`). Tool errors come back as MCP too
 
 from __future__ import annotations
 
+import base64
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -49,6 +50,49 @@ def build_server(session_of: Callable[[Any], Session]) -> Any:
         ]
         return types.CallToolResult(content=content)
 
+    async def list_resources(ctx: Any, params: Any) -> types.ListResourcesResult:
+        cursor = params.cursor if params is not None else None
+        try:
+            files, more = await tools.workspace_files(session_of(ctx), cursor)
+        except tools.AgentboxError as e:
+            raise _mcp_error(tools.explain(e)) from None
+        resources = [
+            types.Resource(
+                uri=f.uri,
+                name=f.path.removeprefix("/workspace/"),
+                mime_type=f.mime_type,
+                size=f.size,
+            )  # fmt: skip
+            for f in files
+        ]
+        return types.ListResourcesResult(resources=resources, next_cursor=more)
+
+    async def list_templates(ctx: Any, params: Any) -> types.ListResourceTemplatesResult:  # noqa: ARG001
+        workspace = types.ResourceTemplate(
+            uri_template="file:///workspace/{path}",
+            name="workspace file",
+            description="A file of the session's sandbox, under /workspace (read whole, up to "
+            "4 MiB; the read_file tool pages larger ones).",
+        )
+        return types.ListResourceTemplatesResult(resource_templates=[workspace])
+
+    async def read_resource(ctx: Any, params: Any) -> types.ReadResourceResult:
+        try:
+            data, mime = await tools.read_resource(session_of(ctx), str(params.uri))
+        except tools.ToolFailed as e:
+            raise _mcp_error(str(e)) from None
+        except tools.AgentboxError as e:
+            raise _mcp_error(tools.explain(e)) from None
+        uri = str(params.uri)
+        contents: Any = (
+            types.TextResourceContents(uri=uri, mime_type=mime, text=data)
+            if isinstance(data, str)
+            else types.BlobResourceContents(
+                uri=uri, mime_type=mime, blob=base64.b64encode(data).decode()
+            )
+        )
+        return types.ReadResourceResult(contents=[contents])
+
     return Server(
         SERVER_NAME,
         instructions=(
@@ -59,7 +103,17 @@ def build_server(session_of: Callable[[Any], Session]) -> Any:
         ),
         on_list_tools=list_tools,
         on_call_tool=call_tool,
+        on_list_resources=list_resources,
+        on_list_resource_templates=list_templates,
+        on_read_resource=read_resource,
     )
+
+
+def _mcp_error(message: str) -> Exception:
+    from mcp.shared.exceptions import MCPError
+    from mcp_types import INVALID_PARAMS
+
+    return MCPError(code=INVALID_PARAMS, message=message)
 
 
 async def serve_stdio(config: SessionConfig) -> None:

@@ -83,6 +83,7 @@ class Session:
         self.outputs: OrderedDict[str, Output] = OrderedDict()
         self.evicted: set[str] = set()
         self._followers: dict[str, asyncio.Task[None]] = {}
+        self._forks: list[AsyncSandbox] = []  # made by fork_sandbox: they end with the session
         self._handles: dict[str, AsyncCommandHandle] = {}
 
     @property
@@ -93,6 +94,11 @@ class Session:
     @property
     def sandbox_id(self) -> str | None:
         return self._sandbox.sandbox_id if self._sandbox is not None else self.config.sandbox_id
+
+    @property
+    def has_sandbox(self) -> bool:
+        """Whether the session has (or starts on) a sandbox: one is not made to be looked at."""
+        return self._sandbox is not None or self.config.sandbox_id is not None
 
     async def sandbox(self) -> AsyncSandbox:
         """The session's sandbox, made (or connected) on first use; its time-out extended by
@@ -176,6 +182,10 @@ class Session:
     def handle(self, cmd_id: str) -> AsyncCommandHandle | None:
         return self._handles.get(cmd_id)
 
+    async def adopt_fork(self, sandbox: AsyncSandbox) -> None:
+        """A fork of the session's sandbox, ended (killed, paused, kept) with the session."""
+        self._forks.append(sandbox)
+
     # ------------------------------------------------------------------ the end
 
     async def close(self) -> None:
@@ -185,13 +195,18 @@ class Session:
         for task in list(self._followers.values()):
             with contextlib.suppress(BaseException):
                 await task
+        forks, self._forks = self._forks, []
         sbx, self._sandbox = self._sandbox, None
-        if sbx is None:
-            return
-        try:
-            if self.config.on_end == "kill":
-                await sbx.kill()
-            elif self.config.on_end == "pause":
-                await sbx.pause()
-        finally:
-            await sbx.close()
+        failed: Exception | None = None
+        for each in [*forks, *([sbx] if sbx is not None else [])]:
+            try:
+                if self.config.on_end == "kill":
+                    await each.kill()
+                elif self.config.on_end == "pause":
+                    await each.pause()
+            except Exception as e:  # noqa: BLE001 - the others still end; the first is raised
+                failed = failed or e
+            finally:
+                await each.close()
+        if failed is not None:
+            raise failed

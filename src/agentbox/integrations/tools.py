@@ -12,8 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import codecs
 import json
-from collections.abc import Awaitable, Callable
+import mimetypes
+import posixpath
+import shlex
+import urllib.parse
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
@@ -147,30 +152,29 @@ class RunCommand(Args):
     ] = None
 
 
-def _command_reply(cmd_id: str | None, result: CommandResult | Output, note: str = "") -> Reply:
-    dropped = getattr(result, "dropped", {"stdout": 0, "stderr": 0})
+def _command_reply(
+    cmd_id: str | None, out: Output, result: CommandResult | None = None, note: str = ""
+) -> Reply:
+    """A command's answer: how it ended (`result`, once it has) and its output so far (`out`,
+    the session's bounded copy: the SDK keeps none of a tool's command output)."""
     parts = [f"command_id: {cmd_id}" + (f" ({note})" if note else "")]
-    exit_code = result.exit_code
-    done = getattr(result, "done", True)
-    if done:
-        parts.append(f"exit code: {exit_code}")
-    else:
-        parts.append("still running")
-    if getattr(result, "timed_out", False):
-        parts.append("it was killed at its timeout")
-    violation = getattr(result, "violation", None)
-    if result.error and not (violation is not None and violation.message in result.error):
-        parts.append(f"error: {result.error}")
-    if violation is not None:
-        parts.append(f"blocked: {violation.message} (setting: {violation.setting or 'none'})")
-    for attempt in getattr(result, "network_blocked", []) or []:
-        parts.append(
-            f"network blocked: {attempt.host}:{attempt.port} ({attempt.message}; "
-            f"rule: {attempt.rule or 'default deny'})"
-        )
-    parts.append(_page("stdout", result.stdout, 0, cmd_id, dropped["stdout"]))
-    if result.stderr or dropped["stderr"]:
-        parts.append(_page("stderr", result.stderr, 0, cmd_id, dropped["stderr"]))
+    parts.append(f"exit code: {out.exit_code}" if out.done else "still running")
+    if result is not None:
+        if result.timed_out:
+            parts.append("it was killed at its timeout")
+        violation = result.violation
+        if result.error and not (violation is not None and violation.message in result.error):
+            parts.append(f"error: {result.error}")
+        if violation is not None:
+            parts.append(f"blocked: {violation.message} (setting: {violation.setting or 'none'})")
+        for attempt in result.network_blocked:
+            parts.append(
+                f"network blocked: {attempt.host}:{attempt.port} ({attempt.message}; "
+                f"rule: {attempt.rule or 'default deny'})"
+            )
+    parts.append(_page("stdout", out.stdout, 0, cmd_id, out.dropped["stdout"]))
+    if out.stderr or out.dropped["stderr"]:
+        parts.append(_page("stderr", out.stderr, 0, cmd_id, out.dropped["stderr"]))
     return Reply([part for part in parts if part])
 
 
@@ -188,8 +192,9 @@ async def run_command(session: Session, a: RunCommand) -> Reply:
     sbx = await session.sandbox()
     if a.background:
         handle = await sbx.commands.run(
-            a.command, background=True, envs=a.envs, cwd=a.cwd, timeout=a.timeout, stdin=True
-        )
+            a.command, background=True, envs=a.envs, cwd=a.cwd, timeout=a.timeout, stdin=True,
+            keep_output=False,
+        )  # fmt: skip
         try:
             out = await session.start_background(handle)  # type: ignore[arg-type]
         except RuntimeError as e:
@@ -198,23 +203,26 @@ async def run_command(session: Session, a: RunCommand) -> Reply:
         return (
             Reply([f"command_id: {handle.cmd_id} (started in the background)"])
             if not (out.stdout or out.stderr)
-            else _command_reply(handle.cmd_id, out, "started in the background")
+            else _command_reply(handle.cmd_id, out, note="started in the background")
         )
+    # The output goes only to the session's bounded buffer, kept there for paging.
+    out = session.output()
     try:
-        result = await sbx.commands.run(a.command, envs=a.envs, cwd=a.cwd, timeout=a.timeout)
+        result = await sbx.commands.run(
+            a.command, envs=a.envs, cwd=a.cwd, timeout=a.timeout, keep_output=False,
+            on_stdout=lambda text: out.add("stdout", text),
+            on_stderr=lambda text: out.add("stderr", text),
+        )  # fmt: skip
     except CommandExitException as e:
         result = CommandResult(
-            stdout=e.stdout, stderr=e.stderr, exit_code=e.exit_code, error=e.error,
-            timed_out=e.timed_out, violation=e.violation, cmd_id=e.cmd_id,
+            stdout="", stderr="", exit_code=e.exit_code, error=e.error, timed_out=e.timed_out,
+            violation=e.violation, cmd_id=e.cmd_id, network_blocked=e.network_blocked,
         )  # fmt: skip
     assert isinstance(result, CommandResult)
-    out = session.output()  # kept for paging, under the session's output budget
-    out.add("stdout", result.stdout)
-    out.add("stderr", result.stderr)
     out.exit_code, out.done = result.exit_code, True
     cmd_id = result.cmd_id or f"fg{len(session.outputs)}"
     session.keep(cmd_id, out)
-    return _command_reply(cmd_id, result)
+    return _command_reply(cmd_id, out, result)
 
 
 class CommandOutput(Args):
@@ -378,17 +386,41 @@ def _abs(path: str) -> str:
 async def read_file(session: Session, a: ReadFile) -> Reply:
     sbx = await session.sandbox()
     path = _abs(a.path)
-    data = await sbx.files.read(path, format="bytes")
-    whole: bytes | str = data if a.binary else data.decode("utf-8", "replace")
-    chunk = whole[a.offset : a.offset + FILE_PAGE]
+    size = (await sbx.files.get_info(path)).size
+    page, more = await _read_page(await sbx.files.read(path, format="stream"), a)
     unit = "bytes" if a.binary else "characters"
-    text = base64.b64encode(chunk).decode() if isinstance(chunk, bytes) else chunk
-    parts = [f"{path} ({len(whole)} {unit}):", text]
-    rest = len(whole) - a.offset - len(chunk)
-    if rest > 0:
-        at = a.offset + len(chunk)
-        parts.append(f"[{rest} more {unit}: read_file(path={path!r}, offset={at})]")
+    text = base64.b64encode(page).decode() if isinstance(page, bytes) else page
+    parts = [f"{path} ({size} bytes; {unit} {a.offset} to {a.offset + len(page)}):", text]
+    if more:
+        at = a.offset + len(page)
+        parts.append(f"[more of the file: read_file(path={path!r}, offset={at})]")
     return Reply(parts)
+
+
+async def _read_page(stream: AsyncIterator[bytes], a: ReadFile) -> tuple[str | bytes, bool]:
+    """FILE_PAGE characters (or bytes) of a file's stream from `a.offset`, and whether more
+    follows. Read as it comes and dropped up to the offset, so a page of a large file takes a
+    page of memory (the server's, when the session is served by it); the rest is not read."""
+    end = a.offset + FILE_PAGE
+    seen, kept = 0, []
+    decode = codecs.getincrementaldecoder("utf-8")("replace").decode
+    try:
+        async for chunk in stream:
+            piece: str | bytes = chunk if a.binary else decode(chunk)
+            if seen + len(piece) > a.offset:
+                kept.append(piece[max(a.offset - seen, 0) : end - seen])
+            seen += len(piece)
+            if seen > end:
+                break
+        else:
+            if not a.binary:
+                tail = decode(b"", True)
+                kept.append(tail[max(a.offset - seen, 0) : end - seen])
+                seen += len(tail)
+    finally:
+        await stream.aclose()  # type: ignore[attr-defined]
+    page = b"".join(kept) if a.binary else "".join(kept)  # type: ignore[arg-type]
+    return page, seen > end
 
 
 class WriteFile(Args):
@@ -441,6 +473,61 @@ async def remove_file(session: Session, a: RemoveFile) -> Reply:
     return Reply([f"removed {_abs(a.path)}"])
 
 
+class FetchUrl(Args):
+    url: Annotated[str, Field(description="An http:// or https:// URL.")]
+    path: Annotated[
+        str | None,
+        Field(
+            description="Where to save it: absolute, or relative to /workspace (default: the "
+            "URL's file name, in /workspace)."
+        ),
+    ] = None
+    timeout: Annotated[float, Field(gt=0, le=600, description="Seconds it may take.")] = 120
+
+
+@tool(
+    "fetch_url",
+    "Download a URL into a file of the sandbox. The download runs inside the sandbox, through "
+    "its egress proxy: it works only where the sandbox's network policy allows the URL's host "
+    "(a refusal says which rule refused it and how to allow it).",
+    FetchUrl,
+)
+async def fetch_url(session: Session, a: FetchUrl) -> Reply:
+    url = urllib.parse.urlsplit(a.url)
+    if url.scheme not in ("http", "https") or not url.hostname:
+        raise ToolFailed(f"not an http:// or https:// URL with a host: {a.url!r}")
+    if any(c.isspace() or ord(c) < 32 or ord(c) == 127 for c in a.url):
+        raise ToolFailed("the URL has spaces or control characters: percent-encode them")
+    path = _abs(a.path or posixpath.basename(url.path) or "download")
+    # In the sandbox, so the egress proxy decides (and audits) where it may go; curl is in
+    # every shipped template.
+    command = (
+        "command -v curl >/dev/null || { echo 'fetch_url needs curl in the sandbox' >&2; "
+        "exit 127; }; curl -fsSL --proto =http,https --proto-redir =http,https --create-dirs "
+        f"-o {shlex.quote(path)} -w '%{{http_code}} %{{size_download}} %{{content_type}}' "
+        f"-- {shlex.quote(a.url)}"
+    )
+    sbx = await session.sandbox()
+    out = session.output()
+    try:
+        await sbx.commands.run(
+            command, timeout=a.timeout, keep_output=False,
+            on_stdout=lambda text: out.add("stdout", text),
+            on_stderr=lambda text: out.add("stderr", text),
+        )  # fmt: skip
+    except CommandExitException as e:
+        failed = CommandResult(
+            stdout="", stderr="", exit_code=e.exit_code, error=e.error, timed_out=e.timed_out,
+            violation=e.violation, cmd_id=e.cmd_id, network_blocked=e.network_blocked,
+        )  # fmt: skip
+        out.exit_code, out.done = e.exit_code, True
+        said = _command_reply(e.cmd_id, out, failed).text()
+        raise ToolFailed(f"could not fetch {a.url}\n{said}") from None
+    status, size, kind = (out.stdout.split(" ", 2) + ["", ""])[:3]
+    what = f", {kind}" if kind else ""
+    return Reply([f"saved {a.url} to {path} ({size} bytes{what}; HTTP {status})"])
+
+
 # ---------------------------------------------------------------------------- the sandbox
 
 
@@ -488,3 +575,117 @@ async def expose_port(session: Session, a: ExposePort) -> Reply:
     sbx = await session.sandbox()
     url = await sbx.get_url(a.port, expires_in=a.expires_in)
     return Reply([url])
+
+
+class SnapshotArgs(Args):
+    name: Annotated[
+        str | None,
+        Field(description="A name to start sandboxes from it by (unique among your snapshots)."),
+    ] = None
+
+
+@tool(
+    "snapshot_sandbox",
+    "Save a copy of this sandbox's disk (its root and /workspace, not its running processes) "
+    "as a snapshot that new sandboxes can start from. The sandbox is frozen only while its "
+    "disk is copied.",
+    SnapshotArgs,
+)
+async def snapshot_sandbox(session: Session, a: SnapshotArgs) -> Reply:
+    sbx = await session.sandbox()
+    snap = await sbx.create_snapshot(a.name)
+    ref = snap.name or snap.snapshot_id
+    return Reply(
+        [
+            f"snapshot {snap.snapshot_id}"
+            + (f" ({snap.name})" if snap.name else "")
+            + f" of {snap.sandbox_id}: {snap.used_bytes} bytes; a sandbox starts from it with "
+            f"template={ref!r}"
+        ]
+    )
+
+
+class ForkArgs(Args):
+    count: Annotated[int, Field(ge=1, le=4, description="How many copies.")] = 1
+
+
+@tool(
+    "fork_sandbox",
+    "Make running copies of this sandbox (its disk and settings; not its processes), each on "
+    "its own from then on, to try alternatives side by side (another session or client works "
+    "in one by its id). This session keeps its own sandbox; the copies end with it.",
+    ForkArgs,
+)
+async def fork_sandbox(session: Session, a: ForkArgs) -> Reply:
+    sbx = await session.sandbox()
+    children = await sbx.fork(a.count)
+    ids = [child.sandbox_id for child in children]
+    for child in children:
+        await session.adopt_fork(child)
+    return Reply([f"forked: {', '.join(ids)} (running; ended with this session)"])
+
+
+# ---------------------------------------------------------------------------- resources
+
+WORKSPACE = "/workspace"
+RESOURCE_MAX = 4 << 20  # bytes of a file read whole as a resource; read_file pages the rest
+
+
+@dataclass(frozen=True)
+class WorkspaceFile:
+    uri: str
+    path: str
+    size: int
+    mime_type: str
+
+
+def file_uri(path: str) -> str:
+    return "file://" + urllib.parse.quote(path)
+
+
+def uri_path(uri: str) -> str:
+    """The workspace path a `file:///workspace/...` URI names; ToolFailed for anything else."""
+    parts = urllib.parse.urlsplit(uri)
+    path = posixpath.normpath(urllib.parse.unquote(parts.path)) if parts.path else ""
+    if parts.scheme != "file" or parts.netloc or not path.startswith(WORKSPACE + "/"):
+        raise ToolFailed(f"not a file of the sandbox's workspace: {uri!r} (file:///workspace/...)")
+    return path
+
+
+async def workspace_files(
+    session: Session, cursor: str | None = None
+) -> tuple[list[WorkspaceFile], str | None]:
+    """The files under /workspace (5 levels deep), a page at a time; none while the session
+    has no sandbox (listing does not make one)."""
+    if not session.has_sandbox:
+        return [], None
+    sbx = await session.sandbox()
+    entries = await sbx.files.list(WORKSPACE, depth=5, limit=500, cursor=cursor)
+    files = [
+        WorkspaceFile(file_uri(e.path), e.path, e.size, _mime(e.path))
+        for e in entries
+        if e.type == "file"
+    ]
+    return files, entries.next_cursor if entries.truncated else None
+
+
+async def read_resource(session: Session, uri: str) -> tuple[str | bytes, str]:
+    """A workspace file whole (text when it is UTF-8, else bytes), and its MIME type."""
+    path = uri_path(uri)
+    sbx = await session.sandbox()
+    size = (await sbx.files.get_info(path)).size
+    if size > RESOURCE_MAX:
+        raise ToolFailed(
+            f"{path} is {size} bytes, over the {RESOURCE_MAX} a resource is read whole: use "
+            "the read_file tool, which pages it"
+        )
+    data = await sbx.files.read(path, format="bytes")
+    try:
+        return data.decode("utf-8"), _mime(path)
+    except UnicodeDecodeError:
+        return data, _mime(path, binary=True)
+
+
+def _mime(path: str, binary: bool = False) -> str:
+    guessed = mimetypes.guess_type(path)[0]
+    return guessed or ("application/octet-stream" if binary else "text/plain")

@@ -194,11 +194,13 @@ class AsyncCommandHandle(p.CommandHandleBase):
         on_stdout: AsyncOutputCallback | None = None,
         on_stderr: AsyncOutputCallback | None = None,
         request_timeout: float | None = None,
+        keep_output: bool = True,
     ) -> None:
         self._commands = commands
         self._progress = p.CommandProgress(
-            commands._sandbox_id, cmd_id, pid, request_timeout=request_timeout
-        )
+            commands._sandbox_id, cmd_id, pid, request_timeout=request_timeout,
+            keep_output=keep_output,
+        )  # fmt: skip
         self._on_stdout = on_stdout
         self._on_stderr = on_stderr
         self._live: AsyncLiveOutput | None = None
@@ -273,6 +275,7 @@ class AsyncCommands:
         *,
         user: str | None = None,
         request_timeout: float | None = None,
+        keep_output: bool = True,
     ) -> CommandResult: ...
 
     @overload
@@ -290,6 +293,7 @@ class AsyncCommands:
         *,
         user: str | None = None,
         request_timeout: float | None = None,
+        keep_output: bool = True,
     ) -> AsyncCommandHandle: ...
 
     async def run(
@@ -306,6 +310,7 @@ class AsyncCommands:
         *,
         user: str | None = None,
         request_timeout: float | None = None,
+        keep_output: bool = True,
     ) -> CommandResult | AsyncCommandHandle:
         """Run `cmd` in `cwd` (default /workspace) as `user` ("user", uid 1000, or "root", the
         sandbox's own root; default: the template's); `timeout` seconds (0 = none) is enforced
@@ -319,6 +324,9 @@ class AsyncCommands:
         from another task.
         Background: returns a CommandHandle at once; its output goes to the callbacks as it
         arrives, from a task following the command (in the sync SDK: during `wait()`).
+        `keep_output=False`: the output goes only to the callbacks (or the handle's iteration),
+        and the result's stdout and stderr stay empty: a long-running command's output then
+        takes no memory here beyond what the callbacks keep.
         """
         if background:
             info = await self._transport.call(
@@ -330,11 +338,12 @@ class AsyncCommands:
             if on_start is not None:
                 on_start(info.cmd_id)
             return AsyncCommandHandle(
-                self, info.cmd_id, info.pid, on_stdout, on_stderr, request_timeout
+                self, info.cmd_id, info.pid, on_stdout, on_stderr, request_timeout, keep_output
             )
         progress = p.CommandProgress(
-            self._sandbox_id, cmd=cmd, on_start=on_start, request_timeout=request_timeout
-        )
+            self._sandbox_id, cmd=cmd, on_start=on_start, request_timeout=request_timeout,
+            keep_output=keep_output,
+        )  # fmt: skip
         first = p.timed(
             p.run_command(self._sandbox_id, cmd, envs, cwd, timeout, stdin, user),
             request_timeout,

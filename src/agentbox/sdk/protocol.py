@@ -1067,8 +1067,10 @@ class CommandProgress:
     def __init__(self, sandbox_id: str, cmd_id: str | None = None, pid: int | None = None,
                  cmd: str | None = None,
                  on_start: Callable[[str], Any] | None = None,
-                 request_timeout: float | None = None) -> None:
+                 request_timeout: float | None = None, keep_output: bool = True) -> None:
         self.sandbox_id = sandbox_id
+        # False: the output is delivered (callbacks, iteration) but not kept for the result.
+        self.keep_output = keep_output
         self.request_timeout = request_timeout  # of the resumed streams too
         self.on_start = on_start
         self.cmd_id = cmd_id
@@ -1097,7 +1099,8 @@ class CommandProgress:
         if kind in ("stdout", "stderr"):
             data = str(event.get("data", ""))
             self.offset += len(data.encode("utf-8", "surrogatepass"))
-            (self.stdout if kind == "stdout" else self.stderr).append(data)
+            if self.keep_output:
+                (self.stdout if kind == "stdout" else self.stderr).append(data)
             return kind, data
         if kind == "start":
             self.cmd_id = str(event.get("cmd_id")) if event.get("cmd_id") else self.cmd_id

@@ -186,11 +186,13 @@ class CommandHandle(p.CommandHandleBase):
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
         request_timeout: float | None = None,
+        keep_output: bool = True,
     ) -> None:
         self._commands = commands
         self._progress = p.CommandProgress(
-            commands._sandbox_id, cmd_id, pid, request_timeout=request_timeout
-        )
+            commands._sandbox_id, cmd_id, pid, request_timeout=request_timeout,
+            keep_output=keep_output,
+        )  # fmt: skip
         self._on_stdout = on_stdout
         self._on_stderr = on_stderr
         self._live: LiveOutput | None = None
@@ -264,6 +266,7 @@ class Commands:
         *,
         user: str | None = None,
         request_timeout: float | None = None,
+        keep_output: bool = True,
     ) -> CommandResult: ...
 
     @overload
@@ -281,6 +284,7 @@ class Commands:
         *,
         user: str | None = None,
         request_timeout: float | None = None,
+        keep_output: bool = True,
     ) -> CommandHandle: ...
 
     def run(
@@ -297,6 +301,7 @@ class Commands:
         *,
         user: str | None = None,
         request_timeout: float | None = None,
+        keep_output: bool = True,
     ) -> CommandResult | CommandHandle:
         """Run `cmd` in `cwd` (default /workspace) as `user` ("user", uid 1000, or "root", the
         sandbox's own root; default: the template's); `timeout` seconds (0 = none) is enforced
@@ -310,6 +315,9 @@ class Commands:
         from another thread.
         Background: returns a CommandHandle at once; its output goes to the callbacks as it
         arrives, from a task following the command (in the sync SDK: during `wait()`).
+        `keep_output=False`: the output goes only to the callbacks (or the handle's iteration),
+        and the result's stdout and stderr stay empty: a long-running command's output then
+        takes no memory here beyond what the callbacks keep.
         """
         if background:
             info = self._transport.call(
@@ -320,10 +328,13 @@ class Commands:
             )
             if on_start is not None:
                 on_start(info.cmd_id)
-            return CommandHandle(self, info.cmd_id, info.pid, on_stdout, on_stderr, request_timeout)
+            return CommandHandle(
+                self, info.cmd_id, info.pid, on_stdout, on_stderr, request_timeout, keep_output
+            )
         progress = p.CommandProgress(
-            self._sandbox_id, cmd=cmd, on_start=on_start, request_timeout=request_timeout
-        )
+            self._sandbox_id, cmd=cmd, on_start=on_start, request_timeout=request_timeout,
+            keep_output=keep_output,
+        )  # fmt: skip
         first = p.timed(
             p.run_command(self._sandbox_id, cmd, envs, cwd, timeout, stdin, user),
             request_timeout,
