@@ -1,7 +1,10 @@
-"""`agentbox mcp` driven by the official `mcp` client over stdio, against a real server: one
-session, one sandbox reused across tool calls (files, commands, code with a plot, a background
-server exposed on a signed URL), paged output, a blocked action reported with its rule, tool
-errors a model can act on, and the sandbox killed when the client goes away."""
+"""agentbox's MCP server driven by the official `mcp` client, against a real server: over stdio
+(`agentbox mcp`) and over streamable HTTP (the server's own `/mcp`). One session, one sandbox
+reused across tool calls (files, commands, code with a plot, a background server exposed on a
+signed URL, downloads run in the sandbox, resources, snapshot and fork), paged output, a
+blocked action reported with its rule, tool errors a model can act on, sessions owned by their
+tenant and budgeted, and the sandbox ended with the session (the client leaving, its DELETE, or
+an idle timeout)."""
 
 from __future__ import annotations
 
@@ -198,8 +201,23 @@ async def test_an_mcp_session_over_http(ci_server: ServerHandle) -> None:
             )
             got = await client.read_resource("file:///workspace/b.bin")
             assert got.contents[0].blob == "/wD+", got
-            r = await client.call_tool("run_code", {"code": "x = 5\nx * 8"})
+            r = await client.call_tool(
+                "run_code",
+                {"code": "import matplotlib.pyplot as plt\nplt.plot([1, 3, 2])\nplt.show()\n5 * 8"},
+            )
             assert "result:\n40" in _text(r), _text(r)
+            assert [c.mime_type for c in r.content if c.type == "image"] == ["image/png"]
+            r = await client.call_tool(
+                "run_command",
+                {"command": "cd /workspace && python3 -m http.server 8124", "background": True},
+            )
+            for _ in range(40):
+                url = _text(await client.call_tool("expose_port", {"port": 8124})).strip()
+                got = httpx.get(url, timeout=10)
+                if got.status_code == 200:
+                    break
+                await asyncio.sleep(0.25)
+            assert got.status_code == 200 and "a.py" in got.text, (url, got.status_code)
             r = await client.call_tool(
                 "run_command", {"command": "curl -sS -m 5 https://example.com"}
             )
