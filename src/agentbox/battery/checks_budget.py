@@ -14,6 +14,8 @@ import os
 import socket
 import time
 
+import httpx
+
 from agentbox.battery.checks import Ctx, Verdict, blocked, check
 from agentbox.battery.netns import EGRESS_ALLOWED
 from agentbox.battery.target import Box
@@ -85,7 +87,16 @@ def _background(ctx: Ctx, box: Box) -> int:
     """Server descriptors gained while the sandbox runs many background commands."""
     before = _server_fds(ctx)
     for _ in range(COMMANDS):
-        box.start("sleep 120")
+        # A sandbox busy with the last one (gVisor's kernel on a loaded 2-core host) may be
+        # briefly unavailable: what counts is the descriptors of the commands it runs.
+        for attempt in range(5):
+            try:
+                box.start("sleep 120")
+                break
+            except httpx.HTTPStatusError as e:
+                if e.response.status_code != 503 or attempt == 4:
+                    raise
+                time.sleep(0.5)
     return _server_fds(ctx) - before
 
 
