@@ -247,6 +247,15 @@ def commands() -> None:
         assert sbx.commands.run("pwd", cwd="/tmp").stdout == "/tmp\n"
         ok("stream_envs_cwd")
 
+        # E2B's layout: the user's home and working directory are /home/user (the same files
+        # as agentbox's /workspace, written through either path).
+        assert sbx.commands.run("pwd; echo $HOME").stdout == "/home/user\n/home/user\n"
+        sbx.files.write("/home/user/layout.txt", "one")
+        r = sbx.commands.run("cat layout.txt /workspace/layout.txt; echo two > /workspace/b.txt")
+        assert r.stdout == "oneone" and sbx.files.read("/home/user/b.txt") == "two\n", r
+        assert sbx.commands.run("pwd", user="root").stdout != "/home/user\n"
+        ok("home")
+
         try:
             sbx.commands.run("echo bad >&2; exit 3")
         except CommandExitException as e:

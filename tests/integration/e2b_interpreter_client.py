@@ -76,6 +76,9 @@ def cells() -> None:
         ex = sbx.run_code("import pandas as pd\nint(pd.read_csv('/home/user/data.csv')['b'].sum())")
         assert ex.text == "6", ex
         assert sbx.commands.run("cat /home/user/data.csv").stdout.endswith("3,4\n")
+        assert sbx.commands.run("pwd; cat /workspace/data.csv").stdout.startswith("/home/user\n")
+        ctx = sbx.create_code_context()
+        assert sbx.run_code("import os\nos.getcwd()", context=ctx).text == "'/home/user'"
         ok("home_user")
 
         code = "import os\nos.environ.get('ONCE')"

@@ -45,8 +45,8 @@ SCENARIOS = {
         "token_required", "signed_urls",
     ],
     "commands": [
-        "run", "stream_envs_cwd", "exit_code", "users", "background_kill", "stdin", "connect",
-        "timeout",
+        "run", "stream_envs_cwd", "home", "exit_code", "users", "background_kill", "stdin",
+        "connect", "timeout",
     ],
     "filesystem": ["make_dir_info", "list", "symlink", "rename_remove", "missing"],
     "pty": ["terminal", "kill"],

@@ -127,19 +127,19 @@ def test_root_writes_copy_up_and_the_template_stays(
     assert _tree_digest(tree) == before
 
 
-def test_home_user_is_the_workspace_until_root_changes_it(client: httpx.Client) -> None:
-    """E2B's home, /home/user, links to the workspace; the files API resolves that one link
-    (E2B code writes there), and no other: a link the sandbox's root has replaced is refused
-    as every symlink is."""
+def test_home_user_is_the_workspace(client: httpx.Client) -> None:
+    """E2B's home, /home/user, is the workspace mounted there too: the same files through
+    either path (the files API's too), and a mount point the sandbox's root cannot move."""
     sid = create_sandbox(client, template="rooty")["sandbox_id"]
     try:
         r = client.put(f"/v1/sandboxes/{sid}/files", params={"path": "/home/user/e2b.txt"},
                        content=b"e2b")  # fmt: skip
-        assert r.status_code in (200, 201) and r.json()["path"] == "/workspace/e2b.txt", r.text
+        assert r.status_code in (200, 201) and r.json()["path"] == "/home/user/e2b.txt", r.text
         assert run(client, sid, "cat /workspace/e2b.txt /home/user/e2b.txt").stdout == "e2be2b"
-        run(client, sid, "rm /home/user && ln -s /etc /home/user", user="root")
-        r = client.get(f"/v1/sandboxes/{sid}/files", params={"path": "/home/user/passwd"})
-        assert r.status_code == 400 and "symbolic link" in r.json()["message"], r.text
+        r = run(client, sid, "mv /home/user /home/moved 2>&1; ls /home", user="root")
+        assert "busy" in r.stdout and "moved" not in r.stdout.split(), r
+        r = client.get(f"/v1/sandboxes/{sid}/files", params={"path": "/home/user/e2b.txt"})
+        assert r.status_code == 200 and r.content == b"e2b", r.text
     finally:
         client.delete(f"/v1/sandboxes/{sid}")
 

@@ -329,7 +329,8 @@ def parse_path(raw: object) -> list[str]:
 def _home_is_workspace() -> bool:
     """Whether /home/user is the agent's own link to the workspace (link_e2b_home): the one
     symlink the files API resolves, since no one in the sandbox but its root may change it,
-    and a link that root has changed is followed no more."""
+    and a link that root has changed is followed no more. (Where the runtime mounted the
+    workspace at /home/user, no link is resolved: the path is a mount point.)"""
     try:
         return os.readlink("/home/user") == WORKSPACE
     except OSError:

@@ -12,6 +12,7 @@ from that dict and from the host.
 
 from __future__ import annotations
 
+import os
 import socket
 from abc import ABC, abstractmethod
 from contextlib import AbstractAsyncContextManager
@@ -50,6 +51,30 @@ class VolumeMount:
     path: str
     source: Path
     read_only: bool = False
+
+
+# E2B's home, where code written for E2B keeps its files: the workspace is mounted there too
+# (where the sandbox's root can take a mount point: home_mount_point).
+E2B_HOME = "/home/user"
+
+
+def home_mount_point(root: Path) -> bool:
+    """Whether a sandbox root (a writable root, as the host sees it before the sandbox starts)
+    can take the workspace at E2B_HOME: /home a directory, /home/user missing or an empty
+    directory. A template's own /home/user (or one a disk it starts from holds) is left as it
+    is, and no mount goes through a symlink."""
+    home = root / "home"
+    if home.is_symlink() or not home.is_dir():
+        return False
+    user = home / "user"
+    if user.is_symlink():
+        return False
+    if not os.path.lexists(user):
+        return True
+    if not user.is_dir():
+        return False
+    with os.scandir(user) as entries:
+        return next(entries, None) is None
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from typing import Any, ClassVar
 
 from agentbox.agent import protocol as P
 from agentbox.agent.client import AgentClient, AgentOpError, AgentUnavailable
-from agentbox.runtimes.base import Resources, RuntimeError_, SandboxSpec
+from agentbox.runtimes.base import E2B_HOME, Resources, RuntimeError_, SandboxSpec
 from agentbox.runtimes.oci import bundle
 from agentbox.runtimes.oci.bundle import CHANNEL_DIR, CHANNEL_SOCKET, Bundle
 from agentbox.runtimes.process import hostview, rootfs, userns
@@ -72,6 +72,8 @@ _SKELETON_DIRS = [
     "/run",
     "/var",
     "/workspace",
+    "/home",
+    E2B_HOME,
     AGENT_MOUNT,
     "/opt",
     "/root",
@@ -287,6 +289,11 @@ class OciRuntime(ProcessRuntime):
             raise RuntimeError_(f"the {self.name} runtime runs built templates copy-on-write only")
         var_tmp = bool(spec.rootfs) and not Path(spec.rootfs or "", "var/tmp").is_symlink()
         root = bind_dir / rootfs.ROOT  # the overlay the server mounted, or a skeleton
+        home = self._home_mount(spec)
+        if home and writable_root and not (root / E2B_HOME[1:]).exists():
+            # The mount point, made here: the binary (runsc's gofer) then mounts onto it.
+            (root / E2B_HOME[1:]).mkdir(mode=0o755)
+            os.chown(root / E2B_HOME[1:], uid, uid)
         mounts = []
         if writable_root and self._fence_by_mounts():
             # The fence the agent draws with Landlock elsewhere, drawn with mounts: a
@@ -300,6 +307,7 @@ class OciRuntime(ProcessRuntime):
             mounts += self._host_userland_mounts()
         mounts += [
             bundle.bind(ws, "/workspace", writable=True),
+            *([bundle.bind(ws, E2B_HOME, writable=True)] if home else []),
             # Volumes after the workspace (one may be below it), before the agent's tree.
             *(
                 bundle.bind(bind_dir / f"{VOLUME_PREFIX}{n}", v.path, writable=not v.read_only)

@@ -119,7 +119,7 @@ ETC_ROOT_ONLY: dict[str, bytes] = {
 ETC_SYMLINKS = {"mtab": "../proc/self/mounts"}
 
 # Sandbox paths a host path listed by the operator may not cover or sit in.
-_RESERVED = ("/proc", "/dev", "/sys", "/tmp", "/workspace", "/run")
+_RESERVED = ("/proc", "/dev", "/sys", "/tmp", "/workspace", "/run", "/home/user")
 
 
 class HostPathError(ValueError):

@@ -40,6 +40,7 @@ from typing import Any, ClassVar
 
 from agentbox.runtimes import diskimage
 from agentbox.runtimes.base import (
+    E2B_HOME,
     ISOLATION_RANKS,
     AgentAddress,
     Ceiling,
@@ -52,6 +53,7 @@ from agentbox.runtimes.base import (
     RuntimeFeatures,
     RuntimeRefused,
     SandboxSpec,
+    home_mount_point,
 )
 from agentbox.runtimes.process import hostview, rootfs, userns, workspace
 from agentbox.runtimes.process.cgroups import GROUP, CgroupError, CgroupLimits, Cgroups
@@ -429,10 +431,11 @@ class ProcessRuntime(Runtime):
             argv += self._tmpfs_args("/var/tmp", small_mb)
         else:
             argv += ["--symlink", "/tmp", "/var/tmp"]
+        argv += ["--bind", str(ws), "/workspace"]
+        if self._home_mount(spec):
+            # The workspace at E2B's home too (a root bwrap makes gets /home first, 0755).
+            argv += [*([] if spec.rootfs else ["--dir", "/home"]), "--bind", str(ws), E2B_HOME]
         argv += [
-            "--bind",
-            str(ws),
-            "/workspace",
             # Volumes before the agent's tree: nothing can be mounted over it.
             *self._volume_args(spec),
             "--ro-bind",
@@ -589,6 +592,8 @@ class ProcessRuntime(Runtime):
             self._check_volume_paths(spec, bind_dir, ws.path, writable_root)
             self._mount_volumes(spec, bind_dir, ns)
             self.cgroups.create(sid, self._cgroup_limits(spec.resources))
+            if self._home_mount(spec):
+                state["home"] = E2B_HOME
             state.update(self._spawn(spec, sdir, ws.path, uid, cpus, ns))
             self._write_state(sdir, state)
             return state
@@ -703,6 +708,16 @@ class ProcessRuntime(Runtime):
         """What `park` kept, as a create's `disk` (moved back into place, not copied)."""
         image = self.root / sandbox_id / workspace.IMAGE_NAME
         return DiskSource(image, int(state["uid"]), int(state["span"]), consume=True)
+
+    def _home_mount(self, spec: SandboxSpec) -> bool:
+        """Whether the workspace is mounted at E2B_HOME as well: in a root bwrap makes (the
+        host's userland), and in a writable root that can take it (home_mount_point); a
+        read-only template tree can take no new mount point."""
+        if not spec.rootfs:
+            return True
+        if not self._writable_root(spec):
+            return False
+        return home_mount_point(self.bind_root / spec.sandbox_id / rootfs.ROOT)
 
     def _writable_root(self, spec: SandboxSpec) -> bool:
         """Whether the sandbox gets its template copy-on-write (rootfs.py): a built template,

@@ -171,3 +171,11 @@ def listed(row: SandboxRow, state: str) -> dict[str, Any]:
         "envdVersion": ENVD_VERSION,
         "metadata": row.metadata,
     }
+
+
+def sandbox_home(core: Core, sandbox_id: str) -> str | None:
+    """E2B's home (/home/user) if the runtime mounted the sandbox's workspace there, else None
+    (a template whose root could not take the mount point: agentbox's /workspace applies)."""
+    row = core.manager.running_row(sandbox_id)
+    home = (row.runtime_state or {}).get("home") if row is not None else None
+    return str(home) if home else None

@@ -24,7 +24,7 @@ from pydantic import Field
 from agentbox.core.auth import Caller
 from agentbox.core.errors import InvalidRequest, SandboxUnavailable
 from agentbox.core.requests import LANGUAGES, CodeRequest
-from agentbox.server.e2b.common import CODE_INTERPRETER_PORT, Body, E2BRoute
+from agentbox.server.e2b.common import CODE_INTERPRETER_PORT, Body, E2BRoute, sandbox_home
 from agentbox.server.streaming import ndjson
 from agentbox.server.surfaces import Core
 
@@ -127,8 +127,9 @@ def interpreter_routes(core: Core, sandbox: Callable[[Core, Request], Any]) -> A
     async def create_context(body: ContextBody, request: Request) -> dict[str, Any]:
         who, sandbox_id = caller(request)
         args: dict[str, Any] = {"language": language(body.language) or "python"}
-        if body.cwd:
-            args["cwd"] = body.cwd
+        cwd = body.cwd or sandbox_home(core, sandbox_id)  # E2B's contexts start in its home
+        if cwd:
+            args["cwd"] = cwd
         reply = await core.manager.code_call(
             who, sandbox_id, "create_context", "code.context.create", **args
         )

@@ -19,6 +19,7 @@ from connectrpc.request import RequestContext
 from agentbox.core.auth import Caller
 from agentbox.core.errors import AgentboxError
 from agentbox.core.requests import CommandRequest
+from agentbox.server.e2b.common import sandbox_home
 from agentbox.server.e2b.connect import (
     call,
     connect_error,
@@ -234,11 +235,15 @@ class ProcessService(Process):
         # envd's process lives as long as the call's deadline (the SDK's `timeout`; none when
         # 0), and its stdin is open unless the request says otherwise.
         left = ctx.timeout_ms
+        user = request_user(ctx)
+        # E2B's user lives in /home/user: its home and working directory where the sandbox has
+        # the workspace mounted there (the same files as /workspace).
+        home = sandbox_home(self.core, sandbox_id) if user != "root" else None
         req = CommandRequest(
             cmd=_shell(cfg),
-            cwd=cfg.cwd or None,
-            user=request_user(ctx),
-            envs=dict(cfg.envs),
+            cwd=cfg.cwd or home,
+            user=user,
+            envs={**({"HOME": home} if home else {}), **dict(cfg.envs)},
             timeout=max(left / 1000, 0.001) if left is not None else 0,
             stdin=request.stdin if request.has_field("stdin") else True,
             pty=size,
