@@ -249,7 +249,8 @@ def commands() -> None:
 
         # E2B's layout: the user's home and working directory are /home/user (the same files
         # as agentbox's /workspace, written through either path).
-        assert sbx.commands.run("pwd; echo $HOME").stdout == "/home/user\n/home/user\n"
+        r = sbx.commands.run("pwd; echo $HOME")
+        assert r.stdout == "/home/user\n/home/user\n", r
         sbx.files.write("/home/user/layout.txt", "one")
         r = sbx.commands.run("cat layout.txt /workspace/layout.txt; echo two > /workspace/b.txt")
         assert r.stdout == "oneone" and sbx.files.read("/home/user/b.txt") == "two\n", r

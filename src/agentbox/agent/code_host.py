@@ -299,7 +299,8 @@ class Backend:
     def _spawn(self, argv: list[str], **kw: Any) -> subprocess.Popen[bytes]:
         kw.setdefault("stdin", subprocess.DEVNULL)
         try:
-            proc = subprocess.Popen(argv, cwd=self.cwd, env=self.env, start_new_session=True, **kw)
+            env = {**self.env, "PWD": self.cwd}  # as a shell should say it (the agent's start)
+            proc = subprocess.Popen(argv, cwd=self.cwd, env=env, start_new_session=True, **kw)
         except FileNotFoundError as e:
             raise HostError("unsupported", f"{argv[0]} is not installed in this template") from e
         self.proc = proc

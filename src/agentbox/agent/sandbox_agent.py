@@ -1280,6 +1280,9 @@ class Commands:
         c.first_stream = c.attach(0) if attach else None
         env = login_env(users.environment(user, {**os.environ, **envs}))
         env["AGENTBOX_CMD_ID"] = cmd_id  # lets kill() find daemons that left the process tree
+        # Where the command is, as its shell should say it: bash keeps an inherited PWD that
+        # names the same directory, and /workspace and /home/user (its mount) are one.
+        env["PWD"] = cwd
         try:
             master = -1
             with users.spawning_as(user):
