@@ -39,7 +39,9 @@ async def test_an_mcp_session_over_stdio(ci_server: ServerHandle) -> None:
     key = ci_server.make_key(f"mcp-{time.monotonic_ns() % 10**9}")
     env = {**os.environ, "AGENTBOX_API_URL": ci_server.url, "AGENTBOX_API_KEY": key}
     params = StdioServerParameters(
-        command=AGENTBOX, args=["mcp", "--template", "code-interpreter"], env=env
+        command=AGENTBOX,
+        args=["mcp", "--template", "code-interpreter", "--allow", "pypi.org"],
+        env=env,
     )
     async with stdio_client(params) as (read, write), ClientSession(read, write) as s:
         await s.initialize()
@@ -62,7 +64,7 @@ async def test_an_mcp_session_over_stdio(ci_server: ServerHandle) -> None:
         sandbox_id = next(
             line.split('"')[3] for line in _text(info).splitlines() if '"sandbox_id"' in line
         )
-        assert "access_token" not in _text(info)
+        assert "access_token" not in _text(info) and '"pypi.org"' in _text(info), _text(info)
 
         # Stateful code, and a plot as an image.
         await s.call_tool("run_code", {"code": "data = [3, 1, 2]"})
@@ -169,7 +171,7 @@ async def test_an_mcp_session_over_http(ci_server: ServerHandle) -> None:
     tenant = f"mcp-http-{time.monotonic_ns() % 10**9}"
     key = ci_server.make_key(tenant)
     other = ci_server.make_key(tenant + "-other")
-    url = f"{ci_server.url}/mcp?template=code-interpreter&idle_timeout=600"
+    url = f"{ci_server.url}/mcp?template=code-interpreter&idle_timeout=600&allow_out=pypi.org"
     session_ids: list[str] = []
 
     async def remember(response: Any) -> None:
@@ -223,6 +225,7 @@ async def test_an_mcp_session_over_http(ci_server: ServerHandle) -> None:
             )
             assert "blocked:" in _text(r) and "setting: network" in _text(r), _text(r)
             info = _text(await client.call_tool("sandbox_info", {}))
+            assert '"pypi.org"' in info, info  # the policy the URL asked for
             sandbox_id = next(
                 line.split('"')[3] for line in info.splitlines() if '"sandbox_id"' in line
             )

@@ -1110,6 +1110,9 @@ def mcp(
         help="A tenant secret the sandbox gets (repeatable).")] = None,
     env: Annotated[list[str] | None, typer.Option(
         "--env", "-e", help="KEY=VALUE in the sandbox's environment (repeatable).")] = None,
+    allow: Annotated[list[str] | None, typer.Option(
+        "--allow", help="Host, *.domain, host:port or CIDR the sandbox may reach (repeatable).",
+        show_default="the tenant's default network policy")] = None,
 ) -> None:
     """Serve agentbox's sandbox tools over MCP on stdin/stdout (for desktop and IDE agents):
     one session, one sandbox, made on the first tool call and reused. Needs the `mcp` extra
@@ -1131,6 +1134,7 @@ def mcp(
         **_conn(ctx), template=template, isolation=isolation, timeout=idle_timeout,
         on_end=on_end,  # type: ignore[arg-type]
         sandbox_id=sandbox, secrets=list(secret or []), envs=_pairs(env, "--env"),
+        network={"allow_out": list(allow)} if allow else None,
     )  # fmt: skip
     asyncio.run(serve_stdio(config))
 

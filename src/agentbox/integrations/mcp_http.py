@@ -10,7 +10,8 @@ came in on, with the key that opened the session: the same checks, quotas and au
 to any other client, and the audit names the session and the tool (`via`).
 
 What the session's sandbox is made with goes in the URL's query: `template`, `isolation`,
-`idle_timeout` (the sandbox's, extended by every call), `secret` (repeatable), `on_end`
+`idle_timeout` (the sandbox's, extended by every call), `secret` and `allow_out` (its network
+policy's destinations; without, the tenant's default policy; both repeatable), `on_end`
 (`kill`, `pause` or `keep`) and `sandbox` (start on an existing sandbox, resumed if paused).
 A session ends when the client deletes it or after `McpLimits.idle_timeout` with no request in
 flight (ended here, through the SDK's own DELETE path, so both forget it at once); its sandbox
@@ -50,7 +51,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("agentbox.mcp")
 
 PATH = "/mcp"
-_QUERY_KEYS = ("template", "isolation", "idle_timeout", "secret", "on_end", "sandbox")
+_QUERY_KEYS = ("template", "isolation", "idle_timeout", "secret", "allow_out", "on_end", "sandbox")
+_REPEATED = ("secret", "allow_out")
 
 
 @dataclass
@@ -229,7 +231,7 @@ class McpEndpoint:
             )
         one: dict[str, str] = {}
         for k, v in pairs:
-            if k != "secret" and k in one:
+            if k not in _REPEATED and k in one:
                 raise InvalidRequest(f"query parameter {k!r} given twice")
             one[k] = v
         on_end = one.get("on_end", "kill")
@@ -243,6 +245,7 @@ class McpEndpoint:
                 timeout = -1
             if not 1 <= timeout <= 86400:
                 raise InvalidRequest("idle_timeout is seconds, from 1 to 86400")
+        allowed = [v for k, v in pairs if k == "allow_out" and v]
         # The session's tool calls come back to this server, on the address they came in on.
         host, port = scope["server"]
         host = f"[{host}]" if ":" in host else host
@@ -253,6 +256,8 @@ class McpEndpoint:
             isolation=one.get("isolation") or None,
             timeout=timeout,
             secrets=[v for k, v in pairs if k == "secret" and v],
+            # The sandbox's policy, checked by the API as any create's (None: the tenant's).
+            network={"allow_out": allowed} if allowed else None,
             on_end=on_end,  # type: ignore[arg-type]
             sandbox_id=one.get("sandbox") or None,
             output_keep=self.limits.output_keep,
