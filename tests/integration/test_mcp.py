@@ -140,23 +140,27 @@ async def test_an_mcp_session_over_stdio(ci_server: ServerHandle) -> None:
         assert r.is_error and "invalid arguments" in _text(r), _text(r)
 
     # The client went away: the session's sandbox is killed.
-    with ci_server.client(key) as c:
+    state, via = _ended(ci_server, key, sandbox_id)
+    assert state == "killed", state
+    session = via.get("sandbox.create", "")
+    assert session.startswith("mcp:ses_") and session.endswith("/write_file"), via
+    prefix = session.rsplit("/", 1)[0]
+    assert via.get("command.run") == f"{prefix}/fetch_url", via  # the newest command
+    assert via.get("code.run") == f"{prefix}/run_code", via
+    assert via.get("sandbox.kill", "") == "", via  # the session's end is no tool call
+
+
+def _ended(server: ServerHandle, key: str, sandbox_id: str) -> tuple[str, dict[str, str]]:
+    """The sandbox's state once it left running (10 s at most), and the audit's `via` of the
+    newest action of each kind done to it."""
+    with server.client(key) as c:
         for _ in range(50):
             state = c.get(f"/v1/sandboxes/{sandbox_id}").json()["state"]
             if state not in ("running", "stopping"):
                 break
             time.sleep(0.2)
-        assert state == "killed", state
         audit = c.get("/v1/audit", params={"sandbox_id": sandbox_id}).json()["events"]
-        via = {e["action"]: (e.get("detail") or {}).get("via", "") for e in reversed(audit)}
-        session = via.get("sandbox.create", "")
-        assert session.startswith("mcp:ses_") and session.endswith("/write_file"), via
-        prefix = session.rsplit("/", 1)[0]
-        assert via.get("command.run") == f"{prefix}/fetch_url", (
-            via
-        )  # the last command: in the sandbox
-        assert via.get("code.run") == f"{prefix}/run_code", via
-        assert via.get("sandbox.kill", "") == "", via  # the session's end is no tool call
+    return state, {e["action"]: (e.get("detail") or {}).get("via", "") for e in reversed(audit)}
 
 
 async def test_an_mcp_session_over_http(ci_server: ServerHandle) -> None:
@@ -244,17 +248,10 @@ async def test_an_mcp_session_over_http(ci_server: ServerHandle) -> None:
                 assert got.status_code == 200 and "run_code" in got.text, got.text
 
     # The client's DELETE ended the session, and the sandbox with it.
-    with ci_server.client(key) as c:
-        for _ in range(50):
-            state = c.get(f"/v1/sandboxes/{sandbox_id}").json()["state"]
-            if state not in ("running", "stopping"):
-                break
-            time.sleep(0.2)
-        assert state == "killed", state
-        audit = c.get("/v1/audit", params={"sandbox_id": sandbox_id}).json()["events"]
-        via = {e["action"]: (e.get("detail") or {}).get("via", "") for e in reversed(audit)}
-        assert via.get("code.run", "").startswith("mcp-http:ses_"), via
-        assert via["code.run"].endswith("/run_code"), via
+    state, via = _ended(ci_server, key, sandbox_id)
+    assert state == "killed", state
+    assert via.get("code.run", "").startswith("mcp-http:ses_"), via
+    assert via["code.run"].endswith("/run_code"), via
 
 
 def test_mcp_over_http_refuses_what_it_should(ci_server: ServerHandle) -> None:
@@ -341,12 +338,9 @@ async def test_an_mcp_session_over_http_that_idles_out_ends(tmp_path: Path) -> N
             assert got.text == "forked", got.text
         with handle.client(key) as c:
             assert c.get(f"/v1/sandboxes/{sandbox_id}").json()["state"] == "running"
-            for _ in range(60):
-                state = c.get(f"/v1/sandboxes/{sandbox_id}").json()["state"]
-                if state not in ("running", "stopping"):
-                    break
-                time.sleep(0.25)
-            assert state == "killed", state
+        state, _ = _ended(handle, key, sandbox_id)
+        assert state == "killed", state
+        with handle.client(key) as c:
             assert c.get(f"/v1/sandboxes/{fork_id}").json()["state"] == "killed"
             got = c.post(
                 "/mcp",

@@ -189,8 +189,8 @@ def _command_reply(
     RunCommand,
 )
 async def run_command(session: Session, a: RunCommand) -> Reply:
-    sbx = await session.sandbox()
     if a.background:
+        sbx = await session.sandbox()
         handle = await sbx.commands.run(
             a.command, background=True, envs=a.envs, cwd=a.cwd, timeout=a.timeout, stdin=True,
             keep_output=False,
@@ -205,13 +205,24 @@ async def run_command(session: Session, a: RunCommand) -> Reply:
             if not (out.stdout or out.stderr)
             else _command_reply(handle.cmd_id, out, note="started in the background")
         )
-    # The output goes only to the session's bounded buffer, kept there for paging.
+    out, result = await _foreground(session, a.command, a.timeout, envs=a.envs, cwd=a.cwd)
+    cmd_id = result.cmd_id or f"fg{len(session.outputs)}"
+    session.keep(cmd_id, out)
+    return _command_reply(cmd_id, out, result)
+
+
+async def _foreground(
+    session: Session, command: str, timeout: float, **kw: Any
+) -> tuple[Output, CommandResult]:
+    """Run a command to its end; its output (only in the session's bounded buffer: the SDK
+    keeps none) and how it ended, whatever its exit code."""
+    sbx = await session.sandbox()
     out = session.output()
     try:
         result = await sbx.commands.run(
-            a.command, envs=a.envs, cwd=a.cwd, timeout=a.timeout, keep_output=False,
+            command, timeout=timeout, keep_output=False,
             on_stdout=lambda text: out.add("stdout", text),
-            on_stderr=lambda text: out.add("stderr", text),
+            on_stderr=lambda text: out.add("stderr", text), **kw,
         )  # fmt: skip
     except CommandExitException as e:
         result = CommandResult(
@@ -220,9 +231,7 @@ async def run_command(session: Session, a: RunCommand) -> Reply:
         )  # fmt: skip
     assert isinstance(result, CommandResult)
     out.exit_code, out.done = result.exit_code, True
-    cmd_id = result.cmd_id or f"fg{len(session.outputs)}"
-    session.keep(cmd_id, out)
-    return _command_reply(cmd_id, out, result)
+    return out, result
 
 
 class CommandOutput(Args):
@@ -507,22 +516,10 @@ async def fetch_url(session: Session, a: FetchUrl) -> Reply:
         f"-o {shlex.quote(path)} -w '%{{http_code}} %{{size_download}} %{{content_type}}' "
         f"-- {shlex.quote(a.url)}"
     )
-    sbx = await session.sandbox()
-    out = session.output()
-    try:
-        await sbx.commands.run(
-            command, timeout=a.timeout, keep_output=False,
-            on_stdout=lambda text: out.add("stdout", text),
-            on_stderr=lambda text: out.add("stderr", text),
-        )  # fmt: skip
-    except CommandExitException as e:
-        failed = CommandResult(
-            stdout="", stderr="", exit_code=e.exit_code, error=e.error, timed_out=e.timed_out,
-            violation=e.violation, cmd_id=e.cmd_id, network_blocked=e.network_blocked,
-        )  # fmt: skip
-        out.exit_code, out.done = e.exit_code, True
-        said = _command_reply(e.cmd_id, out, failed).text()
-        raise ToolFailed(f"could not fetch {a.url}\n{said}") from None
+    out, result = await _foreground(session, command, a.timeout)
+    if result.exit_code != 0:
+        said = _command_reply(result.cmd_id, out, result).text()
+        raise ToolFailed(f"could not fetch {a.url}\n{said}")
     status, size, kind = (out.stdout.split(" ", 2) + ["", ""])[:3]
     what = f", {kind}" if kind else ""
     return Reply([f"saved {a.url} to {path} ({size} bytes{what}; HTTP {status})"])
