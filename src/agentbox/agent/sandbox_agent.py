@@ -115,16 +115,6 @@ def _landlock(writable: list[str]) -> int:
 ROOT_KEPT = frozenset({"proc", "dev", "sys", ".agentbox"})
 
 
-def link_e2b_home() -> None:
-    """E2B's home, /home/user, as a link to the workspace in a writable root whose template
-    has none: code written for E2B reads and writes its files there."""
-    try:
-        if os.path.isdir("/home") and not os.path.lexists("/home/user"):
-            os.symlink(WORKSPACE, "/home/user")
-    except OSError:
-        pass  # a template with a read-only /home: nothing to add
-
-
 def writable_root_dirs() -> list[str]:
     """The top-level directories of a writable root (the template copy-on-write) that the
     sandbox may write below: all but ROOT_KEPT. Landlock only adds rights, so `/` itself gets
@@ -327,10 +317,11 @@ def parse_path(raw: object) -> list[str]:
 
 
 def _home_is_workspace() -> bool:
-    """Whether /home/user is the agent's own link to the workspace (link_e2b_home): the one
-    symlink the files API resolves, since no one in the sandbox but its root may change it,
-    and a link that root has changed is followed no more. (Where the runtime mounted the
-    workspace at /home/user, no link is resolved: the path is a mount point.)"""
+    """Whether /home/user is the link to the workspace that agents before the /home/user mount
+    made (it lives on in disks snapshotted or parked then): the one symlink the files API
+    resolves, since no one in the sandbox but its root may change it, and a link that root has
+    changed is followed no more. Today the runtime mounts the workspace there (a mount point,
+    no link to resolve)."""
     try:
         return os.readlink("/home/user") == WORKSPACE
     except OSError:
@@ -2120,8 +2111,6 @@ def main() -> None:
         os.set_inheritable(fd, False)  # commands must never reach the control channel
         listener = _socket.socket(fileno=fd)
     _libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: sandboxed code cannot read agent memory
-    if "--writable-root" in sys.argv:
-        link_e2b_home()
     if "no-landlock" not in WEAKENED:
         writable = [WORKSPACE, "/tmp", "/dev/shm"]
         if "--writable-root" in sys.argv:

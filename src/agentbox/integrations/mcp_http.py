@@ -44,6 +44,7 @@ from starlette.types import Message, Receive, Scope, Send
 from agentbox.core.auth import Caller
 from agentbox.core.errors import AgentboxError, InvalidRequest, QuotaExceeded, Unauthorized
 from agentbox.integrations.session import OnEnd, Session, SessionConfig
+from agentbox.server.limits import header, refuse
 
 if TYPE_CHECKING:
     from agentbox.server.surfaces import Core, SurfaceRoutes
@@ -156,13 +157,13 @@ class McpEndpoint:
             if conn is not None:
                 conn.mark_authenticated()
         except AgentboxError as e:
-            await _refuse(send, e)
+            await refuse(send, e)
             return
-        version = _header(scope["headers"], b"mcp-protocol-version")
+        version = header(scope["headers"], b"mcp-protocol-version")
         if version is not None and _is_modern(version):
             await _unsupported_version(version, receive, send)
             return
-        sid = _header(scope["headers"], b"mcp-session-id")
+        sid = header(scope["headers"], b"mcp-session-id")
         if sid is not None:
             await self._in_session(sid, caller, scope, receive, send)
             return
@@ -172,7 +173,7 @@ class McpEndpoint:
         try:
             config = self._config(scope, key)
         except AgentboxError as e:
-            await _refuse(send, e)
+            await refuse(send, e)
             return
         # Opening requests wait for each other (an initialize is quick), so the counts they
         # check are the counts they leave.
@@ -180,12 +181,12 @@ class McpEndpoint:
             try:
                 self._admit(caller.tenant)
             except AgentboxError as e:
-                await _refuse(send, e)
+                await refuse(send, e)
                 return
 
             async def opened(message: Message) -> None:
                 if message["type"] == "http.response.start" and message["status"] < 400:
-                    made = _header(message.get("headers", []), b"mcp-session-id")
+                    made = header(message.get("headers", []), b"mcp-session-id")
                     if made is not None:
                         session = Session(config, front="mcp-http")
                         self._live[made] = _Live(caller.tenant, session)
@@ -320,8 +321,8 @@ def surface(core: Core) -> SurfaceRoutes:
 
 
 def _key(scope: Scope) -> str:
-    key = _header(scope["headers"], b"x-api-key")
-    auth = _header(scope["headers"], b"authorization")
+    key = header(scope["headers"], b"x-api-key")
+    auth = header(scope["headers"], b"authorization")
     if key is None and auth is not None and auth[:7].lower() == "bearer ":
         key = auth[7:].strip()
     if not key:
@@ -331,23 +332,10 @@ def _key(scope: Scope) -> str:
     return key
 
 
-def _header(headers: Any, name: bytes) -> str | None:
-    for key, value in headers:
-        if key == name:
-            return str(value.decode("latin-1"))
-    return None
-
-
 def _is_modern(version: str) -> bool:
     from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS
 
     return version not in HANDSHAKE_PROTOCOL_VERSIONS
-
-
-async def _refuse(send: Send, e: AgentboxError) -> None:
-    from agentbox.server.limits import _refuse as refuse
-
-    await refuse(send, e)
 
 
 async def _send_json(send: Send, status: int, body: dict[str, Any]) -> None:

@@ -182,7 +182,7 @@ class Session:
     def handle(self, cmd_id: str) -> AsyncCommandHandle | None:
         return self._handles.get(cmd_id)
 
-    async def adopt_fork(self, sandbox: AsyncSandbox) -> None:
+    def adopt_fork(self, sandbox: AsyncSandbox) -> None:
         """A fork of the session's sandbox, ended (killed, paused, kept) with the session."""
         self._forks.append(sandbox)
 

@@ -618,7 +618,7 @@ async def fork_sandbox(session: Session, a: ForkArgs) -> Reply:
     children = await sbx.fork(a.count)
     ids = [child.sandbox_id for child in children]
     for child in children:
-        await session.adopt_fork(child)
+        session.adopt_fork(child)
     return Reply([f"forked: {', '.join(ids)} (running; ended with this session)"])
 
 

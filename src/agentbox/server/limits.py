@@ -22,7 +22,7 @@ import asyncio
 import json
 import logging
 import resource
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -301,24 +301,24 @@ class RequestGuard:
             self._own_credentials(scope) if self._own_credentials is not None else (False, False)
         )
         if not own and path not in self._open_routes and self.limits.key_first:
-            key = _header(scope, b"x-api-key")
+            key = header(scope["headers"], b"x-api-key")
             if key is None:
-                await _refuse(
+                await refuse(
                     send, Unauthorized("missing API key: send it in the X-API-Key header")
                 )
                 return
             caller = self._authenticate(key)
             if caller is None:
-                await _refuse(send, Unauthorized("invalid or revoked API key"))
+                await refuse(send, Unauthorized("invalid or revoked API key"))
                 return
             scope["agentbox.caller"] = caller
             conn = scope.get("agentbox.connection")
             if conn is not None:
                 conn.mark_authenticated()
         cap = None if streamed else self.limits.body_cap(method, path)
-        declared = _header(scope, b"content-length")
+        declared = header(scope["headers"], b"content-length")
         if cap is not None and declared is not None and declared.isdigit() and int(declared) > cap:
-            await _refuse(send, BodyTooLarge(cap))
+            await refuse(send, BodyTooLarge(cap))
             return
         receive = self._stall_bounded(receive)
         if cap is None:
@@ -327,7 +327,7 @@ class RequestGuard:
         try:
             body = await _read_body(receive, cap)
         except AgentboxError as e:
-            await _refuse(send, e)
+            await refuse(send, e)
             return
         except _ClientLeft:
             return
@@ -403,7 +403,7 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
-async def _refuse(send: Send, e: AgentboxError) -> None:
+async def refuse(send: Send, e: AgentboxError) -> None:
     body = json.dumps({"code": e.code, "message": e.message, "detail": e.detail}).encode()
     headers = [
         (b"content-type", b"application/json"),
@@ -419,8 +419,9 @@ async def _refuse(send: Send, e: AgentboxError) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-def _header(scope: Scope, name: bytes) -> str | None:
-    for key, value in scope["headers"]:
+def header(headers: Iterable[tuple[bytes, bytes]], name: bytes) -> str | None:
+    """The value of header `name` (lower case) in ASGI `headers` (a scope's or a response's)."""
+    for key, value in headers:
         if key == name:
             return str(value.decode("latin-1"))
     return None
