@@ -55,7 +55,7 @@ from agentbox.runtimes.base import (
     SandboxSpec,
     home_mount_point,
 )
-from agentbox.runtimes.process import hostview, rootfs, userns, workspace
+from agentbox.runtimes.process import hostview, rootfs, startctx, userns, workspace
 from agentbox.runtimes.process.cgroups import GROUP, CgroupError, CgroupLimits, Cgroups
 from agentbox.runtimes.process.netns import NamespaceSockets, NetnsError
 from agentbox.runtimes.process.seccomp import build_filter
@@ -254,7 +254,7 @@ class ProcessRuntime(Runtime):
     def unavailable(cls) -> str | None:
         if shutil.which("bwrap") is None:
             return "bubblewrap (bwrap) is not installed: apt-get install bubblewrap"
-        return None
+        return startctx.missing()
 
     def _mounts_shared_trees(self) -> bool:
         """Whether the trees every sandbox shares get tmpfs mounts of their own (root only)."""
@@ -868,39 +868,24 @@ class ProcessRuntime(Runtime):
         drop_to = self._drop_to(uid)
         pin = cpus if len(cpus) < len(self.cpus) else None
 
-        def enter_sandbox_context() -> None:
-            # Runs in the child between fork and exec: join the cgroups first, so every
-            # process the sandbox ever makes is inside them, then drop to the sandbox uid.
-            pid = str(os.getpid()).encode()
-            for path in join_files:
-                fd = os.open(path, os.O_WRONLY)
-                os.write(fd, pid)
-                os.close(fd)
-            for res, value in limits:
-                resource.setrlimit(res, (value, value))
-            if pin is not None:
-                # Not a fence (a process may widen its own affinity): a truthful nproc.
-                os.sched_setaffinity(0, pin)
-            if drop_to is not None:
-                os.setgroups([])
-                os.setgid(drop_to)
-                os.setuid(drop_to)
-
         argv, env = self._command(spec, ws, fds)
+        # Joined, limited and dropped by the programs startctx puts before bwrap: no
+        # preexec_fn, so the server is not forked (startctx.py).
+        argv = [*startctx.argv(join_files, limits, drop_to), *argv]
         log = open(sdir / "runtime.log", "ab")
         try:
-            proc = subprocess.Popen(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=log,
-                close_fds=True,
-                pass_fds=tuple(fds.values()),
-                start_new_session=True,
-                preexec_fn=enter_sandbox_context,
-                env=env,
-                cwd=str(ws),
-            )
+            with startctx.pinned(pin):
+                proc = subprocess.Popen(
+                    argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=log,
+                    close_fds=True,
+                    pass_fds=tuple(fds.values()),
+                    start_new_session=True,
+                    env=env,
+                    cwd=str(ws),
+                )
         finally:
             log.close()
             for name, fd in fds.items():
