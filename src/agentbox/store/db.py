@@ -187,6 +187,8 @@ audit = Table(
     Column("detail", JSON, nullable=True),
 )
 
+_AUDIT_INSERT = insert(audit)
+
 # Sorted: the order SQL sees them in must not depend on a set's iteration.
 LIVE_STATES = tuple(sorted(s.value for s in LIVE))
 # A sandbox's `park` (paused without memory): on its way there, and there.
@@ -707,7 +709,8 @@ class Store:
         values = _clipped(values, AUDIT_FIELD_LENGTHS)
         values["detail"] = clip_detail(values.get("detail"))
         with self.engine.begin() as c:
-            c.execute(insert(audit).values(**values))
+            # One statement, its values as parameters: compiled once, not per row.
+            c.execute(_AUDIT_INSERT, values)
 
     def list_audit(
         self,
