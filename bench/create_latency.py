@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import resource
 import secrets
 import shutil
 import subprocess
@@ -121,7 +122,8 @@ def measure_parts(n: int, scratch: Path) -> dict[str, list[float]]:
 
 
 def measure_spawn_styles(n: int) -> dict[str, list[float]]:
-    """What joining cgroups from preexec_fn costs, next to cheaper ways to spawn."""
+    """What joining cgroups from preexec_fn costs, next to cheaper ways to spawn (the process
+    tier's own: startctx.py)."""
     dirs = [b / "agentbox" / "bench-join" for b in H._cgroup_bases()]
     for d in dirs:
         d.mkdir(exist_ok=True)
@@ -135,8 +137,15 @@ def measure_spawn_styles(n: int) -> dict[str, list[float]]:
             os.close(fd)
 
     def popen(**kw: Any) -> None:
-        subprocess.Popen(["/bin/true"], stdin=subprocess.DEVNULL, close_fds=True,
+        popen_argv(["/bin/true"], **kw)
+
+    def popen_argv(argv: list[str], **kw: Any) -> None:
+        subprocess.Popen(argv, stdin=subprocess.DEVNULL, close_fds=True,
                          start_new_session=True, **kw).wait()
+
+    from agentbox.runtimes.process import startctx
+
+    limits = [(resource.RLIMIT_NOFILE, 1024), (resource.RLIMIT_CORE, 0)]
 
     try:
         return {
@@ -145,6 +154,9 @@ def measure_spawn_styles(n: int) -> dict[str, list[float]]:
                 lambda: popen(preexec_fn=lambda: None), n),
             f"Popen(/bin/true, preexec_fn=join {len(join)} cgroups)": H.timed_runs(
                 lambda: popen(preexec_fn=join_cgroups), n),
+            # What the process tier runs now: the same work in small programs, no fork.
+            f"Popen(sh joins {len(join)} cgroups, prlimit, setpriv, /bin/true)": H.timed_runs(
+                lambda: popen_argv([*startctx.argv(join, limits, 65534), "/bin/true"]), n),
         }
     finally:
         for d in dirs:
@@ -272,7 +284,7 @@ def measure_runtime_steps(n: int, scratch: Path) -> dict[str, list[float]]:
         def __getattr__(self, name: str) -> Any:
             return getattr(subprocess, name)
 
-        Popen = staticmethod(t.wrap("  spawn: subprocess.Popen(bwrap) incl. preexec_fn",
+        Popen = staticmethod(t.wrap("  spawn: subprocess.Popen(start context + bwrap)",
                                     subprocess.Popen))
 
     saved = (diskimage.run, workspace.create, workspace.destroy, diskimage.umount,

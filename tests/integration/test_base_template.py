@@ -104,6 +104,19 @@ def test_a_create_naming_no_template_gets_base(box: Sandbox) -> None:
     assert r.stdout.strip() == "ok", r
 
 
+def test_the_login_profile_gives_each_user_debians_path_without_asking_id(box: Sandbox) -> None:
+    # /etc/profile reads bash's $EUID where Debian's runs `id -u` (a fork and an exec in
+    # every command); a shell without EUID (dash) still asks `id`: the same PATH either way.
+    user_path = "/usr/local/bin:/usr/bin:/bin:/usr/local/games:/usr/games"
+    root_path = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+    r = box.commands.run(
+        "grep -c 'EUID:-' /etc/profile; "
+        "for who in '' sudo; do for sh in bash sh; do "
+        "$who env -i HOME=/nonexistent $sh -l -c 'echo $PATH'; done; done"
+    )
+    assert r.stdout.splitlines() == ["2", user_path, user_path, root_path, root_path], r
+
+
 def test_sudo_apt_get_installs_a_package(box: Sandbox, tmp_path: Path) -> None:
     deb = make_deb(tmp_path, "abxbase")
     box.files.write(f"/workspace/{deb.name}", deb.read_bytes())

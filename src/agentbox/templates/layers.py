@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import subprocess
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -331,6 +332,30 @@ def flatten(layers_dir: Path, lowers: Sequence[str], dest: Path, out: Output) ->
         if not _exists_in(dest, name):
             raise StepFailed(f"the image has no /{name}; a sandbox cannot start without it")
     make_user_venv(dest)
+    quick_login_uid(dest)
+
+
+# Debian's /etc/profile asks `id` for the uid: a fork and an exec in every login shell, which
+# is every command (`bash -l -c`): ~3 ms of a 5 ms `true` on the process tier, more on gVisor.
+# Bash knows it already ($EUID, read-only); other shells have no EUID and still ask `id`.
+_PROFILE_UID = '"$(id -u)"'
+PROFILE_UID_QUICK = '"${EUID:-$(id -u)}"'
+
+
+def quick_login_uid(root: Path) -> None:
+    """/etc/profile reads the uid from bash's $EUID where it asked `id` (the same answer)."""
+    path = root / "etc" / "profile"
+    if path.is_symlink() or not path.is_file():
+        return
+    text = path.read_text(errors="surrogateescape")
+    if _PROFILE_UID not in text:
+        return
+    st = path.stat()
+    tmp = path.with_name(".profile.agentbox")
+    tmp.write_text(text.replace(_PROFILE_UID, PROFILE_UID_QUICK), errors="surrogateescape")
+    os.chown(tmp, st.st_uid, st.st_gid)
+    tmp.chmod(stat.S_IMODE(st.st_mode))
+    os.replace(tmp, path)
 
 
 def _exists_in(root: Path, rel_path: str) -> bool:

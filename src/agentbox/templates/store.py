@@ -168,6 +168,7 @@ def plan(spec: TemplateSpec) -> list[_Step]:
         # The mount points it makes are in its key: a new one rebuilds this step alone.
         "mount_points": sorted(layers.MOUNT_POINTS),
         "venv": [layers.VENV, layers.VENV_UID, layers.PIP_SHIM],
+        "profile_uid": layers.PROFILE_UID_QUICK,
     }
     steps: list[_Step] = []
     prev = ""
