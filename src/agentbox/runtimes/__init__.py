@@ -8,6 +8,7 @@ feeds the same lookup.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from importlib.metadata import entry_points
 from typing import Any
@@ -36,7 +37,11 @@ def unregister(name: str) -> None:
     _registered.pop(name, None)
 
 
+@functools.cache
 def _entry_points() -> dict[str, Any]:
+    # Read once per process: a scan of every installed distribution costs ~25 ms, and health
+    # (unauthenticated) asks for each tier this server does not serve. A runtime installed
+    # later is found by the next start, as it is loaded then anyway.
     return {ep.name: ep for ep in entry_points(group=GROUP)}
 
 
