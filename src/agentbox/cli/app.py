@@ -24,14 +24,29 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
 import typer
-from rich.console import Console
-from rich.markup import escape
-from rich.panel import Panel
-from rich.table import Table
-from rich.text import Text
 
-from agentbox import config
-from agentbox.sdk import (
+
+def _without_httpx_cli() -> None:
+    """httpx imports its own command line (`httpx._main`: rich, pygments) with the package
+    when they are installed, as they are here: ~1/3 of this CLI's start-up, for a `main` that
+    is never called. A module of that name that has only `main` stands in for it."""
+    if "httpx" in sys.modules or "httpx._main" in sys.modules:
+        return
+    import types
+
+    stand_in = types.ModuleType("httpx._main")
+
+    def main() -> None:
+        raise SystemExit("httpx's command line is not loaded in agentbox's")
+
+    stand_in.main = main  # type: ignore[attr-defined]
+    sys.modules["httpx._main"] = stand_in
+
+
+_without_httpx_cli()
+
+from agentbox import config  # noqa: E402
+from agentbox.sdk import (  # noqa: E402
     AgentboxError,
     CommandExitException,
     ConflictError,
@@ -47,8 +62,8 @@ from agentbox.sdk import (
     Volumes,
     Workspaces,
 )
-from agentbox.sdk.audit import list_audit_events, list_egress_events
-from agentbox.sdk.keys import create_key, delete_key, list_keys
+from agentbox.sdk.audit import list_audit_events, list_egress_events  # noqa: E402
+from agentbox.sdk.keys import create_key, delete_key, list_keys  # noqa: E402
 
 app = typer.Typer(
     name="agentbox", help="Self-hosted sandboxes for AI agents.", no_args_is_help=True,
@@ -76,8 +91,34 @@ volume_app = typer.Typer(help="Volumes: named filesystems that outlive sandboxes
                          "with `agentbox create --volume /data=NAME`.", no_args_is_help=True)
 app.add_typer(volume_app, name="volume")
 
-out = Console()
-err = Console(stderr=True)
+class _Console:
+    """A rich Console made at its first use: rich takes ~45 ms to import, and most commands
+    (`exec` among them) print nothing through it unless something goes wrong."""
+
+    def __init__(self, **options: Any) -> None:
+        self._options = options
+        self._made: Any = None
+
+    @property
+    def console(self) -> Any:
+        if self._made is None:
+            from rich.console import Console
+
+            self._made = Console(**self._options)
+        return self._made
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.console, name)
+
+
+def escape(markup: str) -> str:
+    from rich.markup import escape as rich_escape
+
+    return rich_escape(markup)
+
+
+out = _Console()
+err = _Console(stderr=True)
 T = TypeVar("T")
 
 # The exit code `timeout(1)` uses, so scripts can tell a timeout from a failure.
@@ -391,6 +432,8 @@ def keys_create(
         # Plain, so `KEY=$(agentbox keys create --tenant t)` works.
         print(key)
         return
+    from rich.panel import Panel
+
     out.print(Panel(
         f"[bold]{escape(key)}[/bold]\n\nkey id: {escape(key_id)}   tenant: {escape(tenant)}"
         f"   admin: {'yes' if admin else 'no'}\n[dim]Store it now: it is not shown again.[/dim]",
@@ -617,6 +660,10 @@ def _print_table(headers: list[str], rows: list[list[str]],
     text) wraps in the room left (`ellipsis`: is cut there; `whole`: is never narrowed), or
     when that is too little, columns are dropped from the right; the first (the row's key) is
     always shown whole. `--json` has everything."""
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
     widths = [max([Text.from_markup(r[i]).cell_len for r in rows] + [len(name)])
               for i, name in enumerate(headers)]
     shown = list(range(len(headers)))
@@ -638,7 +685,7 @@ def _print_table(headers: list[str], rows: list[list[str]],
     for row in rows:
         table.add_row(*(row[i] for i in shown))
     need = out.width if narrowed is not None else _table_width(widths, shown)
-    console = out if need <= out.width else Console(width=need, highlight=False)
+    console = out.console if need <= out.width else Console(width=need, highlight=False)
     if sys.stdout.isatty():
         console.print(table)
         return
@@ -1467,7 +1514,7 @@ def _build_progress(verbose: bool, label: str = "") -> Iterator[Callable[[dict[s
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[note]}"),
-                  TimeElapsedColumn(), console=err, transient=False) as progress:
+                  TimeElapsedColumn(), console=err.console, transient=False) as progress:
         task = progress.add_task(f"{label}build", total=None, note="")
 
         def on_event(event: dict[str, Any]) -> None:
