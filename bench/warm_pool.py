@@ -90,13 +90,15 @@ def main() -> None:
         code, _ = H.run_command(c, sid, "true")
         assert code == 0
 
-    pools = {"default": args.size}
+    # The template a create naming none gets (`base`); pools are listed under its name.
+    template = H.default_template()
+    pools = {template: args.size}
     if args.code:
         pools["code-interpreter"] = 1
     with H.BenchServer("pool", warm_pools=pools, template_dir=args.template_dir) as srv:
         with srv.client() as c:
             m["HTTP: GET /v1/health"] = H.timed_runs(lambda: c.get("/v1/health"), 200, 20)
-        total, claim_only, stats = claims(srv, "default", args.size, args.n, true_cmd)
+        total, claim_only, stats = claims(srv, template, args.size, args.n, true_cmd)
         m["claim (POST /v1/sandboxes, pool hit) + `true` to end (RESULT)"] = total
         m["claim alone (POST /v1/sandboxes, pool hit)"] = claim_only
         with srv.client() as c:
