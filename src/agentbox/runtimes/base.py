@@ -13,6 +13,7 @@ from that dict and from the host.
 from __future__ import annotations
 
 import os
+import resource
 import socket
 from abc import ABC, abstractmethod
 from contextlib import AbstractAsyncContextManager
@@ -56,6 +57,15 @@ class VolumeMount:
 # E2B's home, where code written for E2B keeps its files: the workspace is mounted there too
 # (where the sandbox's root can take a mount point: home_mount_point).
 E2B_HOME = "/home/user"
+
+# The rlimits runtimes set on a sandbox, by their kernel names (an OCI bundle's `type`; the
+# process tier's prlimit options are these, lower case, without RLIMIT_).
+RLIMIT_NAMES = {
+    resource.RLIMIT_NOFILE: "RLIMIT_NOFILE",
+    resource.RLIMIT_FSIZE: "RLIMIT_FSIZE",
+    resource.RLIMIT_CORE: "RLIMIT_CORE",
+    resource.RLIMIT_NPROC: "RLIMIT_NPROC",
+}
 
 
 def home_mount_point(root: Path) -> bool:

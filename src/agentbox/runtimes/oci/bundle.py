@@ -12,21 +12,14 @@ program, loaded with no_new_privs before anything else runs) and the reaping ini
 from __future__ import annotations
 
 import os
-import resource
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agentbox.runtimes.base import Resources
+from agentbox.runtimes.base import RLIMIT_NAMES, Resources
 from agentbox.vocab import ROOT_CAPS
 
 OCI_VERSION = "1.0.2"
-RLIMIT_NAMES = {
-    resource.RLIMIT_NOFILE: "RLIMIT_NOFILE",
-    resource.RLIMIT_FSIZE: "RLIMIT_FSIZE",
-    resource.RLIMIT_CORE: "RLIMIT_CORE",
-    resource.RLIMIT_NPROC: "RLIMIT_NPROC",
-}
 CHANNEL_DIR = "/run/agentbox-chan"  # where the agent binds its socket, a host dir bound in
 CHANNEL_SOCKET = f"{CHANNEL_DIR}/agent.sock"
 

@@ -23,16 +23,16 @@ import resource
 import shutil
 from collections.abc import Iterator, Sequence
 
+from agentbox.runtimes.base import RLIMIT_NAMES
+
 TOOLS = ("prlimit", "setpriv")
 
 _JOIN = 'set -e; while [ "$1" != -- ]; do echo $$ > "$1"; shift; done; shift; exec "$@"'
 
-_RLIMIT_OPTIONS = {
-    resource.RLIMIT_NOFILE: "--nofile",
-    resource.RLIMIT_FSIZE: "--fsize",
-    resource.RLIMIT_CORE: "--core",
-    resource.RLIMIT_NPROC: "--nproc",
-}
+
+def _option(res: int) -> str:
+    return "--" + RLIMIT_NAMES[res].removeprefix("RLIMIT_").lower()
+
 
 
 def missing() -> str | None:
@@ -49,7 +49,7 @@ def argv(
     """What to exec before the sandbox's own command: the command is appended to it."""
     out = ["/bin/sh", "-c", _JOIN, "sh", *join_files, "--"]
     if limits:
-        out += ["prlimit", *(f"{_RLIMIT_OPTIONS[r]}={_value(v)}:{_value(v)}" for r, v in limits)]
+        out += ["prlimit", *(f"{_option(r)}={_value(v)}:{_value(v)}" for r, v in limits)]
         out.append("--")
     if uid is not None:
         out += ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]
