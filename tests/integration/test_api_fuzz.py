@@ -17,7 +17,7 @@ infinities, 2^63, signal-module constants... The contract checked on every respo
 - no sandbox is leaked: every sandbox the fuzzer creates is killed.
 
 It is bounded and deterministic by default (`derandomize`, AGENTBOX_FUZZ_EXAMPLES examples per
-operation and generation mode, default 5: CI time). For a long, randomised run:
+operation and generation mode, default 4: CI time). For a long, randomised run:
 
     AGENTBOX_FUZZ_EXAMPLES=500 AGENTBOX_FUZZ_RANDOM=1 \\
         .venv/bin/pytest -q -s --timeout 0 tests/integration/test_api_fuzz.py -k every_operation
@@ -46,7 +46,7 @@ from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
-EXAMPLES = int(os.environ.get("AGENTBOX_FUZZ_EXAMPLES", "5"))
+EXAMPLES = int(os.environ.get("AGENTBOX_FUZZ_EXAMPLES", "4"))
 RANDOM = os.environ.get("AGENTBOX_FUZZ_RANDOM", "") not in ("", "0")
 REQUEST_TIMEOUT = 30.0  # any single answer slower than this is a hang
 STREAM_PEEK_S = 1.0  # how long to follow an NDJSON stream that may legitimately wait
