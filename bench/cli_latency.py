@@ -54,8 +54,7 @@ def main() -> None:
                 subprocess.run(argv, env=env, check=True, capture_output=True)
                 times[name].append((time.perf_counter() - t0) * 1000)
     print()
-    for name, xs in times.items():
-        print(f"  {name:40s} {H.fmt_ms(H.summarize(xs))}")
+    H.print_timings(times, 40)
     res = H.summarize(times["agentbox exec ID -- true (RESULT)"])
     floor = H.summarize(times["floor: python -c pass"])
     row: dict[str, Any] = {

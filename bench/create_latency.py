@@ -349,15 +349,13 @@ def main() -> None:
 
     floors = measure_floors(args.floor_n)
     print("Floors (same run):")
-    for name, xs in floors.items():
-        print(f"  {name:58s} {H.fmt_ms(H.summarize(xs))}")
+    H.print_timings(floors, 58)
 
     with H.BenchServer("create") as srv:
         parts = measure_parts(args.parts_n, srv.root)
         parts.update(measure_spawn_styles(max(args.parts_n, 30)))
         print("\nParts of a create, measured alone:")
-        for name, xs in parts.items():
-            print(f"  {name:58s} {H.fmt_ms(H.summarize(xs))}")
+        H.print_timings(parts, 58)
 
         http = measure_http(srv, args.n, args.profile)
         print(f"\nEnd to end over HTTP (httpx, keep-alive client, default resources, the "
@@ -388,8 +386,7 @@ def main() -> None:
         with H.scratch_dir("create-steps") as scratch:
             steps = measure_runtime_steps(min(args.n, 30), scratch)
         print("\nProcessRuntime steps, in-process (same code as the server, timed wrappers):")
-        for name, xs in steps.items():
-            print(f"  {name:66s} {H.fmt_ms(H.summarize(xs))}")
+        H.print_timings(steps, 66)
 
     total = H.summarize(sdk["both"] if sdk["available"] else http["both"])
     via = "SDK" if sdk["available"] else "httpx"

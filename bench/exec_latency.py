@@ -137,9 +137,7 @@ def main() -> None:
     print(f"\nserver CPU during the HTTP loop: {cpu / args.n * 1000:.2f} ms per command "
           f"({100 * cpu / wall:.0f}% of one core)")
     print()
-    for name, xs in m.items():
-        if xs:
-            print(f"  {name:62s} {H.fmt_ms(H.summarize(xs))}")
+    H.print_timings(m, 62)
     if prof_rows:
         print("\npy-spy on the server during the HTTP loop (inclusive %, self %):")
         for f, inc, own in prof_rows:

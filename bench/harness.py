@@ -68,6 +68,13 @@ def fmt_ms(s: dict[str, float]) -> str:
             f"(min {s['min']:.2f}, max {s['max']:.2f}, n={s['n']})")
 
 
+def print_timings(timings: dict[str, list[float]], width: int) -> None:
+    """One line per measurement that has samples: its name, then p50/p99/min/max/n."""
+    for name, xs in timings.items():
+        if xs:
+            print(f"  {name:{width}s} {fmt_ms(summarize(xs))}")
+
+
 def timed_runs(fn: Callable[[], Any], n: int, warmup: int = 3) -> list[float]:
     """Call fn n times (after `warmup` untimed calls); wall time of each call in ms."""
     for _ in range(warmup):

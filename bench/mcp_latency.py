@@ -67,8 +67,7 @@ def main() -> None:
             m["HTTP: GET /v1/health"] = H.timed_runs(lambda: mine.get("/v1/health"), 200, 20)
             mine.delete(f"/v1/sandboxes/{sid}")  # kept when the MCP session ended (on_end=keep)
     print()
-    for name, xs in m.items():
-        print(f"  {name:50s} {H.fmt_ms(H.summarize(xs))}")
+    H.print_timings(m, 50)
     ours = H.summarize(m["MCP run_command `true` over /mcp (RESULT)"])
     floor = H.summarize(m["native: command `true`, same sandbox"])
     ratio = ours["p50"] / floor["p50"]

@@ -88,8 +88,7 @@ def main() -> None:
                 for k, v in t.items():
                     steps.setdefault(k, []).extend(v)
     print("Floors (same run):")
-    for name, xs in floors.items():
-        print(f"  {name:52s} {H.fmt_ms(H.summarize(xs))}")
+    H.print_timings(floors, 52)
     print(f"\nSteps ({args.n} rounds, template {args.tree}):")
     rows = []
     for name, xs in steps.items():

@@ -87,8 +87,7 @@ def main() -> None:
         c.delete(f"/v1/sandboxes/{sid}")
     m["peer: seed_reference, fresh kernel per request"] = peer_runs(args.peer_n)
     print()
-    for name, xs in m.items():
-        print(f"  {name:62s} {H.fmt_ms(H.summarize(xs))}")
+    H.print_timings(m, 62)
     ours = H.summarize(m["agentbox run_code, warm context (RESULT)"])
     peer = H.summarize(m["peer: seed_reference, fresh kernel per request"])
     ratio = peer["p50"] / ours["p50"]

@@ -123,8 +123,7 @@ def main() -> None:
                 c.delete(f"/v1/sandboxes/{sid}")
             m["cold create (no pool) + `true` to end (floor to beat)"] = cold
         print()
-        for name, xs in m.items():
-            print(f"  {name:62s} {H.fmt_ms(H.summarize(xs))}")
+        H.print_timings(m, 62)
         print(f"  pool stats: {stats}")
         if code_stats:
             print(f"  code-interpreter pool: {code_stats}")
