@@ -87,16 +87,21 @@ def _background(ctx: Ctx, box: Box) -> int:
     """Server descriptors gained while the sandbox runs many background commands."""
     before = _server_fds(ctx)
     for _ in range(COMMANDS):
-        # A sandbox busy with the last one (gVisor's kernel on a loaded 2-core host) may be
-        # briefly unavailable: what counts is the descriptors of the commands it runs.
-        for attempt in range(5):
+        # A sandbox busy with the last ones (gVisor's ptrace kernel with a hundred processes on
+        # a loaded 2-core host) may miss a health check and be `unhealthy` until the next one
+        # (503): what counts is the descriptors of the commands it runs, not how fast it takes
+        # them, so a 503 is waited out for a minute; the last one's body says which it was.
+        deadline = time.monotonic() + 60
+        while True:
             try:
                 box.start("sleep 120")
                 break
             except httpx.HTTPStatusError as e:
-                if e.response.status_code != 503 or attempt == 4:
-                    raise
-                time.sleep(0.5)
+                if e.response.status_code != 503 or time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"HTTP {e.response.status_code}: {e.response.text[:300]}"
+                    ) from None
+                time.sleep(1)
     return _server_fds(ctx) - before
 
 
