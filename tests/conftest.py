@@ -27,6 +27,28 @@ from agentbox.battery.target import free_port, wait_healthy
 ADMIN_KEY = "test-admin-key-0123456789"
 
 
+def _one_tls_context() -> None:
+    """Every httpx client the tests make shares one default TLS context. httpx builds a new one
+    per client, loading the CA bundle (~50 ms here), and the tests make thousands of clients
+    for plain-HTTP servers: a sixth of an integration test's time went to it."""
+    from httpx._transports import default
+
+    make = default.create_ssl_context
+    shared: dict[bool, Any] = {}
+
+    def create_ssl_context(verify: Any = True, cert: Any = None, trust_env: bool = True) -> Any:
+        if verify is not True or cert is not None:
+            return make(verify=verify, cert=cert, trust_env=trust_env)
+        if trust_env not in shared:
+            shared[trust_env] = make(trust_env=trust_env)
+        return shared[trust_env]
+
+    default.create_ssl_context = create_ssl_context  # type: ignore[assignment]
+
+
+_one_tls_context()
+
+
 @dataclass
 class ServerHandle:
     """A running `agentbox serve` process and what a test needs to talk to it."""
