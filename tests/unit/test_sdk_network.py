@@ -452,3 +452,21 @@ def test_async_sandbox_network_methods() -> None:
         await sbx.close()
 
     asyncio.run(main())
+
+
+def test_tls_context_verifies_https_and_trusts_nothing_for_plain_http() -> None:
+    """A client of an http:// server does not load the CA bundle, and its context fails closed:
+    certificates and host names are required, and no authority is trusted."""
+    import ssl
+
+    for url in ("http://127.0.0.1:8000", "HTTP://localhost"):
+        ctx = p.tls_context(url)
+        assert ctx.verify_mode == ssl.CERT_REQUIRED and ctx.check_hostname, url
+        assert ctx.cert_store_stats()["x509_ca"] == 0, url
+    for url in ("https://sandbox.example", "wss://sandbox.example"):
+        ctx = p.tls_context(url)
+        assert ctx.verify_mode == ssl.CERT_REQUIRED and ctx.check_hostname, url
+        assert ctx.cert_store_stats()["x509_ca"] > 0, url
+    assert p.client_options(p.ClientConfig("https://a.example", "k", 5))["verify"] is (
+        p.tls_context("https://b.example")
+    )

@@ -40,7 +40,7 @@ def run_shell(
         term = sbx.pty.create(cols=cols, rows=rows, cmd=cmd, user=user, cwd=cwd)
         base = config.api_url.replace("http", "ws", 1)
         url = f"{base}/v1/sandboxes/{sandbox_id}/commands/{term.cmd_id}/terminal"
-        tls = p.client_options(config)["verify"] if url.startswith("wss:") else None
+        tls = p.tls_context(url) if url.startswith("wss:") else None
         with connect(
             url, additional_headers={p.API_KEY_HEADER: config.api_key}, ssl=tls, max_size=None
         ) as ws:

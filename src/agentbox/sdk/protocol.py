@@ -127,18 +127,28 @@ def resolve_config(api_key: str | None = None, api_url: str | None = None,
     return ClientConfig(api_url=url.rstrip("/"), api_key=key, request_timeout=request_timeout)
 
 
-@functools.lru_cache(maxsize=1)
-def _tls_context() -> ssl.SSLContext:
-    # Building a TLS context loads the CA bundle (~20 ms); every Sandbox has its own client,
-    # so they share one context instead of paying that on each create/connect.
-    return httpx.create_ssl_context()
+@functools.lru_cache(maxsize=2)
+def _tls_context(verifying: bool) -> ssl.SSLContext:
+    # Building a verifying TLS context loads the CA bundle (20-50 ms); every Sandbox has its
+    # own client, so they share one context instead of paying that on each create/connect.
+    if verifying:
+        return httpx.create_ssl_context()
+    # For a plain-HTTP server: one that trusts no certificate at all (a CLI run saves the CA
+    # bundle's load), so an https URL such a client were ever sent to fails closed.
+    return ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+
+
+def tls_context(url: str) -> ssl.SSLContext:
+    """The TLS context for a client of `url`: verifying against the CA bundle when the URL is
+    https or wss, else one that refuses every certificate (no TLS expected, none trusted)."""
+    return _tls_context(url.lower().startswith(("https:", "wss:")))
 
 
 def client_options(config: ClientConfig) -> dict[str, Any]:
     """Keyword arguments for httpx.Client / httpx.AsyncClient."""
     return {
         "base_url": config.api_url,
-        "verify": _tls_context(),
+        "verify": tls_context(config.api_url),
         "headers": {API_KEY_HEADER: config.api_key, "User-Agent": f"agentbox-sdk/{__version__}"},
         "timeout": httpx.Timeout(config.request_timeout),
     }
