@@ -6,7 +6,6 @@ from __future__ import annotations
 from datetime import datetime
 
 from agentbox.sdk import protocol as p
-from agentbox.sdk.async_sandbox import AsyncTransport
 from agentbox.sdk.models import AuditEvent, EgressEvent
 from agentbox.sdk.sandbox import Transport
 
@@ -29,6 +28,8 @@ async def alist_audit_events(sandbox_id: str | None = None, action: str | None =
                              api_url: str | None = None,
                              request_timeout: float = 60) -> list[AuditEvent]:
     """`list_audit_events` for asyncio."""
+    from agentbox.sdk.async_sandbox import AsyncTransport  # asyncio only when asked for
+
     transport = AsyncTransport(p.resolve_config(api_key, api_url, request_timeout))
     try:
         return await transport.call(p.list_audit(sandbox_id, action, tenant, since, limit))
@@ -56,6 +57,8 @@ async def alist_egress_events(sandbox_id: str | None = None, host: str | None = 
                               api_key: str | None = None, api_url: str | None = None,
                               request_timeout: float = 60) -> list[EgressEvent]:
     """`list_egress_events` for asyncio."""
+    from agentbox.sdk.async_sandbox import AsyncTransport  # asyncio only when asked for
+
     transport = AsyncTransport(p.resolve_config(api_key, api_url, request_timeout))
     try:
         return await transport.call(p.list_egress(sandbox_id, host, allowed, tenant, since,

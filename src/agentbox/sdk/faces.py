@@ -9,7 +9,6 @@ background command's callbacks are fed by a task while the caller goes on.
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 from collections.abc import (
     AsyncIterable,
@@ -20,9 +19,12 @@ from collections.abc import (
     Iterable,
     Iterator,
 )
-from typing import IO, Any, TypedDict
+from typing import IO, TYPE_CHECKING, Any, TypedDict
 
 from agentbox.sdk import protocol as p
+
+if TYPE_CHECKING:  # imported where used: the sync face (and the CLI) never loads asyncio
+    import asyncio
 
 OutputCallback = Callable[[str], Any]
 AsyncOutputCallback = Callable[[str], Any] | Callable[[str], Awaitable[Any]]
@@ -63,12 +65,16 @@ class AsyncLiveOutput:
     from the start, so the callbacks fire as output arrives while the caller goes on."""
 
     def __init__(self, deliver: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        import asyncio
+
         self._task = asyncio.get_running_loop().create_task(deliver())
         _following.add(self._task)
         self._task.add_done_callback(_following.discard)
 
     async def wait(self) -> None:
         """Until the command ended and its output was delivered; raises what the task raised."""
+        import asyncio
+
         await asyncio.shield(self._task)
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 from typing import TypeVar
 
 from agentbox.sdk import protocol as p
-from agentbox.sdk.async_sandbox import AsyncTransport
 from agentbox.sdk.models import KeyInfo
 from agentbox.sdk.sandbox import Transport
 
@@ -25,6 +24,8 @@ def _call(call: p.Call[T], api_key: str | None, api_url: str | None,
 
 async def _acall(call: p.Call[T], api_key: str | None, api_url: str | None,
                  request_timeout: float) -> T:
+    from agentbox.sdk.async_sandbox import AsyncTransport  # asyncio only when asked for
+
     transport = AsyncTransport(p.resolve_config(api_key, api_url, request_timeout))
     try:
         return await transport.call(call)
