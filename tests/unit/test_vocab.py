@@ -104,3 +104,18 @@ def test_the_sdk_imports_without_the_server() -> None:
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+def test_the_cli_and_the_sync_sdk_do_not_load_asyncio() -> None:
+    """asyncio is ~35 ms of an `agentbox` command's start: only the async face loads it."""
+    probe = (
+        "import sys\n"
+        "import agentbox.cli.app, agentbox.sdk.keys, agentbox.sdk.audit\n"
+        "from agentbox import Sandbox\n"
+        "assert 'asyncio' not in sys.modules, 'asyncio loaded'\n"
+        "from agentbox import AsyncSandbox\n"
+        "from agentbox.sdk import AsyncSandbox as same\n"
+        "assert AsyncSandbox is same and 'asyncio' in sys.modules\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
