@@ -8,12 +8,15 @@ can do through its declared `RuntimeFeatures`, never by its name.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 from agentbox.core.errors import InvalidRequest, SandboxUnavailable
 from agentbox.runtimes.base import ISOLATION_RANKS, RESOURCE_NAMES, Runtime, RuntimeFeatures
 from agentbox.store.db import SandboxRow
+
+TIERS_TTL_S = 10.0  # how long the health check's answer on tiers not served is kept
 
 
 class Runtimes:
@@ -34,6 +37,7 @@ class Runtimes:
         self.unavailable = dict(unavailable or {})
         # Declared once: what a runtime can do on this host does not change while it runs.
         self._features = {name: rt.features() for name, rt in self._by_name.items()}
+        self._tiers: tuple[float, dict[str, dict[str, Any]]] | None = None
 
     @classmethod
     def of(cls, runtime: Runtime) -> Runtimes:
@@ -159,7 +163,16 @@ class Runtimes:
         }
 
     def tiers(self) -> dict[str, dict[str, Any]]:
-        """Per isolation tier: whether this server serves it, and if not, why."""
+        """Per isolation tier: whether this server serves it, and if not, why. Probing the host
+        for the tiers not served (binaries on PATH, kernel features) was most of a health
+        check's cost, so the answer is kept for TIERS_TTL_S: a tier installed meanwhile shows
+        within that."""
+        now = time.monotonic()
+        if self._tiers is None or now - self._tiers[0] > TIERS_TTL_S:
+            self._tiers = (now, self._probe_tiers())
+        return {tier: dict(row) for tier, row in self._tiers[1].items()}
+
+    def _probe_tiers(self) -> dict[str, dict[str, Any]]:
         from agentbox import runtimes as registry
 
         out: dict[str, dict[str, Any]] = {}
