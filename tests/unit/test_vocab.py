@@ -92,9 +92,15 @@ def test_every_code_the_sdk_maps_is_in_the_vocabulary() -> None:
     assert all(isinstance(code, vocab.ErrorCode) for code in protocol._BY_CODE)
 
 
+def _in_a_fresh_interpreter(probe: str) -> None:
+    """Run `probe` in a new Python (imports start from nothing); its assertions must hold."""
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
 def test_the_sdk_imports_without_the_server() -> None:
     # fastapi set to None makes any import of it fail; nothing of the server may load either.
-    probe = (
+    _in_a_fresh_interpreter(
         "import sys; sys.modules['fastapi'] = None\n"
         "from agentbox import Sandbox, AsyncSandbox\n"
         "import agentbox.sdk.keys, agentbox.sdk.audit\n"
@@ -102,13 +108,11 @@ def test_the_sdk_imports_without_the_server() -> None:
         "(['agentbox', 'core'], ['agentbox', 'server'], ['agentbox', 'store'])]\n"
         "assert not loaded, loaded\n"
     )
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
 
 
 def test_the_cli_and_the_sync_sdk_do_not_load_asyncio() -> None:
     """asyncio is ~35 ms of an `agentbox` command's start: only the async face loads it."""
-    probe = (
+    _in_a_fresh_interpreter(
         "import sys\n"
         "import agentbox.cli.app, agentbox.sdk.keys, agentbox.sdk.audit\n"
         "from agentbox import Sandbox\n"
@@ -117,5 +121,3 @@ def test_the_cli_and_the_sync_sdk_do_not_load_asyncio() -> None:
         "from agentbox.sdk import AsyncSandbox as same\n"
         "assert AsyncSandbox is same and 'asyncio' in sys.modules\n"
     )
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
