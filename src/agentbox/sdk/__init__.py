@@ -97,8 +97,14 @@ __all__ = [
 # The async half (and asyncio with it) loads on first use: the CLI and sync callers do not pay
 # for it (~35 ms of an `agentbox` command's start).
 _ASYNC_NAMES = frozenset(
-    {"AsyncCommandHandle", "AsyncSandbox", "AsyncSecrets", "AsyncTemplates", "AsyncVolumes"}
-    | {"AsyncWorkspaces"}
+    (
+        "AsyncCommandHandle",
+        "AsyncSandbox",
+        "AsyncSecrets",
+        "AsyncTemplates",
+        "AsyncVolumes",
+        "AsyncWorkspaces",
+    )
 )
 
 if TYPE_CHECKING:
