@@ -128,8 +128,8 @@ def test_the_cli_parses_a_command_without_pydantic() -> None:
     ~330 (hence `typer<0.29`): running a command line must not load it."""
     _in_a_fresh_interpreter(
         "import sys\n"
-        "sys.argv = ['agentbox', '--api-url', 'http://127.0.0.1:9', '--api-key', 'k',\n"
-        "            'exec', 'sbx-1', '--cwd', '/tmp', '-e', 'A=1', '--timeout', '5', '--', 'true']\n"
+        "sys.argv = ['agentbox', '--api-url', 'http://127.0.0.1:9', '--api-key', 'k', 'exec',\n"
+        "            'sbx-1', '--cwd', '/tmp', '-e', 'A=1', '--timeout', '5', '--', 'true']\n"
         "from agentbox.cli.app import main\n"
         "try:\n"
         "    main()\n"
