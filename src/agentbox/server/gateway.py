@@ -5,9 +5,9 @@ path goes to the sandbox) or path-routed (`/v1/sandboxes/{id}/ports/{P}/rest`, `
 the sandbox with `X-Forwarded-Prefix`). Everything else goes to the wrapped API app untouched.
 
 Sandboxes have no network interface: `connect(sandbox_id, port)` hands over a socket already
-connected to the port on the sandbox's loopback. HTTP/1.1 goes through one httpcore connection
-pool per (sandbox, port), over those sockets, so upstream connections are kept alive and reused;
-bodies stream both ways. WebSocket upgrades are relayed message by message.
+connected to the port on the sandbox's loopback. HTTP/1.1 goes through one connection pool per
+(sandbox, port) over those sockets (server/upstream.py), so upstream connections are kept alive
+and reused; bodies stream both ways. WebSocket upgrades are relayed message by message.
 
 Ports are private unless the sandbox made them public: a request needs the sandbox's access token
 (`X-Access-Token`), an API key of the sandbox's tenant (`X-API-Key`), or a signed URL (see
@@ -18,24 +18,19 @@ requests work. Those credentials are never forwarded into the sandbox.
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import functools
 import hmac
 import json
 import logging
 import re
 import secrets
-import select
 import socket
-import struct
-import termios
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote, unquote, unquote_plus, urlsplit
 
-import httpcore
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
@@ -57,7 +52,9 @@ from agentbox.core.errors import (
     SandboxNotRunning,
     Unauthorized,
 )
+from agentbox.server import upstream
 from agentbox.server.errors import http_status
+from agentbox.server.upstream import KEEPALIVE_EXPIRY, dial, reset_if_unread
 from agentbox.vocab import ErrorCode
 
 log = logging.getLogger("agentbox.gateway")
@@ -65,9 +62,6 @@ log = logging.getLogger("agentbox.gateway")
 CONNECT_TIMEOUT = 10.0
 # Waiting for a free connection when a port already has `max_connections` in use.
 POOL_TIMEOUT = 30.0
-# Idle upstream connections are dropped after this, below the idle timeout of common servers
-# (uvicorn and node: 5 s) so a reused connection is rarely one the server is just closing.
-KEEPALIVE_EXPIRY = 4.0
 WS_CLOSE_TIMEOUT = 5.0
 
 
@@ -110,7 +104,7 @@ _REPLACED = frozenset(
     {
         "host",
         "content-length",
-        "expect",  # uvicorn already answered 100-continue; httpcore would not wait for it
+        "expect",  # uvicorn already answered 100-continue; the relay would not wait for it
         "x-forwarded-for",
         "x-forwarded-proto",
         "x-forwarded-host",
@@ -337,137 +331,15 @@ def _response_headers(
 # ---------------------------------------------------------------------------- upstream sockets
 
 
-async def _dial(
-    connect: Callable[[str, int], Awaitable[socket.socket]],
-    sandbox_id: str,
-    port: int,
-    timeout: float | None,
-) -> socket.socket:
-    async with asyncio.timeout(timeout):
-        sock = await connect(sandbox_id, port)
-    sock.setblocking(False)
-    if sock.family in (socket.AF_INET, socket.AF_INET6):
-        # Headers and body go out in separate writes: Nagle would hold the second back.
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        except OSError:
-            pass
-    return sock
-
-
-def _readable(sock: socket.socket) -> bool:
-    """Whether a read would return at once: on an idle pooled connection, that means the server
-    closed it (or sent junk), so it must not be reused."""
-    if sock.fileno() < 0:
-        return True
-    poller = select.poll()
-    poller.register(sock.fileno(), select.POLLIN)
-    return bool(poller.poll(0))
-
-
-def _reset_if_unread(sock: Any) -> None:
-    """Make closing `sock` a reset if data the sandbox never read is still queued on it: the
-    kernel would otherwise keep the connection (and that data) waiting for the sandbox."""
-    try:
-        fd = sock.fileno()
-        if fd >= 0 and fcntl.ioctl(fd, termios.TIOCOUTQ, b"\0\0\0\0") != b"\0" * 4:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    except OSError:
-        pass
-
-
-def _close(sock: socket.socket) -> None:
-    _reset_if_unread(sock)
-    sock.close()
-
-
 def _abort(transport: asyncio.BaseTransport) -> None:
     """Drop a WebSocket's connection to a sandbox at once, queued data and all."""
     sock = transport.get_extra_info("socket")
     if sock is not None:
-        _reset_if_unread(sock)
+        reset_if_unread(sock)
     if isinstance(transport, asyncio.Transport):
         transport.abort()
     else:
         transport.close()
-
-
-class _SocketStream(httpcore.AsyncNetworkStream):
-    """An httpcore stream over a socket `connect` made, driven by the running asyncio loop."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self._sock = sock
-        self._loop = asyncio.get_running_loop()
-
-    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
-        try:
-            async with asyncio.timeout(timeout):
-                return await self._loop.sock_recv(self._sock, max_bytes)
-        except TimeoutError:  # before OSError: TimeoutError is one
-            raise httpcore.ReadTimeout("read timed out") from None
-        except OSError as e:
-            raise httpcore.ReadError(str(e)) from e
-
-    async def write(self, buffer: bytes, timeout: float | None = None) -> None:
-        if not buffer:
-            return
-        try:
-            async with asyncio.timeout(timeout):
-                await self._loop.sock_sendall(self._sock, buffer)
-        except TimeoutError:
-            raise httpcore.WriteTimeout("write timed out") from None
-        except OSError as e:
-            raise httpcore.WriteError(str(e)) from e
-
-    async def aclose(self) -> None:
-        _close(self._sock)
-
-    def get_extra_info(self, info: str) -> Any:
-        if info == "is_readable":
-            return _readable(self._sock)
-        if info == "socket":
-            return self._sock
-        try:
-            if info == "client_addr":
-                return self._sock.getsockname()
-            if info == "server_addr":
-                return self._sock.getpeername()
-        except OSError:
-            return None
-        return None
-
-
-def _origin_host(sandbox_id: str, port: int) -> bytes:
-    # httpcore keys connections by URL origin; the backend reads the target back from it.
-    return f"{sandbox_id}.{port}{_ORIGIN_SUFFIX}".encode("ascii")
-
-
-class _SandboxBackend(httpcore.AsyncNetworkBackend):
-    def __init__(self, connect: Callable[[str, int], Awaitable[socket.socket]]) -> None:
-        self._connect = connect
-
-    async def connect_tcp(
-        self,
-        host: str,
-        port: int,
-        timeout: float | None = None,
-        local_address: str | None = None,
-        socket_options: Iterable[Any] | None = None,
-    ) -> httpcore.AsyncNetworkStream:
-        sandbox_id, _, sandbox_port = host.removesuffix(_ORIGIN_SUFFIX).rpartition(".")
-        sock = await _dial(self._connect, sandbox_id, int(sandbox_port), timeout)
-        return _SocketStream(sock)
-
-    async def connect_unix_socket(
-        self,
-        path: str,
-        timeout: float | None = None,
-        socket_options: Iterable[Any] | None = None,
-    ) -> httpcore.AsyncNetworkStream:
-        raise httpcore.UnsupportedProtocol("the gateway only dials sandbox ports")
-
-    async def sleep(self, seconds: float) -> None:
-        await asyncio.sleep(seconds)
 
 
 class _GuardedConnection(ClientConnection):
@@ -542,13 +414,6 @@ def _bounded(send: Send, timeout: float) -> Send:
     return bounded
 
 
-@dataclass
-class _Pool:
-    pool: httpcore.AsyncConnectionPool
-    active: int = 0
-    idle_since: float = field(default_factory=time.monotonic)
-
-
 # ---------------------------------------------------------------------------- errors
 
 
@@ -570,7 +435,7 @@ def _upstream_error(route: _Route, e: BaseException, limits: RelayLimits) -> Age
         return e
     if isinstance(e, ConnectionRefusedError):
         return _port_not_open(route)
-    if isinstance(e, httpcore.PoolTimeout):
+    if isinstance(e, upstream.PoolTimeout):
         return AgentboxError(
             f"too many open connections to port {route.port} in sandbox {route.sandbox_id}; "
             "retry later or close idle ones",
@@ -579,30 +444,28 @@ def _upstream_error(route: _Route, e: BaseException, limits: RelayLimits) -> Age
         )
     if isinstance(e, _Stalled):
         return AgentboxError(str(e), code=e.code, **where)
-    if isinstance(e, httpcore.ReadTimeout):
+    if isinstance(e, upstream.ReadTimeout):
         return AgentboxError(
             f"the server on port {route.port} in sandbox {route.sandbox_id} sent no answer "
             f"for {limits.idle_timeout:g} s",
             code="upstream_timeout",
             **where,
         )
-    if isinstance(e, httpcore.WriteTimeout):
+    if isinstance(e, upstream.WriteTimeout):
         return AgentboxError(
             f"the server on port {route.port} in sandbox {route.sandbox_id} did not read the "
             f"request for {limits.write_timeout:g} s",
             code="upstream_timeout",
             **where,
         )
-    if isinstance(e, TimeoutError | httpcore.TimeoutException):
+    if isinstance(e, TimeoutError):  # dialling the port
         return AgentboxError(
             f"port {route.port} in sandbox {route.sandbox_id} did not answer within "
             f"{CONNECT_TIMEOUT:g} s",
             code="upstream_timeout",
             **where,
         )
-    if not isinstance(
-        e, OSError | httpcore.NetworkError | httpcore.ProtocolError | InvalidHandshake
-    ):
+    if not isinstance(e, OSError | upstream.UpstreamError | InvalidHandshake):
         return None
     return AgentboxError(
         f"the server on port {route.port} in sandbox {route.sandbox_id} did not answer "
@@ -698,8 +561,7 @@ class PortGateway:
         self._connect = connect
         self._on_access = on_access
         self._max_connections = max_connections
-        self._backend = _SandboxBackend(connect)
-        self._pools: dict[tuple[str, int], _Pool] = {}
+        self._pools: dict[tuple[str, int], upstream.Pool] = {}
         self._last_sweep = time.monotonic()
         self.limits = limits or RelayLimits()
         self._unguessable = secrets.token_urlsafe(32)
@@ -729,7 +591,8 @@ class PortGateway:
     async def aclose(self) -> None:
         """Close every pooled upstream connection."""
         pools, self._pools = list(self._pools.values()), {}
-        await asyncio.gather(*(p.pool.aclose() for p in pools), return_exceptions=True)
+        for pool in pools:
+            pool.close()
 
     # ------------------------------------------------------------------ per request
 
@@ -954,22 +817,16 @@ class PortGateway:
 
     # ------------------------------------------------------------------ HTTP
 
-    def _pool(self, sandbox_id: str, port: int) -> _Pool:
+    def _pool(self, sandbox_id: str, port: int) -> upstream.Pool:
         key = (sandbox_id, port)
         pool = self._pools.get(key)
         if pool is None:
-            pool = self._pools[key] = _Pool(
-                httpcore.AsyncConnectionPool(
-                    max_connections=self._max_connections,
-                    # httpcore counts every connection, busy or idle, against this cap.
-                    max_keepalive_connections=self._max_connections,
-                    keepalive_expiry=KEEPALIVE_EXPIRY,
-                    network_backend=self._backend,
-                )
+            pool = self._pools[key] = upstream.Pool(
+                self._connect, sandbox_id, port, self._max_connections
             )
         return pool
 
-    async def _sweep(self) -> None:
+    def _sweep(self) -> None:
         """Drop the pools of ports nobody used for a while (their connections have expired)."""
         now = time.monotonic()
         if now - self._last_sweep < KEEPALIVE_EXPIRY:
@@ -980,8 +837,8 @@ class PortGateway:
             for key, p in self._pools.items()
             if p.active == 0 and now - p.idle_since > KEEPALIVE_EXPIRY
         ]
-        pools = [self._pools.pop(key) for key in stale]  # before any await: no one picks them up
-        await asyncio.gather(*(p.pool.aclose() for p in pools), return_exceptions=True)
+        for key in stale:
+            self._pools.pop(key).close()
 
     async def _relay_http(
         self,
@@ -1057,19 +914,6 @@ class PortGateway:
 
         method = scope["method"]
         request_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in out]
-        url = httpcore.URL(
-            scheme=b"http", host=_origin_host(route.sandbox_id, route.port), target=route.target
-        )
-        # A long poll or an event stream may be quiet for a while, not past the idle timeout.
-        timeouts = {
-            "connect": CONNECT_TIMEOUT,
-            "read": limits.idle_timeout,
-            "write": limits.write_timeout,
-            "pool": POOL_TIMEOUT,
-        }
-        # A request without a body can be sent again if a kept-alive connection turns out to
-        # have been closed by the server just as it was reused.
-        attempts = 1 if has_body or method not in _RETRYABLE_METHODS else 2
         status = 0
         answered = False
 
@@ -1078,22 +922,19 @@ class PortGateway:
             pool = self._pool(route.sandbox_id, route.port)
             pool.active += 1
             try:
-                attempt = 1
-                while True:
-                    request = httpcore.Request(
-                        method,
-                        url,
-                        headers=request_headers,
-                        content=body() if has_body else None,
-                        extensions={"timeout": timeouts},
-                    )
-                    try:
-                        response = await pool.pool.handle_async_request(request)
-                        break
-                    except (httpcore.RemoteProtocolError, httpcore.NetworkError):
-                        if attempt == attempts:
-                            raise
-                        attempt += 1
+                response = await pool.request(
+                    method.encode("ascii"),
+                    route.target,
+                    request_headers,
+                    body() if has_body else None,
+                    connect_timeout=CONNECT_TIMEOUT,
+                    pool_timeout=POOL_TIMEOUT,
+                    # A long poll or an event stream may be quiet a while, not past the idle
+                    # timeout.
+                    read_timeout=limits.idle_timeout,
+                    write_timeout=limits.write_timeout,
+                    retry=not has_body and method in _RETRYABLE_METHODS,
+                )
                 try:
                     response_headers = _response_headers(
                         response.headers, route.prefix, limits.confine_cookies
@@ -1109,7 +950,7 @@ class PortGateway:
                     )
                     status = response.status
                     try:
-                        async for chunk in response.stream:  # type: ignore[union-attr]
+                        async for chunk in response.body():
                             if chunk:
                                 await send(
                                     {"type": "http.response.body", "body": chunk, "more_body": True}
@@ -1119,12 +960,7 @@ class PortGateway:
                             # streaming small chunks would hold the event loop for everyone.
                             if limits.fair:
                                 await asyncio.sleep(0)
-                    except (
-                        httpcore.ProtocolError,
-                        httpcore.NetworkError,
-                        httpcore.TimeoutException,
-                        _Stalled,
-                    ) as e:
+                    except (upstream.UpstreamError, _Stalled) as e:
                         # Too late for an error response: leaving the body unfinished makes the
                         # server drop the connection, so the client sees a truncated response.
                         log.info(
@@ -1137,14 +973,14 @@ class PortGateway:
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
                     answered = True
                 finally:
-                    # Shielded: a cancel in the middle of it would leave the connection
-                    # counted as in use by the pool forever.
-                    await asyncio.shield(response.aclose())
+                    # Back to the pool if the whole answer was read, else closed (no await: a
+                    # cancel cannot leave it counted as in use).
+                    response.close()
             finally:
                 pool.active -= 1
                 pool.idle_since = time.monotonic()
 
-        await self._sweep()
+        self._sweep()
         watcher = asyncio.create_task(until_disconnect())
         worker = asyncio.create_task(exchange())
         try:
@@ -1258,7 +1094,7 @@ class PortGateway:
     async def _open_websocket(
         self, scope: Scope, route: _Route, host: str, headers: list[tuple[str, str]]
     ) -> ClientConnection:
-        sock = await _dial(self._connect, route.sandbox_id, route.port, CONNECT_TIMEOUT)
+        sock = await dial(self._connect, route.sandbox_id, route.port, CONNECT_TIMEOUT)
         try:
             path = route.target.decode("ascii")
             options: dict[str, Any] = dict(
