@@ -7,6 +7,8 @@ loads three targets:
 - direct: http://127.0.0.1:<floor port>/
 - path-routed: http://127.0.0.1:<api port>/v1/sandboxes/<id>/ports/8080/ (X-Access-Token)
 - host-routed: the same server, `Host: 8080-<id>.localhost:<api port>` (X-Access-Token)
+- api-health (load runs only): `GET /v1/health` of the same API server, its cheapest answer
+  (no relay, no key): the floor of what one request through this server can cost
 First the raw-socket client of egress_latency.py times single sequential requests to all three,
 interleaved, on one kept-alive connection and on a new connection each; then wrk -t1 -c1 per
 target; then -t2 -c16 rounds (direct, then the gateway two, alternating) for load; last, one
@@ -50,6 +52,7 @@ from egress_latency import (  # noqa: E402
 SANDBOX_PORT = 8080
 NO_GOAL = "no errors (no speed goal)"
 TARGETS = ("direct", "path-routed", "host-routed")
+LOAD_TARGETS = (*TARGETS, "api-health")
 WRK_HINT = "wrk is not installed (apt-get install -y wrk); using the Python load generator"
 
 # The fallback load generator: `threads` processes, each with an asyncio loop keeping its share
@@ -184,7 +187,7 @@ def main() -> None:
     have_wrk = shutil.which("wrk") is not None and not args.python_load
     if shutil.which("wrk") is None:
         print(WRK_HINT, file=sys.stderr)
-    load: dict[str, list[dict[str, Any]]] = {t: [] for t in TARGETS}
+    load: dict[str, list[dict[str, Any]]] = {t: [] for t in LOAD_TARGETS}
     c1: dict[str, dict[str, Any]] = {}
     prof_rows: list[tuple[str, float, float]] = []
     with tempfile.TemporaryDirectory(prefix="agentbox-bench-gateway-") as tmp, \
@@ -207,6 +210,7 @@ def main() -> None:
             "direct": (direct_port, "/", f"127.0.0.1:{direct_port}", []),
             "path-routed": (srv.port, f"{prefix}/", f"127.0.0.1:{srv.port}", [auth]),
             "host-routed": (srv.port, "/", routed_host, [auth]),
+            "api-health": (srv.port, "/v1/health", f"127.0.0.1:{srv.port}", []),
         }
 
         def load_once(target: str, threads: int, conns: int, duration: float) -> dict[str, Any]:
@@ -239,12 +243,12 @@ def main() -> None:
             # KEEPALIVE_EXPIRY after them) must not colour it. The last run shows that state.
             got = run_client_on_host(client_py, {"n": args.n, "warmup": 20, "modes": modes})
             seq, seq_failed = got["ms"], got["failed"]
-            for target in TARGETS:
+            for target in LOAD_TARGETS:
                 c1[target] = load_once(target, 1, 1, args.c1_duration)
             for rnd in range(args.rounds):
                 # direct first, the gateway's two in turn: the last run before `after` is one
                 # of the gateway's, so `after` sees the pool that load left.
-                for target in ("direct", *TARGETS[1:][:: 1 if rnd % 2 else -1]):
+                for target in ("direct", "api-health", *TARGETS[1:][:: 1 if rnd % 2 else -1]):
                     load[target].append(
                         load_once(target, args.threads, args.connections, args.duration))
             after = load_once("path-routed", 1, 1, args.c1_duration)
@@ -279,8 +283,8 @@ def report(load: dict[str, list[dict[str, Any]]], c1: dict[str, dict[str, Any]],
           "| API server CPU: % of a core, ms/req | new upstream conns per 1000 req | errors |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for label, table, direct in (
-            ("-c1", {t: [c1[t]] for t in TARGETS}, [c1["direct"]]),
-            (f"-c{args.connections}", {t: load[t] for t in TARGETS}, load["direct"]),
+            ("-c1", {t: [c1[t]] for t in LOAD_TARGETS}, [c1["direct"]]),
+            (f"-c{args.connections}", {t: load[t] for t in LOAD_TARGETS}, load["direct"]),
             ("-c1 right after load", {"path-routed": [after]}, [c1["direct"]])):
         d_rps, d_p50 = _median(direct, "rps"), _median(direct, "p50")
         for t, runs in table.items():
@@ -311,7 +315,7 @@ def report(load: dict[str, list[dict[str, Any]]], c1: dict[str, dict[str, Any]],
         for f, inc, own in prof_rows:
             print(f"  {inc:5.1f}% {own:5.1f}%  {f}")
     rows = []
-    direct = load["direct"]
+    direct, api = load["direct"], load["api-health"]
     for t in ("path-routed", "host-routed"):
         runs = load[t]
         errors = sum(r["errors"] for r in runs)
@@ -320,8 +324,10 @@ def report(load: dict[str, list[dict[str, Any]]], c1: dict[str, dict[str, Any]],
             "goal": NO_GOAL, "p50": _median(runs, "rps"),
             "p99": min(r["rps"] for r in runs), "unit": "req/s", "met": errors == 0,
             "errors": errors,
-            "floor": f"same server direct: {_median(direct, 'rps'):.0f} req/s",
-            "ratio": f"{_median(runs, 'rps') / _median(direct, 'rps'):.2f}x direct"})
+            "floor": (f"same server direct: {_median(direct, 'rps'):.0f} req/s; the API "
+                      f"server's own GET /v1/health: {_median(api, 'rps'):.0f} req/s"),
+            "ratio": (f"{_median(runs, 'rps') / _median(direct, 'rps'):.2f}x direct, "
+                      f"{_median(runs, 'rps') / _median(api, 'rps'):.2f}x the API's health")})
         rows.append({
             "metric": f"exposed port {t}, latency under -c{args.connections} load",
             "goal": NO_GOAL, "p50": _median(runs, "p50"), "p99": _median(runs, "p99"),
