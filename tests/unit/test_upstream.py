@@ -26,6 +26,7 @@ class Server:
     def __init__(self, reply: Reply) -> None:
         self.reply = reply
         self.accepted = 0
+        self.ended = 0  # connections the client closed (or the server hung up)
         self.heads: list[bytes] = []
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -56,6 +57,7 @@ class Server:
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
+            self.ended += 1
             writer.close()
 
 
@@ -264,6 +266,29 @@ def test_the_cap_makes_requests_wait_then_time_out() -> None:
         response.close()  # the one connection goes to the request still waiting
         assert await waiting == (200, b"ok")
         assert srv.accepted == 1
+        listener.close()
+
+    run(test)
+
+
+def test_expired_idle_connections_are_closed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(upstream, "KEEPALIVE_EXPIRY", 1.0)
+
+    async def test() -> None:
+        async def reply(n: int, head: bytes) -> bytes:
+            await asyncio.sleep(0.05)
+            return OK
+
+        pool, srv, listener = await _pool(reply)
+        assert await asyncio.gather(*(_get(pool) for _ in range(3))) == [(200, b"ok")] * 3
+        await asyncio.sleep(0.6)
+        assert await _get(pool) == (200, b"ok")  # one of the three, idle again from now
+        await asyncio.sleep(0.6)
+        # The other two are past the expiry; the request takes the one used last and closes
+        # them (not only expired connections it happens to pick).
+        assert await _get(pool) == (200, b"ok")
+        await asyncio.sleep(0.1)
+        assert (srv.accepted, srv.ended) == (3, 2)
         listener.close()
 
     run(test)

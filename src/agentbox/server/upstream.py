@@ -198,9 +198,12 @@ class Pool:
         deadline = time.monotonic() + pool_timeout
         while True:
             now = time.monotonic()
+            # The longest idle are first: close the expired ones, not only those popped.
+            while self._idle and now - self._idle[0].idle_since >= KEEPALIVE_EXPIRY:
+                self._drop(self._idle.pop(0))
             while self._idle:
                 conn = self._idle.pop()
-                if now - conn.idle_since < KEEPALIVE_EXPIRY and not readable(conn.sock):
+                if not readable(conn.sock):
                     conn.reused = True
                     return conn
                 self._drop(conn)
