@@ -316,7 +316,8 @@ def put_file(c: Any, sid: str, path: str, text: str) -> None:
 
 
 def start_in_sandbox(c: Any, sid: str, cmd: str) -> None:
-    r = c.post(f"/v1/sandboxes/{sid}/commands", json={"cmd": cmd, "background": True})
+    # No time limit: a background command otherwise ends after the default 60 s.
+    r = c.post(f"/v1/sandboxes/{sid}/commands", json={"cmd": cmd, "background": True, "timeout": 0})
     if r.status_code != 201:
         raise RuntimeError(f"starting {cmd!r} failed: {r.status_code} {r.text[:300]}")
 
