@@ -292,3 +292,46 @@ def test_expired_idle_connections_are_closed(monkeypatch: pytest.MonkeyPatch) ->
         listener.close()
 
     run(test)
+
+
+def test_an_answer_sent_before_the_whole_body_is_passed_on() -> None:
+    """A server that refuses an upload after its head (413) and closes without reading the
+    rest: the write breaks, and the answer it sent is what the request gets."""
+
+    async def test() -> None:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 413 Too Large\r\nContent-Length: 3\r\n"
+                         b"Connection: close\r\n\r\nbig")  # fmt: skip
+            await writer.drain()
+            writer.transport.abort()  # unread data: the kernel resets the connection
+
+        listener = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = listener.sockets[0].getsockname()[1]
+
+        async def connect(sandbox_id: str, _: int) -> socket.socket:
+            sock = socket.socket()
+            sock.setblocking(False)
+            await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
+            return sock
+
+        pool = Pool(connect, "sbx", 80, 4)
+        sent = []
+
+        async def body() -> Any:
+            for _ in range(200):  # 12.5 MiB, more than the socket buffers hold
+                sent.append(1)
+                yield b"x" * 65536
+                await asyncio.sleep(0.001)
+
+        headers = [(b"host", b"x"), (b"content-length", str(200 * 65536).encode())]
+        response = await pool.request(b"POST", b"/", headers, body(), connect_timeout=2,
+                                      pool_timeout=2, read_timeout=2, write_timeout=2,
+                                      retry=False)  # fmt: skip
+        assert response.status == 413
+        assert [c async for c in response.body()] == [b"big"]
+        response.close()
+        assert len(sent) < 200
+        listener.close()
+
+    run(test)

@@ -272,15 +272,21 @@ class Pool:
             try:
                 await conn.send(h11.Request(method=method, target=target, headers=headers),
                                 write_timeout)  # fmt: skip
-                if body is not None:
-                    await _send_body(conn, body, write_timeout)
-                await conn.send(h11.EndOfMessage(), write_timeout)
-                event = await conn.next_event(read_timeout)
-                while isinstance(event, h11.InformationalResponse):  # 100 Continue and the like
-                    event = await conn.next_event(read_timeout)
-                if not isinstance(event, h11.Response):
-                    raise UpstreamClosed("the server closed the connection without an answer")
-                return Response(self, conn, event, read_timeout)
+                try:
+                    if body is not None:
+                        await _send_body(conn, body, write_timeout)
+                    await conn.send(h11.EndOfMessage(), write_timeout)
+                except UpstreamClosed as broke:
+                    if body is None:
+                        raise
+                    # The server may have answered before it took the whole body (a 413, a
+                    # 401) and closed: that answer is the one to pass on, if it is there.
+                    try:
+                        head = await _response_head(conn, read_timeout)
+                    except UpstreamError:
+                        raise broke from None
+                    return Response(self, conn, head, read_timeout)
+                return Response(self, conn, await _response_head(conn, read_timeout), read_timeout)
             except (UpstreamClosed, UpstreamProtocolError):
                 self.release(conn, clean=False)
                 if not (retry and conn.reused):
@@ -294,6 +300,15 @@ class Pool:
         for conn in self._idle:
             self._drop(conn)
         self._idle = []
+
+
+async def _response_head(conn: Connection, timeout: float) -> h11.Response:
+    event = await conn.next_event(timeout)
+    while isinstance(event, h11.InformationalResponse):  # 100 Continue and the like
+        event = await conn.next_event(timeout)
+    if not isinstance(event, h11.Response):
+        raise UpstreamClosed("the server closed the connection without an answer")
+    return event
 
 
 async def _send_body(conn: Connection, body: AsyncIterator[bytes], timeout: float) -> None:
