@@ -61,9 +61,9 @@ class Server:
             writer.close()
 
 
-async def _pool(reply: Reply, limit: int = 4) -> tuple[Pool, Server, asyncio.Server]:
-    srv = Server(reply)
-    listener = await asyncio.start_server(srv.handle, "127.0.0.1", 0)
+async def _listen(handle: Any) -> tuple[asyncio.Server, upstream.Connect]:
+    """A loopback server running `handle`, and a `connect` that dials it for any port."""
+    listener = await asyncio.start_server(handle, "127.0.0.1", 0)
     port = listener.sockets[0].getsockname()[1]
 
     async def connect(sandbox_id: str, _: int) -> socket.socket:
@@ -72,6 +72,12 @@ async def _pool(reply: Reply, limit: int = 4) -> tuple[Pool, Server, asyncio.Ser
         await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
         return sock
 
+    return listener, connect
+
+
+async def _pool(reply: Reply, limit: int = 4) -> tuple[Pool, Server, asyncio.Server]:
+    srv = Server(reply)
+    listener, connect = await _listen(srv.handle)
     return Pool(connect, "sbx", 80, limit), srv, listener
 
 
@@ -306,15 +312,7 @@ def test_an_answer_sent_before_the_whole_body_is_passed_on() -> None:
             await writer.drain()
             writer.transport.abort()  # unread data: the kernel resets the connection
 
-        listener = await asyncio.start_server(handle, "127.0.0.1", 0)
-        port = listener.sockets[0].getsockname()[1]
-
-        async def connect(sandbox_id: str, _: int) -> socket.socket:
-            sock = socket.socket()
-            sock.setblocking(False)
-            await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
-            return sock
-
+        listener, connect = await _listen(handle)
         pool = Pool(connect, "sbx", 80, 4)
         sent = []
 
