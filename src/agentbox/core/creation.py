@@ -1,6 +1,7 @@
 """Creating sandboxes: admission, a claim from a warm pool or a cold start (after the first-use
-build of its template, for a `building` sandbox), the runtime, the egress proxy, the template's
-start command and warm kernels, until the record says running (or failed, or killed).
+build of its template, for a `building` sandbox: core/first_build.py), the runtime, the egress
+proxy, the template's start command and warm kernels, until the record says running (or
+failed, or killed).
 
 A service of the core (see core/manager.py, the front object). A kill that arrives while a
 sandbox starts is honoured at the start's next step (`_check_kill`).
@@ -26,6 +27,7 @@ from agentbox.core.errors import (
     SandboxNotRunning,
     SandboxUnavailable,
 )
+from agentbox.core.first_build import FirstUseBuild
 from agentbox.core.network import SandboxEgressSetup, SandboxNetwork, new_access_token
 from agentbox.core.requests import CreateRequest, check_envs, check_metadata
 from agentbox.core.snapshots import StartFrom
@@ -41,19 +43,15 @@ from agentbox.runtimes.base import (
     RuntimeRefused,
     SandboxSpec,
 )
-from agentbox.store.db import DETAIL_STRING_CHARS, SandboxRow
+from agentbox.store.db import SandboxRow
 from agentbox.templates import TemplateInfo
-from agentbox.vocab import ErrorCode, status_of
+from agentbox.vocab import status_of
 
 if TYPE_CHECKING:
     from agentbox.core.manager import SandboxManager
 
 log = logging.getLogger("agentbox.manager")
 
-BUILDING = SandboxState.BUILDING  # a create waiting for the first-use build of its template
-BUILD_ALLOWANCE_S = 3600.0  # a `building` sandbox ends (timeout) if its build takes longer
-# A start or first-use build that failed is audited as the sandbox being unavailable.
-START_FAILED = status_of(ErrorCode.SANDBOX_UNAVAILABLE)
 
 
 def _start_error(e: Exception) -> AgentboxError:
@@ -72,6 +70,7 @@ class _KilledWhileStarting(Exception):
 class Creation:
     def __init__(self, core: SandboxManager) -> None:
         self.core = core
+        self.first_build = FirstUseBuild(self)
 
     async def create(
         self, caller: Caller, req: CreateRequest, start_from: StartFrom | None = None
@@ -138,7 +137,7 @@ class Creation:
                     "volumes first (it builds it), then one with them",
                     template=template,
                 )
-            return await self._create_building(caller, template, req, quota, resources, net)
+            return await self.first_build.create(caller, template, req, quota, resources, net)
         else:
             tpl = await self.core.template(template)
         sandbox_id = "sbx_" + secrets.token_hex(8)
@@ -189,93 +188,6 @@ class Creation:
             origin=start_from.origin if start_from else None,
         )
         return row
-
-    async def _create_building(
-        self,
-        caller: Caller,
-        template: str,
-        req: CreateRequest,
-        quota: dict[str, Any],
-        resources: Resources,
-        net: SandboxNetwork,
-    ) -> SandboxRow:
-        """A create that must wait for a first-use build answers at once with a `building`
-        sandbox (no client waits minutes on one request); the build, then the start, go on
-        here, and the row tells how they went."""
-        started = time.monotonic()
-        sandbox_id = "sbx_" + secrets.token_hex(8)
-        async with self.core.table.tenant_lock(caller.tenant):
-            await self.core.admission.check_capacity(caller, quota, started, resources)
-            # Its deadline counts from when it runs; until then the build has an hour.
-            self.insert(
-                sandbox_id, caller.tenant, template, req, resources, net, None, BUILDING,
-                BUILD_ALLOWANCE_S,
-            )  # fmt: skip
-        task = asyncio.create_task(self._build_then_start(caller, sandbox_id, req, resources, net))
-        self.core.watchers.add(task)
-        task.add_done_callback(self.core.watchers.discard)
-        self.core.audit(
-            caller, "sandbox.create", sandbox_id, status=202, started=started, template=template,
-            building=True,
-        )  # fmt: skip
-        row = self.core.store.get_sandbox(sandbox_id)
-        assert row is not None
-        return row
-
-    async def _build_then_start(
-        self,
-        caller: Caller,
-        sandbox_id: str,
-        req: CreateRequest,
-        resources: Resources,
-        net: SandboxNetwork,
-    ) -> None:
-        row = self.core.store.get_sandbox(sandbox_id)
-        assert row is not None
-        try:
-            tpl = await self.core.template(row.template)
-            assert tpl is not None  # only a template that needs a build gets here
-            row = self.core.store.get_sandbox(sandbox_id)
-            if row is None or row.state != BUILDING:
-                return  # killed while it waited
-            egress = self.core.network.setup(row.tenant, sandbox_id, req.secrets, str(tpl.rootfs))
-        except Exception as e:  # noqa: BLE001 - whatever it was, the row must say it
-            if not isinstance(e, AgentboxError):
-                log.exception("the first-use build for %s failed", sandbox_id)
-            self._fail_building(caller, sandbox_id, getattr(e, "message", None) or str(e))
-            return
-        # No await from the check above to here: a kill sees `building` or `starting`.
-        moved = self.core.states.move(
-            sandbox_id, SandboxState.STARTING, only_from=frozenset({BUILDING}),
-            secrets=egress.placeholders or None,
-        )  # fmt: skip
-        if moved is None:
-            await self.core.network.forget(sandbox_id)
-            return  # killed while it was building
-        try:
-            await self.start(
-                sandbox_id, tpl, row.template, resources, req.envs, req.timeout,
-                egress, net, row.tenant, row.runtime,
-            )  # fmt: skip
-        except Exception as e:  # noqa: BLE001 - _start recorded how it ended; add why
-            message = e.message if isinstance(e, AgentboxError) else str(e)
-            self.core.store.update_sandbox(sandbox_id, error=message[:DETAIL_STRING_CHARS])
-            self.core.audit(caller, "sandbox.start", sandbox_id, status=START_FAILED, error=message)
-            return
-        self.core.audit(caller, "sandbox.start", sandbox_id, status=200, template=row.template)
-
-    def _fail_building(self, caller: Caller, sandbox_id: str, message: str) -> None:
-        moved = self.core.states.move(
-            sandbox_id,
-            SandboxState.FAILED,
-            only_from=frozenset({BUILDING}),
-            end_reason="build_failed",
-            ended_at=time.time(),
-            error=message[:DETAIL_STRING_CHARS],
-        )
-        if moved is None:
-            return  # killed (or timed out) while it was building
-        self.core.audit(caller, "sandbox.start", sandbox_id, status=START_FAILED, error=message)
 
     def insert(
         self,
