@@ -17,9 +17,7 @@ from __future__ import annotations
 import _socket  # not `socket`: its enum/selectors imports cost ~5 ms per sandbox start
 import ctypes
 import errno
-import json
 import os
-import re
 import stat
 import sys
 import threading
@@ -701,7 +699,7 @@ def op_list(conn: Conn, req: dict) -> None:
                 continue
             if not seen:
                 out.append(entry(name, join(here), st, fd, metadata))
-                budget -= len(json.dumps(out[-1])) + 2
+                budget -= len(P.dumps(out[-1])) + 2
             if stat.S_ISDIR(st.st_mode) and level < depth:
                 try:
                     stack.append(_listing(here, level + 1))
@@ -930,10 +928,22 @@ def _mount_points() -> set[str]:
     points = set()
     for line in lines:
         fields = line.split(b" ")
-        if len(fields) > 4:  # octal escapes (\040 for a space) as the kernel writes them
-            raw = re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m.group(1), 8)]), fields[4])
-            points.add(os.fsdecode(raw))
+        if len(fields) > 4:
+            points.add(os.fsdecode(_unescape_octal(fields[4])))
     return points
+
+
+def _unescape_octal(raw: bytes) -> bytes:
+    """A mountinfo field with the kernel's octal escapes (`\\040` for a space) undone."""
+    head, *rest = raw.split(b"\\")
+    out = [head]
+    for part in rest:
+        digits = part[:3]
+        if len(digits) == 3 and all(c in b"01234567" for c in digits):
+            out += [bytes([int(digits, 8)]), part[3:]]
+        else:
+            out += [b"\\", part]
+    return b"".join(out)
 
 
 def _check_removable(path: str) -> None:
@@ -1993,6 +2003,7 @@ def serve_one(sock: _socket.socket, inline: bool = False) -> None:
             sock.close()
         except OSError:
             pass
+        _import_ahead_once()
 
 
 LANDLOCK_ABI = 0
@@ -2088,11 +2099,27 @@ def listen_at(path: str) -> _socket.socket:
 
 def _import_ahead() -> None:
     """What the first command imports, imported while the server still finishes the create
-    (its records, its answer) and the client sends that command: ~5 ms it does not wait for."""
+    (its records, its answer) and the client sends that command: ~11 ms it does not wait for."""
     import fcntl  # noqa: F401
     import select  # noqa: F401
     import subprocess  # noqa: F401
     import termios  # noqa: F401
+
+
+_imported_ahead = False
+
+
+def _import_ahead_once() -> None:
+    """Start _import_ahead after the first answer (the runtime's readiness ping), so that it
+    does not hold the interpreter lock while that answer is made."""
+    global _imported_ahead
+    if _imported_ahead:
+        return
+    _imported_ahead = True
+    try:
+        threading.Thread(target=_import_ahead, daemon=True).start()
+    except RuntimeError:
+        pass  # no thread to spare: the first command imports them itself
 
 
 def main() -> None:
@@ -2130,10 +2157,6 @@ def main() -> None:
     # After Landlock: its scope lets sandboxed code reach only sockets made inside its domain.
     users.serve_sudo()
     threading.stack_size(512 * 1024)
-    try:
-        threading.Thread(target=_import_ahead, daemon=True).start()
-    except RuntimeError:
-        pass  # no thread to spare: the first command imports them itself
     while True:
         if CHANNEL is not None:
             if CHANNEL.wanted:

@@ -19,9 +19,7 @@ import _socket
 import array
 import contextlib
 import ctypes
-import json
 import os
-import signal
 import threading
 from collections.abc import Iterator
 
@@ -265,6 +263,8 @@ def _accept_sudo(listener: _socket.socket) -> None:
 
 def _recv_request(conn: _socket.socket) -> tuple[dict, list[int]]:
     """The request (one JSON line) and the caller's stdin/stdout/stderr (SCM_RIGHTS)."""
+    import json  # here: most sandboxes never use sudo, and json costs every start ~12 ms
+
     fds = array.array("i")
     data = b""
     while not data.endswith(b"\n"):
@@ -281,6 +281,7 @@ def _recv_request(conn: _socket.socket) -> tuple[dict, list[int]]:
 
 
 def _serve_sudo(conn: _socket.socket) -> None:
+    import json
     import subprocess
 
     fds: list[int] = []
@@ -324,6 +325,9 @@ def _serve_sudo(conn: _socket.socket) -> None:
 
 def _relay_signals(conn: _socket.socket, proc: object) -> None:
     """Signals the caller forwards ({"signal": N} lines); the caller gone kills the command."""
+    import json
+    import signal
+
     buf = b""
     while True:
         try:
