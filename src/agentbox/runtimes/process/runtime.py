@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import resource
+import select
 import shutil
 import signal
 import socket
@@ -944,23 +945,25 @@ class ProcessRuntime(Runtime):
 
     @staticmethod
     def _read_info(fd: int, proc: subprocess.Popen) -> int:
+        """bwrap's JSON on its info fd; woken by the data (not a polling sleep), and by the
+        end of file when bwrap exits without it (its copy of the pipe's end closes)."""
         buf = b""
         deadline = time.monotonic() + 10
-        os.set_blocking(fd, False)
-        while time.monotonic() < deadline:
-            try:
-                chunk = os.read(fd, 4096)
-            except BlockingIOError:
-                chunk = None
-            if chunk:
-                buf += chunk
-                try:
-                    return int(json.loads(buf)["child-pid"])
-                except (ValueError, KeyError):
-                    continue
-            if chunk == b"" or proc.poll() is not None:
+        waiting = select.poll()
+        waiting.register(fd, select.POLLIN)
+        while (left := deadline - time.monotonic()) > 0:
+            if not waiting.poll(min(left, 0.1) * 1000):
+                if proc.poll() is not None:
+                    break
+                continue
+            chunk = os.read(fd, 4096)
+            if not chunk:
                 break
-            time.sleep(0.0005)
+            buf += chunk
+            try:
+                return int(json.loads(buf)["child-pid"])
+            except (ValueError, KeyError):
+                continue
         raise RuntimeError_("the sandbox failed to start (bwrap gave no child pid)")
 
     @staticmethod
