@@ -12,11 +12,20 @@ import errno
 import fcntl
 import os
 import stat
+import struct
 import subprocess
 import time
 from pathlib import Path
 
 FICLONE = 0x40049409  # ioctl: share all of one file's blocks with another (XFS, btrfs)
+# <linux/loop.h>: attach a file to a free loop device in one call (Linux 5.8)
+LOOP_CTL_GET_FREE = 0x4C82
+LOOP_CONFIGURE = 0x4C0A  # struct loop_config: fd, block_size, loop_info64, 8 reserved u64
+LOOP_INFO64_SIZE = 232
+LO_FLAGS_OFFSET = 52  # lo_flags in struct loop_info64
+LO_FLAGS_AUTOCLEAR = 4
+LO_FLAGS_DIRECT_IO = 16
+MS_NOSUID, MS_NODEV, MS_NOATIME = 2, 4, 1024
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -167,12 +176,56 @@ def detach_orphan_loops(root: Path) -> None:
 def mount_image(image: Path, mnt: Path) -> None:
     """Mount an image read-write at the existing directory `mnt` (nosuid, nodev: its files
     were made by sandboxes), on a loop device of its own that goes with the mount."""
-    device = attach_loop(image)
     try:
-        run(["mount", "-o", "nosuid,nodev,noatime", device, str(mnt)])
-    except BaseException:
-        subprocess.run(["losetup", "-d", device], capture_output=True)
-        raise
+        fd, device = _configure_loop(image)
+    except OSError:  # no LOOP_CONFIGURE (Linux < 5.8), no /dev/loop-control: losetup's way
+        device = attach_loop(image)
+        try:
+            run(["mount", "-o", "nosuid,nodev,noatime", device, str(mnt)])
+        except BaseException:
+            subprocess.run(["losetup", "-d", device], capture_output=True)
+            raise
+        return
+    try:
+        flags = MS_NOSUID | MS_NODEV | MS_NOATIME
+        if _libc.mount(device.encode(), os.fsencode(mnt), b"ext4", flags, None) != 0:
+            e = ctypes.get_errno()
+            raise ImageError(f"mount {device} on {mnt} failed: {os.strerror(e)}")
+    finally:
+        os.close(fd)  # the device clears itself when its mount goes (or now, if none was made)
+
+
+def _configure_loop(image: Path) -> tuple[int, str]:
+    """A free loop device bound to `image` by ioctls, with direct I/O (see attach_loop) where
+    the backing filesystem allows it and clearing itself once nothing holds it: an open fd of
+    the device and its path. What `losetup` + `mount` did in two programs, ~5 ms, takes ~0.7."""
+    ctl = os.open("/dev/loop-control", os.O_RDWR | os.O_CLOEXEC)
+    try:
+        backing = os.open(image, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            for _ in range(64):  # another attach may take the free device first: EBUSY
+                number = fcntl.ioctl(ctl, LOOP_CTL_GET_FREE)
+                device = f"/dev/loop{number}"
+                fd = os.open(device, os.O_RDWR | os.O_CLOEXEC)
+                for flags in (LO_FLAGS_AUTOCLEAR | LO_FLAGS_DIRECT_IO, LO_FLAGS_AUTOCLEAR):
+                    info = bytearray(LOOP_INFO64_SIZE)
+                    struct.pack_into("=I", info, LO_FLAGS_OFFSET, flags)
+                    config = struct.pack("=II", backing, 0) + bytes(info) + bytes(8 * 8)
+                    try:
+                        fcntl.ioctl(fd, LOOP_CONFIGURE, config)
+                        return fd, device
+                    except OSError as e:
+                        if e.errno != errno.EINVAL or not flags & LO_FLAGS_DIRECT_IO:
+                            error = e
+                            break
+                os.close(fd)
+                if error.errno != errno.EBUSY:
+                    raise error
+            raise OSError(errno.EBUSY, "no free loop device")
+        finally:
+            os.close(backing)
+    finally:
+        os.close(ctl)
 
 
 def mount_readonly(image: Path, mnt: Path) -> None:
