@@ -236,3 +236,22 @@ async def test_a_lifecycle_that_pauses_needs_a_tier_that_can(
     row = await mgr.create(ACME, CreateRequest(lifecycle={"on_timeout": "kill"}))
     assert row.lifecycle is None
     await mgr.kill(ACME, row.sandbox_id)
+
+
+def test_a_store_move_is_compare_and_set_and_refuses_an_unknown_column(tmp_path: Path) -> None:
+    store = Store(f"sqlite:///{tmp_path / 'agentbox.db'}")
+    now = time.time()
+    store.insert_sandbox(
+        sandbox_id="sbx_a", tenant="t", template="base", runtime="process", state="running",
+        metadata={}, resources={}, runtime_state=None, keep_workspace=False, created_at=now,
+        end_at=now + 60, network={}, access_token="x",
+    )  # fmt: skip
+    assert not store.move_sandbox("sbx_a", "starting", state="stopped")
+    assert store.move_sandbox("sbx_a", "running", state="stopped", runtime_state={"pid": [1]})
+    row = store.get_sandbox("sbx_a")
+    assert row is not None and row.state == "stopped" and row.runtime_state == {"pid": [1]}
+    assert store.get_sandbox("sbx_b") is None
+    with pytest.raises(ValueError, match="no column bogus"):
+        store.move_sandbox("sbx_a", "stopped", state="running", bogus=1)
+    row = store.get_sandbox("sbx_a")
+    assert row is not None and row.state == "stopped"
