@@ -47,3 +47,16 @@ def test_a_cgroup_that_cannot_be_joined_stops_the_start(tmp_path: Path) -> None:
     done = subprocess.run(argv, capture_output=True, text=True, timeout=30)
     assert done.returncode != 0
     assert not ran.exists()
+
+
+def test_the_warming_process_joins_every_cgroup_and_is_gone_once_settled(tmp_path: Path) -> None:
+    joins = [tmp_path / "memory.procs", tmp_path / "pids.procs"]
+    for f in joins:
+        f.touch()
+    warming = startctx.warm_join([str(f) for f in joins])
+    assert warming is not None
+    startctx.settle(warming)
+    assert warming.returncode == 0
+    assert {f.read_text().strip() for f in joins} == {str(warming.pid)}
+    assert startctx.warm_join([]) is None
+    startctx.settle(None)

@@ -564,6 +564,7 @@ class ProcessRuntime(Runtime):
         state: dict[str, Any] = {"uid": uid, "dir": str(sdir), "cpus": cpus}
         writable_root = self._writable_root(spec)
         ns = -1
+        warming: subprocess.Popen | None = None
         try:
             if self._own_userns():
                 state["range"] = [uid, BLOCK]
@@ -577,6 +578,10 @@ class ProcessRuntime(Runtime):
                 layer = lambda disk: rootfs.prepare_disk(disk, uid, owner)  # noqa: E731
             if spec.disk is not None:
                 self._check_disk_source(spec.disk)
+            # Made first, and a throwaway process moved through them while the disk is made:
+            # the sandbox's first process then joins without waiting (startctx.warm_join).
+            self.cgroups.create(sid, self._cgroup_limits(spec.resources))
+            warming = startctx.warm_join(self.cgroups.join_files(sid))
             ws = workspace.create(
                 sdir, bind_dir, spec.resources.disk_mb, owner, self.use_loop, root_layer=layer,
                 source=spec.disk, base=uid,
@@ -592,13 +597,14 @@ class ProcessRuntime(Runtime):
                 state["root"] = self._mount_root(spec, bind_dir, uid, ns)
             self._check_volume_paths(spec, bind_dir, ws.path, writable_root)
             self._mount_volumes(spec, bind_dir, ns)
-            self.cgroups.create(sid, self._cgroup_limits(spec.resources))
+            startctx.settle(warming)
             if self._home_mount(spec):
                 state["home"] = E2B_HOME
             state.update(self._spawn(spec, sdir, ws.path, uid, cpus, ns))
             self._write_state(sdir, state)
             return state
         except BaseException as e:
+            startctx.settle(warming)  # out of the cgroups before they are removed
             # A parked sandbox that cannot start again keeps its disk, parked as it was.
             self._destroy_sync(sid, state, keep_workspace=False, park=self._resuming(spec))
             if isinstance(e, (userns.UsernsError, rootfs.RootfsError)):
