@@ -62,7 +62,7 @@ def test_malformed_input_fails_with_jsons_own_error(raw: bytes) -> None:
 
 
 @pytest.mark.parametrize(
-    "raw", [" \n{\"a\": 1}\t\r\n", '{"a": 1}'.encode("utf-16"), b'\xef\xbb\xbf{"a": 1}']
+    "raw", [' \n{"a": 1}\t\r\n', '{"a": 1}'.encode("utf-16"), b'\xef\xbb\xbf{"a": 1}']
 )
 def test_whitespace_and_other_encodings_decode_as_json_does(raw: bytes) -> None:
     assert P.loads(raw) == json.loads(raw) == {"a": 1}

@@ -36,8 +36,15 @@ def test_the_pid_is_read_from_json_written_in_pieces() -> None:
         os.close(r)
 
 
-@pytest.mark.parametrize("script", ["os._exit(1)", "os.write(fd, b'{\"child-pid\"'); os._exit(1)"])
-def test_a_launcher_that_exits_without_the_pid_fails_at_once(script: str) -> None:
+@pytest.mark.parametrize(
+    "script",
+    [
+        "os._exit(1)",  # bwrap failed before it wrote anything
+        "os.write(fd, b'{\"child-pid\"'); os._exit(1)",  # half the JSON, then gone
+        "os.close(fd); time.sleep(0.3)",  # the fd closed, the launcher still there
+    ],
+)
+def test_a_launcher_that_gives_no_pid_fails_at_once(script: str) -> None:
     r, proc = _writer(script)
     t0 = time.monotonic()
     try:
@@ -47,13 +54,3 @@ def test_a_launcher_that_exits_without_the_pid_fails_at_once(script: str) -> Non
         proc.wait()
         os.close(r)
     assert time.monotonic() - t0 < 3
-
-
-def test_an_info_fd_closed_without_the_pid_fails_though_the_launcher_lives() -> None:
-    r, proc = _writer("os.close(fd); time.sleep(0.3)")
-    try:
-        with pytest.raises(RuntimeError_, match="no child pid"):
-            ProcessRuntime._read_info(r, proc)
-    finally:
-        proc.wait()
-        os.close(r)
