@@ -204,28 +204,35 @@ def _configure_loop(image: Path) -> tuple[int, str]:
         backing = os.open(image, os.O_RDWR | os.O_CLOEXEC)
         try:
             for _ in range(64):  # another attach may take the free device first: EBUSY
-                number = fcntl.ioctl(ctl, LOOP_CTL_GET_FREE)
-                device = f"/dev/loop{number}"
+                device = f"/dev/loop{fcntl.ioctl(ctl, LOOP_CTL_GET_FREE)}"
                 fd = os.open(device, os.O_RDWR | os.O_CLOEXEC)
-                for flags in (LO_FLAGS_AUTOCLEAR | LO_FLAGS_DIRECT_IO, LO_FLAGS_AUTOCLEAR):
-                    info = bytearray(LOOP_INFO64_SIZE)
-                    struct.pack_into("=I", info, LO_FLAGS_OFFSET, flags)
-                    config = struct.pack("=II", backing, 0) + bytes(info) + bytes(8 * 8)
-                    try:
-                        fcntl.ioctl(fd, LOOP_CONFIGURE, config)
-                        return fd, device
-                    except OSError as e:
-                        if e.errno != errno.EINVAL or not flags & LO_FLAGS_DIRECT_IO:
-                            error = e
-                            break
-                os.close(fd)
-                if error.errno != errno.EBUSY:
-                    raise error
+                try:
+                    _bind_loop(fd, backing)
+                    return fd, device
+                except OSError as e:
+                    os.close(fd)
+                    if e.errno != errno.EBUSY:
+                        raise
             raise OSError(errno.EBUSY, "no free loop device")
         finally:
             os.close(backing)
     finally:
         os.close(ctl)
+
+
+def _bind_loop(fd: int, backing: int) -> None:
+    """LOOP_CONFIGURE the device `fd` onto `backing`, autoclear, with direct I/O unless the
+    backing filesystem refuses it (EINVAL), then without."""
+    for flags in (LO_FLAGS_AUTOCLEAR | LO_FLAGS_DIRECT_IO, LO_FLAGS_AUTOCLEAR):
+        info = bytearray(LOOP_INFO64_SIZE)
+        struct.pack_into("=I", info, LO_FLAGS_OFFSET, flags)
+        config = struct.pack("=II", backing, 0) + bytes(info) + bytes(8 * 8)
+        try:
+            fcntl.ioctl(fd, LOOP_CONFIGURE, config)
+            return
+        except OSError as e:
+            if e.errno != errno.EINVAL or not flags & LO_FLAGS_DIRECT_IO:
+                raise
 
 
 def mount_readonly(image: Path, mnt: Path) -> None:
