@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from agentbox.core import supervision
 from agentbox.core.auth import Caller
 from agentbox.core.errors import (
     InvalidRequest,
@@ -153,6 +154,32 @@ async def test_a_vanished_sandbox_is_ended_and_a_silent_one_is_unhealthy(
     assert all(c.new != "unhealthy" for c in world.changes)
 
 
+async def test_health_pings_a_bounded_number_of_agents_a_round_the_longest_unpinged_first(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every round reads whether each sandbox lives; only so many agents are pinged, in turn."""
+    monkeypatch.setattr(supervision, "HEALTH_PINGS_PER_ROUND", 2)
+    m = world.manager(health_interval=0.05, ping_timeout=0.5)
+    await m.start()
+    try:
+        rows = [await m.create(ACME, CreateRequest()) for _ in range(4)]
+        boxes = [world.runtime.sandboxes[r.sandbox_id] for r in rows]
+
+        def pings() -> list[int]:
+            return [sum(1 for q in b.requests if q.get("op") == "ping") for b in boxes]
+
+        def rounds() -> int:
+            return min(world.runtime.calls.count(("is_alive", r.sandbox_id)) for r in rows)
+
+        first, before = rounds(), pings()
+        await _wait_for(lambda: rounds() >= first + 10)
+        done, after = rounds() - first, pings()
+        assert sum(after) - sum(before) <= 2 * (done + 1)
+        assert all(a - b >= 3 for a, b in zip(after, before, strict=True)), (before, after)
+    finally:
+        await m.stop()
+
+
 async def test_a_restarted_manager_adopts_live_sandboxes(world: World) -> None:
     first = world.manager()
     await first.start()
@@ -255,3 +282,35 @@ def test_a_store_move_is_compare_and_set_and_refuses_an_unknown_column(tmp_path:
         store.move_sandbox("sbx_a", "stopped", state="running", bogus=1)
     row = store.get_sandbox("sbx_a")
     assert row is not None and row.state == "stopped"
+
+
+def test_a_tenants_holding_and_disk_are_summed_by_the_store_like_its_rows(tmp_path: Path) -> None:
+    """The store's sums over a tenant's live rows against the same sums made from the rows:
+    other tenants, ended sandboxes and (for what is held) one paused without memory left out;
+    a row naming no pids, nofile or disk_mb counts at the defaults given."""
+    store = Store(f"sqlite:///{tmp_path / 'agentbox.db'}")
+    now = time.time()
+    rows = [  # (tenant, state, park, runtime, resources)
+        ("t", "running", None, "process", {"pids": 16, "nofile": 1024, "disk_mb": 64}),
+        ("t", "starting", None, "gvisor", {"pids": 8, "nofile": 100, "disk_mb": 10}),
+        ("t", "paused", "parked", "process", {"pids": 1000, "nofile": 1000, "disk_mb": 5}),
+        ("t", "paused", None, "process", {"pids": 2, "nofile": 3, "disk_mb": 7}),
+        ("t", "running", "parking", "process", {}),
+        ("t", "killed", None, "process", {"pids": 10**6, "nofile": 1, "disk_mb": 10**6}),
+        ("u", "running", None, "process", {"pids": 10**6, "nofile": 1, "disk_mb": 10**6}),
+    ]
+    for i, (tenant, state, park, runtime, res) in enumerate(rows):
+        store.insert_sandbox(
+            sandbox_id=f"sbx_{i}", tenant=tenant, template="base", runtime=runtime, state=state,
+            metadata={}, resources=res, runtime_state=None, keep_workspace=False,
+            created_at=now, end_at=now + 60, park=park,
+        )  # fmt: skip
+    live = store.live_sandboxes("t")
+    assert sorted(r.sandbox_id for r in live) == [f"sbx_{i}" for i in range(5)]
+    assert {r.tenant for r in store.live_sandboxes()} == {"t", "u"}
+    holding = [r.resources for r in live if not (r.state == "paused" and r.parked)]
+    expected = sum(r.get("pids", 4) * r.get("nofile", 5) for r in holding)
+    assert store.tenant_holding("t", 4, 5) == (len(holding), expected) == (4, 16_384 + 800 + 6 + 20)
+    assert store.tenant_holding("nobody", 4, 5) == (0, 0)
+    assert store.tenant_disk_mb("t", 9) == {"process": (4, 64 + 5 + 7 + 9), "gvisor": (1, 10)}
+    assert store.tenant_disk_mb("nobody", 9) == {}

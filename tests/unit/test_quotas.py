@@ -86,14 +86,17 @@ def test_the_lower_of_quota_and_ceiling_is_named() -> None:
 def test_tenant_room_counts_sandboxes_and_descriptors() -> None:
     q = {**quotas.default_quota(), "max_sandboxes": 3, "max_total_descriptors": 40_000}
     small = Resources(pids=16, nofile=1024)  # 16384
-    live = [{"pids": 16, "nofile": 1024}]
-    quotas.check_tenant_room("t", q, live, small)
+    one = quotas.Holding().plus({"pids": 16, "nofile": 1024})
+    assert one == quotas.Holding(1, 16_384)
+    quotas.check_tenant_room("t", q, one, small)
     with pytest.raises(QuotaExceeded) as e:
-        quotas.check_tenant_room("t", q, live * 2, small)
+        quotas.check_tenant_room("t", q, one.plus(small), small)
     assert e.value.detail["setting"] == "quota.max_total_descriptors"
+    assert e.value.detail["used"] == 32_768 and "its 2 live sandboxes" in e.value.message
     assert status_of(e.value.code) == 429
     with pytest.raises(QuotaExceeded) as e:
-        quotas.check_tenant_room("t", {**q, "max_total_descriptors": 10**9}, live * 3, small)
+        loose = {**q, "max_total_descriptors": 10**9}
+        quotas.check_tenant_room("t", loose, one.plus({"pids": 16, "nofile": 1024}, 2), small)
     assert e.value.detail["setting"] == "quota.max_sandboxes"
 
 
@@ -107,6 +110,33 @@ def test_disk_total_counts_every_source_and_the_new_sandbox_at_its_size() -> Non
         disk.check_room("t", q, 121)
     assert e.value.detail["setting"] == "quota.max_total_disk_mb"
     assert "80 MiB" in e.value.message and "1 kept" in e.value.message
+
+
+def test_disk_bounds_spare_reading_the_host_until_the_total_is_near() -> None:
+    """Within every source's bound nothing is read; past it, what is really used decides; a
+    source whose bound is not known is read each time."""
+    read: list[str] = []
+
+    def live(tenant: str) -> list[DiskUse]:
+        read.append(tenant)
+        return [DiskUse("workspace", "sbx_a", 10 * MiB)]
+
+    disk = DiskAccounting(DiskSettings(), None)
+    bound: list[int | None] = [100 * MiB]
+    disk.add_source(live, lambda t: bound[0])
+    disk.add_source(lambda t: [DiskUse("snapshot", "snap_a", 20 * MiB)])
+    q = {"max_total_disk_mb": 200}
+    disk.check_room("t", q, 80)  # 100 + 20 + 80: within the bounds
+    assert read == []
+    disk.check_room("t", q, 170)  # past the bound: 10 really used + 20 + 170
+    assert read == ["t"]
+    with pytest.raises(QuotaExceeded) as e:
+        disk.check_room("t", q, 171)
+    assert e.value.detail["used_mb"] == 30
+    bound[0] = None
+    read.clear()
+    disk.check_room("t", q, 1)
+    assert read == ["t"]
 
 
 def test_free_space_floor(tmp_path: Path) -> None:

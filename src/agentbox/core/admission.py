@@ -59,30 +59,23 @@ class Admission:
     ) -> None:
         """Under the tenant's lock: room for one more sandbox of `resources` (sandbox count,
         descriptors and disk summed over the tenant's live sandboxes)."""
-        live = self.holding(caller.tenant)
         try:
-            quotas.check_tenant_room(caller.tenant, quota, live, resources)
+            quotas.check_tenant_room(caller.tenant, quota, self.holding(caller.tenant), resources)
             await asyncio.to_thread(self.disk.check_room, caller.tenant, quota, resources.disk_mb)
         except AgentboxError as e:
             self._refused(caller, started, e)
             raise
 
-    def holding(self, tenant: str) -> list[dict[str, Any]]:
-        """The resources of the tenant's live sandboxes that hold any (a sandbox paused without
-        memory holds only its disk, which the disk accounting counts)."""
-        return [
-            r.resources
-            for r in self.store.live_sandboxes()
-            if r.tenant == tenant
-            and not (r.state == "paused" and r.parked)
-        ]
+    def holding(self, tenant: str) -> quotas.Holding:
+        """What the tenant's live sandboxes hold (a sandbox paused without memory holds only
+        its disk, which the disk accounting counts)."""
+        usual = Resources()
+        count, held = self.store.tenant_holding(tenant, usual.pids, usual.nofile)
+        return quotas.Holding(count, held)
 
     def check_paused_room(self, caller: Caller, quota: dict[str, Any]) -> None:
         """Room for one more paused sandbox (`quota.max_paused`)."""
-        paused = [
-            r for r in self.store.live_sandboxes()
-            if r.tenant == caller.tenant and r.state == "paused"
-        ]  # fmt: skip
+        paused = [r for r in self.store.live_sandboxes(caller.tenant) if r.state == "paused"]
         if len(paused) >= quota["max_paused"]:
             raise QuotaExceeded(
                 f"tenant {caller.tenant} has {len(paused)} paused sandboxes, its limit is "

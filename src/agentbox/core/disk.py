@@ -39,6 +39,11 @@ class DiskUse:
 
 # A source of disk uses: tenant -> what of its is on the disk.
 UsageSource = Callable[[str], Iterable[DiskUse]]
+# A source's bound: tenant -> the most its uses can be, known without reading the host (None:
+# not known then). A create within every bound needs no reading of the host.
+UsageBound = Callable[[str], "int | None"]
+# What a workspace image may take beyond its size: its extent blocks on the host's filesystem.
+IMAGE_SLACK = MiB
 
 
 @dataclass(frozen=True)
@@ -84,20 +89,36 @@ class DiskAccounting:
     def __init__(self, settings: DiskSettings, storage: Path | None) -> None:
         self.settings = settings
         self.storage = storage  # a path on the filesystem the floor protects
-        self._sources: list[UsageSource] = []
+        self._sources: list[tuple[UsageSource, UsageBound | None]] = []
 
-    def add_source(self, source: UsageSource) -> None:
-        self._sources.append(source)
+    def add_source(self, source: UsageSource, bound: UsageBound | None = None) -> None:
+        self._sources.append((source, bound))
 
     def usage(self, tenant: str) -> list[DiskUse]:
         """Everything of the tenant's on the disk (reads the host: call it in a thread)."""
-        return [use for source in self._sources for use in source(tenant)]
+        return [use for source, _ in self._sources for use in source(tenant)]
 
     def check_room(self, tenant: str, quota: Mapping[str, Any], asked_mb: int) -> None:
-        """Refuse a new sandbox of `asked_mb` that would take the tenant past its total."""
-        uses = self.usage(tenant)
-        used = sum(u.used_bytes for u in uses)
+        """Refuse a new sandbox of `asked_mb` that would take the tenant past its total. The
+        sources' bounds first: within them, what is really used need not be read (a stat of
+        every live workspace of the tenant's, which at thousands is most of a create)."""
         most = quota["max_total_disk_mb"]
+        measured: dict[int, list[DiskUse]] = {}
+        bound = 0
+        for i, (source, upper) in enumerate(self._sources):
+            known = None if upper is None else upper(tenant)
+            if known is None:
+                measured[i] = list(source(tenant))
+                known = sum(u.used_bytes for u in measured[i])
+            bound += known
+        if bound + asked_mb * MiB <= most * MiB:
+            return
+        uses = [
+            use
+            for i, (source, _) in enumerate(self._sources)
+            for use in (measured[i] if i in measured else source(tenant))
+        ]
+        used = sum(u.used_bytes for u in uses)
         if used + asked_mb * MiB <= most * MiB:
             return
         kinds = {
@@ -149,9 +170,7 @@ def live_workspaces(store: Store, runtimes: Runtimes) -> UsageSource:
 
     def uses(tenant: str) -> list[DiskUse]:
         found = []
-        for row in store.live_sandboxes():
-            if row.tenant != tenant:
-                continue
+        for row in store.live_sandboxes(tenant):
             used = None
             if row.runtime_state is not None and runtimes.serves(row):
                 runtime = runtimes.for_row(row)
@@ -162,3 +181,18 @@ def live_workspaces(store: Store, runtimes: Runtimes) -> UsageSource:
         return found
 
     return uses
+
+
+def live_workspaces_bound(store: Store, runtimes: Runtimes) -> UsageBound:
+    """The most a tenant's live workspaces can take: the sizes they asked for, where their
+    runtime holds a workspace to its size (a loop image); not known if one's runtime does not."""
+
+    def bound(tenant: str) -> int | None:
+        total = 0
+        for runtime, (count, mb) in store.tenant_disk_mb(tenant, Resources().disk_mb).items():
+            if runtime in runtimes.names() and "disk_mb" not in runtimes.features(runtime).enforces:
+                return None
+            total += mb * MiB + count * IMAGE_SLACK
+        return total
+
+    return bound

@@ -22,7 +22,7 @@ from agentbox.core.auth import Caller
 from agentbox.core.code import CodeService
 from agentbox.core.commands import CommandService
 from agentbox.core.creation import Creation
-from agentbox.core.disk import DiskAccounting, DiskSettings, live_workspaces
+from agentbox.core.disk import DiskAccounting, DiskSettings, live_workspaces, live_workspaces_bound
 from agentbox.core.errors import (
     Conflict,
     InvalidRequest,
@@ -104,7 +104,9 @@ class SandboxManager(SandboxAccess):
         self.workspaces = KeptWorkspaces(
             store, self.runtimes, disk.kept_retention_s, self.audit, follow_links
         )
-        self.disk.add_source(live_workspaces(store, self.runtimes))
+        self.disk.add_source(
+            live_workspaces(store, self.runtimes), live_workspaces_bound(store, self.runtimes)
+        )
         self.disk.add_source(self.workspaces.usage)
         self.admission = Admission(store, self.runtimes, self.disk, self.default_quota, self.audit)
         self.templates = templates
@@ -183,10 +185,11 @@ class SandboxManager(SandboxAccess):
         if wanted is not None and UNHEALTHY in wanted:
             states = sorted(wanted | {SandboxState.RUNNING.value})
         out: list[SandboxRow] = []
+        # Rows the store gives that a page may still drop (by state shown, metadata or
+        # `match`) are read in batches; otherwise a page is what the store gives.
+        batch_size = limit if wanted is None and not metadata and match is None else max(limit, 100)
         while len(out) < limit:
-            batch = self.store.list_sandboxes(
-                caller.tenant, states, before, max(limit, 100), ascending
-            )
+            batch = self.store.list_sandboxes(caller.tenant, states, before, batch_size, ascending)
             if not batch:
                 before = None
                 break

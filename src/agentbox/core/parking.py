@@ -102,8 +102,8 @@ class Parking:
             fresh = self.core.store.get_sandbox(sandbox_id)
             if fresh is None or fresh.state != SandboxState.PAUSED:
                 return
-            holding = self.core.admission.holding(row.tenant)
-            quotas.check_tenant_room(row.tenant, quota, holding, Resources(**fresh.resources))
+            held = self.core.admission.holding(row.tenant)
+            quotas.check_tenant_room(row.tenant, quota, held, Resources(**fresh.resources))
             ttl = max(fresh.ttl_left or 0.0, timeout or 0.0)
             moved = self.core.states.move(
                 sandbox_id, SandboxState.STARTING, only_from=frozenset({SandboxState.PAUSED})

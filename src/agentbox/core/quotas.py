@@ -14,7 +14,8 @@ the table's size. Disk is summed in core/disk.py.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -144,29 +145,38 @@ def _check_cap(name: str, value: float, cap: str, most: float, ceiling: Ceiling 
         )
 
 
-def check_tenant_room(
-    tenant: str, quota: Mapping[str, Any], live: Iterable[Mapping[str, Any]], new: Resources
-) -> None:
-    """Whether the tenant may add a sandbox with `new` resources to its live ones (given as
-    their resources): the sandbox count and the descriptors they may hold together."""
-    live = list(live)
-    if len(live) >= quota["max_sandboxes"]:
+@dataclass(frozen=True)
+class Holding:
+    """What a tenant's live sandboxes hold of the host: how many they are, and the descriptors
+    they may open together (`descriptors` of each, summed)."""
+
+    sandboxes: int = 0
+    descriptors: int = 0
+
+    def plus(self, resources: Resources | Mapping[str, Any], count: int = 1) -> Holding:
+        return Holding(self.sandboxes + count, self.descriptors + count * descriptors(resources))
+
+
+def check_tenant_room(tenant: str, quota: Mapping[str, Any], held: Holding, new: Resources) -> None:
+    """Whether the tenant may add a sandbox with `new` resources to what its live sandboxes
+    hold: the sandbox count and the descriptors they may open together."""
+    if held.sandboxes >= quota["max_sandboxes"]:
         raise QuotaExceeded(
-            f"tenant {tenant} already has {len(live)} running sandboxes, its limit "
+            f"tenant {tenant} already has {held.sandboxes} running sandboxes, its limit "
             f"is {quota['max_sandboxes']}; kill one or ask an admin to raise "
             "quota.max_sandboxes",
             setting="quota.max_sandboxes",
             limit=quota["max_sandboxes"],
         )
-    held, asked = sum(descriptors(r) for r in live), descriptors(new)
-    most = quota["max_total_descriptors"]
-    if held + asked > most:
+    asked, most = descriptors(new), quota["max_total_descriptors"]
+    if held.descriptors + asked > most:
         raise QuotaExceeded(
             f"tenant {tenant}'s live sandboxes may together open {most} files (pids × nofile "
-            f"of each, summed); its {len(live)} live sandboxes may open {held} and this one "
-            f"asks {new.pids} × {new.nofile} = {asked}; kill one, ask for fewer pids or a lower "
-            "nofile, or ask an admin to raise quota.max_total_descriptors",
+            f"of each, summed); its {held.sandboxes} live sandboxes may open "
+            f"{held.descriptors} and this one asks {new.pids} × {new.nofile} = {asked}; kill "
+            "one, ask for fewer pids or a lower nofile, or ask an admin to raise "
+            "quota.max_total_descriptors",
             setting="quota.max_total_descriptors",
             limit=most,
-            used=held,
+            used=held.descriptors,
         )

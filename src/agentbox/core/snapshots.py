@@ -444,9 +444,9 @@ class Snapshots:
         """Before anything is copied: room for `count` more sandboxes like the parent (each
         child's create checks again, under the tenant's lock)."""
         quota = self.core.quota(caller.tenant)
-        holding = self.core.admission.holding(caller.tenant)
+        held = self.core.admission.holding(caller.tenant).plus(row.resources, count - 1)
         new = Resources(**row.resources)
-        quotas.check_tenant_room(caller.tenant, quota, holding + [row.resources] * (count - 1), new)
+        quotas.check_tenant_room(caller.tenant, quota, held, new)
         self.core.disk.check_room(caller.tenant, quota, count * new.disk_mb)
 
     def _child_request(self, row: SandboxRow, timeout: float | None) -> CreateRequest:

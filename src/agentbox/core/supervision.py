@@ -8,6 +8,7 @@ A service of the core (see core/manager.py, the front object).
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("agentbox.manager")
 
 HEALTH_CONCURRENCY = 32  # pings in flight at once (a wedged agent holds one for the timeout)
+# Agents pinged a health round at most (with more running, each every few rounds).
+HEALTH_PINGS_PER_ROUND = 100
 
 
 class Supervisor:
@@ -76,31 +79,56 @@ class Supervisor:
 
     async def health(self) -> None:
         """Notice sandboxes whose processes died underneath us (and clean up after them), and
-        agents that stopped answering (the sandbox is `unhealthy` until they answer again)."""
+        agents that stopped answering (the sandbox is `unhealthy` until they answer again).
+        Every round reads whether each sandbox's processes live (from /proc); at most
+        `HEALTH_PINGS_PER_ROUND` agents are pinged, those pinged longest ago first, so that
+        thousands of idle sandboxes do not keep the server busy pinging them."""
         limit = asyncio.Semaphore(HEALTH_CONCURRENCY)
+        pinged: dict[str, float] = {}  # sandbox -> when its agent was last pinged
         while True:
             await asyncio.sleep(self.core.health_interval)
             rows = [r for r in self.core.table.running.values() if r.runtime_state is not None]
-            await asyncio.gather(*(self._check_health(row, limit) for row in rows))
+            pinged = {r.sandbox_id: pinged.get(r.sandbox_id, 0.0) for r in rows}
+            due = rows
+            if len(rows) > HEALTH_PINGS_PER_ROUND:
+                unhealthy = self.core.table.unhealthy  # pinged first: do they answer again?
+                due = heapq.nsmallest(
+                    HEALTH_PINGS_PER_ROUND,
+                    rows,
+                    key=lambda r: -1.0 if r.sandbox_id in unhealthy else pinged[r.sandbox_id],
+                )
+            now = time.monotonic()
+            for row in due:
+                pinged[row.sandbox_id] = now
+            pings = asyncio.gather(*(self._check_health(row, limit, ping=True) for row in due))
+            chosen = {row.sandbox_id for row in due}
+            rest = [row for row in rows if row.sandbox_id not in chosen]
+            for i, row in enumerate(rest):
+                if i % 64 == 63:
+                    await asyncio.sleep(0)  # requests between the reads
+                await self._check_health(row, limit, ping=False)
+            await pings
 
-    async def _check_health(self, row: SandboxRow, limit: asyncio.Semaphore) -> None:
+    async def _check_health(self, row: SandboxRow, limit: asyncio.Semaphore, ping: bool) -> None:
         sid = row.sandbox_id
         assert row.runtime_state is not None
+        if sid in self.core.table.ending:
+            return
+        runtime = self.core.runtimes.for_row(row)
+        if not await runtime.is_alive(sid, row.runtime_state):
+            # A sandbox that went over its memory limit where that ends the whole sandbox
+            # (gVisor's kernel is one process to the host's OOM killer) says so.
+            oom = runtime.limit_counters(sid).get("oom_kill", 0) > 0
+            try:
+                await self.core.lifecycle.end(
+                    row, SandboxState.KILLED, "memory_limit" if oom else "vanished"
+                )
+            except AgentboxError:
+                pass
+            return
+        if not ping:
+            return
         async with limit:
-            if sid in self.core.table.ending:
-                return
-            runtime = self.core.runtimes.for_row(row)
-            if not await runtime.is_alive(sid, row.runtime_state):
-                # A sandbox that went over its memory limit where that ends the whole sandbox
-                # (gVisor's kernel is one process to the host's OOM killer) says so.
-                oom = runtime.limit_counters(sid).get("oom_kill", 0) > 0
-                try:
-                    await self.core.lifecycle.end(
-                        row, SandboxState.KILLED, "memory_limit" if oom else "vanished"
-                    )
-                except AgentboxError:
-                    pass
-                return
             # Its own connection, like every request: an agent blocked sending a stream to a
             # slow reader still answers this.
             path = runtime.agent_address(sid, row.runtime_state).socket_path

@@ -31,6 +31,7 @@ from sqlalchemy import (
     event,
     func,
     insert,
+    or_,
     select,
     update,
 )
@@ -203,6 +204,32 @@ LIVE_STATES = tuple(sorted(s.value for s in LIVE))
 PARKING, PARKED = "parking", "parked"
 # The states whose end_at the reaper keeps: a running sandbox's timeout, a paused one's retention.
 _TIMED = (SandboxState.PAUSED.value, SandboxState.RUNNING.value)
+
+def _resource(name: str) -> Any:
+    """A sandbox's `resources.<name>` in SQL, `b_<name>` where its row names none."""
+    return func.coalesce(sandboxes.c.resources[name].as_integer(), bindparam(f"b_{name}"))
+
+
+_LIVE_OF = (sandboxes.c.tenant == bindparam("b_tenant"), sandboxes.c.state.in_(LIVE_STATES))
+# A tenant's live sandboxes that hold memory and descriptors (one paused without memory holds
+# only its disk): how many, and pids x nofile summed.
+_TENANT_HOLDING = select(
+    func.count(), func.coalesce(func.sum(_resource("pids") * _resource("nofile")), 0)
+).where(
+    *_LIVE_OF,
+    or_(
+        sandboxes.c.state != SandboxState.PAUSED.value,
+        sandboxes.c.park.is_(None),
+        sandboxes.c.park != PARKED,
+    ),
+)
+# A tenant's live sandboxes per runtime: how many, and the disk_mb they asked for, summed.
+_TENANT_DISK = (
+    select(sandboxes.c.runtime, func.count(), func.sum(_resource("disk_mb")))
+    .where(*_LIVE_OF)
+    .group_by(sandboxes.c.runtime)
+)
+
 
 # The longest value each text field of the two logs stores (characters; docs/API.md, "Audit and
 # egress logs"): sandboxes and clients choose these strings, and the disk must not pay for them.
@@ -495,10 +522,31 @@ class Store:
                 ).scalar_one()
             )
 
-    def live_sandboxes(self) -> list[SandboxRow]:
+    def live_sandboxes(self, tenant: str | None = None) -> list[SandboxRow]:
+        """Every live sandbox, or a tenant's."""
+        q = select(sandboxes).where(sandboxes.c.state.in_(LIVE_STATES))
+        if tenant is not None:
+            q = q.where(sandboxes.c.tenant == tenant)
         with self.engine.connect() as c:
-            rows = c.execute(select(sandboxes).where(sandboxes.c.state.in_(LIVE_STATES))).all()
+            rows = c.execute(q).all()
         return [_row(r) for r in rows]
+
+    def tenant_holding(self, tenant: str, pids: int, nofile: int) -> tuple[int, int]:
+        """(how many, pids x nofile summed) of the tenant's live sandboxes that hold memory (not
+        one paused without it); a row that names no pids or nofile counts at the values given.
+        Summed by SQL: a create must not decode every live row of its tenant."""
+        with self.engine.connect() as c:
+            count, held = c.execute(
+                _TENANT_HOLDING, {"b_tenant": tenant, "b_pids": pids, "b_nofile": nofile}
+            ).one()
+        return int(count), int(held)
+
+    def tenant_disk_mb(self, tenant: str, disk_mb: int) -> dict[str, tuple[int, int]]:
+        """Per runtime: (how many, their disk_mb summed) of the tenant's live sandboxes; a row
+        that names no disk_mb counts at `disk_mb`."""
+        with self.engine.connect() as c:
+            rows = c.execute(_TENANT_DISK, {"b_tenant": tenant, "b_disk_mb": disk_mb}).all()
+        return {runtime: (int(n), int(mb)) for runtime, n, mb in rows}
 
     def expired(self, now: float) -> list[SandboxRow]:
         with self.engine.connect() as c:
