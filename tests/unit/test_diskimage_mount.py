@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -91,3 +92,65 @@ def test_concurrent_mounts_each_get_a_device_of_their_own(tmp_path: Path) -> Non
         for _, mnt in pairs:
             diskimage.umount(mnt)
     assert all(_loops_of(image) == [] for image, _ in pairs)
+
+
+def test_umount_clears_a_device_attached_by_losetup_which_does_not_clear_itself(
+    tmp_path: Path,
+) -> None:
+    """As `umount -d`: older servers and the kept-workspace reader attach with losetup."""
+    image, mnt = _image(tmp_path / "old.img", 16), tmp_path / "mnt"
+    mnt.mkdir()
+    device = diskimage.attach_loop(image)
+    subprocess.run(["mount", device, str(mnt)], check=True)
+    (loop,) = _loops_of(image)
+    assert not diskimage.clears_itself(loop) and diskimage.mounted_device(mnt) == loop
+    assert diskimage.umount(mnt)
+    assert not os.path.ismount(mnt) and _loops_of(image) == []
+    assert diskimage.umount(mnt)  # nothing mounted: nothing to do
+    assert diskimage.mounted_device(mnt) is None
+
+
+def test_a_busy_mount_is_detached_lazily_and_its_device_cleared_when_let_go(
+    tmp_path: Path,
+) -> None:
+    image, mnt = _image(tmp_path / "busy.img", 16), tmp_path / "mnt"
+    mnt.mkdir()
+    diskimage.mount_image(image, mnt)
+    held = os.open(mnt, os.O_RDONLY | os.O_DIRECTORY)  # keeps the filesystem busy
+    try:
+        assert diskimage.umount(mnt)
+        assert not diskimage.is_mount_point(mnt)
+        assert len(_loops_of(image)) == 1  # still in use through `held`
+    finally:
+        os.close(held)
+    for _ in range(100):
+        if not _loops_of(image):
+            break
+        time.sleep(0.02)
+    assert _loops_of(image) == []
+
+
+def test_mount_points_are_found_by_statx_bind_mounts_of_the_same_filesystem_too(
+    tmp_path: Path,
+) -> None:
+    """A bind mount of a directory of the same filesystem has its parent's st_dev: only the
+    kernel's mount-root attribute tells it apart (the runtime's idmapped template mounts)."""
+    top = tmp_path / "sbx"
+    src, bound, image_mnt, plain = tmp_path / "src", top / "vol0", top / "disk", top / "plain"
+    for d in (src, bound, image_mnt, plain):
+        d.mkdir(parents=True)
+    (top / "file").write_text("x")
+    (top / "link").symlink_to(src)
+    subprocess.run(["mount", "--bind", str(src), str(bound)], check=True)
+    diskimage.mount_image(_image(tmp_path / "d.img", 16), image_mnt)
+    try:
+        assert os.stat(bound).st_dev == os.stat(top).st_dev  # what os.path.ismount compares
+        assert diskimage.is_mount_point(bound) and diskimage.is_mount_point(image_mnt)
+        assert not diskimage.is_mount_point(plain) and not diskimage.is_mount_point(top / "link")
+        assert not diskimage.is_mount_point(top / "missing")
+        assert sorted(diskimage.mounts_at(top, tmp_path / "none")) == [image_mnt, bound]
+        assert sorted(diskimage.mounts_at(top)) == sorted(diskimage.mounted_under(top))
+    finally:
+        subprocess.run(["umount", str(bound)], check=True)
+        assert diskimage.umount(image_mnt)
+    assert diskimage.mounts_at(top) == []

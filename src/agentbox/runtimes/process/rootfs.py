@@ -277,13 +277,9 @@ def _in_dir(path: Path, fn: Callable[[], None]) -> None:
 
 
 def _read_only(root: Path) -> bool:
-    target = str(root)
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            fields = line.split()
-            if fields[4] == target:
-                return "ro" in fields[5].split(",")
-    return True  # not mounted at all
+    """Whether the overlay at `root` is read-only (or not mounted at all): the mount's flags,
+    not a read of every mount on the host."""
+    return not _is_mount(root) or bool(os.statvfs(root).f_flag & os.ST_RDONLY)
 
 
 def unmount(bind_dir: Path) -> bool:

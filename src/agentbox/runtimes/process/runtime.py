@@ -674,7 +674,7 @@ class ProcessRuntime(Runtime):
     def _unmount_volumes(self, bind_dir: Path) -> None:
         """Detach the sandbox's volume mounts (never `umount -d`: the loop device behind one
         is the volume's, not the sandbox's)."""
-        for mnt in diskimage.mounted_under(bind_dir):
+        for mnt in diskimage.mounts_at(bind_dir):
             if mnt.parent == bind_dir and mnt.name.startswith(VOLUME_PREFIX):
                 with contextlib.suppress(OSError):
                     hostview.detach(mnt)

@@ -216,7 +216,11 @@ def _id_xattrs(path: str, moved: Callable[[int], int]) -> tuple[list[tuple[str, 
 def destroy(sandbox_dir: Path, bind_dir: Path, keep: bool) -> bool:
     """Unmount and remove the workspace. With `keep`, the image (or directory) stays on disk."""
     ok = True
-    mounts = diskimage.mounted_under(bind_dir) + diskimage.mounted_under(sandbox_dir)
+    mounts = diskimage.mounts_at(bind_dir, sandbox_dir)
+    # Devices attached by ioctls clear themselves (with their mount, or when the create that
+    # attached one ends without mounting it): only losetup's leave a device behind.
+    devices = [diskimage.mounted_device(mnt) for mnt in mounts]
+    self_clearing = bool(devices) and all(d and diskimage.clears_itself(d) for d in devices)
     for mnt in mounts:
         if keep:
             # A kept image then holds (and counts against its tenant's disk) only the blocks
@@ -225,7 +229,7 @@ def destroy(sandbox_dir: Path, bind_dir: Path, keep: bool) -> bool:
         ok = diskimage.umount(mnt) and ok
     if not ok:
         return False
-    if (sandbox_dir / IMAGE_NAME).exists():
+    if (sandbox_dir / IMAGE_NAME).exists() and not self_clearing:
         # Also after unmounting: a create cut short may have attached a second device.
         diskimage.detach_loops(sandbox_dir / IMAGE_NAME)
     mnt = bind_dir / MOUNT_NAME
