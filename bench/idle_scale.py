@@ -13,8 +13,10 @@ sandboxes (the harder case: its quota checks sum over all of them):
   phases;
 - a cold create (answer of the POST) and its DELETE (`--creates`, default 20).
 
-Also per phase: the server's CPU while nothing is asked of it (5 s) and its RSS. The result is
-each probe's p99 at N over its p99 at `--low`; the goal is every ratio <= 1.5.
+Also per phase: the server's CPU while nothing is asked of it (5 s), its RSS, the mounts in its
+mount namespace, and a floor: bare `bwrap` running /bin/true from that namespace (the benchmark
+shares it), which copies every mount in it, as each sandbox's bwrap does. The result is each
+probe's p99 at N over its p99 at `--low`; the goal is every ratio <= 1.5.
 
     .venv/bin/python bench/idle_scale.py [--count 2000] [--low 10] [--disk-mb 64]
         [--min-avail-gib 3] [--json out.json]
@@ -23,6 +25,7 @@ each probe's p99 at N over its p99 at `--low`; the goal is every ratio <= 1.5.
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -36,6 +39,10 @@ import harness as H  # noqa: E402
 
 GOAL_RATIO = 1.5
 PROBES = ("GET sandbox", "exec true", "list first page", "create (cold)", "delete")
+FLOOR = "floor: bare bwrap /bin/true"
+BARE_BWRAP = ["bwrap", "--unshare-all", "--ro-bind", "/usr", "/usr", "--symlink", "usr/lib", "/lib",
+              "--symlink", "usr/lib64", "/lib64", "--symlink", "usr/bin", "/bin", "--proc", "/proc",
+              "--dev", "/dev", "/bin/true"]
 
 
 def mem_available_gib() -> float:
@@ -112,9 +119,11 @@ def probe(c: httpx.Client, sid: str, args: Any, body: dict[str, Any]) -> dict[st
             timed("exec true", run)
         if i < args.lists:
             timed("list first page", listed)
+    out[FLOOR] = []
     for _ in range(args.creates):
         new = timed("create (cold)", lambda: H.create_sandbox(c, **body))["sandbox_id"]
         timed("delete", lambda new=new: c.delete(f"/v1/sandboxes/{new}").raise_for_status())
+        timed(FLOOR, lambda: subprocess.run(BARE_BWRAP, check=True))
     return out
 
 
@@ -126,11 +135,12 @@ def phase(srv: H.BenchServer, sid: str, live: int, args: Any,
     idle_cpu = (cpu_seconds(srv.pid) - cpu0) / (time.monotonic() - t0)
     with srv.client(timeout=120) as c:
         times = probe(c, sid, args, body)
+    mounts = len(Path(f"/proc/{srv.pid}/mountinfo").read_text().splitlines())
     print(f"\nwith {live} idle sandboxes: server CPU while idle {idle_cpu * 100:.1f} % of a "
-          f"core, RSS {H.rss_kb(srv.pid) / 1024:.0f} MiB, host available "
-          f"{mem_available_gib():.1f} GiB")
-    H.print_timings(times, 20)
-    return {"live": live, "idle_cpu": idle_cpu, "rss_kb": H.rss_kb(srv.pid),
+          f"core, RSS {H.rss_kb(srv.pid) / 1024:.0f} MiB, {mounts} mounts in its namespace, "
+          f"host available {mem_available_gib():.1f} GiB")
+    H.print_timings(times, 28)
+    return {"live": live, "idle_cpu": idle_cpu, "rss_kb": H.rss_kb(srv.pid), "mounts": mounts,
             "timings": {k: H.summarize(v) for k, v in times.items()}}
 
 
@@ -170,6 +180,9 @@ def main() -> None:
         killed = srv.kill_all_sandboxes()
         print(f"killed {killed} sandboxes in {time.perf_counter() - t0:.1f} s")
     rows = []
+    lo, hi = low["timings"][FLOOR], high["timings"][FLOOR]
+    print(f"floor: bare bwrap p50 {lo['p50']:.2f} -> {hi['p50']:.2f} ms, p99 {lo['p99']:.2f} -> "
+          f"{hi['p99']:.2f} with {low['mounts']} -> {high['mounts']} mounts in the namespace")
     for name in PROBES:
         lo, hi = low["timings"][name], high["timings"][name]
         ratio = hi["p99"] / lo["p99"]

@@ -27,9 +27,11 @@ from agentbox.core.states import SandboxState
 
 if TYPE_CHECKING:
     from agentbox.core.manager import SandboxManager
+    from agentbox.store.db import SandboxRow
 
 log = logging.getLogger("agentbox.metrics")
 MiB = 2**20
+SAMPLE_SLICE = 100  # sandboxes sampled in one go (a round's slices spread over its first half)
 
 
 @dataclass(frozen=True)
@@ -101,22 +103,32 @@ class Metrics:
         self.rings: dict[str, _Ring] = {}
 
     async def run(self) -> None:
+        """A round every interval; its sandboxes in slices of `SAMPLE_SLICE` spread over the
+        first half of it, so that thousands of them do not hold a thread (and the interpreter's
+        lock) against the requests for a burst."""
         while True:
             started = time.monotonic()
-            try:
-                await asyncio.to_thread(self.sample_all)
-            except Exception:  # noqa: BLE001 - a bad round must not end sampling
-                log.exception("sampling sandbox metrics failed")
+            table = self.core.table
+            rows = [*table.running.values(), *table.paused.values()]
+            slices = [rows[i : i + SAMPLE_SLICE] for i in range(0, len(rows), SAMPLE_SLICE)]
+            for n, part in enumerate(slices):
+                if n:
+                    await asyncio.sleep(self.settings.interval_s / 2 / len(slices))
+                try:
+                    await asyncio.to_thread(self.sample, part)
+                except Exception:  # noqa: BLE001 - a bad round must not end sampling
+                    log.exception("sampling sandbox metrics failed")
             spent = time.monotonic() - started
             await asyncio.sleep(max(0.05, self.settings.interval_s - spent))
 
-    def sample_all(self) -> None:
-        table = self.core.table
-        rows = [*table.running.values(), *table.paused.values()]
+    def sample(self, rows: list[SandboxRow]) -> None:
         now = time.time()
+        table = self.core.table
         for row in rows:
             if row.runtime_state is None or not self.core.runtimes.serves(row):
                 continue
+            if row.sandbox_id not in table.running and row.sandbox_id not in table.paused:
+                continue  # ended since the round began: its samples are forgotten
             runtime = self.core.runtimes.for_row(row)
             try:
                 used = runtime.usage(row.sandbox_id, row.runtime_state) or {}

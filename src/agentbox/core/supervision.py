@@ -100,17 +100,28 @@ class Supervisor:
             now = time.monotonic()
             for row in due:
                 pinged[row.sandbox_id] = now
-            pings = asyncio.gather(*(self._check_health(row, limit, ping=True) for row in due))
+            # Spread over the first half of the round: a hundred pings at once would hold up
+            # the requests that came in meanwhile.
+            gap = self.core.health_interval / 2 / max(1, len(due))
+            pings = asyncio.gather(
+                *(self._check_health(r, limit, ping=True, after=i * gap) for i, r in enumerate(due))
+            )
             chosen = {row.sandbox_id for row in due}
             rest = [row for row in rows if row.sandbox_id not in chosen]
             for i, row in enumerate(rest):
-                if i % 64 == 63:
+                if i % 16 == 15:
                     await asyncio.sleep(0)  # requests between the reads
                 await self._check_health(row, limit, ping=False)
             await pings
 
-    async def _check_health(self, row: SandboxRow, limit: asyncio.Semaphore, ping: bool) -> None:
+    async def _check_health(
+        self, row: SandboxRow, limit: asyncio.Semaphore, ping: bool, after: float = 0.0
+    ) -> None:
         sid = row.sandbox_id
+        if after:
+            await asyncio.sleep(after)
+            if sid not in self.core.table.running:
+                return  # ended, or paused, meanwhile
         assert row.runtime_state is not None
         if sid in self.core.table.ending:
             return
