@@ -120,11 +120,9 @@ class Supervisor:
         sid = row.sandbox_id
         if after:
             await asyncio.sleep(after)
-            if sid not in self.core.table.running:
-                return  # ended, or paused, meanwhile
         assert row.runtime_state is not None
-        if sid in self.core.table.ending:
-            return
+        if sid not in self.core.table.running or sid in self.core.table.ending:
+            return  # ended, or paused, since the round began
         runtime = self.core.runtimes.for_row(row)
         if not await runtime.is_alive(sid, row.runtime_state):
             # A sandbox that went over its memory limit where that ends the whole sandbox
