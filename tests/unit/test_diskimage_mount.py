@@ -141,6 +141,9 @@ def test_mount_points_are_found_by_statx_bind_mounts_of_the_same_filesystem_too(
         d.mkdir(parents=True)
     (top / "file").write_text("x")
     (top / "link").symlink_to(src)
+    ns_file = top / "userns"  # a namespace bound on a file, as the OCI tiers keep theirs
+    ns_file.touch()
+    subprocess.run(["mount", "--bind", "/proc/self/ns/user", str(ns_file)], check=True)
     subprocess.run(["mount", "--bind", str(src), str(bound)], check=True)
     diskimage.mount_image(_image(tmp_path / "d.img", 16), image_mnt)
     try:
@@ -148,9 +151,12 @@ def test_mount_points_are_found_by_statx_bind_mounts_of_the_same_filesystem_too(
         assert diskimage.is_mount_point(bound) and diskimage.is_mount_point(image_mnt)
         assert not diskimage.is_mount_point(plain) and not diskimage.is_mount_point(top / "link")
         assert not diskimage.is_mount_point(top / "missing")
-        assert sorted(diskimage.mounts_at(top, tmp_path / "none")) == [image_mnt, bound]
-        assert sorted(diskimage.mounts_at(top)) == sorted(diskimage.mounted_under(top))
+        assert not diskimage.is_mount_point(top / "file") and diskimage.is_mount_point(ns_file)
+        found = sorted(diskimage.mounts_at(top, tmp_path / "none"))
+        assert found == [image_mnt, ns_file, bound]
+        assert found == sorted(diskimage.mounted_under(top))
     finally:
         subprocess.run(["umount", str(bound)], check=True)
+        assert diskimage.umount(ns_file) and not diskimage.is_mount_point(ns_file)
         assert diskimage.umount(image_mnt)
     assert diskimage.mounts_at(top) == []

@@ -77,9 +77,10 @@ def is_mount_point(path: Path) -> bool:
 
 
 def mounts_at(*dirs: Path) -> list[Path]:
-    """The mount points among `dirs` and their immediate subdirectories (where a sandbox's
-    filesystems are mounted), those below first: a statx each, where reading every mount of
-    the host (`mounted_under`) grows with the number of sandboxes."""
+    """The mount points among `dirs` and their immediate entries (where a sandbox's
+    filesystems, and its namespaces' files, are mounted), those below first: a statx each,
+    where reading every mount of the host (`mounted_under`) grows with the number of
+    sandboxes."""
     found = []
     for d in dirs:
         top = is_mount_point(d)
@@ -87,11 +88,8 @@ def mounts_at(*dirs: Path) -> list[Path]:
             entries = [] if top else list(os.scandir(d))
         except (FileNotFoundError, NotADirectoryError):
             continue
-        found += [
-            Path(e.path)
-            for e in entries
-            if e.is_dir(follow_symlinks=False) and is_mount_point(Path(e.path))
-        ]
+        # Files too: a namespace is bind-mounted on a file (the OCI tiers' bind_dir/userns).
+        found += [Path(e.path) for e in entries if is_mount_point(Path(e.path))]
         if top:
             found.append(d)
     return found
