@@ -304,7 +304,11 @@ def umount(mnt: Path) -> bool:
     """Unmount `mnt` and free the loop device it was mounted from (as `umount -d`), waiting up
     to ~1 s while it is busy (the sandbox's last processes exiting), then detaching it lazily.
     False if it stays mounted."""
-    loop = _loop_device_of(mnt)
+    loop = None
+    name = mounted_device(mnt)
+    if name is not None:  # held open across the unmount: not cleared and taken meanwhile
+        with contextlib.suppress(OSError):
+            loop = os.open(f"/dev/{name}", os.O_RDONLY | os.O_CLOEXEC)
     try:
         for _ in range(50):
             if _libc.umount2(os.fsencode(mnt), 0) == 0:
@@ -317,21 +321,8 @@ def umount(mnt: Path) -> bool:
             time.sleep(0.02)
         return _libc.umount2(os.fsencode(mnt), MNT_DETACH) == 0 or not is_mount_point(mnt)
     finally:
-        if loop is not None:
-            _release_loop(*loop)
-
-
-def _loop_device_of(mnt: Path) -> tuple[int, str] | None:
-    """An open fd and the name of the loop device mounted at `mnt`, if one is. Held open across
-    the unmount, the device cannot be cleared and taken by another attach meanwhile."""
-    try:
-        dev = os.stat(mnt).st_dev
-        if os.major(dev) != LOOP_MAJOR or not is_mount_point(mnt):
-            return None
-        name = os.path.basename(os.readlink(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}"))
-        return os.open(f"/dev/{name}", os.O_RDONLY | os.O_CLOEXEC), name
-    except OSError:
-        return None
+        if loop is not None and name is not None:
+            _release_loop(loop, name)
 
 
 def _release_loop(fd: int, name: str) -> None:
@@ -356,11 +347,13 @@ def clears_itself(device: str) -> bool:
 
 def mounted_device(mnt: Path) -> str | None:
     """The name of the loop device mounted at `mnt` (`loop7`), if one is."""
-    found = _loop_device_of(mnt)
-    if found is None:
+    try:
+        dev = os.stat(mnt).st_dev
+        if os.major(dev) != LOOP_MAJOR or not is_mount_point(mnt):
+            return None
+        return os.path.basename(os.readlink(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}"))
+    except OSError:
         return None
-    os.close(found[0])
-    return found[1]
 
 
 def unmount(mnt: Path) -> bool:

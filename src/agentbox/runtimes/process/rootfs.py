@@ -32,6 +32,8 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from agentbox.runtimes import diskimage
+
 DISK = "disk"
 UPPER = "upper"
 WORK = "work"
@@ -279,28 +281,12 @@ def _in_dir(path: Path, fn: Callable[[], None]) -> None:
 def _read_only(root: Path) -> bool:
     """Whether the overlay at `root` is read-only (or not mounted at all): the mount's flags,
     not a read of every mount on the host."""
-    return not _is_mount(root) or bool(os.statvfs(root).f_flag & os.ST_RDONLY)
+    return not diskimage.is_mount_point(root) or bool(os.statvfs(root).f_flag & os.ST_RDONLY)
 
 
 def unmount(bind_dir: Path) -> bool:
     """Unmount the overlay (before the disk it writes to); False if it would not go."""
-    import subprocess
-    import time
-
     root = bind_dir / ROOT
     if not root.is_dir():
         return True  # no root layer (the host template): nothing was mounted
-    for _ in range(50):
-        if not _is_mount(root):
-            return True
-        if _libc.umount2(str(root).encode(), 0) == 0:
-            return True
-        time.sleep(0.02)  # busy: the sandbox's last processes are still exiting
-    if _libc.umount2(str(root).encode(), MNT_DETACH) == 0:
-        return True
-    return not _is_mount(root) or subprocess.run(["umount", "-l", str(root)]).returncode == 0
-
-
-def _is_mount(path: Path) -> bool:
-    # An overlay has a device of its own: a stat, not a read of every mount on the host.
-    return os.path.ismount(path)
+    return diskimage.umount(root)
