@@ -43,6 +43,13 @@ _V1_CONTROLLERS = ("memory", "pids", "cpu", "freezer")
 # ---------------------------------------------------------------- statistics
 
 
+# The process tier's floor: bare bwrap with its namespace set running /bin/true, the host's /usr
+# read-only (bench/tiers.py, bench/idle_scale.py).
+BARE_BWRAP = ["bwrap", "--unshare-all", "--ro-bind", "/usr", "/usr", "--symlink", "usr/lib", "/lib",
+              "--symlink", "usr/lib64", "/lib64", "--symlink", "usr/bin", "/bin", "--proc", "/proc",
+              "--dev", "/dev", "/bin/true"]
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     """Nearest-rank percentile (q in 0..100): an observed value, never an interpolation."""
     xs = sorted(values)

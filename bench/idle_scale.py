@@ -40,9 +40,6 @@ import harness as H  # noqa: E402
 GOAL_RATIO = 1.5
 PROBES = ("GET sandbox", "exec true", "list first page", "create (cold)", "delete")
 FLOOR = "floor: bare bwrap /bin/true"
-BARE_BWRAP = ["bwrap", "--unshare-all", "--ro-bind", "/usr", "/usr", "--symlink", "usr/lib", "/lib",
-              "--symlink", "usr/lib64", "/lib64", "--symlink", "usr/bin", "/bin", "--proc", "/proc",
-              "--dev", "/dev", "/bin/true"]
 
 
 def mem_available_gib() -> float:
@@ -123,7 +120,7 @@ def probe(c: httpx.Client, sid: str, args: Any, body: dict[str, Any]) -> dict[st
     for _ in range(args.creates):
         new = timed("create (cold)", lambda: H.create_sandbox(c, **body))["sandbox_id"]
         timed("delete", lambda new=new: c.delete(f"/v1/sandboxes/{new}").raise_for_status())
-        timed(FLOOR, lambda: subprocess.run(BARE_BWRAP, check=True))
+        timed(FLOOR, lambda: subprocess.run(H.BARE_BWRAP, check=True))
     return out
 
 

@@ -154,9 +154,7 @@ def _bundle(root: Path, binary: str) -> list[str]:
 def floor(binary: str, n: int) -> list[float]:
     with tempfile.TemporaryDirectory(prefix=f"agentbox-bench-floor-{binary}-") as tmp:
         if binary == "bwrap":
-            argv = ["bwrap", "--unshare-all", "--ro-bind", "/usr", "/usr", "--symlink",
-                    "usr/lib", "/lib", "--symlink", "usr/lib64", "/lib64", "--symlink",
-                    "usr/bin", "/bin", "--proc", "/proc", "--dev", "/dev", "/bin/true"]
+            argv = H.BARE_BWRAP
         else:
             argv = _bundle(Path(tmp), binary)
         times = []
