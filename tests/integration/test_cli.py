@@ -31,7 +31,7 @@ def cli(server: Any, tenant_key: str) -> Run:
 
     def run(*args: str, input: str | None = None, timeout: float = 60,
             **kw: Any) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "agentbox.cli.app", *args], env=env,
+        return subprocess.run([sys.executable, "-m", "agentbox.cli", *args], env=env,
                               input=input, capture_output=True, text=True, timeout=timeout, **kw)
 
     return run
@@ -155,7 +155,7 @@ def test_exec_exit_codes_and_streams(cli: Run, sandbox_id: str) -> None:
 
 def test_exec_streams_live(server: Any, tenant_key: str, sandbox_id: str) -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "agentbox.cli.app", "exec", sandbox_id, "--",
+        [sys.executable, "-m", "agentbox.cli", "exec", sandbox_id, "--",
          "echo first; sleep 2; echo second"],
         env=_cli_env(server, tenant_key), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True)
@@ -211,13 +211,13 @@ def test_errors_are_one_red_line(cli: Run, server: Any) -> None:
     r = cli("kill", "sbx_doesnotexist")
     assert r.returncode == 1 and "Traceback" not in r.stderr
 
-    bad = subprocess.run([sys.executable, "-m", "agentbox.cli.app", "ls"],
+    bad = subprocess.run([sys.executable, "-m", "agentbox.cli", "ls"],
                          env=_cli_env(server, "abx_wrong_key"), capture_output=True, text=True,
                          timeout=60)
     assert bad.returncode == 1 and "Traceback" not in bad.stderr
     assert "unauthorized" in bad.stderr or "API key" in bad.stderr
 
-    down = subprocess.run([sys.executable, "-m", "agentbox.cli.app", "--api-url",
+    down = subprocess.run([sys.executable, "-m", "agentbox.cli", "--api-url",
                            "http://127.0.0.1:9", "ls"], env=_cli_env(server, "k"),
                           capture_output=True, text=True, timeout=60)
     assert down.returncode == 1 and "Traceback" not in down.stderr
@@ -243,21 +243,21 @@ def test_audit(cli: Run, sandbox_id: str) -> None:
 def test_keys_create_offline(tmp_path: Path) -> None:
     data_dir = tmp_path / "offline-data"
     data_dir.mkdir()
-    r = subprocess.run([sys.executable, "-m", "agentbox.cli.app", "keys", "create",
+    r = subprocess.run([sys.executable, "-m", "agentbox.cli", "keys", "create",
                         "--tenant", "offline-t", "--data-dir", str(data_dir)],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     key = r.stdout.strip()
     assert "\n" not in key and key.startswith("abx_") and len(key) > 20  # only the key
 
-    r = subprocess.run([sys.executable, "-m", "agentbox.cli.app", "keys", "create",
+    r = subprocess.run([sys.executable, "-m", "agentbox.cli", "keys", "create",
                         "--tenant", "bad tenant!", "--data-dir", str(data_dir)],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "Traceback" not in r.stderr and "tenant" in r.stderr
 
 
 def test_serve_refuses_an_unknown_runtime(tmp_path: Path) -> None:
-    r = subprocess.run([sys.executable, "-m", "agentbox.cli.app", "serve", "--runtime",
+    r = subprocess.run([sys.executable, "-m", "agentbox.cli", "serve", "--runtime",
                         "process,nope", "--data-dir", str(tmp_path / "d")],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr

@@ -23,7 +23,7 @@ import pytest
 
 from agentbox import AsyncSandbox, Sandbox
 
-CLI = [sys.executable, "-m", "agentbox.cli.app"]
+CLI = [sys.executable, "-m", "agentbox.cli"]  # as installed: `exec` on the short path
 LONG = "a-rather-long-metadata-value-that-will-not-fit-in-forty-columns"
 
 

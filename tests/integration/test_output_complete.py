@@ -84,10 +84,11 @@ def test_raw_http_gets_every_line_even_reading_slowly(sbx: Sandbox, conn: dict[s
     _is_seq("".join(parts))
 
 
-def test_the_cli_prints_every_line(sbx: Sandbox, conn: dict[str, Any]) -> None:
+@pytest.mark.parametrize("entry", ["agentbox.cli", "agentbox.cli.app"])  # short path; full CLI
+def test_the_cli_prints_every_line(sbx: Sandbox, conn: dict[str, Any], entry: str) -> None:
     env = {"AGENTBOX_API_URL": conn["api_url"], "AGENTBOX_API_KEY": conn["api_key"]}
     env["PATH"] = "/usr/bin:/bin"
-    cli = [sys.executable, "-m", "agentbox.cli.app"]
+    cli = [sys.executable, "-m", entry]
     r = subprocess.run(
         [*cli, "exec", sbx.sandbox_id, "--", "seq", "1", str(LINES)],
         capture_output=True,

@@ -14,7 +14,6 @@ import functools
 import json
 import os
 import re
-import select
 import shlex
 import sys
 import threading
@@ -47,9 +46,11 @@ def _without_httpx_cli() -> None:
 _without_httpx_cli()
 
 from agentbox import config  # noqa: E402
+from agentbox.cli import quick  # noqa: E402
 from agentbox.sdk import (  # noqa: E402
     AgentboxError,
     CommandExitException,
+    CommandResult,
     ConflictError,
     ConnectionFailedError,
     EgressEvent,
@@ -122,8 +123,6 @@ out = _Console()
 err = _Console(stderr=True)
 T = TypeVar("T")
 
-# The exit code `timeout(1)` uses, so scripts can tell a timeout from a failure.
-TIMEOUT_EXIT = 124
 
 
 @dataclasses.dataclass
@@ -1094,11 +1093,24 @@ def exec_command(
             threading.Thread(target=_forward_stdin, args=(sbx, cmd_id, ended),
                              daemon=True).start()
 
+    def run() -> CommandResult:
+        return sbx.commands.run(line, envs=_pairs(env, "--env"), cwd=cwd, timeout=timeout,
+                                on_stdout=_writer(sys.stdout), on_stderr=_writer(sys.stderr),
+                                stdin=forward, on_start=on_start, user=user)
+
     try:
-        result = sbx.commands.run(line, envs=_pairs(env, "--env"), cwd=cwd, timeout=timeout,
-                                  on_stdout=_writer(sys.stdout), on_stderr=_writer(sys.stderr),
-                                  stdin=forward, on_start=on_start, user=user)
+        status = _exec_end(sbx, run, started)
+    finally:
+        ended.set()
+    raise typer.Exit(status)
+
+
+def _exec_end(sbx: Sandbox, run: Callable[[], CommandResult], started: list[str]) -> int:
+    """Run `exec`'s command to its end (`run`); its exit status, having said what went wrong."""
+    try:
+        result = run()
         _warn_dropped(result.dropped_bytes)
+        return 0
     except CommandExitException as e:
         sys.stdout.flush()
         _warn_dropped(e.dropped_bytes)
@@ -1106,14 +1118,51 @@ def exec_command(
             err.print(f"[red]{escape(e.violation.message)}[/red]")
         elif e.exit_code is None:
             err.print(f"[red]{escape(e.error or 'command ended without an exit code')}[/red]")
-        raise typer.Exit(_exit_status(e)) from None
+        return quick.exit_status(e.exit_code, e.timed_out)
     except KeyboardInterrupt:
         if started:
             _interrupt(sbx, started[0])
-        raise typer.Exit(130) from None
+        return 130
     finally:
-        ended.set()
         sbx.close()
+
+
+def continue_exec(stream: quick.CommandStream, why: str, what: Any) -> int:
+    """The rest of an `exec` that `agentbox.cli.quick` started, where its stream left off,
+    done by the SDK: `why` is "broken" (resume from the offset, reconnecting as the SDK does),
+    "event" (the server's error event `what`), "line" (`what` is not JSON), "timeout" (the
+    stream went silent past the command's timeout and grace) or "interrupt" (Ctrl-C)."""
+    from agentbox.sdk import protocol as p
+    from agentbox.sdk.sandbox import Transport
+
+    server = stream.server
+    try:
+        transport = Transport(p.resolve_config(server.key, server.url))
+        sbx = Sandbox(stream.sandbox_id, transport)
+        progress = p.CommandProgress(stream.sandbox_id, stream.cmd_id, stream.pid)
+        progress.offset, progress.dropped = stream.offset, stream.dropped
+
+        def run() -> CommandResult:
+            if why == "interrupt":
+                raise KeyboardInterrupt
+            if why == "event":
+                progress.feed(what)  # an error event: raises its error
+            elif why == "line":
+                p.parse_event_line(what)  # raises: a malformed event
+            elif why == "timeout":
+                import httpx
+
+                raise p.transport_error(httpx.ReadTimeout("timed out"), server.url)
+            out, errs = _writer(sys.stdout), _writer(sys.stderr)
+            for kind, data in transport.follow(progress, None,
+                                               p.command_read_timeout(stream.timeout)):
+                (out if kind == "stdout" else errs)(data)
+            return progress.outcome()
+
+        return _exec_end(sbx, run, [stream.cmd_id] if stream.cmd_id else [])
+    except AgentboxError as e:
+        _print_error(e)
+        return 1
 
 
 @app.command()
@@ -1203,7 +1252,7 @@ def logs(
     except CommandExitException as e:
         sys.stdout.flush()
         _warn_dropped(e.dropped_bytes)
-        raise typer.Exit(_exit_status(e)) from None
+        raise typer.Exit(quick.exit_status(e.exit_code, e.timed_out)) from None
     finally:
         sbx.close()
 
@@ -1211,16 +1260,10 @@ def logs(
 def _warn_dropped(dropped: int) -> None:
     if dropped:
         sys.stdout.flush()
-        err.print(f"[yellow]warning:[/yellow] {dropped} bytes of output were dropped before "
-                  "they were read (nobody followed the command while the sandbox's output "
-                  "buffer overflowed: 4 MiB per command, 16 MiB per sandbox)",
-                  highlight=False, soft_wrap=True)
+        err.print(f"[yellow]warning:[/yellow] {quick.DROPPED.format(dropped)}", highlight=False,
+                  soft_wrap=True)
 
 
-# The stdin route takes at most this many characters per request; each request is audited,
-# so piped input goes in pieces this large when it is there to read.
-_STDIN_PIECE = 1 << 20
-_UNDECODABLE = re.compile("[\udc80-\udcff]")
 # Ctrl-C: how long the command's processes have to end after SIGINT before SIGKILL.
 INTERRUPT_GRACE_S = 2.0
 
@@ -1229,15 +1272,11 @@ def _forward_stdin(sbx: Sandbox, cmd_id: str, ended: threading.Event) -> None:
     """Send this process's stdin to the command as it comes, then end its stdin."""
     warned = False
     try:
-        for piece in _stdin_pieces():
-            text = piece.decode("utf-8", "surrogateescape")
-            if _UNDECODABLE.search(text):
-                text = _UNDECODABLE.sub("\ufffd", text)
-                if not warned:
-                    err.print("[yellow]warning:[/yellow] stdin is not UTF-8 text: its invalid "
-                              "bytes were replaced (copy binary files with `agentbox cp`)",
-                              highlight=False, soft_wrap=True)
-                    warned = True
+        for text, replaced in quick.utf8_pieces():
+            if replaced and not warned:
+                err.print(f"[yellow]warning:[/yellow] {quick.NOT_UTF8}", highlight=False,
+                          soft_wrap=True)
+                warned = True
             sbx.commands.send_stdin(cmd_id, text)
         sbx.commands.close_stdin(cmd_id)
     except ConflictError:
@@ -1246,21 +1285,6 @@ def _forward_stdin(sbx: Sandbox, cmd_id: str, ended: threading.Event) -> None:
         if not ended.is_set():
             err.print(f"[yellow]warning:[/yellow] stopped forwarding stdin: {escape(str(e))}",
                       highlight=False, soft_wrap=True)
-
-
-def _stdin_pieces() -> Iterator[bytes]:
-    # os.read, not sys.stdin: a thread left blocked in a buffered read at exit aborts Python.
-    while True:
-        piece = os.read(0, _STDIN_PIECE)
-        if not piece:
-            return
-        while len(piece) < _STDIN_PIECE and select.select([0], [], [], 0)[0]:
-            more = os.read(0, _STDIN_PIECE - len(piece))
-            if not more:
-                yield piece
-                return
-            piece += more
-        yield piece
 
 
 def _interrupt(sbx: Sandbox, cmd_id: str) -> None:
@@ -1283,16 +1307,6 @@ def _writer(stream: Any) -> Any:
         stream.flush()
 
     return write
-
-
-def _exit_status(e: CommandExitException) -> int:
-    if e.timed_out:
-        return TIMEOUT_EXIT
-    if e.exit_code is None:
-        return 1
-    if e.exit_code < 0:
-        return 128 - e.exit_code  # shell convention for "killed by signal N"
-    return e.exit_code
 
 
 # ---------------------------------------------------------------------------- files
