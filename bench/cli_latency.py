@@ -5,8 +5,10 @@ against it, and with it, interleaved so that host noise falls on every row alike
 
 - floor: the venv's Python doing nothing (`python -c pass`);
 - the CLI module's import alone (`python -c "import agentbox.cli.app"`);
-- `agentbox exec ID -- true`, start to exit (imports, argument parsing, one GET of the sandbox,
-  the command's POST streamed to its end).
+- `agentbox exec ID -- true`, start to exit: the short path (`agentbox.cli.quick`: argument
+  parsing, the command's POST streamed to its end, stdin's end sent);
+- the same through the full CLI (`AGENTBOX_CLI_QUICK=0`: typer, the SDK, one GET of the sandbox,
+  then the POST).
 
 Byte-code is written where it can be (PYTHONDONTWRITEBYTECODE is dropped), as an installed
 package has it.
@@ -40,18 +42,20 @@ def main() -> None:
         with srv.client() as c:
             sid = H.create_sandbox(c, timeout=3600)["sandbox_id"]
         env |= {"AGENTBOX_API_URL": srv.url, "AGENTBOX_API_KEY": H.ADMIN_KEY}
+        full = env | {"AGENTBOX_CLI_QUICK": "0"}
         runs = {
-            "floor: python -c pass": [H.PYTHON, "-c", "pass"],
-            "import agentbox.cli.app": [H.PYTHON, "-c", "import agentbox.cli.app"],
-            "agentbox exec ID -- true (RESULT)": [cli, "exec", sid, "--", "true"],
+            "floor: python -c pass": ([H.PYTHON, "-c", "pass"], env),
+            "import agentbox.cli.app": ([H.PYTHON, "-c", "import agentbox.cli.app"], env),
+            "agentbox exec ID -- true (RESULT)": ([cli, "exec", sid, "--", "true"], env),
+            "the same, full CLI (AGENTBOX_CLI_QUICK=0)": ([cli, "exec", sid, "--", "true"], full),
         }
-        for argv in runs.values():  # byte-code written, caches warm
-            subprocess.run(argv, env=env, check=True, capture_output=True)
+        for argv, run_env in runs.values():  # byte-code written, caches warm
+            subprocess.run(argv, env=run_env, check=True, capture_output=True)
         times: dict[str, list[float]] = {k: [] for k in runs}
         for _ in range(args.n):
-            for name, argv in runs.items():
+            for name, (argv, run_env) in runs.items():
                 t0 = time.perf_counter()
-                subprocess.run(argv, env=env, check=True, capture_output=True)
+                subprocess.run(argv, env=run_env, check=True, capture_output=True)
                 times[name].append((time.perf_counter() - t0) * 1000)
     print()
     H.print_timings(times, 40)

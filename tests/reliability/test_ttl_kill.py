@@ -313,3 +313,46 @@ def test_command_kill_gets_through_at_the_process_limit(srv: RelServer) -> None:
                 assert got.json()["detail"]["violation"]["code"] == "pids_limit", got.text
         assert run_ok(c, sid, "echo recovered") == "recovered\n"
         c.delete(f"/v1/sandboxes/{sid}")
+
+
+def _pidfds(pid: int) -> set[int]:
+    """The processes `pid` holds a pidfd of (from its fdinfo)."""
+    held = set()
+    for fd in os.listdir(f"/proc/{pid}/fdinfo"):
+        try:
+            info = Path(f"/proc/{pid}/fdinfo/{fd}").read_text()
+        except OSError:
+            continue
+        if os.readlink(f"/proc/{pid}/fd/{fd}") == "anon_inode:[pidfd]":
+            held |= {int(line.split()[1]) for line in info.splitlines()
+                     if line.startswith("Pid:")}
+    return held
+
+
+def test_a_death_is_noticed_between_health_rounds(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Health rounds 10 s apart, and still a sandbox whose processes die (all of them, or its
+    agent alone) ends within a second: after its first round the server waits on a pidfd of
+    its bwrap instead of reading /proc each round."""
+    monkeypatch.setenv("AGENTBOX_HEALTH_INTERVAL", "10")
+    with private_server(tmp_path) as srv, srv.client() as c:
+        sids = [c.post("/v1/sandboxes", json={}).json()["sandbox_id"] for _ in range(2)]
+        run_ok(c, sids[1], "(sleep 600 &); echo")
+        states = [srv.runtime_state(sid) for sid in sids]
+        bwraps = {s["bwrap_pid"] for s in states if s is not None}
+        assert len(bwraps) == 2
+        deadline = time.monotonic() + 25
+        while not bwraps <= _pidfds(srv.pid):  # watched from the first round after the create
+            assert time.monotonic() < deadline, (bwraps, _pidfds(srv.pid))
+            time.sleep(0.1)
+        agents = sandbox_pids(srv.inventory(), sids[1], comm="python3")
+        assert states[0] is not None and agents
+        for sid, pid in ((sids[0], states[0]["init_pid"]), (sids[1], min(agents))):
+            os.kill(pid, signal.SIGKILL)
+            t0 = time.monotonic()
+            while (info := c.get(f"/v1/sandboxes/{sid}").json())["state"] == "running":
+                assert time.monotonic() - t0 < 1.5, f"{sid} still running: a round away"
+                time.sleep(0.02)
+            assert info["end_reason"] == "vanished", info
+        assert not bwraps & _pidfds(srv.pid)  # let go of with the sandboxes
+        assert srv.inventory().about(sids[0]) == srv.inventory().about(sids[1]) == []

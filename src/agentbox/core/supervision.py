@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import heapq
 import logging
+import os
+import resource
 import time
 from typing import TYPE_CHECKING
 
@@ -29,6 +31,69 @@ log = logging.getLogger("agentbox.manager")
 HEALTH_CONCURRENCY = 32  # pings in flight at once (a wedged agent holds one for the timeout)
 # Agents pinged a health round at most (with more running, each every few rounds).
 HEALTH_PINGS_PER_ROUND = 100
+
+
+class _ExitWatches:
+    """The pidfds (`Runtime.exit_fd`) of running sandboxes, waited on by the event loop: a
+    sandbox whose processes end is noticed then (its health checked at once), not read from
+    /proc every round. At most a quarter of the descriptor limit is spent on them; sandboxes
+    beyond that, and those whose runtime has no such descriptor, are read every round."""
+
+    def __init__(self, supervisor: Supervisor, limit: asyncio.Semaphore) -> None:
+        self.supervisor = supervisor
+        self.limit = limit
+        self.fds: dict[str, int] = {}
+        self.refused: set[str] = set()  # sandboxes whose runtime gave no descriptor
+        self.checks: set[asyncio.Task[None]] = set()
+        self.loop = asyncio.get_running_loop()
+        self.cap = resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 4
+
+    def __contains__(self, sandbox_id: str) -> bool:
+        return sandbox_id in self.fds
+
+    def add(self, row: SandboxRow) -> None:
+        """Watch a running sandbox's end, if its runtime can say and it is not watched yet.
+        Called after a round read it alive, so an end before the watch is not missed: the
+        descriptor of a process already gone is readable at once."""
+        sid = row.sandbox_id
+        if sid in self.fds or sid in self.refused or len(self.fds) >= self.cap:
+            return
+        table = self.supervisor.core.table
+        if sid not in table.running or sid in table.ending:
+            return
+        assert row.runtime_state is not None
+        runtime = self.supervisor.core.runtimes.for_row(row)
+        fd = runtime.exit_fd(sid, row.runtime_state)
+        if fd is None:
+            self.refused.add(sid)
+            return
+        self.fds[sid] = fd
+        self.loop.add_reader(fd, self._ended, sid)
+
+    def _ended(self, sandbox_id: str) -> None:
+        self._drop(sandbox_id)
+        row = self.supervisor.core.table.running.get(sandbox_id)
+        if row is None or row.runtime_state is None:
+            return
+        check = self.loop.create_task(self.supervisor._check_health(row, self.limit, ping=False))
+        self.checks.add(check)
+        check.add_done_callback(self.checks.discard)
+
+    def keep(self, running: dict[str, float]) -> None:
+        """Stop watching sandboxes no longer running (ended or paused)."""
+        for sid in [s for s in self.fds if s not in running]:
+            self._drop(sid)
+        self.refused &= running.keys()
+
+    def _drop(self, sandbox_id: str) -> None:
+        fd = self.fds.pop(sandbox_id, None)
+        if fd is not None:
+            self.loop.remove_reader(fd)
+            os.close(fd)
+
+    def close(self) -> None:
+        for sid in list(self.fds):
+            self._drop(sid)
 
 
 class Supervisor:
@@ -80,43 +145,57 @@ class Supervisor:
     async def health(self) -> None:
         """Notice sandboxes whose processes died underneath us (and clean up after them), and
         agents that stopped answering (the sandbox is `unhealthy` until they answer again).
-        Every round reads whether each sandbox's processes live (from /proc); at most
-        `HEALTH_PINGS_PER_ROUND` agents are pinged, those pinged longest ago first, so that
-        thousands of idle sandboxes do not keep the server busy pinging them."""
+        A sandbox whose runtime gives a descriptor for its end (a pidfd) is noticed when that
+        becomes readable; the others are read from /proc every round. At most
+        `HEALTH_PINGS_PER_ROUND` agents are pinged a round, those pinged longest ago first, so
+        that thousands of idle sandboxes do not keep the server busy pinging them."""
         limit = asyncio.Semaphore(HEALTH_CONCURRENCY)
         pinged: dict[str, float] = {}  # sandbox -> when its agent was last pinged
-        while True:
-            await asyncio.sleep(self.core.health_interval)
-            rows = [r for r in self.core.table.running.values() if r.runtime_state is not None]
-            pinged = {r.sandbox_id: pinged.get(r.sandbox_id, 0.0) for r in rows}
-            due = rows
-            if len(rows) > HEALTH_PINGS_PER_ROUND:
-                unhealthy = self.core.table.unhealthy  # pinged first: do they answer again?
-                due = heapq.nsmallest(
-                    HEALTH_PINGS_PER_ROUND,
-                    rows,
-                    key=lambda r: -1.0 if r.sandbox_id in unhealthy else pinged[r.sandbox_id],
-                )
-            now = time.monotonic()
-            for row in due:
-                pinged[row.sandbox_id] = now
-            # Spread over the first half of the round: a hundred pings at once would hold up
-            # the requests that came in meanwhile.
-            gap = self.core.health_interval / 2 / max(1, len(due))
-            pings = asyncio.gather(
-                *(self._check_health(r, limit, ping=True, after=i * gap) for i, r in enumerate(due))
-            )
-            chosen = {row.sandbox_id for row in due}
-            rest = [row for row in rows if row.sandbox_id not in chosen]
-            for i, row in enumerate(rest):
-                if i % 16 == 15:
-                    await asyncio.sleep(0)  # requests between the reads
-                await self._check_health(row, limit, ping=False)
-            await pings
+        watches = _ExitWatches(self, limit)
+        try:
+            while True:
+                await asyncio.sleep(self.core.health_interval)
+                rows = [r for r in self.core.table.running.values()
+                        if r.runtime_state is not None]  # fmt: skip
+                pinged = {r.sandbox_id: pinged.get(r.sandbox_id, 0.0) for r in rows}
+                watches.keep(pinged)
+                due = rows
+                if len(rows) > HEALTH_PINGS_PER_ROUND:
+                    unhealthy = self.core.table.unhealthy  # pinged first: do they answer again?
+                    due = heapq.nsmallest(
+                        HEALTH_PINGS_PER_ROUND,
+                        rows,
+                        key=lambda r: -1.0 if r.sandbox_id in unhealthy else pinged[r.sandbox_id],
+                    )
+                now = time.monotonic()
+                for row in due:
+                    pinged[row.sandbox_id] = now
+                # Spread over the first half of the round: a hundred pings at once would hold
+                # up the requests that came in meanwhile.
+                gap = self.core.health_interval / 2 / max(1, len(due))
+                pings = asyncio.gather(*(
+                    self._check_health(r, limit, ping=True, after=i * gap,
+                                       alive=r.sandbox_id in watches)
+                    for i, r in enumerate(due)
+                ))  # fmt: skip
+                chosen = {row.sandbox_id for row in due}
+                rest = [row for row in rows
+                        if row.sandbox_id not in chosen and row.sandbox_id not in watches]
+                for i, row in enumerate(rest):
+                    if i % 16 == 15:
+                        await asyncio.sleep(0)  # requests between the reads
+                    await self._check_health(row, limit, ping=False)
+                for row in rows:
+                    watches.add(row)
+                await pings
+        finally:
+            watches.close()
 
     async def _check_health(
-        self, row: SandboxRow, limit: asyncio.Semaphore, ping: bool, after: float = 0.0
+        self, row: SandboxRow, limit: asyncio.Semaphore, ping: bool, after: float = 0.0,
+        alive: bool = False,
     ) -> None:
+        """`alive`: known alive (its end is watched), so only the ping is due."""
         sid = row.sandbox_id
         if after:
             await asyncio.sleep(after)
@@ -124,7 +203,7 @@ class Supervisor:
         if sid not in self.core.table.running or sid in self.core.table.ending:
             return  # ended, or paused, since the round began
         runtime = self.core.runtimes.for_row(row)
-        if not await runtime.is_alive(sid, row.runtime_state):
+        if not alive and not await runtime.is_alive(sid, row.runtime_state):
             # A sandbox that went over its memory limit where that ends the whole sandbox
             # (gVisor's kernel is one process to the host's OOM killer) says so.
             oom = runtime.limit_counters(sid).get("oom_kill", 0) > 0

@@ -274,6 +274,12 @@ class Runtime(ABC):
     async def is_alive(self, sandbox_id: str, state: dict[str, Any]) -> bool:
         """Whether the sandbox's processes still run."""
 
+    def exit_fd(self, sandbox_id: str, state: dict[str, Any]) -> int | None:
+        """A descriptor that becomes readable once `is_alive` would say False (a pidfd), for
+        the server to wait on instead of asking `is_alive` every round; the caller closes it.
+        None: ask `is_alive` (the default)."""
+        return None
+
     @abstractmethod
     async def list_sandboxes(self) -> set[str]:
         """Ids of every sandbox that has anything on the host (for reconciliation)."""

@@ -1017,6 +1017,23 @@ class ProcessRuntime(Runtime):
                 return False
         return True
 
+    def exit_fd(self, sandbox_id: str, state: dict[str, Any]) -> int | None:
+        # The outer bwrap exits when the agent does, and the agent dies with the namespace's
+        # init: a pidfd of bwrap (of the init, in states that have no bwrap) is readable once
+        # is_alive would be False.
+        keys = ("bwrap_pid", "bwrap_start") if "bwrap_pid" in state else ("init_pid", "init_start")
+        pid, start = state.get(keys[0]), state.get(keys[1])
+        if not isinstance(pid, int) or start is None:
+            return None
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:  # gone, or no descriptor to spare: is_alive says which
+            return None
+        if proc_start_time(pid) != start:  # the pid was reused, or the process is a zombie
+            os.close(fd)
+            return None
+        return fd
+
     # ------------------------------------------------------------------ pause
 
     async def pause(self, sandbox_id: str, state: dict[str, Any]) -> dict[str, Any]:
