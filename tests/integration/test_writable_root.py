@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -185,3 +186,22 @@ def test_restart_keeps_the_root_and_cleans_up(rooty: tuple[ServerHandle, Path]) 
         assert r.stdout == "kept\n", r
         assert c.delete(f"/v1/sandboxes/{sid}").status_code == 204
     assert _mounts_under(bind_root / sid) == []
+
+
+def test_disk_use_counts_at_once(client: httpx.Client) -> None:
+    """What a sandbox's files take, in its metrics, is its disk's own count (statvfs of the
+    mounted disk: /workspace and the root's upper layer alike), not the image file's blocks,
+    which come only when the kernel writes the page cache back (~30 s)."""
+    sid = create_sandbox(client, template="rooty")["sandbox_id"]
+    assert run(client, sid, "head -c 30000000 /dev/urandom > /workspace/blob && "
+                            "head -c 20000000 /dev/urandom > /opt/blob",
+                            user="root").exit_code == 0  # fmt: skip
+    written = time.time()
+    deadline = written + 12  # two of the server's 5 s metrics rounds, and then some
+    used = 0
+    while used < 50_000_000:
+        assert time.time() < deadline, f"disk_used {used}: the image's lagging blocks"
+        time.sleep(0.5)
+        r = client.get(f"/v1/sandboxes/{sid}/metrics", params={"start": written})
+        assert r.status_code == 200, r.text
+        used = max([m["disk_used"] for m in r.json()["metrics"]], default=0)

@@ -1097,9 +1097,14 @@ class ProcessRuntime(Runtime):
             out["cpu_seconds"] = cpu
         if memory is not None:
             out["memory_bytes"] = float(memory)
-        mount = self.bind_root / sandbox_id / workspace.MOUNT_NAME
+        bind_dir = self.bind_root / sandbox_id
         try:  # what its files take now (the image's blocks lag behind the page cache)
-            if os.path.ismount(mount):  # its own filesystem (not a directory of the host's)
+            # Its own filesystem (not a directory of the host's): the disk, which holds the
+            # root's upper layer beside /workspace (`workspace` is then a symlink into it), or
+            # for a host-userland sandbox the workspace itself.
+            mount = next((m for m in (bind_dir / rootfs.DISK, bind_dir / workspace.MOUNT_NAME)
+                          if os.path.ismount(m)), None)
+            if mount is not None:
                 fs = os.statvfs(mount)
                 out["disk_bytes"] = float((fs.f_blocks - fs.f_bfree) * fs.f_frsize)
         except OSError:
