@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -103,10 +104,13 @@ def test_what_it_leaves_to_the_full_cli(env: dict[str, str], sid: str) -> None:
 
 class CuttingRelay:
     """A TCP relay to the server that cuts the first command stream (the POST of a foreground
-    command) once the first output event went through: a server gone mid-command."""
+    command) once the first output event went through: a server gone mid-command. With
+    `swallow`, it cuts that stream before any of the answer went through: a server gone after
+    it took the request."""
 
-    def __init__(self, upstream: tuple[str, int]) -> None:
+    def __init__(self, upstream: tuple[str, int], swallow: bool = False) -> None:
         self.upstream = upstream
+        self.swallow = swallow
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
         self.requests: list[bytes] = []
@@ -130,6 +134,9 @@ class CuttingRelay:
         threading.Thread(target=self._pipe, args=(client, server), daemon=True).start()
         try:
             while data := server.recv(65536):
+                if cutting and self.swallow:
+                    self.cut.set()
+                    break
                 client.sendall(data)
                 if cutting and b'"type":"stdout"' in data:
                     self.cut.set()
@@ -168,3 +175,22 @@ def test_a_broken_stream_is_resumed_by_the_sdk(server: Any, env: dict[str, str],
     assert marker == "5 True True", (marker, err)
     assert (out, err) == ("first\nthird\n", "second\n")
     assert any(b"/events?offset=6 " in r for r in relay.requests), relay.requests
+
+
+def test_a_request_without_an_answer_is_not_sent_again(server: Any, tenant_key: str,
+                                                       env: dict[str, str], sid: str) -> None:
+    relay = CuttingRelay(("127.0.0.1", server.port), swallow=True)
+    try:
+        code, out, err, marker = _quick(["exec", sid, "--", "echo ran >> /tmp/runs"],
+                                        dict(env, AGENTBOX_API_URL=relay.url))
+    finally:
+        relay.close()
+    assert relay.cut.is_set()
+    assert (code, out) == (1, "") and marker.startswith("1 True"), (marker, err)
+    assert "cannot talk to the agentbox server" in err and "Traceback" not in err, err
+    sbx = Sandbox.connect(sid, api_key=tenant_key, api_url=server.url)
+    try:
+        time.sleep(0.5)
+        assert sbx.commands.run("cat /tmp/runs").stdout == "ran\n"  # once, not twice
+    finally:
+        sbx.close()

@@ -1131,7 +1131,9 @@ def continue_exec(stream: quick.CommandStream, why: str, what: Any) -> int:
     """The rest of an `exec` that `agentbox.cli.quick` started, where its stream left off,
     done by the SDK: `why` is "broken" (resume from the offset, reconnecting as the SDK does),
     "event" (the server's error event `what`), "line" (`what` is not JSON), "timeout" (the
-    stream went silent past the command's timeout and grace) or "interrupt" (Ctrl-C)."""
+    stream went silent past the command's timeout and grace), "unanswered" (the POST went out
+    and `what`, an exception, came instead of an answer: the command may run, so it is not
+    sent again) or "interrupt" (Ctrl-C)."""
     from agentbox.sdk import protocol as p
     from agentbox.sdk.sandbox import Transport
 
@@ -1149,10 +1151,13 @@ def continue_exec(stream: quick.CommandStream, why: str, what: Any) -> int:
                 progress.feed(what)  # an error event: raises its error
             elif why == "line":
                 p.parse_event_line(what)  # raises: a malformed event
-            elif why == "timeout":
+            elif why in ("timeout", "unanswered"):
                 import httpx
 
-                raise p.transport_error(httpx.ReadTimeout("timed out"), server.url)
+                lost: httpx.HTTPError = httpx.ReadTimeout("timed out")
+                if why == "unanswered" and not isinstance(what, TimeoutError):
+                    lost = httpx.ReadError(str(what) or type(what).__name__)
+                raise p.transport_error(lost, server.url)
             out, errs = _writer(sys.stdout), _writer(sys.stderr)
             for kind, data in transport.follow(progress, None,
                                                p.command_read_timeout(stream.timeout)):

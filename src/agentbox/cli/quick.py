@@ -14,6 +14,8 @@ streams its events (NDJSON, chunked), the output written as it comes, stdin forw
 - the server refuses the POST (no such sandbox, paused, bad option, quota): nothing started,
   so the full CLI runs the same command line and reports the refusal its usual way;
 - the server cannot be reached: the same;
+- the POST went out and no answer came: the command may have started, so it is not sent again:
+  the error is the SDK's (`agentbox.cli.app.continue_exec`), as for a request that got none;
 - after the POST was answered, the stream breaks, goes silent too long, sends an `error` event
   or a line that is not JSON, or Ctrl-C is pressed: `agentbox.cli.app.continue_exec` takes the
   command over where this left it (its id and output offset), resuming or reporting as the SDK
@@ -195,7 +197,10 @@ class Server:
             data = json.dumps(body, ensure_ascii=False, separators=(",", ":"),
                               allow_nan=False).encode("utf-8")
             head += f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n"
-        sock = socket.create_connection(self.address, timeout=REQUEST_TIMEOUT)
+        try:
+            sock = socket.create_connection(self.address, timeout=REQUEST_TIMEOUT)
+        except OSError as e:
+            raise Unreached(str(e)) from None
         try:
             sock.sendall(head.encode("ascii") + b"\r\n" + data)
             sock.settimeout(timeout)
@@ -217,6 +222,10 @@ def _quote(value: str) -> str:
 
 class Broken(Exception):
     """The answer stopped making sense or stopped coming."""
+
+
+class Unreached(Exception):
+    """No connection to the server: nothing was sent."""
 
 
 class Answer:
@@ -299,15 +308,19 @@ def run(argv: list[str]) -> int | None:
                             "timeout": line.timeout, "background": False, "stdin": forward}
     if line.user is not None:
         body["user"] = line.user
+    stream = CommandStream(server, line.sandbox_id, forward, line.timeout)
     try:
         answer = server.send("POST", f"/v1/sandboxes/{_quote(line.sandbox_id)}/commands", body,
                              None if not line.timeout else line.timeout + STREAM_GRACE)
-    except (OSError, ValueError, Broken):
-        return None  # not reached, or said nothing: the full CLI says why
+    except (Unreached, ValueError):
+        return None  # nothing sent (no server there, or a body httpx would not send either)
+    except (OSError, Broken) as e:
+        # Sent, and no answer: the command may have started, so it must not run again; the
+        # SDK's words for a request that got no answer.
+        return stream._hand_over("unanswered", e)
     if not 200 <= answer.status < 300:
         answer.close()
         return None  # refused, so nothing started: the full CLI runs it and reports why
-    stream = CommandStream(server, line.sandbox_id, forward, line.timeout)
     try:
         return stream.follow(answer)
     finally:
