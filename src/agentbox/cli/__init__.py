@@ -7,7 +7,6 @@ CLI's start-up), else the full CLI of `agentbox.cli.app`, typer's, for everythin
 
 from __future__ import annotations
 
-import os
 import sys
 
 
@@ -19,9 +18,7 @@ def main() -> None:
     except KeyboardInterrupt:
         sys.exit(130)
     except BrokenPipeError:
-        # `agentbox exec ID -- cat big | head`: the reader left; exit quietly like other tools.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        sys.exit(141)
+        quick.reader_left()
     if status is None:
         from agentbox.cli.app import main as full
 

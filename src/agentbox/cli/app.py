@@ -1799,10 +1799,8 @@ def main() -> None:
         sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(130)
-    except BrokenPipeError:
-        # `agentbox cp ID:/f - | head`: the reader left; exit quietly like other tools.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        sys.exit(141)
+    except BrokenPipeError:  # `agentbox cp ID:/f - | head`
+        quick.reader_left()
     except OSError as e:
         # A local file the command was given: missing, a directory, not writable...
         where = f": {e.filename}" if e.filename else ""

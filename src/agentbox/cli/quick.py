@@ -33,7 +33,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Iterator
     from io import BufferedReader
-    from typing import Any
+    from typing import Any, NoReturn
 
 # The exit code `timeout(1)` uses, so scripts can tell a timeout from a failure.
 TIMEOUT_EXIT = 124
@@ -521,6 +521,13 @@ def error_text(status: int, body: bytes) -> str:
         code = f"http_{status}"
         message = body.decode("utf-8", "replace").strip()[:500] or f"HTTP {status}"
     return f"{message} ({code})" if code != "error" else message
+
+
+def reader_left() -> NoReturn:
+    """Stdout's reader left (`agentbox exec ID -- cat big | head`): exit quietly, as other
+    tools do, without a second BrokenPipeError from the flush at exit."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    sys.exit(141)
 
 
 def warn(text: str) -> None:

@@ -176,8 +176,12 @@ class SandboxAccess:
             return self.not_running(fresh or row)
         if fresh is None or fresh.state != SandboxState.RUNNING or ending:
             state = ending or (fresh.state if fresh else "gone")
+            reason = self.table.ending_reason.get(row.sandbox_id) or (
+                fresh.end_reason if fresh is not None else None
+            )
             return SandboxNotRunning(
-                f"sandbox {row.sandbox_id} is {state}; create a new sandbox", state=state
+                f"sandbox {row.sandbox_id} is {state}; create a new sandbox", state=state,
+                **({"reason": reason} if reason else {}),
             )
         if row.sandbox_id in self.table.unhealthy:
             return self._unhealthy_error(row.sandbox_id)

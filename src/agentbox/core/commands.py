@@ -354,12 +354,7 @@ class CommandService:
                     "timed_out": False,
                     "killed": True,
                     "signal": None,
-                    "violation": violations.violation(
-                        "sandbox_ended",
-                        "timeout",
-                        "the sandbox was killed or reached its timeout while the command "
-                        "ran; extend it with set_timeout or create a new one",
-                    ),
+                    "violation": violations.sandbox_ended(err.detail.get("reason")),
                 }
             else:
                 yield {"type": "error", "code": err.code, "message": err.message}

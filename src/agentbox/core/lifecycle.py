@@ -398,6 +398,7 @@ class Lifecycle:
                     self.core.table.paused[fresh.sandbox_id] = fresh
                 return False  # the deadline moved while we waited for the lock
             self.core.table.ending[fresh.sandbox_id] = state
+            self.core.table.ending_reason[fresh.sandbox_id] = reason
             await self.core.network.forget(fresh.sandbox_id)
             try:
                 await runtime.destroy(fresh.sandbox_id, fresh.runtime_state, fresh.keep_workspace)
@@ -409,6 +410,7 @@ class Lifecycle:
                 ) from None
             finally:
                 self.core.table.ending.pop(fresh.sandbox_id, None)
+                self.core.table.ending_reason.pop(fresh.sandbox_id, None)
             # Its create's environment (credentials, often) is kept only while it lives.
             self.core.states.move(
                 fresh.sandbox_id, state, end_reason=reason, ended_at=time.time(), envs=None

@@ -24,6 +24,8 @@ class SandboxTable:
         # Sandboxes being torn down -> the state they are ending in: their agent connections
         # break before the record changes, and callers must hear "ended", not "unavailable".
         self.ending: dict[str, str] = {}
+        # ... and why (`end_reason`): a command it ran is told, e.g. that its memory ran out.
+        self.ending_reason: dict[str, str] = {}
         # Starting sandboxes a kill is waiting for: the start gives up instead of finishing.
         self.kill_pending: set[str] = set()
         # Running sandboxes being paused: requests to them are told so.

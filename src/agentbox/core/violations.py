@@ -69,6 +69,24 @@ def network_blocked(blocked: list[dict[str, Any]]) -> dict[str, str]:
     )
 
 
+def sandbox_ended(reason: str | None) -> dict[str, str]:
+    """The violation for a command whose sandbox ended under it, by the sandbox's end_reason."""
+    if reason == "memory_limit":
+        return violation(
+            "memory_limit",
+            "resources.memory_mb",
+            "the sandbox went over its memory limit and was ended with everything in it (a "
+            "gVisor sandbox's kernel is one process to the host's OOM killer); use less memory "
+            "or create the sandbox with a larger resources.memory_mb",
+        )
+    return violation(
+        "sandbox_ended",
+        "timeout",
+        "the sandbox was killed or reached its timeout while the command ran; extend it "
+        "with set_timeout or create a new one",
+    )
+
+
 def explain_kernel_death(before: dict[str, int], after: dict[str, int]) -> dict[str, str] | None:
     """The violation behind a code context's interpreter dying mid-cell, if a limit did it."""
     if after.get("oom_kill", 0) > before.get("oom_kill", 0):
