@@ -146,3 +146,17 @@ def test_exit_status() -> None:
     assert quick.exit_status(-9, False) == 137
     assert quick.exit_status(None, False) == 1
     assert quick.exit_status(None, True) == quick.exit_status(0, True) == 124
+
+
+def test_the_sdks_defaults() -> None:
+    """The short path keeps its own copies of the SDK's defaults (importing them would import
+    the SDK); they must not drift."""
+    import inspect
+
+    from agentbox import config
+    from agentbox.sdk import protocol
+
+    assert quick.DEFAULT_API_URL == config.DEFAULT_API_URL
+    assert quick.STREAM_GRACE == protocol.STREAM_GRACE
+    default = inspect.signature(protocol.resolve_config).parameters["request_timeout"].default
+    assert quick.REQUEST_TIMEOUT == default

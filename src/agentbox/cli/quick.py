@@ -44,8 +44,11 @@ DROPPED = ("{} bytes of output were dropped before they were read (nobody follow
            "while the sandbox's output buffer overflowed: 4 MiB per command, 16 MiB per sandbox)")
 NOT_UTF8 = ("stdin is not UTF-8 text: its invalid bytes were replaced (copy binary files with "
             "`agentbox cp`)")
-# As the SDK's client: its request timeout, and the silence allowed on a command's stream
-# beyond the command's own timeout (protocol.STREAM_GRACE).
+# As the SDK's client: its server (config.DEFAULT_API_URL, which this module does not import:
+# pathlib), its request timeout, and the silence allowed on a command's stream beyond the
+# command's own timeout (protocol.STREAM_GRACE). tests/unit/test_cli_quick_parse.py holds them
+# equal.
+DEFAULT_API_URL = "http://127.0.0.1:8686"
 REQUEST_TIMEOUT = 60.0
 STREAM_GRACE = 30.0
 # Bounds on what is read of an answer's head: a server that sends more is not one to talk to.
@@ -173,7 +176,7 @@ class Server:
     @classmethod
     def resolve(cls, api_url: str | None, api_key: str | None) -> Server | None:
         """As the SDK's resolve_config, when the result is a URL this module can talk to."""
-        url = (api_url or os.environ.get("AGENTBOX_API_URL") or "http://127.0.0.1:8686").rstrip("/")
+        url = (api_url or os.environ.get("AGENTBOX_API_URL") or DEFAULT_API_URL).rstrip("/")
         key = api_key or os.environ.get("AGENTBOX_API_KEY")
         if not key:
             from agentbox.config import local_admin_key
