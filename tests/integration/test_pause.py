@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -211,6 +212,35 @@ def test_pause_without_memory(client: httpx.Client, server: ServerHandle) -> Non
     assert not list(server.data_dir.glob(f"sandboxes/{sid}"))
     actions = [e["action"] for e in c.get("/v1/audit", params={"sandbox_id": sid}).json()["events"]]
     assert actions.count("sandbox.pause") == 2 and actions.count("sandbox.resume") == 1
+
+
+def test_a_parked_disk_still_attached_is_neither_copied_nor_mounted(
+    client: httpx.Client, server: ServerHandle
+) -> None:
+    """A parked sandbox's image held by a loop device (a leftover, a reader): a snapshot of it
+    and a resume on it are refused, saying why, as a second mount of the image (or a copy
+    under a writer) would corrupt it; the sandbox stays parked, and resumes once it is let go."""
+    c = client
+    sid = create_sandbox(c, timeout=60)["sandbox_id"]
+    run(c, sid, "echo kept > /workspace/note")
+    c.post(f"/v1/sandboxes/{sid}/pause", json={"keep_memory": False}).raise_for_status()
+    image = server.data_dir / "sandboxes" / sid / "workspace.img"
+    attach = ["losetup", "--read-only", "--find", "--show", str(image)]
+    device = subprocess.run(attach, capture_output=True, text=True, check=True).stdout.strip()
+    try:
+        r = c.post(f"/v1/sandboxes/{sid}/snapshots", json={})
+        assert r.status_code == 503 and "still attached" in r.json()["message"], r.text
+        r = c.post(f"/v1/sandboxes/{sid}/resume")
+        assert r.status_code == 503 and "still attached" in r.json()["message"], r.text
+        assert c.get(f"/v1/sandboxes/{sid}").json()["state"] == "paused"
+    finally:
+        # (The failed resume's clean-up may have detached it already: it detaches what holds
+        # the image of a start cut short.)
+        subprocess.run(["losetup", "-d", device], capture_output=True)
+    r = c.post(f"/v1/sandboxes/{sid}/resume")
+    assert r.status_code == 200, r.text
+    assert run(c, sid, "cat /workspace/note").stdout == "kept\n"
+    assert c.delete(f"/v1/sandboxes/{sid}").status_code == 204
 
 
 def test_without_memory_through_a_restart(fresh_server: ServerHandle) -> None:

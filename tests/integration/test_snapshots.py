@@ -6,9 +6,12 @@ survives a restart; a sandbox started from one gets at least its disk; a fork is
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -60,6 +63,26 @@ def test_a_consistent_copy_while_it_writes(
         c.delete(f"/v1/sandboxes/{s}")
     assert c.delete(f"/v1/snapshots/{snap['snapshot_id']}").status_code == 204
     assert not image.parent.exists()
+
+
+def test_a_disk_whose_mount_the_host_lost_is_refused_not_copied_stale(
+    tenant: tuple[httpx.Client, str], server: ServerHandle
+) -> None:
+    """The server syncs the sandbox's filesystem onto its image before copying it, through its
+    mount on the host. Where that mount is gone from the server's mount namespace (the sandbox
+    still writes through its own), a sync of the path would sync the host's /run and say
+    nothing: the snapshot is refused instead, and the sandbox runs on."""
+    c, _ = tenant
+    sid = create_sandbox(c, timeout=60)["sandbox_id"]
+    state = json.loads((server.data_dir / "sandboxes" / sid / "runtime.json").read_text())
+    mnt = Path(state["socket"]).parent.parent / sid / "workspace"
+    assert os.path.ismount(mnt)
+    subprocess.run(["umount", "--lazy", str(mnt)], check=True)
+    r = c.post(f"/v1/sandboxes/{sid}/snapshots", json={})
+    assert r.status_code == 503 and "is not the mount of" in r.json()["message"], r.text
+    assert run(c, sid, "echo still > /workspace/f && cat /workspace/f").stdout == "still\n"
+    assert c.get("/v1/snapshots").json()["snapshots"] == []
+    assert c.delete(f"/v1/sandboxes/{sid}").status_code == 204
 
 
 def test_tenants_names_and_refusals(tenant: tuple[httpx.Client, str], server: ServerHandle) -> None:

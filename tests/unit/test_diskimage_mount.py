@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -122,24 +123,49 @@ def test_umount_clears_a_device_attached_by_losetup_which_does_not_clear_itself(
     assert diskimage.mounted_device(mnt) is None
 
 
+def _in_a_mount_namespace_of_its_own(code: str, *args: str) -> subprocess.Popen[str]:
+    """`code` run by a python in a private mount namespace of its own, its stdin and stdout
+    piped. What it mounts there, no other namespace copies: the battery runs beside the suite,
+    and a sandbox it starts on an OCI tier copies the host's mounts of the moment into its
+    launcher's namespace, which would hold such a filesystem (and its loop device) for that
+    sandbox's life."""
+    argv = ["unshare", "--mount", "--propagation", "private", sys.executable, "-c", code, *args]
+    return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+BUSY = """
+import os, sys
+from pathlib import Path
+from agentbox.runtimes import diskimage
+image, mnt = Path(sys.argv[1]), Path(sys.argv[2])
+diskimage.mount_image(image, mnt)
+held = os.open(mnt, os.O_RDONLY | os.O_DIRECTORY)  # keeps the filesystem busy
+print(diskimage.umount(mnt), diskimage.is_mount_point(mnt), flush=True)
+sys.stdin.readline()
+os.close(held)
+print("let go", flush=True)
+sys.stdin.readline()
+"""
+
+
 def test_a_busy_mount_is_detached_lazily_and_its_device_cleared_when_let_go(
     tmp_path: Path,
 ) -> None:
     image, mnt = _image(tmp_path / "busy.img", 16), tmp_path / "mnt"
     mnt.mkdir()
-    diskimage.mount_image(image, mnt)
-    held = os.open(mnt, os.O_RDONLY | os.O_DIRECTORY)  # keeps the filesystem busy
-    try:
-        assert diskimage.umount(mnt)
-        assert not diskimage.is_mount_point(mnt)
-        assert len(_loops_of(image)) == 1  # still in use through `held`
-    finally:
-        os.close(held)
-    for _ in range(100):
-        if not _loops_of(image):
-            break
-        time.sleep(0.02)
-    assert _cleared(image)
+    with _in_a_mount_namespace_of_its_own(BUSY, str(image), str(mnt)) as child:
+        assert child.stdin is not None and child.stdout is not None
+        # Unmounted (lazily: it is busy), and the device still in use through the open fd.
+        assert child.stdout.readline().split() == ["True", "False"]
+        assert len(_loops_of(image)) == 1
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "let go"
+        # Cleared by the kernel at the last close, while the namespace still exists.
+        assert _cleared(image)
+        child.stdin.write("\n")
+        child.stdin.flush()
+    assert child.returncode == 0
 
 
 def test_mount_points_are_found_by_statx_bind_mounts_of_the_same_filesystem_too(
@@ -172,3 +198,36 @@ def test_mount_points_are_found_by_statx_bind_mounts_of_the_same_filesystem_too(
         assert diskimage.umount(ns_file) and not diskimage.is_mount_point(ns_file)
         assert diskimage.umount(image_mnt)
     assert diskimage.mounts_at(top) == []
+
+
+def test_an_attached_image_is_refused_until_let_go_and_a_mount_is_checked_for_its_image(
+    tmp_path: Path,
+) -> None:
+    """The guards before a copy or a second mount of an image: `check_detached` refuses while
+    any loop device holds it (waiting a moment for one that clears itself), and
+    `check_mounted_from` accepts only the image's own mount, not a directory or another's."""
+    image, other = _image(tmp_path / "a.img", 16), _image(tmp_path / "b.img", 16)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    diskimage.check_detached(image, "copy", wait=0)  # nothing holds it
+    with pytest.raises(diskimage.ImageError, match="is not the mount of a.img"):
+        diskimage.check_mounted_from(mnt, image)  # a plain directory
+    device = diskimage.attach_loop(image)
+    try:
+        assert diskimage.loops_of(image) == [device.removeprefix("/dev/")]
+        assert diskimage.backing_file(device.removeprefix("/dev/")) == os.path.realpath(image)
+        started = time.monotonic()
+        with pytest.raises(diskimage.ImageError, match="copy: .* attached to loop"):
+            diskimage.check_detached(image, "copy", wait=0.3)
+        assert time.monotonic() - started >= 0.3
+        subprocess.run(["mount", "-o", "ro", device, str(mnt)], check=True)
+        try:
+            diskimage.check_mounted_from(mnt, image)
+            with pytest.raises(diskimage.ImageError, match="is not the mount of b.img"):
+                diskimage.check_mounted_from(mnt, other)
+        finally:
+            subprocess.run(["umount", str(mnt)], check=True)
+    finally:
+        subprocess.run(["losetup", "-d", device], check=True)
+    diskimage.check_detached(image, "copy")
+    assert diskimage.loops_of(image) == []

@@ -188,17 +188,60 @@ def attach_loop(image: Path) -> str:
     raise ImageError(f"losetup failed: {proc.stderr.strip() or proc.stdout.strip()}")
 
 
-def detach_loops(image: Path) -> None:
-    """Detach loop devices still backed by `image` (a create cut short between attaching the
-    device and mounting it: devices attached by losetup do not clear themselves)."""
+def loops_of(image: Path) -> list[str]:
+    """The loop devices (`loop7`) backed by `image`: attached, so maybe mounted somewhere, in
+    any mount namespace (reads every loop device's backing file)."""
     target = os.path.realpath(image)
+    found = []
     for f in Path("/sys/block").glob("loop*/loop/backing_file"):
         try:
             backing = f.read_text().strip().removesuffix(" (deleted)")
         except OSError:
             continue
         if backing == target:
-            subprocess.run(["losetup", "-d", f"/dev/{f.parent.parent.name}"], capture_output=True)
+            found.append(f.parent.parent.name)
+    return found
+
+
+def backing_file(device: str) -> str | None:
+    """The file a loop device (`loop7`) is bound to, if it is bound."""
+    try:
+        with open(f"/sys/block/{device}/loop/backing_file") as f:
+            return f.read().strip().removesuffix(" (deleted)")
+    except OSError:
+        return None
+
+
+def check_detached(image: Path, what: str, wait: float = 2.0) -> None:
+    """Raise unless no loop device holds `image`: one that does may be mounted (in another
+    mount namespace too) and written, and a second mount of an ext4 image, or a copy taken
+    under a writer, corrupts or tears it. A device that clears itself goes at the last close
+    of its filesystem, which may be a killed process's exit a moment later: waited for, up to
+    `wait` seconds. `what`: the operation refused, for the message."""
+    deadline = time.monotonic() + wait
+    while (held := loops_of(image)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if held:
+        raise ImageError(
+            f"{what}: the disk image {image.name} is still attached to {', '.join(held)} "
+            "(in use by a sandbox that has not ended, or by a reader)"
+        )
+
+
+def check_mounted_from(mnt: Path, image: Path) -> None:
+    """Raise unless `mnt` is a mount of `image` through its loop device: a path that is not
+    (the mount gone, or never made in this mount namespace) names a directory of the host,
+    where syncfs or statvfs succeed and say nothing of the image."""
+    device = mounted_device(mnt)
+    if device is None or backing_file(device) != os.path.realpath(image):
+        raise ImageError(f"{mnt} is not the mount of {image.name}")
+
+
+def detach_loops(image: Path) -> None:
+    """Detach loop devices still backed by `image` (a create cut short between attaching the
+    device and mounting it: devices attached by losetup do not clear themselves)."""
+    for name in loops_of(image):
+        subprocess.run(["losetup", "-d", f"/dev/{name}"], capture_output=True)
 
 
 def detach_orphan_loops(root: Path) -> None:

@@ -756,10 +756,16 @@ class ProcessRuntime(Runtime):
                 "the disk image was taken under another uid layout (a server with and one "
                 "without user namespaces); start from a snapshot taken on this one"
             )
-        with contextlib.suppress(OSError):
-            if source.image.stat().st_size > 0:
-                return
-        raise RuntimeError_(f"the disk image {source.image.name} is gone or empty")
+        try:
+            size = source.image.stat().st_size
+        except OSError:
+            size = 0
+        if size == 0:
+            raise RuntimeError_(f"the disk image {source.image.name} is gone or empty")
+        try:
+            diskimage.check_detached(source.image, "a sandbox cannot start from it")
+        except diskimage.ImageError as e:
+            raise RuntimeError_(str(e)) from None
 
     # ------------------------------------------------------------------ snapshots
 
@@ -774,13 +780,20 @@ class ProcessRuntime(Runtime):
             )
         if state.get("parked"):  # nothing runs, nothing is mounted: the image as it is
             try:
+                diskimage.check_detached(image, f"no copy of sandbox {sid}'s disk")
                 diskimage.clone_image(image, dest)
-            except OSError as e:
+            except (OSError, diskimage.ImageError) as e:
                 raise RuntimeError_(f"cannot copy the disk of sandbox {sid}: {e}") from None
             return DiskSource(image=dest, uid=int(state["uid"]), span=int(state["span"]))
         bind_dir = self.bind_root / sid
         disk = bind_dir / rootfs.DISK
         mnt = disk if os.path.ismount(disk) else bind_dir / workspace.MOUNT_NAME
+        try:
+            # syncfs of a path that is not the image's mount would sync some other filesystem
+            # and say nothing: the copy would silently miss what the sandbox last wrote.
+            diskimage.check_mounted_from(mnt, image)
+        except diskimage.ImageError as e:
+            raise RuntimeError_(f"cannot copy the disk of sandbox {sid}: {e}") from None
         was_frozen = self.cgroups.is_frozen(sid)
         try:
             if not was_frozen:
@@ -1102,8 +1115,14 @@ class ProcessRuntime(Runtime):
             # Its own filesystem (not a directory of the host's): the disk, which holds the
             # root's upper layer beside /workspace (`workspace` is then a symlink into it), or
             # for a host-userland sandbox the workspace itself.
-            mount = next((m for m in (bind_dir / rootfs.DISK, bind_dir / workspace.MOUNT_NAME)
-                          if os.path.ismount(m)), None)
+            mount = next(
+                (
+                    m
+                    for m in (bind_dir / rootfs.DISK, bind_dir / workspace.MOUNT_NAME)
+                    if os.path.ismount(m)
+                ),
+                None,
+            )
             if mount is not None:
                 fs = os.statvfs(mount)
                 out["disk_bytes"] = float((fs.f_blocks - fs.f_bfree) * fs.f_frsize)

@@ -35,7 +35,6 @@ def _option(res: int) -> str:
     return "--" + RLIMIT_NAMES[res].removeprefix("RLIMIT_").lower()
 
 
-
 def missing() -> str | None:
     """Why sandboxes cannot be started this way here, or None."""
     absent = [t for t in TOOLS if shutil.which(t) is None]
