@@ -126,7 +126,7 @@ def test_umount_clears_a_device_attached_by_losetup_which_does_not_clear_itself(
 def _in_a_mount_namespace_of_its_own(code: str, *args: str) -> subprocess.Popen[str]:
     """`code` run by a python in a private mount namespace of its own, its stdin and stdout
     piped. What it mounts there, no other namespace copies: the battery runs beside the suite,
-    and a sandbox it starts on an OCI tier copies the host's mounts of the moment into its
+    and a sandbox it starts on the gVisor tier copies the host's mounts of the moment into its
     launcher's namespace, which would hold such a filesystem (and its loop device) for that
     sandbox's life."""
     argv = ["unshare", "--mount", "--propagation", "private", sys.executable, "-c", code, *args]
