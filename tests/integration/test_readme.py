@@ -14,11 +14,13 @@ run's cached layers and downloads (copied in as hard links), so the build takes 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -151,6 +153,8 @@ def readme(tmp_path_factory: pytest.TempPathFactory, code_template: Path) -> Ite
         (workdir / ".venv").symlink_to(REPO / ".venv")
         yield Readme(env["AGENTBOX_API_URL"], data_dir, env, output, workdir)
     finally:
+        with contextlib.suppress(Exception):  # the teardown goes on whatever this says
+            _end_live_sandboxes(env["AGENTBOX_API_URL"], data_dir)
         os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(30)
@@ -159,6 +163,26 @@ def readme(tmp_path_factory: pytest.TempPathFactory, code_template: Path) -> Ite
             proc.wait()
         if literal:
             shutil.rmtree(DEFAULT_DATA_DIR, ignore_errors=True)
+
+
+def _end_live_sandboxes(url: str, data_dir: Path) -> None:
+    """End whatever the examples left running, every tenant's, before the server stops (a
+    stopped server leaves live sandboxes running for its next start, which never comes here,
+    and the data dir is then removed): the MCP example's sandbox, ended by its session's close
+    through the server's own API, was seen still running as SIGTERM closed that API."""
+    admin = {"X-API-Key": (data_dir / "admin.key").read_text().strip()}
+    db_url = f"file:{data_dir / 'agentbox.db'}?mode=ro"
+    with contextlib.closing(sqlite3.connect(db_url, uri=True)) as db:
+        tenants = [t for (t,) in db.execute("SELECT DISTINCT tenant FROM sandboxes")]
+    with httpx.Client(base_url=url, timeout=60) as c:
+        for tenant in tenants:
+            r = c.post("/v1/keys", json={"tenant": tenant}, headers=admin)
+            if r.status_code != 201:
+                continue  # the server's own (`~check`: a template's check, which ends itself)
+            key = {"X-API-Key": r.json()["key"]}
+            live = c.get("/v1/sandboxes", params={"state": "live", "limit": 200}, headers=key)
+            for s in live.json()["sandboxes"]:
+                c.delete(f"/v1/sandboxes/{s['sandbox_id']}", headers=key)
 
 
 def test_the_server_makes_a_private_data_dir_and_an_admin_key(readme: Readme) -> None:
