@@ -4,10 +4,14 @@ fails leaves no device behind."""
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 import subprocess
 import sys
 import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -15,6 +19,40 @@ import pytest
 from agentbox.runtimes import diskimage
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounts: needs root")
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+CLONE_NEWNS, MS_REC, MS_PRIVATE = 0x00020000, 0x4000, 0x40000
+
+
+def private_mounts(test: Callable[..., None]) -> Callable[..., None]:
+    """Run the test in a forked child, in a private mount namespace of its own: what it mounts
+    no other process sees or copies. The battery runs beside the suite: it reads the host's
+    mount table for mounts a sandbox should not have made (a test's mount of the moment is one
+    to it), and a sandbox it starts on the gVisor tier copies the host's mounts into its
+    launcher's namespace, which holds them (and their loop devices) for that sandbox's life."""
+
+    @functools.wraps(test)
+    def run(*args: object, **kwargs: object) -> None:
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                if _libc.unshare(CLONE_NEWNS) != 0 or (
+                    _libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) != 0
+                ):
+                    raise OSError(ctypes.get_errno(), "no private mount namespace")
+                test(*args, **kwargs)
+                code = 0
+            except BaseException:  # noqa: BLE001 - said, and the exit status fails the test
+                traceback.print_exc()
+            finally:
+                sys.stderr.flush()
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, "failed in its child: see its stderr"
+
+    return run
 
 
 def _image(path: Path, mb: int = 64) -> Path:
@@ -54,6 +92,7 @@ def _mount_options(mnt: Path) -> set[str]:
 
 
 @pytest.mark.parametrize("where", ["/var/tmp", "/dev/shm"])  # ext4 host; tmpfs (no O_DIRECT)
+@private_mounts
 def test_an_image_mounts_hardened_and_its_device_goes_with_the_mount(
     tmp_path: Path, where: str
 ) -> None:
@@ -78,6 +117,7 @@ def test_an_image_mounts_hardened_and_its_device_goes_with_the_mount(
         subprocess.run(["rm", "-rf", str(d)], check=True)
 
 
+@private_mounts
 def test_a_mount_that_fails_leaves_no_loop_device(tmp_path: Path) -> None:
     image, mnt = tmp_path / "junk.img", tmp_path / "mnt"
     image.write_bytes(b"not a filesystem" * 65536)
@@ -88,6 +128,7 @@ def test_a_mount_that_fails_leaves_no_loop_device(tmp_path: Path) -> None:
     assert _cleared(image)
 
 
+@private_mounts
 def test_concurrent_mounts_each_get_a_device_of_their_own(tmp_path: Path) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
@@ -107,6 +148,7 @@ def test_concurrent_mounts_each_get_a_device_of_their_own(tmp_path: Path) -> Non
     assert all(_cleared(image) for image, _ in pairs)
 
 
+@private_mounts
 def test_umount_clears_a_device_attached_by_losetup_which_does_not_clear_itself(
     tmp_path: Path,
 ) -> None:
@@ -168,6 +210,7 @@ def test_a_busy_mount_is_detached_lazily_and_its_device_cleared_when_let_go(
     assert child.returncode == 0
 
 
+@private_mounts
 def test_mount_points_are_found_by_statx_bind_mounts_of_the_same_filesystem_too(
     tmp_path: Path,
 ) -> None:
@@ -200,6 +243,7 @@ def test_mount_points_are_found_by_statx_bind_mounts_of_the_same_filesystem_too(
     assert diskimage.mounts_at(top) == []
 
 
+@private_mounts
 def test_an_attached_image_is_refused_until_let_go_and_a_mount_is_checked_for_its_image(
     tmp_path: Path,
 ) -> None:
