@@ -165,49 +165,21 @@ def test_umount_clears_a_device_attached_by_losetup_which_does_not_clear_itself(
     assert diskimage.mounted_device(mnt) is None
 
 
-def _in_a_mount_namespace_of_its_own(code: str, *args: str) -> subprocess.Popen[str]:
-    """`code` run by a python in a private mount namespace of its own, its stdin and stdout
-    piped. What it mounts there, no other namespace copies: the battery runs beside the suite,
-    and a sandbox it starts on the gVisor tier copies the host's mounts of the moment into its
-    launcher's namespace, which would hold such a filesystem (and its loop device) for that
-    sandbox's life."""
-    argv = ["unshare", "--mount", "--propagation", "private", sys.executable, "-c", code, *args]
-    return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-
-
-BUSY = """
-import os, sys
-from pathlib import Path
-from agentbox.runtimes import diskimage
-image, mnt = Path(sys.argv[1]), Path(sys.argv[2])
-diskimage.mount_image(image, mnt)
-held = os.open(mnt, os.O_RDONLY | os.O_DIRECTORY)  # keeps the filesystem busy
-print(diskimage.umount(mnt), diskimage.is_mount_point(mnt), flush=True)
-sys.stdin.readline()
-os.close(held)
-print("let go", flush=True)
-sys.stdin.readline()
-"""
-
-
+@private_mounts
 def test_a_busy_mount_is_detached_lazily_and_its_device_cleared_when_let_go(
     tmp_path: Path,
 ) -> None:
     image, mnt = _image(tmp_path / "busy.img", 16), tmp_path / "mnt"
     mnt.mkdir()
-    with _in_a_mount_namespace_of_its_own(BUSY, str(image), str(mnt)) as child:
-        assert child.stdin is not None and child.stdout is not None
-        # Unmounted (lazily: it is busy), and the device still in use through the open fd.
-        assert child.stdout.readline().split() == ["True", "False"]
-        assert len(_loops_of(image)) == 1
-        child.stdin.write("\n")
-        child.stdin.flush()
-        assert child.stdout.readline().strip() == "let go"
-        # Cleared by the kernel at the last close, while the namespace still exists.
-        assert _cleared(image)
-        child.stdin.write("\n")
-        child.stdin.flush()
-    assert child.returncode == 0
+    diskimage.mount_image(image, mnt)
+    held = os.open(mnt, os.O_RDONLY | os.O_DIRECTORY)  # keeps the filesystem busy
+    try:
+        assert diskimage.umount(mnt)
+        assert not diskimage.is_mount_point(mnt)
+        assert len(_loops_of(image)) == 1  # still in use through `held`
+    finally:
+        os.close(held)
+    assert _cleared(image)  # by the kernel at the last close
 
 
 @private_mounts

@@ -192,15 +192,8 @@ def loops_of(image: Path) -> list[str]:
     """The loop devices (`loop7`) backed by `image`: attached, so maybe mounted somewhere, in
     any mount namespace (reads every loop device's backing file)."""
     target = os.path.realpath(image)
-    found = []
-    for f in Path("/sys/block").glob("loop*/loop/backing_file"):
-        try:
-            backing = f.read_text().strip().removesuffix(" (deleted)")
-        except OSError:
-            continue
-        if backing == target:
-            found.append(f.parent.parent.name)
-    return found
+    names = (f.parent.parent.name for f in Path("/sys/block").glob("loop*/loop/backing_file"))
+    return [name for name in names if backing_file(name) == target]
 
 
 def backing_file(device: str) -> str | None:

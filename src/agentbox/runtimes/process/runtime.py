@@ -762,7 +762,9 @@ class ProcessRuntime(Runtime):
             size = 0
         if size == 0:
             raise RuntimeError_(f"the disk image {source.image.name} is gone or empty")
-        try:
+        if not source.consume:
+            return  # a snapshot's image, only ever copied from
+        try:  # a parked disk, mounted again in place: never while something still holds it
             diskimage.check_detached(source.image, "a sandbox cannot start from it")
         except diskimage.ImageError as e:
             raise RuntimeError_(str(e)) from None
