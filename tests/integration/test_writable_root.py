@@ -205,3 +205,34 @@ def test_disk_use_counts_at_once(client: httpx.Client) -> None:
         r = client.get(f"/v1/sandboxes/{sid}/metrics", params={"start": written})
         assert r.status_code == 200, r.text
         used = max([m["disk_used"] for m in r.json()["metrics"]], default=0)
+
+
+def test_a_sandbox_starts_from_a_namespace_without_the_others_mounts(
+    rooty: tuple[ServerHandle, Path], client: httpx.Client
+) -> None:
+    """bwrap copies the mount namespace it starts in (the cost that grows with every live
+    sandbox's mounts, issue 19): a sandbox's outer bwrap runs in a namespace of its own that
+    holds its own disk and root but not another sandbox's, while the server's namespace keeps
+    both (destroy, snapshots and usage work there)."""
+    server, _ = rooty
+    first = create_sandbox(client, template="rooty")["sandbox_id"]
+    second = create_sandbox(client, template="rooty")["sandbox_id"]
+    try:
+        bind_root = Path(_state(server, second)["socket"]).parent.parent
+        assert server.proc is not None
+        outer = _state(server, second)["bwrap_pid"]
+        own_ns = os.readlink(f"/proc/{outer}/ns/mnt")
+        assert own_ns != os.readlink(f"/proc/{server.proc.pid}/ns/mnt")
+        assert own_ns != os.readlink(f"/proc/{_state(server, first)['bwrap_pid']}/ns/mnt")
+        with open(f"/proc/{outer}/mountinfo") as f:
+            seen = [ln.split()[4] for ln in f]
+        assert f"{bind_root}/{second}/disk" in seen and f"{bind_root}/{second}/root" in seen
+        assert not [p for p in seen if p.startswith(f"{bind_root}/{first}")], seen
+        assert len(seen) < len(Path(f"/proc/{server.proc.pid}/mountinfo").read_text().splitlines())
+        # The server's namespace has both, and the sandboxes work.
+        assert _mounts_under(bind_root / first) and _mounts_under(bind_root / second)
+        assert run(client, second, "echo hi > /workspace/x && cat /workspace/x").stdout == "hi\n"
+    finally:
+        for sid in (first, second):
+            client.delete(f"/v1/sandboxes/{sid}")
+    assert _mounts_under(bind_root / first) == [] and _mounts_under(bind_root / second) == []

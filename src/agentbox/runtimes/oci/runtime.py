@@ -152,6 +152,9 @@ class OciRuntime(ProcessRuntime):
     def capabilities(self) -> dict[str, Any]:
         return {**super().capabilities(), "oci_runtime": self.binary, "version": self.version}
 
+    def _starts_clean(self) -> bool:
+        return False  # not yet: runc and runsc start from the server's mount namespace
+
     def _version(self) -> str:
         try:
             argv = [self.binary, "--version"]

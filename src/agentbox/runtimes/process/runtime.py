@@ -56,7 +56,7 @@ from agentbox.runtimes.base import (
     SandboxSpec,
     home_mount_point,
 )
-from agentbox.runtimes.process import hostview, rootfs, startctx, userns, workspace
+from agentbox.runtimes.process import hostview, mountns, rootfs, startctx, userns, workspace
 from agentbox.runtimes.process.cgroups import GROUP, CgroupError, CgroupLimits, Cgroups
 from agentbox.runtimes.process.netns import NamespaceSockets, NetnsError
 from agentbox.runtimes.process.seccomp import build_filter
@@ -187,10 +187,14 @@ class ProcessRuntime(Runtime):
         data_dir: Path,
         use_loop: bool | None = None,
         host_paths: Iterable[str] = (),
+        clean_mount_ns: bool = True,
     ) -> None:
         """`host_paths`: host paths the operator lets sandboxes of the host userland see
         read-only (`agentbox serve --host-path`): below /etc copied into the generated /etc,
-        elsewhere bound at the same place (/usr/local shows only when listed)."""
+        elsewhere bound at the same place (/usr/local shows only when listed).
+        `clean_mount_ns`: start sandboxes from a mount namespace without the other
+        sandboxes' mounts where the host allows (mountns.py); False starts them from the
+        server's."""
         self._require_tools()
         if not Path(SANDBOX_PYTHON).exists():
             raise RuntimeError_(f"{SANDBOX_PYTHON} is missing: apt-get install python3")
@@ -242,6 +246,12 @@ class ProcessRuntime(Runtime):
         self.children: dict[str, subprocess.Popen] = {}
         self.uids = UidLeases(owner=self.layout.lease_owner)
         self.netns = NamespaceSockets()
+        # Sandboxes start from a mount namespace without the other sandboxes' mounts.
+        self.clean_ns = (
+            mountns.CleanNamespace.try_make(mountns.agentbox_mount(RUN_ROOT))
+            if clean_mount_ns and self._starts_clean()
+            else None
+        )
 
     # ------------------------------------------------------------------ setup
 
@@ -256,6 +266,11 @@ class ProcessRuntime(Runtime):
         if shutil.which("bwrap") is None:
             return "bubblewrap (bwrap) is not installed: apt-get install bubblewrap"
         return startctx.missing()
+
+    def _starts_clean(self) -> bool:
+        """Whether `_spawn` may start sandboxes from a clean mount namespace (root only: the
+        sandboxes' mounts are the server's own)."""
+        return self.is_root and self.bind_root != self.root
 
     def _mounts_shared_trees(self) -> bool:
         """Whether the trees every sandbox shares get tmpfs mounts of their own (root only)."""
@@ -880,6 +895,7 @@ class ProcessRuntime(Runtime):
         fds |= self._extra_fds()
         if ns >= 0:
             fds["userns"] = ns
+        tree = None
         if spec.rootfs and not self._writable_root(spec):
             tree = self._reachable_template(spec.rootfs)
             fds["rootfs"] = os.open(tree, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW)
@@ -895,9 +911,15 @@ class ProcessRuntime(Runtime):
         # preexec_fn, so the server is not forked (startctx.py).
         argv = [*startctx.argv(join_files, limits, drop_to), *argv]
         log = open(sdir / "runtime.log", "ab")
-        try:
+
+        def start() -> subprocess.Popen:
+            if self.clean_ns is not None and tree is not None:
+                # bwrap binds only a tree of its own namespace: the same path opened there.
+                again = os.open(tree, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW)
+                os.dup2(again, fds["rootfs"])
+                os.close(again)
             with startctx.pinned(pin):
-                proc = subprocess.Popen(
+                return subprocess.Popen(
                     argv,
                     stdin=subprocess.DEVNULL,
                     stdout=log,
@@ -908,6 +930,12 @@ class ProcessRuntime(Runtime):
                     env=env,
                     cwd=str(ws),
                 )
+
+        try:
+            if self.clean_ns is None:
+                proc = start()
+            else:
+                proc = self.clean_ns.start(self._own_trees(spec, tree), start)
         finally:
             log.close()
             for name, fd in fds.items():
@@ -928,6 +956,17 @@ class ProcessRuntime(Runtime):
             "init_start": proc_start_time(init_pid),
             "socket": str(sock_path),
         }
+
+    def _own_trees(self, spec: SandboxSpec, template: str | None) -> list[Path]:
+        """What a sandbox started from the clean mount namespace needs of the server's: its
+        own directory (disk, root, volumes), the shared trees and its template's bind."""
+        trees = [self.bind_root / spec.sandbox_id]
+        for tree in (self.agent_dir, self.etc_dir):
+            if tree is not None and diskimage.is_mount_point(tree):
+                trees.append(tree)
+        if template is not None and Path(template).is_relative_to(self.bind_root):
+            trees.append(Path(template))
+        return trees
 
     def _proc_files(self, spec: SandboxSpec, cpus: list[int]) -> dict[str, bytes]:
         """/proc files with the sandbox's own figures, bound over the host's (hostview.py)."""
@@ -1238,6 +1277,8 @@ class ProcessRuntime(Runtime):
         """On server stop, drop this data dir's host scaffolding if no sandbox still uses it
         (live sandboxes keep theirs: a restarted server re-adopts them)."""
         self.netns.shutdown()
+        if self.clean_ns is not None:
+            self.clean_ns.close()
         self._drop_kept_mounts()
         self._drop_template_binds()
         if self.use_loop:

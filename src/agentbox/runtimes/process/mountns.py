@@ -1,0 +1,227 @@
+"""Sandboxes started from a mount namespace that holds none of the other sandboxes' mounts.
+
+bwrap makes a sandbox's mount namespace as a copy of the one it starts in and then drops the
+copy's old tree: both walk every mount there. Started from the server's namespace, which holds
+every live sandbox's disk and root overlay, a create beside 2,000 idle sandboxes took 6-8x its
+time beside 10 (BENCHMARKS.md, issue 19; docs/design/mount-namespaces.md).
+
+So the runtime makes one *clean* namespace when it starts: a private copy of the host's from
+which every mount of agentbox's (below `/run/agentbox`), of a loop device (any data dir's
+disks, volumes and kept workspaces) and every overlay is detached. Each sandbox is then started
+from a fresh copy of it (`CleanNamespace.start`), into which clones of that sandbox's own trees
+are moved at the same paths. The clones are taken in the server's namespace, where the mounts
+stay: destroy, snapshots, usage and restarts reach them there as before. The copy lives as long
+as the outer bwrap that starts in it, and holds nothing but the sandbox's own mounts and the
+host's of the moment the runtime started.
+
+The cost of that: a host mount present when the runtime started (an administrator's disk, an
+NFS export) stays referenced by the clean namespace, and by the sandboxes started since, after
+the host unmounts it, until the server stops (resp. the sandbox ends). Mounts the host makes
+later never reach a sandbox.
+
+Every call that changes a namespace runs in a short-lived thread of its own (`unshare` and
+`setns` change the calling thread only; a pool thread must never carry them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
+
+CLONE_FS = 0x200
+CLONE_NEWNS = 0x20000
+MS_REC = 0x4000
+MS_PRIVATE = 0x40000
+MNT_DETACH = 2
+OPEN_TREE_CLONE = 1
+AT_RECURSIVE = 0x8000
+AT_FDCWD = -100
+MOVE_MOUNT_F_EMPTY_PATH = 4
+# Numbered alike on every architecture (the syscall table shared since 5.1).
+SYS_OPEN_TREE = 428
+SYS_MOVE_MOUNT = 429
+LOOP_MAJOR = 7
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+log = logging.getLogger(__name__)
+
+
+class MountNsError(OSError):
+    pass
+
+
+def _check(ret: int, what: str) -> int:
+    if ret < 0:
+        err = ctypes.get_errno()
+        raise MountNsError(err, f"{what}: {os.strerror(err)}")
+    return ret
+
+
+@dataclass(frozen=True)
+class Mount:
+    """One line of mountinfo, the fields the clean namespace is made by."""
+
+    point: str
+    major: int
+    fstype: str
+
+    @classmethod
+    def parse(cls, line: str) -> Mount:
+        fields = line.split()
+        sep = fields.index("-", 6)
+        major = int(fields[2].split(":")[0])
+        return cls(point=unescape(fields[4]), major=major, fstype=fields[sep + 1])
+
+
+def unescape(field: str) -> str:
+    """A mountinfo path: space, tab, newline and backslash are written as octal escapes."""
+    if "\\" not in field:
+        return field
+    out, i = [], 0
+    while i < len(field):
+        if field[i] == "\\" and field[i + 1 : i + 4].isdigit() and i + 4 <= len(field):
+            out.append(chr(int(field[i + 1 : i + 4], 8)))
+            i += 4
+        else:
+            out.append(field[i])
+            i += 1
+    return "".join(out)
+
+
+def agentbox_mount(run_root: Path) -> Callable[[Mount], bool]:
+    """Which mounts a clean namespace drops: below `run_root` (every data dir's sandboxes,
+    shared trees, template binds), of a loop device (disks, volumes, kept workspaces of any
+    data dir), overlays (a sandbox's root); never `/` or a mount `run_root` lies in (a host
+    whose root is an overlay, a container's)."""
+    prefix = str(run_root).rstrip("/") + "/"
+
+    def dropped(m: Mount) -> bool:
+        if prefix.startswith(m.point.rstrip("/") + "/"):
+            return False
+        return m.point.startswith(prefix) or m.major == LOOP_MAJOR or m.fstype == "overlay"
+
+    return dropped
+
+
+def _in_thread(fn: Callable[[], T]) -> T:
+    """`fn()` in a new thread that ends with it (taking whatever namespace `fn` entered)."""
+    box: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # re-raised in the caller
+            box["error"] = e
+
+    t = threading.Thread(target=run, name="agentbox-mountns")
+    t.start()
+    t.join()
+    if "error" in box:
+        raise box["error"]  # type: ignore[misc]
+    return box["value"]  # type: ignore[return-value]
+
+
+def _private_copy() -> None:
+    """Move the calling thread into a new mount namespace of its own, private throughout."""
+    _check(_libc.unshare(CLONE_FS | CLONE_NEWNS), "unshare a mount namespace")
+    _check(_libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None), "make / private")
+
+
+def _own_mounts() -> list[Mount]:
+    with open(f"/proc/self/task/{threading.get_native_id()}/mountinfo") as f:
+        return [Mount.parse(line) for line in f]
+
+
+class CleanNamespace:
+    """A mount namespace without agentbox's mounts, held by a descriptor, to start sandboxes
+    from (see the module's text)."""
+
+    def __init__(self, fd: int, mounts: int) -> None:
+        self.fd = fd
+        self.mounts = mounts  # how many it holds (a new sandbox's copy starts with these)
+        self._lock = threading.Lock()
+
+    @classmethod
+    def make(cls, dropped: Callable[[Mount], bool]) -> CleanNamespace:
+        def build() -> CleanNamespace:
+            _private_copy()
+            doomed = [m.point for m in _own_mounts() if dropped(m)]
+            # The deepest first; one that went with its parent is gone already.
+            for point in sorted(doomed, key=lambda p: p.count("/"), reverse=True):
+                _libc.umount2(os.fsencode(point), MNT_DETACH)
+            left = [m for m in _own_mounts() if dropped(m)]
+            if left:
+                raise MountNsError(0, f"could not detach {left[0].point} from a clean namespace")
+            me = f"/proc/self/task/{threading.get_native_id()}/ns/mnt"
+            return cls(os.open(me, os.O_RDONLY | os.O_CLOEXEC), len(_own_mounts()))
+
+        return _in_thread(build)
+
+    @classmethod
+    def try_make(cls, dropped: Callable[[Mount], bool]) -> CleanNamespace | None:
+        """The clean namespace, or None (logged) where this host cannot make or use one."""
+        try:
+            ns = cls.make(dropped)
+            ns.start((), lambda: None)  # open_tree and move_mount are there (Linux 5.2)
+            return ns
+        except OSError as e:
+            log.warning("sandboxes start from the server's mount namespace: %s", e)
+            return None
+
+    def start(self, trees: Sequence[Path], fn: Callable[[], T]) -> T:
+        """`fn()` in a new thread in a fresh copy of the clean namespace that has each of
+        `trees` (a directory with the mounts below it, or a mount) at its own path, as the
+        server's namespace has them. What `fn` starts stays in that copy, and holds it."""
+
+        def run() -> T:
+            clones = []
+            try:
+                for path in trees:  # taken in the server's namespace (the thread's, still)
+                    flags = OPEN_TREE_CLONE | AT_RECURSIVE | os.O_CLOEXEC
+                    fd = _libc.syscall(SYS_OPEN_TREE, AT_FDCWD, os.fsencode(path), flags)
+                    clones.append((_check(fd, f"clone {path}"), path))
+                _check(_libc.unshare(CLONE_FS), "unshare the thread's filesystem context")
+                with self._lock:  # the descriptor is shared with close()
+                    if self.fd < 0:
+                        raise MountNsError(0, "the clean mount namespace is closed")
+                    _check(_libc.setns(self.fd, CLONE_NEWNS), "enter the clean namespace")
+                _check(_libc.unshare(CLONE_NEWNS), "copy the clean namespace")
+                for fd, path in clones:
+                    ret = _libc.syscall(
+                        SYS_MOVE_MOUNT,
+                        fd,
+                        b"",
+                        AT_FDCWD,
+                        os.fsencode(path),
+                        MOVE_MOUNT_F_EMPTY_PATH,
+                    )
+                    _check(ret, f"attach {path} in the sandbox's namespace")
+            finally:
+                for fd, _ in clones:
+                    os.close(fd)
+            return fn()
+
+        return _in_thread(run)
+
+    def close(self) -> None:
+        with self._lock:
+            if self.fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(self.fd)
+                self.fd = -1
+
+
+def mount_count(pid: int | str = "self") -> int:
+    """How many mounts the mount namespace of `pid` holds."""
+    with open(f"/proc/{pid}/mountinfo", "rb") as f:
+        return sum(1 for _ in f)
