@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
@@ -26,10 +25,7 @@ def _points(pid: int | str = "self") -> list[str]:
 
 
 def test_mountinfo_lines_are_read_with_their_escapes() -> None:
-    line = (
-        "36 35 7:3 / /run/agentbox/x/sbx_a/my\\040disk rw,relatime shared:1 - ext4 "
-        "/dev/loop3 rw"
-    )
+    line = "36 35 7:3 / /run/agentbox/x/sbx_a/my\\040disk rw,relatime shared:1 - ext4 /dev/loop3 rw"
     assert Mount.parse(line) == Mount("/run/agentbox/x/sbx_a/my disk", 7, "ext4")
     assert mountns.unescape("a\\011b\\134c\\012") == "a\tb\\c\n"
     assert mountns.unescape("trailing\\04") == "trailing\\04"  # not an escape: left alone
@@ -54,73 +50,75 @@ def test_what_a_clean_namespace_drops() -> None:
 
 @needs_root
 @private_mounts
-def test_a_sandbox_gets_its_own_trees_and_no_one_elses() -> None:
-    with tempfile.TemporaryDirectory(dir="/var/tmp") as tmp:
-        base = Path(tmp)
-        run_root, host = base / "run", base / "host"
-        mine, other, later = (run_root / "x" / n for n in ("sbx_mine", "sbx_other", "sbx_later"))
-        for d in (host, mine / "disk", other / "disk", later / "disk"):
-            d.mkdir(parents=True)
-        diskimage.mount_image(_image(base / "other.img", 16), other / "disk")
-        volume = _image(base / "volume.img", 16)  # another data dir's volume, mounted on the host
-        (base / "vol").mkdir()
-        diskimage.mount_image(volume, base / "vol")
-        subprocess.run(["mount", "-t", "tmpfs", "host", str(host)], check=True)
+def test_a_sandbox_gets_its_own_trees_and_no_one_elses(tmp_path: Path) -> None:
+    base = tmp_path
+    run_root, host = base / "run", base / "host"
+    mine, other, later = (run_root / "x" / n for n in ("sbx_mine", "sbx_other", "sbx_later"))
+    for d in (host, mine / "disk", other / "disk", later / "disk"):
+        d.mkdir(parents=True)
+    diskimage.mount_image(_image(base / "other.img", 16), other / "disk")
+    volume = _image(base / "volume.img", 16)  # another data dir's volume, mounted on the host
+    (base / "vol").mkdir()
+    diskimage.mount_image(volume, base / "vol")
+    subprocess.run(["mount", "-t", "tmpfs", "host", str(host)], check=True)
+    stacked = run_root / "x" / "agent"  # two at one point: a shared tree made again
+    stacked.mkdir()
+    for _ in range(2):
+        subprocess.run(["mount", "-t", "tmpfs", "tree", str(stacked)], check=True)
 
-        clean = mountns.CleanNamespace.make(mountns.agentbox_mount(run_root))
+    clean = mountns.CleanNamespace.make(mountns.agentbox_mount(run_root))
+    try:
+        assert clean.mounts < len(_points())
+        # Made after the clean namespace, like every sandbox's own.
+        disk = _image(base / "mine.img", 16)
+        diskimage.mount_image(disk, mine / "disk")
+        (mine / "disk" / "hello").write_text("mine\n")
+        diskimage.mount_image(_image(base / "later.img", 16), later / "disk")
+
+        def inside() -> tuple[list[str], str, subprocess.Popen]:
+            seen = _points(f"self/task/{threading.get_native_id()}")
+            text = (mine / "disk" / "hello").read_text()
+            return seen, text, subprocess.Popen(["sleep", "60"])
+
+        seen, text, holder = clean.start([mine], inside)
         try:
-            assert clean.mounts < len(_points())
-            # Made after the clean namespace, like every sandbox's own.
-            disk = _image(base / "mine.img", 16)
-            diskimage.mount_image(disk, mine / "disk")
-            (mine / "disk" / "hello").write_text("mine\n")
-            diskimage.mount_image(_image(base / "later.img", 16), later / "disk")
-
-            def inside() -> tuple[list[str], str, subprocess.Popen]:
-                seen = _points(f"self/task/{threading.get_native_id()}")
-                text = (mine / "disk" / "hello").read_text()
-                return seen, text, subprocess.Popen(["sleep", "60"])
-
-            seen, text, holder = clean.start([mine], inside)
-            try:
-                assert text == "mine\n"
-                assert str(mine / "disk") in seen and str(host) in seen
-                for gone in (other / "disk", later / "disk", base / "vol"):
-                    assert str(gone) not in seen, (gone, seen)
-                # What the thread started holds the copy; the server's namespace is unchanged.
-                assert _points(holder.pid) == seen
-                assert os.readlink(f"/proc/{holder.pid}/ns/mnt") != os.readlink(
-                    "/proc/self/ns/mnt"
-                )
-                assert str(other / "disk") in _points() and str(mine / "disk") in _points()
-                # The host lets go of the volume: nothing the clean namespace made still holds it.
-                assert diskimage.umount(base / "vol")
-                assert _cleared(volume), _loops_of(volume)
-                # The sandbox's own disk stays attached while its copy lives...
-                assert diskimage.umount(mine / "disk")
-                assert _loops_of(disk)
-            finally:
-                holder.kill()
-                holder.wait()
-            # ...and goes with it.
-            assert _cleared(disk), _loops_of(disk)
+            assert text == "mine\n"
+            assert str(mine / "disk") in seen and str(host) in seen
+            ours = sorted(p for p in seen if p.startswith(f"{run_root}/"))
+            assert ours == [str(mine), str(mine / "disk")]  # the clone, its disk
+            for gone in (other / "disk", later / "disk", base / "vol", stacked):
+                assert str(gone) not in seen, (gone, seen)
+            # What the thread started holds the copy; the server's namespace is unchanged.
+            assert _points(holder.pid) == seen
+            assert os.readlink(f"/proc/{holder.pid}/ns/mnt") != os.readlink("/proc/self/ns/mnt")
+            assert str(other / "disk") in _points() and str(mine / "disk") in _points()
+            # The host lets go of the volume: nothing the clean namespace made still holds it.
+            assert diskimage.umount(base / "vol")
+            assert _cleared(volume), _loops_of(volume)
+            # The sandbox's own disk stays attached while its copy lives...
+            assert diskimage.umount(mine / "disk")
+            assert _loops_of(disk)
         finally:
-            clean.close()
-        with pytest.raises(mountns.MountNsError, match="closed"):
-            clean.start([], lambda: None)
-        for mnt in (other / "disk", later / "disk", host):
-            subprocess.run(["umount", str(mnt)], check=True)
+            holder.kill()
+            holder.wait()
+        # ...and goes with it.
+        assert _cleared(disk), _loops_of(disk)
+    finally:
+        clean.close()
+    with pytest.raises(mountns.MountNsError, match="closed"):
+        clean.start([], lambda: None)
+    for mnt in (other / "disk", later / "disk", host, stacked, stacked):
+        subprocess.run(["umount", str(mnt)], check=True)
 
 
 @needs_root
 @private_mounts
-def test_a_tree_that_cannot_be_cloned_fails_the_start_and_runs_nothing() -> None:
-    with tempfile.TemporaryDirectory(dir="/var/tmp") as tmp:
-        clean = mountns.CleanNamespace.make(mountns.agentbox_mount(Path(tmp) / "run"))
-        ran = []
-        try:
-            with pytest.raises(mountns.MountNsError, match="clone .*missing"):
-                clean.start([Path(tmp) / "missing"], lambda: ran.append(1))
-        finally:
-            clean.close()
-        assert ran == []
+def test_a_tree_that_cannot_be_cloned_fails_the_start_and_runs_nothing(tmp_path: Path) -> None:
+    clean = mountns.CleanNamespace.make(mountns.agentbox_mount(tmp_path / "run"))
+    ran: list[int] = []
+    try:
+        with pytest.raises(mountns.MountNsError, match="clone .*missing"):
+            clean.start([tmp_path / "missing"], lambda: ran.append(1))
+    finally:
+        clean.close()
+    assert ran == []

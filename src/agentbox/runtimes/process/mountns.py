@@ -155,10 +155,12 @@ class CleanNamespace:
     def make(cls, dropped: Callable[[Mount], bool]) -> CleanNamespace:
         def build() -> CleanNamespace:
             _private_copy()
-            doomed = [m.point for m in _own_mounts() if dropped(m)]
-            # The deepest first; one that went with its parent is gone already.
-            for point in sorted(doomed, key=lambda p: p.count("/"), reverse=True):
-                _libc.umount2(os.fsencode(point), MNT_DETACH)
+            # The deepest first; one that went with its parent is gone already. A mount
+            # stacked under another at the same point is reached on the next pass.
+            for _ in range(4):
+                doomed = [m.point for m in _own_mounts() if dropped(m)]
+                for point in sorted(doomed, key=lambda p: p.count("/"), reverse=True):
+                    _libc.umount2(os.fsencode(point), MNT_DETACH)
             left = [m for m in _own_mounts() if dropped(m)]
             if left:
                 raise MountNsError(0, f"could not detach {left[0].point} from a clean namespace")
