@@ -152,9 +152,6 @@ class OciRuntime(ProcessRuntime):
     def capabilities(self) -> dict[str, Any]:
         return {**super().capabilities(), "oci_runtime": self.binary, "version": self.version}
 
-    def _starts_clean(self) -> bool:
-        return False  # not yet: runc and runsc start from the server's mount namespace
-
     def _version(self) -> str:
         try:
             argv = [self.binary, "--version"]
@@ -243,23 +240,29 @@ class OciRuntime(ProcessRuntime):
                 os._exit(120)
 
         argv = [*self._global_args(sdir / OCI_LOG), *args, "--pid-file", str(pid_file), sid]
-        pidns: tuple[int, int | None] | None = None
-        try:
+
+        def launch() -> tuple[tuple[int, int | None] | None, int]:
             with open(sdir / "runtime.log", "ab") as log:
                 if self.own_pidns:
                     record = sdir / PIDNS_FILE
-                    pidns, returncode = run_in_pidns(argv, log, bundle_dir, record, binary_context)
-                else:
-                    returncode = subprocess.run(
-                        argv,
-                        stdin=subprocess.DEVNULL,
-                        stdout=log,
-                        stderr=log,
-                        timeout=60,
-                        cwd=str(bundle_dir),
-                        env=self._env(),
-                        preexec_fn=binary_context,
-                    ).returncode
+                    return run_in_pidns(argv, log, bundle_dir, record, binary_context)
+                return None, subprocess.run(
+                    argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=log,
+                    timeout=60,
+                    cwd=str(bundle_dir),
+                    env=self._env(),
+                    preexec_fn=binary_context,
+                ).returncode
+
+        pidns: tuple[int, int | None] | None = None
+        try:
+            if self.clean_ns is None:
+                pidns, returncode = launch()
+            else:  # the binary copies the namespace it starts in (see mountns.py)
+                pidns, returncode = self.clean_ns.start(self._own_trees(sid, None), launch)
         except subprocess.TimeoutExpired:
             raise RuntimeError_(f"{self.binary} did not start the sandbox within 60 s") from None
         finally:

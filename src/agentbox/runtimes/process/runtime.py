@@ -268,7 +268,7 @@ class ProcessRuntime(Runtime):
         return startctx.missing()
 
     def _starts_clean(self) -> bool:
-        """Whether `_spawn` may start sandboxes from a clean mount namespace (root only: the
+        """Whether sandboxes may start from a clean mount namespace (root only: the
         sandboxes' mounts are the server's own)."""
         return self.is_root and self.bind_root != self.root
 
@@ -935,7 +935,7 @@ class ProcessRuntime(Runtime):
             if self.clean_ns is None:
                 proc = start()
             else:
-                proc = self.clean_ns.start(self._own_trees(spec, tree), start)
+                proc = self.clean_ns.start(self._own_trees(spec.sandbox_id, tree), start)
         finally:
             log.close()
             for name, fd in fds.items():
@@ -957,10 +957,10 @@ class ProcessRuntime(Runtime):
             "socket": str(sock_path),
         }
 
-    def _own_trees(self, spec: SandboxSpec, template: str | None) -> list[Path]:
+    def _own_trees(self, sid: str, template: str | None) -> list[Path]:
         """What a sandbox started from the clean mount namespace needs of the server's: its
         own directory (disk, root, volumes), the shared trees and its template's bind."""
-        trees = [self.bind_root / spec.sandbox_id]
+        trees = [self.bind_root / sid]
         for tree in (self.agent_dir, self.etc_dir):
             if tree is not None and diskimage.is_mount_point(tree):
                 trees.append(tree)
