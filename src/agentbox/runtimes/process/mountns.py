@@ -161,9 +161,14 @@ class CleanNamespace:
                 doomed = [m.point for m in _own_mounts() if dropped(m)]
                 for point in sorted(doomed, key=lambda p: p.count("/"), reverse=True):
                     _libc.umount2(os.fsencode(point), MNT_DETACH)
-            left = [m for m in _own_mounts() if dropped(m)]
-            if left:
-                raise MountNsError(0, f"could not detach {left[0].point} from a clean namespace")
+                if not doomed:
+                    break
+            else:
+                left = [m for m in _own_mounts() if dropped(m)]
+                if left:
+                    raise MountNsError(
+                        0, f"could not detach {left[0].point} from a clean namespace"
+                    )
             me = f"/proc/self/task/{threading.get_native_id()}/ns/mnt"
             return cls(os.open(me, os.O_RDONLY | os.O_CLOEXEC), len(_own_mounts()))
 
