@@ -37,7 +37,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from agentbox.runtimes import diskimage
 from agentbox.runtimes.base import (
@@ -92,6 +92,7 @@ CAP_SYS_RESOURCE = 24
 MERGED_USR_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 USR_LOCAL = "/usr/local"
 SANDBOX_PATH = f"/usr/local/sbin:/usr/local/bin:{AGENT_BIN}:/usr/sbin:/usr/bin:/sbin:/bin"
+_T = TypeVar("_T")
 _PIPE_PAYLOAD_MAX = 16384  # well below a pipe's buffer: the write must not block
 
 
@@ -599,7 +600,7 @@ class ProcessRuntime(Runtime):
             warming = startctx.warm_join(self.cgroups.join_files(sid))
             ws = workspace.create(
                 sdir, bind_dir, spec.resources.disk_mb, owner, self.use_loop, root_layer=layer,
-                source=spec.disk, base=uid,
+                source=spec.disk, base=uid, tools=self._in_clean_ns,
             )  # fmt: skip
             if self._own_userns():
                 # Only this sandbox's bwrap (its host uid) may go through: 0710 root:base.
@@ -956,6 +957,11 @@ class ProcessRuntime(Runtime):
             "init_start": proc_start_time(init_pid),
             "socket": str(sock_path),
         }
+
+    def _in_clean_ns(self, fn: Callable[[], _T]) -> _T:
+        """`fn()` in a copy of the clean mount namespace, where there is one (the disk tools,
+        which look at every mounted block device: workspace.create)."""
+        return fn() if self.clean_ns is None else self.clean_ns.start((), fn)
 
     def _own_trees(self, sid: str, template: str | None) -> list[Path]:
         """What a sandbox started from the clean mount namespace needs of the server's: its

@@ -55,6 +55,7 @@ def create(
     root_layer: Callable[[Path], Path] | None = None,
     source: DiskSource | None = None,
     base: int = 0,
+    tools: Callable[[Callable[[], object]], object] = lambda fn: fn(),
 ) -> Workspace:
     """The image lives in the private `sandbox_dir`; it is mounted in `bind_dir`, where the
     sandbox's bwrap (running as `uid`) can reach it. With `root_layer`, the disk also holds the
@@ -64,7 +65,11 @@ def create(
     With `source`, the image is a copy of that one (grown to `disk_mb` if it is smaller), its
     files moved from the source's uids to this sandbox's, [base, base + source.span); the copy
     already has its directories, so `root_layer` is not called (the workspace is its
-    bind_dir/disk/workspace)."""
+    bind_dir/disk/workspace).
+
+    `tools(fn)` runs `fn`, which starts mkfs.ext4, e2fsck or resize2fs: each of them opens
+    every mounted block device of its mount namespace to check that the image is not mounted
+    (1,000 sandboxes' disks: mkfs 9 -> 24 ms), so the runtime runs them in its clean one."""
     bind_dir.mkdir(mode=0o711, exist_ok=True)
     mnt = bind_dir / (DISK_NAME if root_layer else MOUNT_NAME)
     mnt.mkdir(mode=0o700)
@@ -83,10 +88,10 @@ def create(
         if os.path.getsize(image) < disk_mb * MiB:
             # A copy of a mounted filesystem is not marked clean: checked (and its counts
             # fixed) before it grows.
-            subprocess.run(["e2fsck", "-fy", str(image)], capture_output=True)
+            tools(lambda: subprocess.run(["e2fsck", "-fy", str(image)], capture_output=True))
             with open(image, "r+b") as f:
                 f.truncate(disk_mb * MiB)
-            diskimage.run(["resize2fs", str(image)])
+            tools(lambda: diskimage.run(["resize2fs", str(image)]))
         diskimage.mount_image(image, mnt)
         if (root_layer is not None) != (mnt / rootfs.MARKER).exists():
             raise diskimage.ImageError(
@@ -101,20 +106,9 @@ def create(
         image = sandbox_dir / IMAGE_NAME
         with open(image, "wb") as f:
             f.truncate(disk_mb * 1024 * 1024)
-        diskimage.run(
-            [
-                "mkfs.ext4",
-                "-q",
-                "-F",
-                "-m",
-                "0",
-                "-O",
-                "^has_journal,^resize_inode",
-                "-E",
-                f"lazy_itable_init=1,root_owner={owner}",
-                str(image),
-            ]
-        )
+        mkfs = ["mkfs.ext4", "-q", "-F", "-m", "0", "-O", "^has_journal,^resize_inode"]
+        mkfs += ["-E", f"lazy_itable_init=1,root_owner={owner}", str(image)]
+        tools(lambda: diskimage.run(mkfs))
         diskimage.mount_image(image, mnt)
         try:
             (mnt / "lost+found").rmdir()
