@@ -236,3 +236,35 @@ def test_a_sandbox_starts_from_a_namespace_without_the_others_mounts(
         for sid in (first, second):
             client.delete(f"/v1/sandboxes/{sid}")
     assert _mounts_under(bind_root / first) == [] and _mounts_under(bind_root / second) == []
+
+
+def test_a_read_only_template_is_bound_from_the_sandbox_s_own_namespace(
+    rooty: tuple[ServerHandle, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where a template cannot be given copy-on-write (no idmapped mounts), bwrap binds it
+    read-only by a descriptor, whose path bwrap resolves again in its own namespace (and
+    refuses what it finds there unless it is the same tree): the template's bind must be
+    cloned into the clean namespace's copy at its path."""
+    import asyncio
+
+    from agentbox.runtimes.base import Resources, SandboxSpec
+    from agentbox.runtimes.process.runtime import ProcessRuntime
+
+    _, tree = rooty
+    runtime = ProcessRuntime(tmp_path / "data")
+    try:
+        assert runtime.clean_ns is not None
+        monkeypatch.setattr(runtime, "_writable_root", lambda spec: False)
+        sid = "sbx_readonlytemplate"
+        spec = SandboxSpec(sid, "rooty", Resources(disk_mb=64), rootfs=str(tree))
+        state = runtime._create_sync(spec)  # the agent answered: bwrap bound the template
+        try:
+            with open(f"/proc/{state['bwrap_pid']}/mountinfo") as f:
+                points = [ln.split()[4] for ln in f]
+            binds = str(runtime.bind_root / "templates") + "/"
+            assert [p for p in points if p.startswith(binds)], points
+            assert "root" not in state  # read-only: no overlay was made
+        finally:
+            runtime._destroy_sync(sid, state, keep_workspace=False)
+    finally:
+        asyncio.run(runtime.close())

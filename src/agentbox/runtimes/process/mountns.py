@@ -6,18 +6,18 @@ every live sandbox's disk and root overlay, a create beside 2,000 idle sandboxes
 time beside 10 (BENCHMARKS.md, issue 19; docs/design/mount-namespaces.md).
 
 So the runtime makes one *clean* namespace when it starts: a private copy of the host's from
-which every mount of agentbox's (below `/run/agentbox`), of a loop device (any data dir's
-disks, volumes and kept workspaces) and every overlay is detached. Each sandbox is then started
-from a fresh copy of it (`CleanNamespace.start`), into which clones of that sandbox's own trees
-are moved at the same paths. The clones are taken in the server's namespace, where the mounts
-stay: destroy, snapshots, usage and restarts reach them there as before. The copy lives as long
-as the outer bwrap that starts in it, and holds nothing but the sandbox's own mounts and the
-host's of the moment the runtime started.
+which every mount of agentbox's is detached (below `/run/agentbox`: sandboxes' disks and
+roots, shared trees; elsewhere: any data dir's volumes and kept workspaces being read). Each
+sandbox is then started from a fresh copy of it (`CleanNamespace.start`), into which clones of
+that sandbox's own trees are moved at the same paths (and made private). The clones are taken
+in the server's namespace, where the mounts stay: destroy, snapshots, usage and restarts reach
+them there as before. The copy lives as long as the outer bwrap that starts in it, and holds
+nothing but the sandbox's own mounts and the host's of the moment the runtime started.
 
 The cost of that: a host mount present when the runtime started (an administrator's disk, an
 NFS export) stays referenced by the clean namespace, and by the sandboxes started since, after
 the host unmounts it, until the server stops (resp. the sandbox ends). Mounts the host makes
-later never reach a sandbox.
+later never reach a sandbox. `AGENTBOX_CLEAN_MOUNT_NS=0` turns it off (runtime.py).
 
 Every call that changes a namespace runs in a short-lived thread of its own (`unshare` and
 `setns` change the calling thread only; a pool thread must never carry them).
@@ -29,6 +29,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import re
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -98,17 +99,25 @@ def unescape(field: str) -> str:
     return "".join(out)
 
 
+# Where agentbox mounts a disk image on the host outside the bind roots, in any data dir:
+# a volume's host mount (core/volumes.py) and a kept workspace being read (runtime.py).
+_IMAGE_MOUNT = re.compile(r"/volumes/[^/]+/mnt$|/kept-mounts[^/]*/[^/]+$")
+
+
 def agentbox_mount(run_root: Path) -> Callable[[Mount], bool]:
-    """Which mounts a clean namespace drops: below `run_root` (every data dir's sandboxes,
-    shared trees, template binds), of a loop device (disks, volumes, kept workspaces of any
-    data dir), overlays (a sandbox's root); never `/` or a mount `run_root` lies in (a host
-    whose root is an overlay, a container's)."""
+    """Which mounts a clean namespace drops: everything below `run_root` (every data dir's
+    sandboxes, shared trees, template binds), and the loop mounts of volumes and kept
+    workspaces of any data dir. Never `/` or a mount `run_root` lies in; never another host
+    mount, loop or overlay alike (a snap, a systemd-sysext /usr, a data dir on a loop disk):
+    sandboxes may need them."""
     prefix = str(run_root).rstrip("/") + "/"
 
     def dropped(m: Mount) -> bool:
         if prefix.startswith(m.point.rstrip("/") + "/"):
             return False
-        return m.point.startswith(prefix) or m.major == LOOP_MAJOR or m.fstype == "overlay"
+        if m.point.startswith(prefix):
+            return True
+        return m.major == LOOP_MAJOR and _IMAGE_MOUNT.search(m.point) is not None
 
     return dropped
 
@@ -169,19 +178,26 @@ class CleanNamespace:
                     raise MountNsError(
                         0, f"could not detach {left[0].point} from a clean namespace"
                     )
+            count = len(_own_mounts())
             me = f"/proc/self/task/{threading.get_native_id()}/ns/mnt"
-            return cls(os.open(me, os.O_RDONLY | os.O_CLOEXEC), len(_own_mounts()))
+            return cls(os.open(me, os.O_RDONLY | os.O_CLOEXEC), count)
 
         return _in_thread(build)
 
     @classmethod
-    def try_make(cls, dropped: Callable[[Mount], bool]) -> CleanNamespace | None:
-        """The clean namespace, or None (logged) where this host cannot make or use one."""
+    def try_make(cls, dropped: Callable[[Mount], bool], probe: Path) -> CleanNamespace | None:
+        """The clean namespace, or None (logged) where this host cannot make or use one:
+        `probe`, a directory, is cloned into a copy of it as a sandbox's trees are (open_tree
+        and move_mount: Linux 5.2, and not refused by a seccomp profile the server runs
+        under)."""
+        ns = None
         try:
             ns = cls.make(dropped)
-            ns.start((), lambda: None)  # open_tree and move_mount are there (Linux 5.2)
+            ns.start([probe], lambda: None)
             return ns
-        except OSError as e:
+        except (OSError, ValueError) as e:
+            if ns is not None:
+                ns.close()
             log.warning("sandboxes start from the server's mount namespace: %s", e)
             return None
 
@@ -213,6 +229,10 @@ class CleanNamespace:
                         MOVE_MOUNT_F_EMPTY_PATH,
                     )
                     _check(ret, f"attach {path} in the sandbox's namespace")
+                    # A clone of a shared mount (/run on a systemd host) is its peer: private,
+                    # so that nothing mounted on either side reaches the other.
+                    ret = _libc.mount(b"none", os.fsencode(path), None, MS_REC | MS_PRIVATE, None)
+                    _check(ret, f"make {path} private in the sandbox's namespace")
             finally:
                 for fd, _ in clones:
                     os.close(fd)
@@ -226,9 +246,3 @@ class CleanNamespace:
                 with contextlib.suppress(OSError):
                     os.close(self.fd)
                 self.fd = -1
-
-
-def mount_count(pid: int | str = "self") -> int:
-    """How many mounts the mount namespace of `pid` holds."""
-    with open(f"/proc/{pid}/mountinfo", "rb") as f:
-        return sum(1 for _ in f)

@@ -188,14 +188,14 @@ class ProcessRuntime(Runtime):
         data_dir: Path,
         use_loop: bool | None = None,
         host_paths: Iterable[str] = (),
-        clean_mount_ns: bool = True,
+        clean_mount_ns: bool | None = None,
     ) -> None:
         """`host_paths`: host paths the operator lets sandboxes of the host userland see
         read-only (`agentbox serve --host-path`): below /etc copied into the generated /etc,
         elsewhere bound at the same place (/usr/local shows only when listed).
         `clean_mount_ns`: start sandboxes from a mount namespace without the other
         sandboxes' mounts where the host allows (mountns.py); False starts them from the
-        server's."""
+        server's. Default: yes, unless the environment has AGENTBOX_CLEAN_MOUNT_NS=0."""
         self._require_tools()
         if not Path(SANDBOX_PYTHON).exists():
             raise RuntimeError_(f"{SANDBOX_PYTHON} is missing: apt-get install python3")
@@ -248,8 +248,10 @@ class ProcessRuntime(Runtime):
         self.uids = UidLeases(owner=self.layout.lease_owner)
         self.netns = NamespaceSockets()
         # Sandboxes start from a mount namespace without the other sandboxes' mounts.
+        if clean_mount_ns is None:
+            clean_mount_ns = os.environ.get("AGENTBOX_CLEAN_MOUNT_NS", "1") != "0"
         self.clean_ns = (
-            mountns.CleanNamespace.try_make(mountns.agentbox_mount(RUN_ROOT))
+            mountns.CleanNamespace.try_make(mountns.agentbox_mount(RUN_ROOT), self.agent_dir)
             if clean_mount_ns and self._starts_clean()
             else None
         )
@@ -914,11 +916,6 @@ class ProcessRuntime(Runtime):
         log = open(sdir / "runtime.log", "ab")
 
         def start() -> subprocess.Popen:
-            if self.clean_ns is not None and tree is not None:
-                # bwrap binds only a tree of its own namespace: the same path opened there.
-                again = os.open(tree, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW)
-                os.dup2(again, fds["rootfs"])
-                os.close(again)
             with startctx.pinned(pin):
                 return subprocess.Popen(
                     argv,

@@ -87,7 +87,8 @@ def create(
             diskimage.clone_image(source.image, image)
         if os.path.getsize(image) < disk_mb * MiB:
             # A copy of a mounted filesystem is not marked clean: checked (and its counts
-            # fixed) before it grows.
+            # fixed) before it grows. (Where no disk is mounted: e2fsck would not see one.)
+            diskimage.check_detached(image, "the disk to grow", wait=0)
             tools(lambda: subprocess.run(["e2fsck", "-fy", str(image)], capture_output=True))
             with open(image, "r+b") as f:
                 f.truncate(disk_mb * MiB)
