@@ -13,6 +13,7 @@ import pytest
 from test_diskimage_mount import _cleared, _image, _loops_of, private_mounts
 
 from agentbox.runtimes import diskimage
+from agentbox.runtimes.diskimage import unescape_mountinfo
 from agentbox.runtimes.process import mountns
 from agentbox.runtimes.process.mountns import Mount
 
@@ -27,8 +28,9 @@ def _points(pid: int | str = "self") -> list[str]:
 def test_mountinfo_lines_are_read_with_their_escapes() -> None:
     line = "36 35 7:3 / /run/agentbox/x/sbx_a/my\\040disk rw,relatime shared:1 - ext4 /dev/loop3 rw"
     assert Mount.parse(line) == Mount("/run/agentbox/x/sbx_a/my disk", 7, "ext4")
-    assert mountns.unescape("a\\011b\\134c\\012") == "a\tb\\c\n"
-    assert mountns.unescape("trailing\\04") == "trailing\\04"  # not an escape: left alone
+    assert unescape_mountinfo("a\\011b\\134c\\012") == "a\tb\\c\n"
+    assert unescape_mountinfo("trailing\\04") == "trailing\\04"  # not an escape: left alone
+    assert unescape_mountinfo("not\\089octal") == "not\\089octal"
     no_optional = "22 1 0:5 / /dev rw - devtmpfs udev rw"
     assert Mount.parse(no_optional) == Mount("/dev", 0, "devtmpfs")
 

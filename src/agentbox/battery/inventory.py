@@ -41,6 +41,7 @@ from typing import Any, TypeVar
 
 from agentbox import runtimes
 from agentbox.runtimes.base import HostFootprint
+from agentbox.runtimes.diskimage import unescape_mountinfo
 from agentbox.runtimes.uids import UidLeases
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -215,11 +216,6 @@ def _under(path: str, roots: list[str]) -> bool:
     return any(path == r or path.startswith(r + "/") for r in roots)
 
 
-def _unescape(s: str) -> str:
-    """mountinfo escapes space, tab, newline and backslash as octal."""
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), s)
-
-
 def _processes(
     fp: HostFootprint, needles: list[str], host_netns: set[str]
 ) -> tuple[list[ProcessInfo], list[str]]:
@@ -356,12 +352,12 @@ def _mounts(roots: list[str], mountinfo: str) -> list[str]:
         fields = line.split()
         if len(fields) < 5:
             continue
-        mnt = _unescape(fields[4])
+        mnt = unescape_mountinfo(fields[4])
         if not _under(mnt, roots):
             continue
         try:
             sep = fields.index("-")
-            fstype, source = fields[sep + 1], _unescape(fields[sep + 2])
+            fstype, source = fields[sep + 1], unescape_mountinfo(fields[sep + 2])
         except (ValueError, IndexError):
             fstype, source = "?", "?"
         out.append(f"{mnt} ({fstype} from {source})")

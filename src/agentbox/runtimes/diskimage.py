@@ -11,6 +11,7 @@ import ctypes
 import errno
 import fcntl
 import os
+import re
 import stat
 import struct
 import subprocess
@@ -35,6 +36,7 @@ AT_FDCWD, AT_SYMLINK_NOFOLLOW, AT_NO_AUTOMOUNT = -100, 0x100, 0x800
 STATX_ATTR_MOUNT_ROOT = 0x2000
 STATX_SIZE = 256  # struct statx; stx_attributes at 8, stx_attributes_mask at 56 (u64 each)
 _libc = ctypes.CDLL(None, use_errno=True)
+_OCTAL = re.compile(r"\\([0-7]{3})")
 
 
 class ImageError(RuntimeError):
@@ -47,6 +49,12 @@ def run(argv: list[str]) -> None:
         raise ImageError(f"{argv[0]} failed: {proc.stderr.strip() or proc.stdout.strip()}")
 
 
+def unescape_mountinfo(field: str) -> str:
+    """A path field of mountinfo: the kernel writes space, tab, newline and backslash as
+    octal escapes (`\\040` for a space)."""
+    return _OCTAL.sub(lambda m: chr(int(m.group(1), 8)), field) if "\\" in field else field
+
+
 def mounted_under(prefix: Path) -> list[Path]:
     """Mount points at or below `prefix`, deepest first (the order to unmount them). Reads
     every mount of the host (~20 ms with 2,000 sandboxes): for leftovers, not a sandbox's own
@@ -55,7 +63,7 @@ def mounted_under(prefix: Path) -> list[Path]:
     prefix_s = str(prefix).rstrip("/") + "/"
     with open("/proc/self/mountinfo") as f:
         for line in f:
-            mnt = line.split()[4].replace("\\040", " ")
+            mnt = unescape_mountinfo(line.split()[4])
             if (mnt + "/").startswith(prefix_s):
                 found.append(Path(mnt))
     return sorted(found, key=lambda p: len(p.parts), reverse=True)

@@ -36,13 +36,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+from agentbox.runtimes.diskimage import LOOP_MAJOR, MNT_DETACH, unescape_mountinfo
+
 T = TypeVar("T")
 
 CLONE_FS = 0x200
 CLONE_NEWNS = 0x20000
 MS_REC = 0x4000
 MS_PRIVATE = 0x40000
-MNT_DETACH = 2
 OPEN_TREE_CLONE = 1
 AT_RECURSIVE = 0x8000
 AT_FDCWD = -100
@@ -50,7 +51,6 @@ MOVE_MOUNT_F_EMPTY_PATH = 4
 # Numbered alike on every architecture (the syscall table shared since 5.1).
 SYS_OPEN_TREE = 428
 SYS_MOVE_MOUNT = 429
-LOOP_MAJOR = 7
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
@@ -81,22 +81,7 @@ class Mount:
         fields = line.split()
         sep = fields.index("-", 6)
         major = int(fields[2].split(":")[0])
-        return cls(point=unescape(fields[4]), major=major, fstype=fields[sep + 1])
-
-
-def unescape(field: str) -> str:
-    """A mountinfo path: space, tab, newline and backslash are written as octal escapes."""
-    if "\\" not in field:
-        return field
-    out, i = [], 0
-    while i < len(field):
-        if field[i] == "\\" and field[i + 1 : i + 4].isdigit() and i + 4 <= len(field):
-            out.append(chr(int(field[i + 1 : i + 4], 8)))
-            i += 4
-        else:
-            out.append(field[i])
-            i += 1
-    return "".join(out)
+        return cls(point=unescape_mountinfo(fields[4]), major=major, fstype=fields[sep + 1])
 
 
 # Where agentbox mounts a disk image on the host outside the bind roots, in any data dir:

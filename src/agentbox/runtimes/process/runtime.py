@@ -964,9 +964,8 @@ class ProcessRuntime(Runtime):
         """What a sandbox started from the clean mount namespace needs of the server's: its
         own directory (disk, root, volumes), the shared trees and its template's bind."""
         trees = [self.bind_root / sid]
-        for tree in (self.agent_dir, self.etc_dir):
-            if tree is not None and diskimage.is_mount_point(tree):
-                trees.append(tree)
+        if self.own_mounts:  # tmpfs mounts of their own (else plain directories, there too)
+            trees += [tree for tree in (self.agent_dir, self.etc_dir) if tree is not None]
         if template is not None and Path(template).is_relative_to(self.bind_root):
             trees.append(Path(template))
         return trees
