@@ -288,6 +288,18 @@ def test_bash_timeout_keeps_the_shell(host: Host) -> None:
     assert stdout(host.run("echo $SURVIVOR", language="bash")) == "yes\n"
 
 
+def test_bash_timeout_of_a_loop_of_commands_keeps_the_shell(host: Host) -> None:
+    # A SIGINT that lands while bash forks is taken by the child before it execs, and bash goes
+    # on with the loop: about one timeout in six of this loop, each then killed the shell after
+    # the grace, when bash was interrupted only once.
+    host.run("SURVIVOR=yes", language="bash")
+    for _ in range(12):
+        events = host.run("while true; do /bin/true; done", language="bash", timeout=0.05)
+        assert [e["name"] for e in errors(events)] == ["TimeoutError"], errors(events)
+        assert done(events)["timed_out"] is True
+    assert stdout(host.run("echo $SURVIVOR", language="bash")) == "yes\n"
+
+
 def test_same_context_queues_other_contexts_run_concurrently(host: Host) -> None:
     slow, fast = host.context("bash"), host.context("bash")
     first = host.send("execute", code="sleep 0.5; echo first", context_id=slow)

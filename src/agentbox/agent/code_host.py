@@ -37,12 +37,14 @@ one of `invalid`, `not_found`, `unsupported`, `kernel_dead`, `internal`.
 
 Conventions chosen here:
 
-- Timeout: the cell gets SIGINT (its process group; python and javascript again every second
-  until the cell ends, bash once and only after it has read the whole cell). The interrupt's own
-  error (KeyboardInterrupt, node's "Script execution interrupted", bash's status 130) becomes the
-  traceback of one error named `TimeoutError`, then done has `"timed_out": true`; the context
-  keeps its state. If the cell is still running INTERRUPT_GRACE_S later, its interpreter is
-  killed and the execute fails `kernel_dead`.
+- Timeout: the cell gets SIGINT (its process group; bash only once it has read the whole cell),
+  and again every second until the cell ends. Again, for bash too: a SIGINT that lands while
+  bash forks a command is taken by the child before it execs (bash's handler, which only notes
+  it) and bash goes on with the cell (one timeout in six, for a loop of short commands). The
+  interrupt's own error (KeyboardInterrupt, node's "Script execution interrupted", bash's status
+  130) becomes the traceback of one error named `TimeoutError`, then done has
+  `"timed_out": true`; the context keeps its state. If the cell is still running
+  INTERRUPT_GRACE_S later, its interpreter is killed and the execute fails `kernel_dead`.
 - Interpreter death (`os._exit`, SIGKILL, the OOM killer, bash `exit`): an error named
   `KernelDied` (value: what happened), then the execute fails with code `kernel_dead` (output
   streamed before the death has already been sent). Later executes on the context fail
@@ -1108,6 +1110,7 @@ class BashShell(_PipeBackend):
     and eval'd with stdin from /dev/null, so the code can never swallow the next cell."""
 
     language = "bash"
+    reinterrupt_s = 1.0
 
     def start(self) -> None:
         bash = shutil.which("bash", path=self.env.get("PATH")) or "/bin/bash"
