@@ -6,12 +6,13 @@ kept alive side by side:
 - exec: bwrap (every namespace, the template read-only, /proc, /dev, /tmp, the agent's tree)
   runs the template's `python3 -E -s -S`, which imports the agent (`sandbox_agent`), as the
   runtime starts it today; timed until it says so on a pipe;
-- fork: bwrap runs a placeholder (`sleep infinity`) in the same namespaces; a zygote (the
-  template's `python3 -E -s -S`, single-threaded, which imported the agent once, then
-  `gc.freeze()`) forks a child that setns()es into the placeholder's mount, pid, net, ipc, uts,
-  cgroup and user namespaces, forks again (a pid namespace takes children only), drops to the
-  namespace's root and no_new_privs, and says so; timed the same way from bwrap's start, and
-  split into bwrap until the placeholder runs (its exec ends bwrap's setup) and the zygote's part.
+- fork: bwrap sets the same sandbox up and blocks (`--block-fd`) before it would run anything;
+  a zygote (the template's `python3 -E -s -S`, single-threaded, which imported the agent once,
+  then `gc.freeze()`) forks a child that setns()es into the blocked bwrap's mount, pid, net,
+  ipc, uts, cgroup and user namespaces, forks again (a pid namespace takes children only),
+  drops to the namespace's root and no_new_privs, and says so; timed the same way from bwrap's
+  start, and split into bwrap until it blocks (its read of the block fd, seen in /proc) and the
+  zygote's part. Closing the block fd's write end ends the sandbox (checked once).
 Then the PSS of each sandbox's processes with N of each alive (the zygote counted apart, once).
 Floor in the same run: `bwrap --ro-bind / / /bin/true`.
 
@@ -42,13 +43,13 @@ import agentbox.agent  # noqa: E402
 AGENT_DIR = str(Path(agentbox.agent.__file__).parent)
 
 
-def bwrap_argv(tree: str, info_fd: int, cmd: list[str]) -> list[str]:
+def bwrap_argv(tree: str, info_fd: int, cmd: list[str], extra: tuple[str, ...] = ()) -> list[str]:
     return [
         "bwrap", "--unshare-all", "--unshare-user", "--disable-userns",
         "--uid", "0", "--gid", "0", "--cap-drop", "ALL",
         "--ro-bind", tree, "/", "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
         "--ro-bind", AGENT_DIR, "/.agentbox", "--new-session", "--chdir", "/",
-        "--info-fd", str(info_fd), "--", *cmd,
+        "--info-fd", str(info_fd), *extra, "--", *cmd,
     ]  # fmt: skip
 
 
@@ -107,7 +108,8 @@ while True:
         for fd in fds:
             if libc.setns(fd, 0) != 0:
                 die("setns")
-        if os.fork() == 0:  # the pid namespace takes children only
+        agent = os.fork()  # the pid namespace takes children only
+        if agent == 0:
             # setns(mnt) put us at the namespace's root, which bwrap pivoted to the sandbox's.
             os.chdir("/")
             os.setresgid(0, 0, 0)
@@ -116,9 +118,12 @@ while True:
                 die("no_new_privs")
             for fd in (requests, *fds):
                 os.close(fd)
-            os.write(replies, f"{os.getpid()} {sorted(os.listdir('/'))[:3]}\\n".encode())
+            # getpid() is the agent's pid in the sandbox's namespace (2); the host's is the
+            # fork's answer in the intermediate child, which is not in that namespace.
+            os.write(replies, f"ready {os.getpid()} {sorted(os.listdir('/'))[:3]}\\n".encode())
             os.close(replies)
             signal.pause()
+        os.write(replies, f"pid {agent}\\n".encode())
         os._exit(0)
     os.waitpid(child, 0)
     for fd in fds:
@@ -139,9 +144,10 @@ class Zygote:
         os.close(rep_w)
 
     def start(self, placeholder: int) -> tuple[int, str]:
+        """(the agent's pid on the host, what it saw) once it says it is ready."""
         os.write(self.req_w, f"{placeholder}\n".encode())
-        pid, rest = read_line(self.rep_r, 10.0).decode().split(" ", 1)
-        return int(pid), rest.strip()
+        said = dict(read_line(self.rep_r, 10.0).decode().split(" ", 1) for _ in range(2))
+        return int(said["pid"]), said["ready"].strip()
 
     def close(self) -> None:
         os.close(self.req_w)
@@ -171,32 +177,31 @@ def exec_start(tree: str) -> tuple[float, subprocess.Popen[bytes]]:
 
 def fork_start(
     tree: str, zygote: Zygote
-) -> tuple[float, float, float, subprocess.Popen[bytes], int, str]:
+) -> tuple[float, float, float, subprocess.Popen[bytes], int, str, int]:
+    """The placeholder is bwrap itself, blocked on `--block-fd` once the sandbox is set up
+    (its mounts made, its root pivoted), before it forks its init's child: no program of the
+    template runs. When the pipe's write end closes, bwrap goes on to exec a command that does
+    not exist and the sandbox ends. The write end is returned (a real agent would hold it)."""
     info_r, info_w = os.pipe()
+    block_r, block_w = os.pipe()
     t0 = time.perf_counter()
-    p = subprocess.Popen(bwrap_argv(tree, info_w, ["/bin/sleep", "infinity"]), pass_fds=(info_w,))
+    argv = bwrap_argv(tree, info_w, ["/.agentbox/ended"], ("--block-fd", str(block_r)))
+    p = subprocess.Popen(argv, pass_fds=(info_w, block_r))
     os.close(info_w)
-    init = json.loads(read_to_end(info_r))["child-pid"]
-    # bwrap reports its init's pid before the init has made the mounts: joined then, the
-    # namespace's root would still be bwrap's scratch tmpfs. The exec of the placeholder (the
-    # init's child) is the end of bwrap's setup.
+    os.close(block_r)
+    placeholder = json.loads(read_to_end(info_r))["child-pid"]
+    # bwrap reports the pid before its mounts are made: joined then, the namespace's root would
+    # still be bwrap's scratch tmpfs. Its read of the block fd is the end of its setup.
+    syscall = Path(f"/proc/{placeholder}/syscall")
     deadline = time.monotonic() + 10
-    while not (placeholder := _child_named(init, "sleep")):
+    while syscall.read_text().split()[:2] != ["0", hex(block_r)]:
         if time.monotonic() > deadline:
-            raise RuntimeError("the placeholder did not start")
+            raise RuntimeError("bwrap did not reach its block fd")
         time.sleep(0.0001)
     t1 = time.perf_counter()
     agent, seen = zygote.start(placeholder)
     t2 = time.perf_counter()
-    return (t2 - t0) * 1000, (t1 - t0) * 1000, (t2 - t1) * 1000, p, agent, seen
-
-
-def _child_named(pid: int, name: str) -> int | None:
-    for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
-        with contextlib.suppress(OSError):
-            if Path(f"/proc/{c}/comm").read_text() == name + "\n":
-                return int(c)
-    return None
+    return (t2 - t0) * 1000, (t1 - t0) * 1000, (t2 - t1) * 1000, p, agent, seen, block_w
 
 
 def tree_pids(pid: int) -> list[int]:
@@ -242,19 +247,21 @@ def main() -> None:
     before = set(bwrap_pids())
     zygote = Zygote("/usr/bin/python3")
     live: list[tuple[subprocess.Popen[bytes], int | None]] = []
+    blocks: list[int] = []
     t: dict[str, list[float]] = {}
     seen = ""
     try:
         for i in range(args.n + 3):
             ms_exec, p_exec = exec_start(tree)
             live.append((p_exec, None))
-            ms_fork, ms_bwrap, ms_zyg, p_fork, agent, seen = fork_start(tree, zygote)
+            ms_fork, ms_bwrap, ms_zyg, p_fork, agent, seen, block_w = fork_start(tree, zygote)
+            blocks.append(block_w)
             live.append((p_fork, agent))
             if i >= 3:  # warm-up rounds not counted
                 for name, ms in (
                     ("exec: bwrap -> python3 imports the agent -> ready", ms_exec),
                     ("fork: placeholder + zygote -> ready", ms_fork),
-                    ("  bwrap until the placeholder runs", ms_bwrap),
+                    ("  bwrap until it blocks, set up", ms_bwrap),
                     ("  zygote: fork, setns x7, fork -> ready", ms_zyg),
                 ):
                     t.setdefault(name, []).append(ms)
@@ -265,6 +272,18 @@ def main() -> None:
             kib += H.pss_kb(agent) if agent else 0
             pss["fork" if agent else "exec"].append(kib / 1024)
         zygote_mib = H.pss_kb(zygote.pid) / 1024
+        # The sandbox's lifetime: the block fd's write end closed (as by an agent that ends),
+        # bwrap goes on, fails to exec, and its pid namespace's end takes the agent with it.
+        first, first_agent = next((p, a) for p, a in live if a)
+        os.close(blocks.pop(0))
+        first.wait(5)
+        time.sleep(0.1)
+        try:
+            state = Path(f"/proc/{first_agent}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            state = "gone"
+        ended = state in ("gone", "Z")
+        print(f"closing a fork sandbox's block fd ended bwrap and its agent: {ended} ({state})")
     finally:
         for proc, agent in live:
             # bwrap's init (a child of the outer bwrap) outlives it: kill the whole tree.
@@ -272,8 +291,14 @@ def main() -> None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             proc.wait()
+        for fd in blocks:
+            os.close(fd)
         zygote.close()
-        left = [p for p in bwrap_pids() if p not in before]
+        deadline = time.monotonic() + 5  # SIGKILLed inits take their namespaces down first
+        while (
+            left := [p for p in bwrap_pids() if p not in before]
+        ) and time.monotonic() < deadline:
+            time.sleep(0.05)
         if left:
             print(f"leftover bwrap processes: {left}", file=sys.stderr)
     print(f"template tree: {tree}\nthe forked agent saw / as: {seen}\n")
