@@ -7,7 +7,7 @@ kept alive side by side:
   runs the template's `python3 -E -s -S`, which imports the agent (`sandbox_agent`), as the
   runtime starts it today; timed until it says so on a pipe;
 - fork: bwrap sets the same sandbox up and blocks (`--block-fd`) before it would run anything;
-  a zygote (the template's `python3 -E -s -S`, single-threaded, which imported the agent once,
+  a zygote (the host's `python3 -E -s -S`, single-threaded, which imported the agent once,
   then `gc.freeze()`) forks a child that setns()es into the blocked bwrap's mount, pid, net,
   ipc, uts, cgroup and user namespaces, forks again (a pid namespace takes children only),
   drops to the namespace's root and no_new_privs, and says so; timed the same way from bwrap's
