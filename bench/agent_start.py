@@ -214,15 +214,6 @@ def tree_pids(pid: int) -> list[int]:
     return out
 
 
-def bwrap_pids() -> list[int]:
-    out = []
-    for name in os.listdir("/proc"):
-        with contextlib.suppress(OSError):
-            if name.isdigit() and Path(f"/proc/{name}/comm").read_text() == "bwrap\n":
-                out.append(int(name))
-    return out
-
-
 def default_tree() -> Path:
     roots = sorted(
         (p for p in (H.BENCH_TEMPLATE_DIR / "rootfs").glob("*") if p.is_dir()),
@@ -244,7 +235,7 @@ def main() -> None:
         raise SystemExit(f"{tree} has no usr/bin/python3")
     mach = H.print_header("Benchmark: the agent's start, exec'd against forked already imported")
     floor = H.timed_runs(lambda: H.spawn_wait(["bwrap", "--ro-bind", "/", "/", "/bin/true"]), 50)
-    before = set(bwrap_pids())
+    before = set(H.host_bwrap_pids())
     zygote = Zygote("/usr/bin/python3")
     live: list[tuple[subprocess.Popen[bytes], int | None]] = []
     blocks: list[int] = []
@@ -296,7 +287,7 @@ def main() -> None:
         zygote.close()
         deadline = time.monotonic() + 5  # SIGKILLed inits take their namespaces down first
         while (
-            left := [p for p in bwrap_pids() if p not in before]
+            left := [p for p in H.host_bwrap_pids() if p not in before]
         ) and time.monotonic() < deadline:
             time.sleep(0.05)
         if left:

@@ -649,16 +649,21 @@ def memory_sampler(pid: int, interval: float = 0.02) -> tuple[threading.Event, l
     return stop, samples
 
 
-def host_bwrap_count() -> int:
-    """Every bwrap process on the host (ours and anyone else's), like `pgrep -c bwrap`."""
-    n = 0
+def host_bwrap_pids() -> list[int]:
+    """Every bwrap process on the host (ours and anyone else's), like `pgrep bwrap`."""
+    pids = []
     for name in os.listdir("/proc"):
         if name.isdigit():
             try:
-                n += Path(f"/proc/{name}/comm").read_text().strip() == "bwrap"
+                if Path(f"/proc/{name}/comm").read_text().strip() == "bwrap":
+                    pids.append(int(name))
             except OSError:
                 pass
-    return n
+    return pids
+
+
+def host_bwrap_count() -> int:
+    return len(host_bwrap_pids())
 
 
 # ---------------------------------------------------------------- isolation from other servers
