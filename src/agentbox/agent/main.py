@@ -16,12 +16,8 @@ process of a container, where no bwrap does this for it:
 import os
 import sys
 
-PR_SET_NO_NEW_PRIVS = 38
 PR_SET_CHILD_SUBREAPER = 36
 PR_SET_DUMPABLE = 4
-SECCOMP_SET_MODE_FILTER = 1
-SECCOMP_FILTER_FLAG_TSYNC = 1
-SYS_SECCOMP = {"x86_64": 317, "aarch64": 277}
 
 
 def _fail(msg: str) -> None:
@@ -31,30 +27,17 @@ def _fail(msg: str) -> None:
 
 
 def _load_seccomp(path: str) -> None:
-    import ctypes
+    from confine import ConfineError, load_seccomp
 
     try:
         with open(path, "rb") as f:
             prog = f.read()
     except OSError as e:
         _fail(f"cannot read the seccomp filter {path}: {e}")
-    if not prog or len(prog) % 8:
-        _fail(f"{path} is not a seccomp filter program")
-    nr = SYS_SECCOMP.get(os.uname().machine)
-    if nr is None:
-        _fail(f"no seccomp for {os.uname().machine}")
-
-    class SockFprog(ctypes.Structure):
-        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    buf = ctypes.create_string_buffer(prog, len(prog))
-    fprog = SockFprog(len(prog) // 8, ctypes.addressof(buf))
-    if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
-        _fail(f"no_new_privs: {os.strerror(ctypes.get_errno())}")
-    flags = SECCOMP_FILTER_FLAG_TSYNC
-    if libc.syscall(nr, SECCOMP_SET_MODE_FILTER, flags, ctypes.byref(fprog)) != 0:
-        _fail(f"cannot load the seccomp filter: {os.strerror(ctypes.get_errno())}")
+    try:
+        load_seccomp(prog)
+    except ConfineError as e:
+        _fail(f"{path}: {e}")
 
 
 def _run_as_init() -> None:

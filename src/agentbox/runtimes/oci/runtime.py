@@ -98,6 +98,7 @@ log = logging.getLogger(__name__)
 class OciRuntime(ProcessRuntime):
     """The process runtime's sandboxes, started by an OCI runtime binary."""
 
+    forks_agents: ClassVar[bool] = False  # the binary starts the agent, in its container
     binary: ClassVar[str]
     package: ClassVar[str]  # the Debian package that has it
     # Whether the binary joins the user namespace the server made (by path), or makes one

@@ -56,10 +56,19 @@ from agentbox.runtimes.base import (
     SandboxSpec,
     home_mount_point,
 )
-from agentbox.runtimes.process import hostview, mountns, rootfs, startctx, userns, workspace
+from agentbox.runtimes.process import (
+    hold,
+    hostview,
+    mountns,
+    rootfs,
+    startctx,
+    userns,
+    workspace,
+)
 from agentbox.runtimes.process.cgroups import GROUP, CgroupError, CgroupLimits, Cgroups
 from agentbox.runtimes.process.netns import NamespaceSockets, NetnsError
 from agentbox.runtimes.process.seccomp import build_filter
+from agentbox.runtimes.process.zygote import LISTEN_FD, Zygote, ZygoteError
 from agentbox.runtimes.uids import BLOCK, LEASES, UID_RANGE, NoFreeUid, UidLeases
 
 RUN_ROOT = Path("/run/agentbox")
@@ -75,6 +84,8 @@ AGENT_FILES = (
     "login_path.sh",
     "users.py",
     "relay.py",
+    "confine.py",
+    "zygote.py",
 )
 SUDO_SRC = "sudo.py"  # installed as bin/sudo
 AGENT_MOUNT = "/.agentbox"
@@ -182,6 +193,9 @@ class ProcessRuntime(Runtime):
     # The runtime's own corner of the host for a data dir (HostLayout): "" for this one, the
     # tier's name for the runtimes built on it.
     host_namespace: ClassVar[str] = ""
+    # Whether its agent may be forked from the zygote (AGENTBOX_AGENT_START=fork): the runtimes
+    # built on this one start theirs otherwise (their own entry, a weakened sandbox's flags).
+    forks_agents: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -197,6 +211,9 @@ class ProcessRuntime(Runtime):
         sandboxes' mounts where the host allows (mountns.py); False starts them from the
         server's. Default: yes, unless the environment has AGENTBOX_CLEAN_MOUNT_NS=0."""
         self._require_tools()
+        agent_start = os.environ.get("AGENTBOX_AGENT_START", "exec")
+        if agent_start not in ("exec", "fork"):
+            raise RuntimeError_(f"AGENTBOX_AGENT_START={agent_start!r}: it is exec or fork")
         if not Path(SANDBOX_PYTHON).exists():
             raise RuntimeError_(f"{SANDBOX_PYTHON} is missing: apt-get install python3")
         self.layout = HostLayout.of(data_dir, self.host_namespace)
@@ -255,6 +272,28 @@ class ProcessRuntime(Runtime):
             if clean_mount_ns and self._starts_clean()
             else None
         )
+        self.zygote: Zygote | None = None
+        if self._agent_start(agent_start) == "fork":
+            self.zygote = Zygote(self.agent_dir)
+            self.zygote.start()  # its imports are paid now, not by the first create
+
+    def _agent_start(self, wanted: str) -> str:
+        """How the agent starts: `exec` (bwrap runs it, the default) or `fork` (from the
+        zygote, docs/design/agent-zygote.md), which AGENTBOX_AGENT_START=fork asks for and
+        only this runtime, as root, on x86_64 gives (elsewhere: exec, said in the log)."""
+        if wanted == "exec":
+            return "exec"
+        why = None
+        if not type(self).forks_agents:
+            why = f"the {self.name} runtime starts its agent its own way"
+        elif not self.is_root:
+            why = "the server does not run as root"
+        elif hold.code() is None:
+            why = f"no hold program for {os.uname().machine}"
+        if why is not None:
+            logging.getLogger(__name__).info("agent start: exec, not fork (%s)", why)
+            return "exec"
+        return "fork"
 
     # ------------------------------------------------------------------ setup
 
@@ -327,6 +366,12 @@ class ProcessRuntime(Runtime):
                 except (py_compile.PyCompileError, OSError):
                     pass
         _install_file(AGENT_SRC / SUDO_SRC, dest / "bin" / "sudo", 0o755)
+        program = hold.code()
+        if program is not None:
+            tmp = dest / f".{hold.NAME}.tmp"
+            tmp.write_bytes(program)
+            os.chmod(tmp, 0o555)
+            tmp.replace(dest / hold.NAME)
         cache = dest / "__pycache__"
         if cache.is_dir():
             os.chmod(cache, 0o755)
@@ -345,6 +390,7 @@ class ProcessRuntime(Runtime):
             "pause_memory": "ram" if self.cgroups.can_freeze else None,
             # A pause without memory (keep_memory false): only the disk kept.
             "pause_without_memory": self.use_loop,
+            "agent_start": "fork" if self.zygote is not None else "exec",
         }
 
     def features(self) -> RuntimeFeatures:
@@ -471,6 +517,8 @@ class ProcessRuntime(Runtime):
             argv += ["--perms", "0444", "--ro-bind-data", str(fds[f"file:{path}"]), path]
         argv += [*self._extra_binds(), *self._seccomp_args(fds)]
         argv += ["--info-fd", str(fds["info"]), "--"]
+        if self.zygote is not None:  # the agent is forked in once the sandbox is set up
+            return [*argv, f"{AGENT_MOUNT}/{hold.NAME}"]
         return argv + self._agent_argv(AGENT_MOUNT, spec, fds)
 
     def _namespace_args(self, spec: SandboxSpec, fds: dict[str, int]) -> list[str]:
@@ -556,7 +604,10 @@ class ProcessRuntime(Runtime):
 
     def _agent_argv(self, agent_dir: str, spec: SandboxSpec, fds: dict[str, int]) -> list[str]:
         argv = [SANDBOX_PYTHON, "-E", "-s", "-S", f"{agent_dir}/main.py"]
-        argv += ["--listen-fd", str(fds["listen"]), "--user", self._default_user(spec)]
+        return argv + self._agent_options(spec, fds["listen"], fds)
+
+    def _agent_options(self, spec: SandboxSpec, listen_fd: int, fds: dict[str, int]) -> list[str]:
+        argv = ["--listen-fd", str(listen_fd), "--user", self._default_user(spec)]
         if self._writable_root(spec):
             argv.append("--writable-root")
         argv += volume_flags(spec)
@@ -888,6 +939,15 @@ class ProcessRuntime(Runtime):
             "info": info_w,
             "listen": listener.fileno(),
         }
+        # Forked in: the agent gets the listener from the zygote; bwrap's first process (the
+        # hold program) says on `ready` that the sandbox is set up and lives until the agent,
+        # who holds the only write end of `hold`, is gone.
+        forked = self.zygote is not None
+        hold_r = hold_w = ready_r = ready_w = -1
+        if forked:
+            del fds["listen"]
+            hold_r, hold_w = os.pipe()
+            ready_r, ready_w = os.pipe()
         if (spec.rootfs and not self._writable_root(spec)) or (
             not spec.rootfs and self.etc_dir is None
         ):
@@ -919,8 +979,8 @@ class ProcessRuntime(Runtime):
             with startctx.pinned(pin):
                 return subprocess.Popen(
                     argv,
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
+                    stdin=hold_r if forked else subprocess.DEVNULL,
+                    stdout=ready_w if forked else log,
                     stderr=log,
                     close_fds=True,
                     pass_fds=tuple(fds.values()),
@@ -934,26 +994,103 @@ class ProcessRuntime(Runtime):
                 proc = start()
             else:
                 proc = self.clean_ns.start(self._own_trees(spec.sandbox_id, tree), start)
+        except BaseException:
+            for fd in (hold_w, ready_r):
+                if fd >= 0:
+                    os.close(fd)
+            listener.close()
+            raise
         finally:
             log.close()
             for name, fd in fds.items():
                 if name not in ("listen", "userns"):  # the caller closes the namespace
                     os.close(fd)
-            listener.close()  # the agent owns the listening socket now
+            for fd in (hold_r, ready_w):
+                if fd >= 0:
+                    os.close(fd)
+            if not forked:
+                listener.close()  # the agent owns the listening socket now
         self.children[spec.sandbox_id] = proc
+        state: dict[str, Any] = {"bwrap_pid": proc.pid, "bwrap_start": proc_start_time(proc.pid)}
         try:
             init_pid = self._init_pid(info_r, proc)
+            if forked:
+                state["agent_pid"] = self._fork_agent(
+                    spec, sdir, proc, init_pid, ready_r, hold_w, listener, join_files, limits, pin
+                )
         finally:
             os.close(info_r)
+            if forked:
+                os.close(ready_r)
+                os.close(hold_w)  # the agent's is the only one left
+                listener.close()
         self._wait_for_agent(sock_path, lambda: proc.poll() is None, sdir)
         self._hold_netns(spec.sandbox_id, init_pid)
-        return {
-            "bwrap_pid": proc.pid,
-            "bwrap_start": proc_start_time(proc.pid),
+        return state | {
             "init_pid": init_pid,
             "init_start": proc_start_time(init_pid),
             "socket": str(sock_path),
         }
+
+    def _fork_agent(
+        self,
+        spec: SandboxSpec,
+        sdir: Path,
+        proc: subprocess.Popen,
+        init_pid: int,
+        ready: int,
+        hold_w: int,
+        listener: socket.socket,
+        join_files: list[str],
+        limits: list[tuple[int, int]],
+        pin: list[int] | None,
+    ) -> int:
+        """Once bwrap's first process says the sandbox is set up, the agent forked into it by
+        the zygote (agent/zygote.py does there what bwrap does for its first process); its
+        host pid."""
+        if not self._read_ready(ready, proc):
+            raise RuntimeError_(f"the sandbox failed to start: {self._log_tail(sdir)}")
+        assert self.zygote is not None
+        request = {
+            "pid": init_pid,
+            "cgroups": join_files,
+            "rlimits": [[res, value, value] for res, value in limits],
+            "cpus": pin,
+            "caps": userns.ROOT_CAP_MASK,
+            "env": sandbox_env(spec),
+            "cwd": spec.workdir,
+            "argv": self._agent_options(spec, LISTEN_FD, {}),
+        }
+        opened: list[int] = []
+        try:
+            opened.append(os.pidfd_open(init_pid))
+            opened.append(os.open(sdir / "runtime.log", os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC))
+            opened.append(_data_fd(self.seccomp))
+            pidfd, log, seccomp = opened
+            return self.zygote.fork_agent(request, [pidfd, listener.fileno(), hold_w, log, seccomp])
+        except (OSError, ZygoteError) as e:
+            raise RuntimeError_(f"the sandbox's agent could not be started: {e}") from None
+        finally:
+            for fd in opened:
+                os.close(fd)
+
+    @staticmethod
+    def _read_ready(fd: int, proc: subprocess.Popen) -> bool:
+        """Whether bwrap's first process wrote its byte (the sandbox is set up) within 10 s;
+        False at the end of the pipe (bwrap failed: every write end is gone)."""
+        deadline = time.monotonic() + 10
+        waiting = select.poll()
+        waiting.register(fd, select.POLLIN)
+        while (left := deadline - time.monotonic()) > 0:
+            if waiting.poll(min(left, 0.1) * 1000):
+                return os.read(fd, 1) != b""
+            if proc.poll() is not None:
+                return False
+        return False
+
+    @staticmethod
+    def _log_tail(sdir: Path) -> str:
+        return (sdir / "runtime.log").read_text(errors="replace")[-2000:].strip() or "no output"
 
     def _in_clean_ns(self, fn: Callable[[], _T]) -> _T:
         """`fn()` in a copy of the clean mount namespace, where there is one (the disk tools,
@@ -1047,9 +1184,8 @@ class ProcessRuntime(Runtime):
             except OSError:
                 pass
             if not alive() or time.monotonic() > deadline:
-                log = (sdir / "runtime.log").read_text(errors="replace")[-2000:]
                 raise RuntimeError_(
-                    f"the sandbox agent did not start: {log.strip() or 'no output'}"
+                    f"the sandbox agent did not start: {ProcessRuntime._log_tail(sdir)}"
                 )
             time.sleep(0.001)
 
@@ -1281,6 +1417,8 @@ class ProcessRuntime(Runtime):
         self.netns.shutdown()
         if self.clean_ns is not None:
             self.clean_ns.close()
+        if self.zygote is not None:
+            self.zygote.close()  # the agents it forked live on: they need it no more
         self._drop_kept_mounts()
         self._drop_template_binds()
         if self.use_loop:

@@ -89,6 +89,7 @@ class WeakenedProcessRuntime(ProcessRuntime):
     bound read-write). With no weakening it builds exactly the production sandbox."""
 
     name: ClassVar[str] = "process-weakened"
+    forks_agents: ClassVar[bool] = False  # its agents' flags and fds are its own: exec
 
     def __init__(
         self,
