@@ -248,7 +248,7 @@ def test_the_zygote_refuses_a_process_of_the_hosts_namespaces(data_dir: Path) ->
     log = os.open("/dev/null", os.O_WRONLY)
     try:
         with pytest.raises(ZygoteError, match="shares the host's pid namespace"):
-            runtime.zygote.fork_agent({"pid": os.getpid()}, [me, a.fileno(), w, log, r])
+            runtime.zygote.fork_agent({"pid": os.getpid()}, [me, a.fileno(), w, log, r, r])
     finally:
         for fd in (me, r, w, log):
             os.close(fd)
@@ -272,4 +272,30 @@ def test_a_runtime_built_on_the_process_tier_starts_its_agent_by_exec(
         assert runtime.capabilities()["agent_start"] == "exec"
         assert runtime.zygote is None
     finally:
+        asyncio.run(runtime.close())
+
+
+def test_a_zygote_that_does_not_start_leaves_the_exec_start(
+    data_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fallback: no answer from the zygote in time (here: no time at all) and sandboxes
+    start by exec, as the capabilities say; no zygote process is left behind."""
+    from agentbox.runtimes.process import zygote
+
+    monkeypatch.setenv("AGENTBOX_AGENT_START", "fork")
+    monkeypatch.setattr(zygote, "START_TIMEOUT_S", 1e-6)
+    runtime = ProcessRuntime(data_dir)
+    try:
+        assert runtime.capabilities()["agent_start"] == "exec"
+        assert runtime.zygote is None
+        program = str(runtime.agent_dir / "zygote.py").encode()
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                assert program not in Path(f"/proc/{pid}/cmdline").read_bytes(), pid
+            except FileNotFoundError:
+                continue
+        state = asyncio.run(runtime.create(SandboxSpec(SID, "default", Resources(disk_mb=64))))
+        assert "agent_pid" not in state and asyncio.run(runtime.is_alive(SID, state))
+    finally:
+        asyncio.run(runtime.destroy(SID, None, keep_workspace=False))
         asyncio.run(runtime.close())

@@ -8,21 +8,24 @@ its first fork, every module the agent can ever import (PRELOAD: the agent's laz
 closed list, checked by a test), so that a forked agent, whose `/` is its sandbox's, never has
 to load one.
 
-Per request (a JSON message and, by SCM_RIGHTS: a pidfd of the sandbox's init, the agent's
-listening socket, the write end of the sandbox's hold pipe, the sandbox's log, and its seccomp
-program) it joins the sandbox's pid namespace for its children, forks the agent (its child,
-which it reaps) and leaves that namespace again. The agent, still
-in the host's other namespaces and as root, joins the sandbox's cgroups, takes its rlimits and
-CPUs, drops its supplementary groups and takes a process group of its own; joins the init's
-other namespaces (the user namespace with them, by the pidfd); and then does for itself what
-bwrap does for the sandbox's first process: the sandbox's root ids, its capabilities (bounding,
-permitted, effective, inheritable; no ambient), its working directory, environment and
-descriptors (0 /dev/null, 1 and 2 the log, 3 the listener, 4 the hold pipe), no_new_privs and
-the seccomp filter last; then the agent's own start (Landlock and the rest) as ever. What fails
-there is said in the sandbox's log, and the agent exits: the sandbox ends with it.
+Per request (a JSON message, the sandbox's init's pid; and by SCM_RIGHTS: a pidfd of that init,
+the agent's listening socket, the write end of the sandbox's hold pipe, the sandbox's log, its
+seccomp program and its spec, read by the agent alone: nothing of a tenant's, its environment
+say, is ever in the zygote's memory to be copied into the next sandbox's agent) it joins the
+sandbox's pid namespace for its children, forks the agent (its child, which it reaps) and
+leaves that namespace again. The agent, still in the host's other namespaces and as root, joins
+the sandbox's cgroups, takes its rlimits and CPUs, drops its supplementary groups and takes a
+process group of its own; joins the init's other namespaces (the user namespace with them, by
+the pidfd); and then does for itself what bwrap does for the sandbox's first process: the
+sandbox's root ids, its capabilities (bounding, permitted, effective, inheritable; no ambient),
+its working directory, environment and descriptors (0 /dev/null, 1 and 2 the log, 3 the
+listener, 4 the hold pipe), no_new_privs and the seccomp filter last; then the agent's own
+start (Landlock and the rest) as ever. What fails there is said in the sandbox's log, and the
+agent exits: the sandbox ends with it.
 
-The reply is `{"pid": N}` (the agent's host pid) or `{"error": "..."}`. The zygote exits when
-the server's end of its socket closes.
+It says `{"ready": true}` once it has imported everything. The reply is `{"pid": N}` (the
+agent's host pid) or `{"error": "..."}`. The zygote exits when the server's end of its socket
+closes.
 """
 
 import ctypes
@@ -69,7 +72,7 @@ for _name in PRELOAD:
 
 SANDBOX_AGENT_DIR = "/.agentbox"  # where the sandbox sees the agent's tree
 LISTEN_FD, HOLD_FD = 3, 4
-MAX_FDS = 5
+MAX_FDS = 6
 MESSAGE_MAX = 1 << 20
 
 PR_SET_DUMPABLE = 4
@@ -153,11 +156,13 @@ def _namespaces_to_join(pid: int) -> int:
     return flags
 
 
-def _become_agent(req: dict, fds: list[int]) -> None:
+def _become_agent(pid: int, fds: list[int]) -> None:
     """In the sandbox's pid namespace, the rest still the host's, as root: the sandbox's
     cgroups, limits and CPUs; then its other namespaces; then what bwrap does for its first
     process; then the agent."""
-    pidfd, listener, hold, log, seccomp = fds
+    pidfd, listener, hold, log, seccomp, spec = fds
+    with os.fdopen(spec, "rb", closefd=True) as f:
+        req = json.loads(f.read())
     me = str(os.getpid())
     for path in req["cgroups"]:
         try:
@@ -174,7 +179,7 @@ def _become_agent(req: dict, fds: list[int]) -> None:
     # but the zygote's own, which it started and has no terminal; not its leader either (so
     # the agent cannot acquire one), as under bwrap. A process group of its own.
     os.setpgid(0, 0)
-    _check(libc.setns(pidfd, _namespaces_to_join(req["pid"])), "joining the namespaces")
+    _check(libc.setns(pidfd, _namespaces_to_join(pid)), "joining the namespaces")
     os.setresgid(0, 0, 0)
     os.setresuid(0, 0, 0)
     os.chdir(req["cwd"])
@@ -259,8 +264,8 @@ def fork_agent(req: dict, fds: list[int]) -> dict:
     failed, if something does (the server then finds the sandbox ended)."""
     if len(fds) != MAX_FDS:
         return {"error": f"{len(fds)} descriptors, not {MAX_FDS}"}
-    pidfd, log = fds[0], fds[3]
-    if os.stat(f"/proc/{req['pid']}/ns/pid").st_ino == OWN_PID_NS:
+    pid, pidfd, log = int(req["pid"]), fds[0], fds[3]
+    if os.stat(f"/proc/{pid}/ns/pid").st_ino == OWN_PID_NS:
         return {"error": "the sandbox shares the host's pid namespace"}
     _check(libc.setns(pidfd, NAMESPACES["pid"]), "joining the sandbox's pid namespace")
     try:
@@ -280,7 +285,7 @@ def fork_agent(req: dict, fds: list[int]) -> dict:
             # the other descriptors; its signal handlers are the default again.
             signal.set_wakeup_fd(-1)
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            _become_agent(req, fds)
+            _become_agent(pid, fds)
         except BaseException as e:  # noqa: BLE001  (anything: the agent must not start)
             os.write(log, f"agentbox agent (forked): {e}\n".encode())
         os._exit(126)
@@ -305,6 +310,7 @@ def serve(sock: socket.socket) -> None:
     waiting.register(sock.fileno(), select.POLLIN)
     waiting.register(wake_r, select.POLLIN)
     gc.freeze()  # what is imported stays in pages every agent shares
+    sock.send(b'{"ready": true}')  # its imports went well: the server may ask
     while True:
         ready = {fd for fd, _ in waiting.poll()}
         if wake_r in ready:

@@ -772,6 +772,27 @@ def _priv_root_reach(ctx: Ctx) -> Verdict:
 
 
 @check(
+    "priv-agent-memory",
+    "privilege",
+    "the agent's memory and ptrace, and pid 1's, from the sandbox's root",
+    ["host-root"],
+)
+def _priv_agent_memory(ctx: Ctx) -> Verdict:
+    """The agent holds the sandbox's control channel: a process of the sandbox that could
+    read or write its memory could answer the server in its place, or run system calls
+    outside the filter through pid 1. Whether the agent was started by exec or forked from
+    the zygote (whose memory is the host user namespace's), its root reaches neither."""
+    out = ctx.box().probe("agent_access", user="root")
+    if not out.get("agents"):
+        raise ProbeFailed(f"no agent found: {str(out)[:300]}")
+    res = {k: v for k, v in out.items() if not k.startswith("_") and k != "agents"}
+    # Its environment is the sandbox's own (what every command gets): shown, not judged.
+    judged = {k: v for k, v in res.items() if not k.endswith(" environ")}
+    broken = [f"{k}={v}" for k, v in judged.items() if v == "OK"]
+    return verdict_from(broken, "ESCAPE", res)
+
+
+@check(
     "priv-no-new-privs",
     "privilege",
     "NoNewPrivs on every thread (setuid binaries give nothing)",

@@ -600,6 +600,34 @@ def probe_ptrace(pid: int) -> dict:
     return out
 
 
+def probe_agent_access() -> dict:
+    """The sandbox's agent (whose memory holds its control channel) and its pid 1, as the
+    caller reaches them: attach, read their memory (by process_vm_readv and /proc/PID/mem) and
+    environment. The agent is found by its command line (`/.agentbox/main.py`, started by exec
+    or forked)."""
+    me = os.getpid()
+    agents = []
+    for name in os.listdir("/proc"):
+        if name.isdigit() and int(name) != me:
+            try:
+                with open(f"/proc/{name}/cmdline", "rb") as f:
+                    if b"/.agentbox/main.py" in f.read():
+                        agents.append(int(name))
+            except OSError:
+                continue
+    out: dict = {"agents": agents}
+    for label, pid in [*((f"agent {p}", p) for p in agents), ("pid 1", 1)]:
+        for key, value in probe_ptrace(pid).items():
+            out[f"{label} {key}"] = value
+        try:
+            fd = os.open(f"/proc/{pid}/mem", os.O_RDONLY)
+            os.close(fd)
+            out[f"{label} mem"] = "OK"
+        except OSError as e:
+            out[f"{label} mem"] = oserr(e)
+    return out
+
+
 def probe_kill(pid: int) -> dict:
     try:
         os.kill(pid, signal.SIGUSR1)

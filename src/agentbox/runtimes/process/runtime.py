@@ -211,7 +211,7 @@ class ProcessRuntime(Runtime):
         sandboxes' mounts where the host allows (mountns.py); False starts them from the
         server's. Default: yes, unless the environment has AGENTBOX_CLEAN_MOUNT_NS=0."""
         self._require_tools()
-        agent_start = os.environ.get("AGENTBOX_AGENT_START", "exec")
+        agent_start = os.environ.get("AGENTBOX_AGENT_START", "fork")
         if agent_start not in ("exec", "fork"):
             raise RuntimeError_(f"AGENTBOX_AGENT_START={agent_start!r}: it is exec or fork")
         if not Path(SANDBOX_PYTHON).exists():
@@ -274,13 +274,18 @@ class ProcessRuntime(Runtime):
         )
         self.zygote: Zygote | None = None
         if self._agent_start(agent_start) == "fork":
-            self.zygote = Zygote(self.agent_dir)
-            self.zygote.start()  # its imports are paid now, not by the first create
+            zygote = Zygote(self.agent_dir)
+            try:
+                zygote.start()  # its imports are paid now, not by the first create
+                self.zygote = zygote
+            except ZygoteError as e:
+                logging.getLogger(__name__).warning("agent start: exec, not fork (%s)", e)
 
     def _agent_start(self, wanted: str) -> str:
-        """How the agent starts: `exec` (bwrap runs it, the default) or `fork` (from the
-        zygote, docs/design/agent-zygote.md), which AGENTBOX_AGENT_START=fork asks for and
-        only this runtime, as root, on x86_64 gives (elsewhere: exec, said in the log)."""
+        """How the agent starts: `fork` (from the zygote, docs/design/agent-zygote.md; the
+        default), which only this runtime, as root, on x86_64 gives, or `exec` (bwrap runs
+        it: AGENTBOX_AGENT_START=exec, and everywhere else, said in the log; also when the
+        zygote does not start)."""
         if wanted == "exec":
             return "exec"
         why = None
@@ -1051,8 +1056,8 @@ class ProcessRuntime(Runtime):
         if not self._read_ready(ready, proc):
             raise RuntimeError_(f"the sandbox failed to start: {self._log_tail(sdir)}")
         assert self.zygote is not None
-        request = {
-            "pid": init_pid,
+        # What the agent alone reads, after the fork (tenants' data never in the zygote).
+        spec_data = {
             "cgroups": join_files,
             "rlimits": [[res, value, value] for res, value in limits],
             "cpus": pin,
@@ -1066,8 +1071,10 @@ class ProcessRuntime(Runtime):
             opened.append(os.pidfd_open(init_pid))
             opened.append(os.open(sdir / "runtime.log", os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC))
             opened.append(_data_fd(self.seccomp))
-            pidfd, log, seccomp = opened
-            return self.zygote.fork_agent(request, [pidfd, listener.fileno(), hold_w, log, seccomp])
+            opened.append(_data_fd(json.dumps(spec_data).encode()))
+            pidfd, log, seccomp, data = opened
+            fds = [pidfd, listener.fileno(), hold_w, log, seccomp, data]
+            return self.zygote.fork_agent({"pid": init_pid}, fds)
         except (OSError, ZygoteError) as e:
             raise RuntimeError_(f"the sandbox's agent could not be started: {e}") from None
         finally:

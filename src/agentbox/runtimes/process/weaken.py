@@ -86,7 +86,8 @@ class Weakening:
 
 class WeakenedProcessRuntime(ProcessRuntime):
     """The process runtime with the layers named in `weaken` taken away (and `bind_host` paths
-    bound read-write). With no weakening it builds exactly the production sandbox."""
+    bound read-write). With no weakening it builds exactly the production sandbox, but for its
+    agent's start: by exec (the production one forks it from the zygote: zygote.py)."""
 
     name: ClassVar[str] = "process-weakened"
     forks_agents: ClassVar[bool] = False  # its agents' flags and fds are its own: exec

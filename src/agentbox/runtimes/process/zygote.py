@@ -20,6 +20,7 @@ from typing import Any
 
 LISTEN_FD = 3  # the forked agent's listening socket (agent/zygote.py puts it there)
 ANSWER_TIMEOUT_S = 10.0
+START_TIMEOUT_S = 15.0  # its imports, on a loaded host
 ANSWER_MAX = 64 * 1024
 
 
@@ -94,6 +95,16 @@ class Zygote:
         finally:
             theirs.close()
         self._sock = ours
+        try:
+            ours.settimeout(START_TIMEOUT_S)
+            ready = ours.recv(ANSWER_MAX)
+        except OSError as e:
+            ready, failed = b"", str(e)
+        else:
+            failed = "" if ready else "it ended before it was ready (see the server's log)"
+        if ready != b'{"ready": true}':
+            self._stop()
+            raise ZygoteError(f"the agent's zygote did not start: {failed or ready[:200]!r}")
         return ours
 
     def _stop(self) -> None:
