@@ -219,6 +219,8 @@ async def test_a_command_cannot_read_or_trace_the_forked_agent(data_dir: Path) -
 
 async def test_the_zygote_comes_back_and_its_agents_do_not_need_it(data_dir: Path) -> None:
     runtime = _runtime(data_dir, "fork")
+    assert runtime.zygote is not None
+    assert _zygotes_of(os.getpid()) == [runtime.zygote.pid()]
     second = "sbx_agentfork000002"
     try:
         _, client = await _sandbox(runtime)
@@ -235,6 +237,21 @@ async def test_the_zygote_comes_back_and_its_agents_do_not_need_it(data_dir: Pat
     finally:
         await runtime.destroy(second, None, keep_workspace=False)
         await _close(runtime)
+    assert not _zygotes_of(os.getpid()), "the zygote outlived its runtime"
+
+
+def _zygotes_of(parent: int) -> list[int]:
+    """Zygote processes `parent` started (their boot code on their command line)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == parent and b"runpy.run_path" in cmdline:
+            found.append(int(pid))
+    return found
 
 
 def test_the_zygote_refuses_a_process_of_the_hosts_namespaces(data_dir: Path) -> None:
@@ -288,14 +305,23 @@ def test_a_zygote_that_does_not_start_leaves_the_exec_start(
     try:
         assert runtime.capabilities()["agent_start"] == "exec"
         assert runtime.zygote is None
-        program = str(runtime.agent_dir / "zygote.py").encode()
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                assert program not in Path(f"/proc/{pid}/cmdline").read_bytes(), pid
-            except FileNotFoundError:
-                continue
+        assert not _zygotes_of(os.getpid())
         state = asyncio.run(runtime.create(SandboxSpec(SID, "default", Resources(disk_mb=64))))
         assert "agent_pid" not in state and asyncio.run(runtime.is_alive(SID, state))
     finally:
         asyncio.run(runtime.destroy(SID, None, keep_workspace=False))
+        asyncio.run(runtime.close())
+
+
+def test_the_zygote_ends_when_its_server_does(data_dir: Path) -> None:
+    """A server that dies closes its end of the zygote's socket (its only holder): the zygote
+    exits on its own, nothing kills it."""
+    runtime = _runtime(data_dir, "fork")
+    try:
+        assert runtime.zygote is not None and runtime.zygote._sock is not None
+        proc = runtime.zygote._proc
+        assert proc is not None
+        runtime.zygote._sock.close()
+        assert proc.wait(timeout=10) == 0
+    finally:
         asyncio.run(runtime.close())

@@ -693,8 +693,10 @@ exit 0
     assert "FOUND" not in res.stdout, res.stdout
     # Memory of every process of the sandbox, read from the host.
     state = egress_server.data_dir / "sandboxes" / sid / "runtime.json"
-    init_pid = json.loads(state.read_text())["init_pid"]
-    pids = _descendants(init_pid)
+    row = json.loads(state.read_text())
+    pids = _descendants(row["init_pid"])
+    if "agent_pid" in row:  # forked from the zygote: the agent is not below bwrap's init
+        pids += _descendants(row["agent_pid"])
     assert len(pids) >= 2
     for pid in pids:
         assert not _memory_contains(pid, value.encode()), f"value found in memory of {pid}"

@@ -105,8 +105,11 @@ def _fresh(tmp: Path, monkeypatch: pytest.MonkeyPatch, **env: str) -> ServerHand
 
 
 def _agent_host_pid(srv: ServerHandle, sid: str) -> int:
-    """The host pid of the sandbox's agent (pid 2 inside: the child of bwrap's init)."""
+    """The host pid of the sandbox's agent: forked from the zygote, as its state says; else
+    the child of bwrap's init."""
     row = _runtime_state(srv, sid)
+    if "agent_pid" in row:
+        return int(row["agent_pid"])
     init = row["init_pid"]
     for name in os.listdir("/proc"):
         if name.isdigit():
@@ -165,7 +168,11 @@ def test_a_wedged_agent_is_noticed_and_in_flight_requests_end(
             t0 = time.monotonic()
             # As the sandbox's root: `user` may not signal the agent.
             events = _events(
-                c, sid, "sleep 1; kill -STOP 2; sleep 30", http_timeout=15, user="root"
+                c,
+                sid,
+                "sleep 1; kill -STOP $(pgrep -f '[/].agentbox/main.py'); sleep 30",
+                http_timeout=15,
+                user="root",
             )
             took = time.monotonic() - t0
             errors = [e for e in events if e.get("type") == "error"]

@@ -474,7 +474,8 @@ def test_server_secrets_not_visible(server, client, tenant_key, boxes) -> None:
         sid,
         'k1=$(printf %s "$K1" | rev); k2=$(printf %s "$K2" | rev); '
         f'timeout 40 grep -rl --no-messages -I -D skip -F -e "$k1" -e "$k2" '
-        f"{SEARCH_ROOTS} /proc/1/cmdline /proc/1/environ /proc/2/cmdline; echo grep-rc=$?",
+        f"{SEARCH_ROOTS} /proc/1/cmdline /proc/1/environ /proc/2/cmdline /proc/3/cmdline;"
+        " echo grep-rc=$?",
         timeout=60,
         envs={"K1": server.admin_key[::-1], "K2": tenant_key[::-1]},
     )

@@ -284,6 +284,15 @@ class Background:
         return self.value
 
 
+def agent_pids(srv: RelServer, sandbox_id: str) -> list[int]:
+    """The sandbox's agent: the pid its runtime state names when the zygote forked it (its
+    command is the server's Python then), else its `python3` processes (an exec start)."""
+    state = srv.runtime_state(sandbox_id)
+    if state is not None and "agent_pid" in state:
+        return [int(state["agent_pid"])]
+    return sandbox_pids(srv.inventory(), sandbox_id, comm="python3")
+
+
 def sandbox_pids(snapshot: inv.Inventory, sandbox_id: str, comm: str | None = None) -> list[int]:
     return [
         p.pid

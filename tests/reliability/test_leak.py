@@ -30,10 +30,10 @@ from _rel import (
     TIERS,
     Background,
     RelServer,
+    agent_pids,
     assert_usable_or_gone,
     private_server,
     run_ok,
-    sandbox_pids,
 )
 
 from agentbox.battery import inventory
@@ -209,7 +209,7 @@ def _cycle(srv: RelServer, fault: str, rng: random.Random, round_: int) -> str:
             assert _delete(c, sid) == 204
         elif fault in ("agent_killed", "init_killed"):
             if fault == "agent_killed":
-                agents = sandbox_pids(srv.inventory(), sid, comm="python3")
+                agents = agent_pids(srv, sid)
                 assert agents, srv.inventory().about(sid)
                 _kill(min(agents))
             else:

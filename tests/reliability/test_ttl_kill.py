@@ -20,9 +20,9 @@ import pytest
 from _rel import (  # noqa: F401 - tier_srv is a fixture
     Background,
     RelServer,
+    agent_pids,
     private_server,
     run_ok,
-    sandbox_pids,
     tier_srv,
 )
 
@@ -154,7 +154,7 @@ def test_kill_every_state(srv: RelServer) -> None:
         # ... also when only its agent died (bwrap's init lives on while daemons do)
         sid = c.post("/v1/sandboxes", json={}).json()["sandbox_id"]
         run_ok(c, sid, "(sleep 600 &); echo")
-        agents = sandbox_pids(srv.inventory(), sid, comm="python3")
+        agents = agent_pids(srv, sid)
         assert agents
         os.kill(min(agents), signal.SIGKILL)
         deadline = time.monotonic() + 10
@@ -345,7 +345,7 @@ def test_a_death_is_noticed_between_health_rounds(tmp_path: Path,
         while not bwraps <= _pidfds(srv.pid):  # watched from the first round after the create
             assert time.monotonic() < deadline, (bwraps, _pidfds(srv.pid))
             time.sleep(0.1)
-        agents = sandbox_pids(srv.inventory(), sids[1], comm="python3")
+        agents = agent_pids(srv, sids[1])
         assert states[0] is not None and agents
         for sid, pid in ((sids[0], states[0]["init_pid"]), (sids[1], min(agents))):
             os.kill(pid, signal.SIGKILL)

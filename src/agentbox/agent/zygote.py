@@ -310,7 +310,14 @@ def serve(sock: socket.socket) -> None:
     waiting.register(sock.fileno(), select.POLLIN)
     waiting.register(wake_r, select.POLLIN)
     gc.freeze()  # what is imported stays in pages every agent shares
-    sock.send(b'{"ready": true}')  # its imports went well: the server may ask
+    # What every fork needs of the kernel: setns taking a pidfd (Linux 5.8), tried on its own
+    # pid namespace (which it may always join). Without it the server starts agents by exec.
+    own = os.pidfd_open(os.getpid())
+    try:
+        _check(libc.setns(own, NAMESPACES["pid"]), "setns by pidfd")
+    finally:
+        os.close(own)
+    sock.send(b'{"ready": true}')  # its imports and the kernel went well: the server may ask
     while True:
         ready = {fd for fd, _ in waiting.poll()}
         if wake_r in ready:

@@ -24,6 +24,15 @@ START_TIMEOUT_S = 15.0  # its imports, on a loaded host
 ANSWER_MAX = 64 * 1024
 
 
+# The zygote's program is sent on its socket, not named on its command line: no path of the
+# server's data dir in its argv (a process naming one is one of the data dir's own to the host
+# inventory, which a restarted server's new zygote is not), as the user-namespace helper's.
+_BOOT = (
+    "import runpy, socket, sys; s = socket.socket(fileno=int(sys.argv[1]));"
+    " p = s.recv(4096).decode(); s.detach(); runpy.run_path(p, run_name='__main__')"
+)
+
+
 class ZygoteError(Exception):
     pass
 
@@ -81,7 +90,7 @@ class Zygote:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", str(self.program), str(theirs.fileno())],
+                [sys.executable, "-I", "-S", "-c", _BOOT, str(theirs.fileno())],
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 close_fds=True,
@@ -97,6 +106,7 @@ class Zygote:
         self._sock = ours
         try:
             ours.settimeout(START_TIMEOUT_S)
+            ours.send(str(self.program).encode())
             ready = ours.recv(ANSWER_MAX)
         except OSError as e:
             ready, failed = b"", str(e)
