@@ -30,6 +30,7 @@ class SelfConfined(ProcessRuntime):
 
     name = "self-confined"
     host_namespace = "selfconf"
+    forks_agents = False  # bwrap runs the agent, with the options under test
     agent_options: tuple[str, ...] = ()
 
     def __init__(self, data_dir: Path) -> None:

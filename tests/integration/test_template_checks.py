@@ -59,16 +59,23 @@ def test_a_template_in_the_private_data_dir_starts_sandboxes(
         assert c.delete(f"/v1/sandboxes/{sid}").status_code == 204
 
 
-def test_a_template_that_cannot_start_is_named_at_start_up(
-    private: tuple[ServerHandle, Path],
-) -> None:
-    srv, templates = private
-    srv.stop()
-    # Break this server's copy only: its python is gone (the shared tree keeps its own link).
+def _without_python(templates: Path) -> None:
+    """Break this server's copy only: its python is gone (the shared tree keeps its own link)."""
     entry = json.loads((templates / "index/code-interpreter.json").read_text())
     rootfs = templates / "rootfs" / entry["rootfs_key"]
     for name in ("python3",):
         (rootfs / "usr" / "bin" / name).unlink()
+
+
+def test_a_template_that_cannot_start_is_named_at_start_up(
+    private: tuple[ServerHandle, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    srv, templates = private
+    srv.stop()
+    _without_python(templates)
+    # An agent bwrap runs is the template's python's: without it, no sandbox starts. (One the
+    # zygote forks, the default, is the host's: see the next test.)
+    monkeypatch.setenv("AGENTBOX_AGENT_START", "exec")
     srv.start()
     health = httpx.get(f"{srv.url}/v1/health").json()
     assert health["status"] == "degraded", health
@@ -86,6 +93,29 @@ def test_a_template_that_cannot_start_is_named_at_start_up(
     assert srv.log_path is not None
     log = srv.log_path.read_text()
     assert "template code-interpreter cannot start a sandbox" in log, log[-2000:]
+
+
+def test_a_forked_agent_names_the_missing_python_of_a_code_template(
+    private: tuple[ServerHandle, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The agent forked from the zygote (the default) is the host's Python and starts without
+    the template's; the code interpreter, started with each sandbox of a code template, is the
+    template's own: the check names it, and the sandbox's path (nothing of the host's)."""
+    srv, templates = private
+    srv.stop()
+    _without_python(templates)
+    monkeypatch.setenv("AGENTBOX_AGENT_START", "fork")
+    srv.start()
+    health = httpx.get(f"{srv.url}/v1/health").json()
+    assert health["templates"] == {"host": "ok", "code-interpreter": "failed"}, health
+    with srv.client(srv.make_key("checks")) as c:
+        check = c.get("/v1/templates/code-interpreter").json()["check"]
+        assert check["status"] == "failed", check
+        assert "the code interpreter did not start" in check["error"], check
+        assert "/usr/bin/python3" in check["error"], check
+        assert str(srv.data_dir) not in check["error"] and ".venv" not in check["error"], check
+        r = c.post("/v1/sandboxes", json={"timeout": 60})  # the host userland still works
+        assert r.status_code == 201, r.text
 
 
 # ---------------------------------------------------------------- first-use builds: `building`

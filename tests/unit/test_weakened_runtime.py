@@ -61,12 +61,23 @@ def argv_of(data_dir: Path) -> Callable[..., list[str]]:
 
 
 @needs_bwrap
-def test_with_no_weakening_the_sandbox_is_the_production_one(argv_of: Callable) -> None:
+def test_with_no_weakening_the_sandbox_is_the_production_one(
+    argv_of: Callable, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same bwrap command to the letter; only the agent's start differs where the
+    production one forks its agent (the weakened one runs it, as with AGENTBOX_AGENT_START=exec):
+    bwrap then runs the hold program in its place."""
+    monkeypatch.setenv("AGENTBOX_AGENT_START", "exec")
     prod = argv_of(ProcessRuntime)
     assert argv_of(WeakenedProcessRuntime) == prod
     assert "--weaken" not in prod and "--leak-fd" not in prod
     assert {"--userns", "--assert-userns-disabled", "--seccomp", "--size"} <= set(prod)
     assert prod[prod.index("--userns") + 1] == "8" and "--cap-drop" in prod
+    monkeypatch.setenv("AGENTBOX_AGENT_START", "fork")
+    forked = argv_of(ProcessRuntime)
+    if forked != prod:  # forked (as root, on x86_64)
+        assert forked[-1] == "/.agentbox/hold" and forked[-2] == "--"
+        assert forked[:-1] == prod[: len(forked) - 1]
 
 
 @needs_bwrap

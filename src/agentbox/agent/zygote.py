@@ -71,6 +71,7 @@ for _name in PRELOAD:
     __import__(_name)
 
 SANDBOX_AGENT_DIR = "/.agentbox"  # where the sandbox sees the agent's tree
+SANDBOX_PYTHON = "/usr/bin/python3"  # the sandbox's, as runtime.py starts an exec'd agent on
 LISTEN_FD, HOLD_FD = 3, 4
 MAX_FDS = 6
 MESSAGE_MAX = 1 << 20
@@ -205,6 +206,9 @@ def _become_agent(pid: int, fds: list[int]) -> None:
     sys.argv = [f"{SANDBOX_AGENT_DIR}/main.py", *req["argv"]]
     set_cmdline(" ".join(sys.argv))
     sys.path[:] = [SANDBOX_AGENT_DIR]  # the host's standard library is not there
+    # The interpreter an exec start runs on (the fallback the code bridge names when the
+    # template has no python3 on its PATH), never the host's path to the zygote's.
+    sys.executable = sys._base_executable = SANDBOX_PYTHON  # type: ignore[attr-defined]
     sys.path_importer_cache.clear()
     sys.meta_path.append(_LateImport())
     rebase_paths()
