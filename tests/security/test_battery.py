@@ -90,8 +90,9 @@ def test_escape_battery(request: pytest.FixtureRequest, tmp_path: Path) -> None:
         }
         assert moved == must, (tier, moved ^ must)
     if "gvisor" in card:  # pinned: a check quietly losing its gVisor control fails here
-        # 61: mcp-session-owner's control (the control plane's weakening) joined the moved ones.
-        assert sum(c["control"]["tier"] != "gvisor" for c in card["gvisor"]["checks"]) == 61
+        # 61: mcp-session-owner's control (the control plane's weakening) joined the moved ones;
+        # 62: priv-agent-memory's (host-root: the gvisor tier cannot be weakened so).
+        assert sum(c["control"]["tier"] != "gvisor" for c in card["gvisor"]["checks"]) == 62
     groups = {c["group"] for c in checks}
     assert {
         "filesystem",
