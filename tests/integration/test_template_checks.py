@@ -59,27 +59,30 @@ def test_a_template_in_the_private_data_dir_starts_sandboxes(
         assert c.delete(f"/v1/sandboxes/{sid}").status_code == 204
 
 
-def _without_python(templates: Path) -> None:
-    """Break this server's copy only: its python is gone (the shared tree keeps its own link)."""
+def _restarted_without_python(
+    private: tuple[ServerHandle, Path], monkeypatch: pytest.MonkeyPatch, agent_start: str
+) -> tuple[ServerHandle, dict]:
+    """The server again, its agents started `agent_start`, its copy of the code template
+    broken (its python gone; the shared tree keeps its own link); its health."""
+    srv, templates = private
+    srv.stop()
     entry = json.loads((templates / "index/code-interpreter.json").read_text())
     rootfs = templates / "rootfs" / entry["rootfs_key"]
-    for name in ("python3",):
-        (rootfs / "usr" / "bin" / name).unlink()
+    (rootfs / "usr" / "bin" / "python3").unlink()
+    monkeypatch.setenv("AGENTBOX_AGENT_START", agent_start)
+    srv.start()
+    health = httpx.get(f"{srv.url}/v1/health").json()
+    assert health["templates"] == {"host": "ok", "code-interpreter": "failed"}, health
+    return srv, health
 
 
 def test_a_template_that_cannot_start_is_named_at_start_up(
     private: tuple[ServerHandle, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    srv, templates = private
-    srv.stop()
-    _without_python(templates)
     # An agent bwrap runs is the template's python's: without it, no sandbox starts. (One the
     # zygote forks, the default, is the host's: see the next test.)
-    monkeypatch.setenv("AGENTBOX_AGENT_START", "exec")
-    srv.start()
-    health = httpx.get(f"{srv.url}/v1/health").json()
+    srv, health = _restarted_without_python(private, monkeypatch, "exec")
     assert health["status"] == "degraded", health
-    assert health["templates"] == {"host": "ok", "code-interpreter": "failed"}, health
     key = srv.make_key("checks")
     with srv.client(key) as c:
         check = c.get("/v1/templates/code-interpreter").json()["check"]
@@ -101,13 +104,7 @@ def test_a_forked_agent_names_the_missing_python_of_a_code_template(
     """The agent forked from the zygote (the default) is the host's Python and starts without
     the template's; the code interpreter, started with each sandbox of a code template, is the
     template's own: the check names it, and the sandbox's path (nothing of the host's)."""
-    srv, templates = private
-    srv.stop()
-    _without_python(templates)
-    monkeypatch.setenv("AGENTBOX_AGENT_START", "fork")
-    srv.start()
-    health = httpx.get(f"{srv.url}/v1/health").json()
-    assert health["templates"] == {"host": "ok", "code-interpreter": "failed"}, health
+    srv, _ = _restarted_without_python(private, monkeypatch, "fork")
     with srv.client(srv.make_key("checks")) as c:
         check = c.get("/v1/templates/code-interpreter").json()["check"]
         assert check["status"] == "failed", check
