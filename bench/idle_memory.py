@@ -24,7 +24,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness as H  # noqa: E402
 
-GOAL_MIB = 8.0
+GOAL_MIB = 3.0  # issue 19 (the original goal, issue 1, was 8)
 
 
 def meminfo() -> dict[str, int]:
@@ -49,9 +49,28 @@ def cgroup_memory_bytes(sid: str) -> int | None:
     return None
 
 
+def zygote_pids(server_pid: int) -> list[int]:
+    """The server's zygote (the process the agents are forked from, AGENTBOX_AGENT_START=fork):
+    a direct child of the server running Python with `-I -S -c`, not in any sandbox."""
+    try:
+        kids = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
+    except OSError:
+        return []
+    found = []
+    for kid in kids:
+        try:
+            argv = Path(f"/proc/{kid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv[1:4] == [b"-I", b"-S", b"-c"]:
+            found.append(int(kid))
+    return found
+
+
 def bwrap_floor() -> tuple[int, int]:
     """(PSS KiB, process count) of a bare bwrap tree idling in `sleep`."""
-    p = subprocess.Popen(["bwrap", "--unshare-all", "--ro-bind", "/", "/", "--", "sleep", "60"])
+    p = subprocess.Popen(["bwrap", "--unshare-all", "--die-with-parent", "--ro-bind", "/", "/",
+                          "--", "sleep", "60"])
     try:
         time.sleep(0.5)
         pids = [p.pid]
@@ -84,7 +103,8 @@ def main() -> None:
     print(f"floor: bare bwrap tree idling in sleep: PSS {floor_pss / 1024:.2f} MiB "
           f"({floor_procs} processes)")
     with H.BenchServer("memory") as srv:
-        srv.set_quota(max_sandboxes=max(1000, args.count + 10), max_memory_mb=4096)
+        srv.set_quota(max_sandboxes=max(1000, args.count + 10), max_memory_mb=4096,
+                      max_total_descriptors=1 << 40)
         time.sleep(1)
         rss0 = H.rss_kb(srv.pid)
         mi0 = meminfo()
@@ -130,12 +150,17 @@ def main() -> None:
         rss1 = H.rss_kb(srv.pid)
         mi1 = meminfo()
         n = max(1, len(ids))
-        total_pss = sum(per_pss)
+        # A forked agent shares its pages with the zygote it came from, so its PSS is lower
+        # and the zygote holds the rest: the zygote's PSS is shared out over the sandboxes.
+        zygote_kb = sum(H.pss_kb(pid) for pid in zygote_pids(srv.pid))
+        total_pss = sum(per_pss) + zygote_kb
         print(f"\nper idle sandbox ({len(ids)} sandboxes, "
               f"{statistics.median(per_procs) if per_procs else 0:.0f} processes each):")
         print(f"  PSS of its processes: mean {total_pss / n / 1024:.2f} MiB, p50 "
               f"{H.percentile(per_pss, 50) / 1024:.2f}, p99 {H.percentile(per_pss, 99) / 1024:.2f} "
               f"MiB (total {total_pss / 1024:.0f} MiB)")
+        print(f"  of which the zygote's share (its PSS {zygote_kb / 1024:.2f} MiB over {n}): "
+              f"{zygote_kb / n / 1024:.3f} MiB; p50 and p99 leave it out")
         print(f"  RSS of its processes (shared pages counted each time): mean "
               f"{sum(per_rss) / n / 1024:.2f} MiB")
         if per_cg:
@@ -155,6 +180,7 @@ def main() -> None:
            "p99": H.percentile(per_pss, 99) / 1024, "mean": mean, "unit": "MiB",
            "met": mean <= GOAL_MIB and not errors,
            "floor": f"bare bwrap tree PSS {floor_pss / 1024:.2f} MiB",
+           "zygote_pss_kb": zygote_kb,
            "ratio": f"server +{(rss1 - rss0) / n:.0f} KiB/sandbox; host used "
                     f"+{used / n / 1024:.2f} MiB/sandbox"}
     print(f"\nRESULT: PSS per idle sandbox mean {mean:.2f} MiB (p50 {row['p50']:.2f}, p99 "

@@ -66,6 +66,13 @@ _libc.syscall.restype = ctypes.c_long
 # ---------------------------------------------------------------- self-confinement
 
 
+class _PathBeneath(ctypes.Structure):
+    """struct landlock_path_beneath_attr"""
+
+    _pack_ = 1
+    _fields_ = [("allowed", ctypes.c_uint64), ("fd", ctypes.c_int32)]
+
+
 def _landlock(writable: list[str]) -> int:
     """Fence the agent and everything it starts: read anywhere visible, write only `writable`.
 
@@ -85,16 +92,12 @@ def _landlock(writable: list[str]) -> int:
     if rfd < 0:
         return 0
 
-    class PathBeneath(ctypes.Structure):
-        _pack_ = 1
-        _fields_ = [("allowed", ctypes.c_uint64), ("fd", ctypes.c_int32)]
-
     def allow(path: str, rights: int) -> None:
         try:
             fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
         except OSError:
             return
-        rule = PathBeneath(rights & handled, fd)
+        rule = _PathBeneath(rights & handled, fd)
         _libc.syscall(445, rfd, 1, ctypes.byref(rule), 0)  # LANDLOCK_RULE_PATH_BENEATH
         os.close(fd)
 

@@ -128,6 +128,9 @@ class _CapData(ctypes.Structure):
     ]
 
 
+_CapDataPair = _CapData * 2  # a type made once here, not in each agent
+
+
 def set_capabilities(mask: int) -> None:
     """Bounding set, then permitted, effective and inheritable to `mask`; ambient empty."""
     for cap in range(LAST_CAP + 1):
@@ -135,7 +138,7 @@ def set_capabilities(mask: int) -> None:
             _check(libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0), f"dropping capability {cap}")
     _check(libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0), "ambient capabilities")
     header = _CapHeader(LINUX_CAPABILITY_VERSION_3, 0)
-    data = (_CapData * 2)()
+    data = _CapDataPair()
     for i in (0, 1):
         part = (mask >> (32 * i)) & 0xFFFFFFFF
         data[i].effective = data[i].permitted = data[i].inheritable = part
@@ -205,13 +208,6 @@ def _become_agent(pid: int, fds: list[int]) -> None:
     _check(libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0), "dumpable")
     sys.argv = [f"{SANDBOX_AGENT_DIR}/main.py", *req["argv"]]
     set_cmdline(" ".join(sys.argv))
-    sys.path[:] = [SANDBOX_AGENT_DIR]  # the host's standard library is not there
-    # The interpreter an exec start runs on (the fallback the code bridge names when the
-    # template has no python3 on its PATH), never the host's path to the zygote's.
-    sys.executable = sys._base_executable = SANDBOX_PYTHON  # type: ignore[attr-defined]
-    sys.path_importer_cache.clear()
-    sys.meta_path.append(_LateImport())
-    rebase_paths()
     confine.load_seccomp(prog)
     sandbox_agent.main()
 
@@ -256,8 +252,19 @@ def _host_paths() -> list[tuple[object, str, str]]:
 HOST_PATHS = _host_paths()
 
 
-def rebase_paths() -> None:
-    """Those paths made the sandbox's (`/.agentbox`), in a forked agent."""
+def as_the_sandbox_sees_it() -> None:
+    """The interpreter's paths made those a forked agent sees, once and in the zygote, which
+    imports nothing after its start (the agent's own steps, after the fork, copy every page
+    they write: what is the same for all agents is done here). Its import path is the agent's
+    tree in the sandbox (the host's standard library is not there), with a last finder that
+    says what was not preloaded; its interpreter the one an exec start runs on (the fallback
+    the code bridge names when a template has no python3 on its PATH), never the host's path
+    to the zygote's; the module attributes that were paths into the host's copy of the agent
+    (`__file__` and those computed from it) are `/.agentbox`'s."""
+    sys.path[:] = [SANDBOX_AGENT_DIR]
+    sys.path_importer_cache.clear()
+    sys.meta_path.append(_LateImport())
+    sys.executable = sys._base_executable = SANDBOX_PYTHON  # type: ignore[attr-defined]
     for module, key, value in HOST_PATHS:
         setattr(module, key, value)
 
@@ -313,6 +320,7 @@ def serve(sock: socket.socket) -> None:
     waiting = select.poll()
     waiting.register(sock.fileno(), select.POLLIN)
     waiting.register(wake_r, select.POLLIN)
+    as_the_sandbox_sees_it()
     gc.freeze()  # what is imported stays in pages every agent shares
     # What every fork needs of the kernel: setns taking a pidfd (Linux 5.8), tried on its own
     # pid namespace (which it may always join). Without it the server starts agents by exec.
