@@ -194,6 +194,31 @@ async def test_the_sandbox_ends_with_its_forked_agent(data_dir: Path) -> None:
         await _close(runtime)
 
 
+async def test_a_sandbox_bwrap_cannot_set_up_fails_and_leaves_no_agent(data_dir: Path) -> None:
+    """The agent is forked while bwrap still sets the sandbox up, and waits for the hold
+    program's word before it joins anything: a bwrap that fails after making the namespaces
+    (here: the working directory is not in the tree) fails the create with bwrap's own words,
+    the forked agent ends without having joined the sandbox, and the next create works."""
+    runtime = _runtime(data_dir, "fork")
+    assert runtime.zygote is not None
+    zygote = runtime.zygote.pid()
+    spec = SandboxSpec(SID, "default", Resources(disk_mb=64), workdir="/no/such/dir")
+    try:
+        with pytest.raises(RuntimeError_, match="(?i)chdir") as e:
+            await runtime.create(spec)
+        assert "/no/such/dir" in str(e.value), e.value
+        deadline = time.monotonic() + 5
+        while Path(f"/proc/{zygote}/task/{zygote}/children").read_text().split():
+            assert time.monotonic() < deadline, "the forked agent outlived its sandbox's bwrap"
+            await asyncio.sleep(0.02)
+        await runtime.destroy(SID, None, keep_workspace=False)
+        state, client = await _sandbox(runtime)
+        assert "hi" in await _run(client, "echo hi")
+        assert runtime.zygote.pid() == zygote
+    finally:
+        await _close(runtime)
+
+
 async def test_a_command_cannot_read_or_trace_the_forked_agent(data_dir: Path) -> None:
     """Its memory is the zygote's, of the host's user namespace: no process of the sandbox,
     its root included, may read its /proc files or attach to it. bwrap's pid 1 and the hold
@@ -265,7 +290,7 @@ def test_the_zygote_refuses_a_process_of_the_hosts_namespaces(data_dir: Path) ->
     log = os.open("/dev/null", os.O_WRONLY)
     try:
         with pytest.raises(ZygoteError, match="shares the host's pid namespace"):
-            runtime.zygote.fork_agent({"pid": os.getpid()}, [me, a.fileno(), w, log, r, r])
+            runtime.zygote.fork_agent({"pid": os.getpid()}, [me, a.fileno(), w, log, r, r, r])
     finally:
         for fd in (me, r, w, log):
             os.close(fd)

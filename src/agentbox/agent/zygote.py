@@ -10,18 +10,21 @@ to load one.
 
 Per request (a JSON message, the sandbox's init's pid; and by SCM_RIGHTS: a pidfd of that init,
 the agent's listening socket, the write end of the sandbox's hold pipe, the sandbox's log, its
-seccomp program and its spec, read by the agent alone: nothing of a tenant's, its environment
-say, is ever in the zygote's memory to be copied into the next sandbox's agent) it joins the
+seccomp program, its spec, read by the agent alone: nothing of a tenant's, its environment
+say, is ever in the zygote's memory to be copied into the next sandbox's agent; and the read
+end of the pipe bwrap's first process says on that the sandbox is set up) it joins the
 sandbox's pid namespace for its children, forks the agent (its child, which it reaps) and
-leaves that namespace again. The agent, still in the host's other namespaces and as root, joins
-the sandbox's cgroups, takes its rlimits and CPUs, drops its supplementary groups and takes a
-process group of its own; joins the init's other namespaces (the user namespace with them, by
-the pidfd); and then does for itself what bwrap does for the sandbox's first process: the
-sandbox's root ids, its capabilities (bounding, permitted, effective, inheritable; no ambient),
-its working directory, environment and descriptors (0 /dev/null, 1 and 2 the log, 3 the
-listener, 4 the hold pipe), no_new_privs and the seccomp filter last; then the agent's own
-start (Landlock and the rest) as ever. What fails there is said in the sandbox's log, and the
-agent exits: the sandbox ends with it.
+leaves that namespace again. It is asked as soon as bwrap has made the namespaces, while bwrap
+still makes the sandbox's mounts. The agent, still in the host's other namespaces and as root,
+joins the sandbox's cgroups, takes its rlimits and CPUs, drops its supplementary groups and
+takes a process group of its own (all of which overlaps bwrap's work); waits until bwrap's
+first process says the sandbox is set up; joins the init's other namespaces (the user
+namespace with them, by the pidfd); and then does for itself what bwrap does for the sandbox's
+first process: the sandbox's root ids, its capabilities (bounding, permitted, effective,
+inheritable; no ambient), its working directory, environment and descriptors (0 /dev/null, 1
+and 2 the log, 3 the listener, 4 the hold pipe), no_new_privs and the seccomp filter last; then
+the agent's own start (Landlock and the rest) as ever. What fails there is said in the
+sandbox's log, and the agent exits: the sandbox ends with it.
 
 It says `{"ready": true}` once it has imported everything. The reply is `{"pid": N}` (the
 agent's host pid) or `{"error": "..."}`. The zygote exits when the server's end of its socket
@@ -73,7 +76,8 @@ for _name in PRELOAD:
 SANDBOX_AGENT_DIR = "/.agentbox"  # where the sandbox sees the agent's tree
 SANDBOX_PYTHON = "/usr/bin/python3"  # the sandbox's, as runtime.py starts an exec'd agent on
 LISTEN_FD, HOLD_FD = 3, 4
-MAX_FDS = 6
+MAX_FDS = 7
+SET_UP_SECONDS = 15  # as long as the server waits for the agent's first answer
 MESSAGE_MAX = 1 << 20
 
 PR_SET_DUMPABLE = 4
@@ -164,7 +168,7 @@ def _become_agent(pid: int, fds: list[int]) -> None:
     """In the sandbox's pid namespace, the rest still the host's, as root: the sandbox's
     cgroups, limits and CPUs; then its other namespaces; then what bwrap does for its first
     process; then the agent."""
-    pidfd, listener, hold, log, seccomp, spec = fds
+    pidfd, listener, hold, log, seccomp, spec, ready = fds
     with os.fdopen(spec, "rb", closefd=True) as f:
         req = json.loads(f.read())
     me = str(os.getpid())
@@ -183,6 +187,7 @@ def _become_agent(pid: int, fds: list[int]) -> None:
     # but the zygote's own, which it started and has no terminal; not its leader either (so
     # the agent cannot acquire one), as under bwrap. A process group of its own.
     os.setpgid(0, 0)
+    _wait_until_set_up(ready)
     _check(libc.setns(pidfd, _namespaces_to_join(pid)), "joining the namespaces")
     os.setresgid(0, 0, 0)
     os.setresuid(0, 0, 0)
@@ -210,6 +215,20 @@ def _become_agent(pid: int, fds: list[int]) -> None:
     set_cmdline(" ".join(sys.argv))
     confine.load_seccomp(prog)
     sandbox_agent.main()
+
+
+def _wait_until_set_up(ready: int) -> None:
+    """Until bwrap's first process (the hold program) says the sandbox is set up: it runs only
+    once bwrap has made the sandbox's mounts and pivoted its root, so the namespaces joined
+    next are the sandbox's as they stay. The steps above, the host's, run meanwhile. The end
+    of the pipe (every bwrap gone) or SET_UP_SECONDS without a word: nothing to join."""
+    waiting = select.poll()
+    waiting.register(ready, select.POLLIN)
+    if not waiting.poll(SET_UP_SECONDS * 1000):
+        raise StepFailed(f"the sandbox was not set up within {SET_UP_SECONDS} s")
+    if not os.read(ready, 1):
+        raise StepFailed("the sandbox ended before it was set up")
+    os.close(ready)
 
 
 class _LateImport:

@@ -1050,11 +1050,10 @@ class ProcessRuntime(Runtime):
         limits: list[tuple[int, int]],
         pin: list[int] | None,
     ) -> int:
-        """Once bwrap's first process says the sandbox is set up, the agent forked into it by
-        the zygote (agent/zygote.py does there what bwrap does for its first process); its
-        host pid."""
-        if not self._read_ready(ready, proc):
-            raise RuntimeError_(f"the sandbox failed to start: {self._log_tail(sdir)}")
+        """The agent forked into the sandbox by the zygote as soon as bwrap has made its
+        namespaces (agent/zygote.py does there what bwrap does for its first process): it does
+        the host's steps while bwrap makes the mounts, then waits on `ready` for bwrap's first
+        process to say the sandbox is set up. Its host pid."""
         assert self.zygote is not None
         # What the agent alone reads, after the fork (tenants' data never in the zygote).
         spec_data = {
@@ -1073,27 +1072,16 @@ class ProcessRuntime(Runtime):
             opened.append(_data_fd(self.seccomp))
             opened.append(_data_fd(json.dumps(spec_data).encode()))
             pidfd, log, seccomp, data = opened
-            fds = [pidfd, listener.fileno(), hold_w, log, seccomp, data]
+            fds = [pidfd, listener.fileno(), hold_w, log, seccomp, data, ready]
             return self.zygote.fork_agent({"pid": init_pid}, fds)
         except (OSError, ZygoteError) as e:
+            if proc.poll() is not None:  # bwrap failed: the zygote found no sandbox to join
+                tail = self._log_tail(sdir)
+                raise RuntimeError_(f"the sandbox failed to start: {tail}") from None
             raise RuntimeError_(f"the sandbox's agent could not be started: {e}") from None
         finally:
             for fd in opened:
                 os.close(fd)
-
-    @staticmethod
-    def _read_ready(fd: int, proc: subprocess.Popen) -> bool:
-        """Whether bwrap's first process wrote its byte (the sandbox is set up) within 10 s;
-        False at the end of the pipe (bwrap failed: every write end is gone)."""
-        deadline = time.monotonic() + 10
-        waiting = select.poll()
-        waiting.register(fd, select.POLLIN)
-        while (left := deadline - time.monotonic()) > 0:
-            if waiting.poll(min(left, 0.1) * 1000):
-                return os.read(fd, 1) != b""
-            if proc.poll() is not None:
-                return False
-        return False
 
     @staticmethod
     def _log_tail(sdir: Path) -> str:
