@@ -57,7 +57,6 @@ from agentbox.runtimes.base import (
     home_mount_point,
 )
 from agentbox.runtimes.process import (
-    blanks,
     hold,
     hostview,
     mountns,
@@ -66,7 +65,6 @@ from agentbox.runtimes.process import (
     userns,
     workspace,
 )
-from agentbox.runtimes.process.blanks import BlankDisks
 from agentbox.runtimes.process.cgroups import GROUP, CgroupError, CgroupLimits, Cgroups
 from agentbox.runtimes.process.netns import NamespaceSockets, NetnsError
 from agentbox.runtimes.process.seccomp import build_filter
@@ -170,7 +168,6 @@ class HostLayout:
     kept: Path  # the workspaces kept after their sandbox ended
     kept_mounts: Path  # read-only mounts of kept workspaces while someone reads them
     bind_root: Path  # the root-owned, traverse-only tree sandboxes bind from (see __init__)
-    blank_disks: Path  # blank disk images formatted ahead (blanks.py)
     cgroup_group: str  # cgroups are <controller>/<group>/<scope>/<sandbox id>
     scope: str  # the data dir's name on the host (its digest)
     lease_owner: str  # the owner of its uid leases (uids.py)
@@ -184,7 +181,6 @@ class HostLayout:
             sandboxes=data_dir / f"sandboxes{sfx}",
             kept=data_dir / f"kept-workspaces{sfx}",
             kept_mounts=data_dir / f"kept-mounts{sfx}",
-            blank_disks=data_dir / f"blank-disks{sfx}",
             bind_root=RUN_ROOT / f"{digest}{sfx}",
             cgroup_group=f"{GROUP}{sfx}",
             scope=digest,
@@ -263,7 +259,6 @@ class ProcessRuntime(Runtime):
         if use_loop:
             # Not on every destroy: it reads every loop device's backing file (O(live sandboxes)).
             diskimage.detach_orphan_loops(self.root)
-        self.blanks = BlankDisks(self.layout.blank_disks, self._format_blank) if use_loop else None
         self._drop_kept_mounts()
         self.seccomp = build_filter()
         self.children: dict[str, subprocess.Popen] = {}
@@ -664,7 +659,6 @@ class ProcessRuntime(Runtime):
             ws = workspace.create(
                 sdir, bind_dir, spec.resources.disk_mb, owner, self.use_loop, root_layer=layer,
                 source=spec.disk, base=uid, tools=self._in_clean_ns,
-                blank=self.blanks.take if self.blanks is not None else None,
             )  # fmt: skip
             if self._own_userns():
                 # Only this sandbox's bwrap (its host uid) may go through: 0710 root:base.
@@ -1093,11 +1087,6 @@ class ProcessRuntime(Runtime):
     def _log_tail(sdir: Path) -> str:
         return (sdir / "runtime.log").read_text(errors="replace")[-2000:].strip() or "no output"
 
-    def _format_blank(self, image: Path, disk_mb: int) -> None:
-        blanks.format_blank(
-            image, disk_mb, "0:0", lambda argv: self._in_clean_ns(lambda: diskimage.run(argv))
-        )
-
     def _in_clean_ns(self, fn: Callable[[], _T]) -> _T:
         """`fn()` in a copy of the clean mount namespace, where there is one (the disk tools,
         which look at every mounted block device: workspace.create)."""
@@ -1425,8 +1414,6 @@ class ProcessRuntime(Runtime):
             self.clean_ns.close()
         if self.zygote is not None:
             self.zygote.close()  # the agents it forked live on: they need it no more
-        if self.blanks is not None:
-            self.blanks.close()
         self._drop_kept_mounts()
         self._drop_template_binds()
         if self.use_loop:
