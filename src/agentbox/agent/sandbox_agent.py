@@ -2125,6 +2125,26 @@ def _import_ahead_once() -> None:
         pass  # no thread to spare: the first command imports them itself
 
 
+def _wait_to_accept(
+    listener: _socket.socket | None, sudo: _socket.socket, timeout: float | None = None
+) -> bool:
+    """Until a connection waits on the agent's listener or on the sudo socket (or `timeout`
+    seconds pass); serves sudo's. Whether the listener has one (True too where it was closed:
+    quiesced, see Channel; the accept that follows says so)."""
+    import select
+
+    waiting = select.poll()
+    waiting.register(sudo.fileno(), select.POLLIN)
+    if listener is not None:
+        if listener.fileno() < 0:
+            return True
+        waiting.register(listener.fileno(), select.POLLIN)
+    ready = {fd for fd, _ in waiting.poll(None if timeout is None else timeout * 1000)}
+    if sudo.fileno() in ready:
+        users.accept_sudo(sudo)
+    return listener is not None and listener.fileno() in ready
+
+
 def main() -> None:
     global LANDLOCK_ABI, WORKSPACE, WEAKENED, LEAKED_FD, DEFAULT_CWD, CHANNEL_DIR, CHANNEL
     WORKSPACE = _arg("--workspace") or WORKSPACE
@@ -2158,7 +2178,7 @@ def main() -> None:
         writable += [sys.argv[i + 1] for i, a in enumerate(sys.argv[:-1]) if a == "--writable"]
         LANDLOCK_ABI = _landlock(writable)
     # After Landlock: its scope lets sandboxed code reach only sockets made inside its domain.
-    users.serve_sudo()
+    sudo = users.serve_sudo()
     threading.stack_size(512 * 1024)
     while True:
         if CHANNEL is not None:
@@ -2167,9 +2187,14 @@ def main() -> None:
                 CHANNEL.reopen()
             listener = CHANNEL.listener
             if listener is None:  # quiesced: until SIGUSR2
-                time.sleep(0.02)
+                if sudo is None:
+                    time.sleep(0.02)
+                else:
+                    _wait_to_accept(None, sudo, 0.02)
                 continue
         assert listener is not None
+        if sudo is not None and not _wait_to_accept(listener, sudo):
+            continue
         try:
             conn_fd, _ = listener._accept()  # type: ignore[attr-defined]  # accept4(CLOEXEC)
             sock = _socket.socket(fileno=conn_fd)

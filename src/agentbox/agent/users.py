@@ -232,33 +232,37 @@ _FSUID_WORKS = _fsuid_works()
 # ---------------------------------------------------------------- sudo
 
 
-def serve_sudo() -> bool:
-    """Listen for `sudo` requests; False if the socket is taken (a sandbox sharing its
-    network namespace, only ever a weakened one) or the agent cannot run as root."""
+def serve_sudo() -> _socket.socket | None:
+    """The socket `sudo` requests come on, listening (the agent's accept loop takes them:
+    accept_sudo); None if the socket is taken (a sandbox sharing its network namespace, only
+    ever a weakened one) or the agent cannot run as root. No thread of its own: each one the
+    agent keeps copies its share of the pages it inherited and takes one of the sandbox's
+    processes."""
     if not CAN_SWITCH:
-        return False
+        return None
     sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM | _socket.SOCK_CLOEXEC)
     try:
         sock.bind(SUDO_SOCKET)
         sock.listen(64)
     except OSError:
         sock.close()
-        return False
-    threading.Thread(target=_accept_sudo, args=(sock,), daemon=True).start()
-    return True
+        return None
+    sock.setblocking(False)  # a connection gone before its accept must not stop the loop
+    return sock
 
 
-def _accept_sudo(listener: _socket.socket) -> None:
-    while True:
-        try:
-            fd, _ = listener._accept()  # type: ignore[attr-defined]
-        except OSError:
-            continue
-        conn = _socket.socket(fileno=fd)
-        try:
-            threading.Thread(target=_serve_sudo, args=(conn,), daemon=True).start()
-        except RuntimeError:  # no thread: the sandbox is at its process limit
-            conn.close()
+def accept_sudo(listener: _socket.socket) -> None:
+    """Serve the `sudo` connection waiting on `listener`, on a thread of its own."""
+    try:
+        fd, _ = listener._accept()  # type: ignore[attr-defined]
+    except OSError:
+        return
+    conn = _socket.socket(fileno=fd)
+    conn.setblocking(True)
+    try:
+        threading.Thread(target=_serve_sudo, args=(conn,), daemon=True).start()
+    except RuntimeError:  # no thread: the sandbox is at its process limit
+        conn.close()
 
 
 def _recv_request(conn: _socket.socket) -> tuple[dict, list[int]]:
