@@ -53,6 +53,7 @@ LIST_LIMIT = P.LIST_LIMIT
 STDERR_TAIL = 4096
 KEEPALIVE_S = 15.0
 READ_POLL_MS = 500  # how soon a pipe reader left behind by an ended command goes
+READERS_BEHIND_S = 5.0  # how long an ended command's output may still be on its way
 HANGUP_POLL_S = 0.5  # how soon a running cell notices its client has gone
 UPLOAD_PREFIX = ".agentbox-upload-"  # a file being written; renamed into place when whole
 TERMINAL_INPUT_S = 2.0  # input to a terminal whose program does not read it waits this long
@@ -1105,6 +1106,7 @@ class Command:
         self.attached: dict[object, int] = {}
         self.backlogged = 0
         self.reading_stopped = False  # set once the command has ended and its readers may go
+        self.idle_readers: set[int] = set()  # pipe readers blocked on an empty pipe, by stream
         self.first_stream: object | None = None  # a foreground run's own stream
         # The control plane's own commands (readiness checks, a pool member's warm-up): not
         # listed, so whoever gets the sandbox sees only the commands it ran.
@@ -1428,8 +1430,12 @@ class Commands:
         poller.register(fd, select.POLLIN)
         try:
             while not c.reading_stopped:
-                if not poller.poll(READ_POLL_MS):
-                    continue
+                c.idle_readers.add(stream)
+                try:
+                    if not poller.poll(READ_POLL_MS):
+                        continue
+                finally:
+                    c.idle_readers.discard(stream)
                 try:
                     data = os.read(fd, 65536)
                 except OSError:
@@ -1464,13 +1470,19 @@ class Commands:
         code = c.proc.wait()
         # Output still in the pipes belongs to the command; daemons holding the pipes open
         # must not keep the command "running", so wait for the readers only briefly, unless
-        # they wait for an attached client to take what they read (its output goes on).
-        deadline = time.monotonic() + 0.2
+        # they wait for an attached client to take what they read (its output goes on), or
+        # one is not blocked on an empty pipe: it has output of the command's still to read
+        # or append (a busy machine had not run it yet), for up to READERS_BEHIND_S.
+        exited = time.monotonic()
         for t in c.readers:
             while t.is_alive():
                 t.join(0.05)
-                if time.monotonic() > deadline and not c.backlogged:
-                    break
+                waited = time.monotonic() - exited
+                if waited > 0.2 and not c.backlogged:
+                    alive = sum(r.is_alive() for r in c.readers)
+                    behind = c.pty < 0 and len(c.idle_readers) < alive  # pipes only
+                    if not behind or waited > READERS_BEHIND_S:
+                        break
         c.reading_stopped = True  # pipe readers still blocked close their pipes and go
         if c.pty >= 0:
             with c.pty_lock:  # input and resizes use the fd under it, or find it closed
