@@ -19,6 +19,7 @@ import httpx
 import pytest
 from conftest import ServerHandle, create_sandbox, run, start_server
 
+from agentbox.runtimes.base import Resources
 from agentbox.runtimes.uids import UID_RANGE
 
 pytestmark = pytest.mark.timeout(240)
@@ -218,6 +219,12 @@ def test_limits_hold(client: httpx.Client, tier: str) -> None:
     else:
         res = run(client, sid, bomb)
         assert res.exit_code != 0 and res.end.get("violation", {}).get("code") == "memory_limit"
+    # The rlimits each tier sets, soft and hard alike (runc inherits them from the
+    # `prlimit` it is started under, gVisor's bundle names them).
+    res = run(client, sid, "ulimit -Sn; ulimit -Hn; ulimit -Sf; ulimit -Hf; ulimit -Sc; ulimit -Hc")
+    r = Resources()
+    blocks = str(r.file_size_mb * 1024)  # ulimit -f counts 1024-byte blocks
+    assert res.stdout.split() == [str(r.nofile)] * 2 + [blocks] * 2 + ["0"] * 2, res
     res = run(client, sid, f"python3 -c {shlex.quote(FORK_BOMB)}")
     assert "refused after" in res.stdout and "Resource temporarily unavailable" in res.stdout, res
     # The pids limit (64) counts the sandbox's every process; a kernel of its own (gVisor)

@@ -36,7 +36,7 @@ from agentbox.agent.client import AgentClient, AgentOpError, AgentUnavailable
 from agentbox.runtimes.base import E2B_HOME, Resources, RuntimeError_, SandboxSpec
 from agentbox.runtimes.oci import bundle
 from agentbox.runtimes.oci.bundle import CHANNEL_DIR, CHANNEL_SOCKET, Bundle
-from agentbox.runtimes.process import hostview, rootfs, userns
+from agentbox.runtimes.process import hostview, rootfs, startctx, userns
 from agentbox.runtimes.process.cgroups import CGROUP_ROOT, CgroupLimits
 from agentbox.runtimes.process.runtime import (
     AGENT_MOUNT,
@@ -241,6 +241,11 @@ class OciRuntime(ProcessRuntime):
                 os._exit(120)
 
         argv = [*self._global_args(sdir / OCI_LOG), *args, "--pid-file", str(pid_file), sid]
+        # Only rlimits to set (runc): `prlimit` sets them before the binary, and the server
+        # is not forked for them (a preexec_fn forks it whole; see process/startctx.py).
+        forks = own_pidns or binary_ns is not None or own_cgroupns
+        if not forks:
+            argv = [*startctx.limits_argv(limits), *argv]
 
         def launch() -> tuple[tuple[int, int | None] | None, int]:
             with open(sdir / "runtime.log", "ab") as log:
@@ -255,7 +260,7 @@ class OciRuntime(ProcessRuntime):
                     timeout=60,
                     cwd=str(bundle_dir),
                     env=self._env(),
-                    preexec_fn=binary_context,
+                    preexec_fn=binary_context if forks else None,
                 ).returncode
 
         pidns: tuple[int, int | None] | None = None

@@ -47,13 +47,18 @@ def argv(
     join_files: Sequence[str], limits: Sequence[tuple[int, int]], uid: int | None
 ) -> list[str]:
     """What to exec before the sandbox's own command: the command is appended to it."""
-    out = ["/bin/sh", "-c", _JOIN, "sh", *join_files, "--"]
-    if limits:
-        out += ["prlimit", *(f"{_option(r)}={_value(v)}:{_value(v)}" for r, v in limits)]
-        out.append("--")
+    out = ["/bin/sh", "-c", _JOIN, "sh", *join_files, "--", *limits_argv(limits)]
     if uid is not None:
         out += ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]
     return out
+
+
+def limits_argv(limits: Sequence[tuple[int, int]]) -> list[str]:
+    """`prlimit` setting `limits` (resource, value), hard and soft alike, before the command
+    appended to it; nothing when there are none."""
+    if not limits:
+        return []
+    return ["prlimit", *(f"{_option(r)}={_value(v)}:{_value(v)}" for r, v in limits), "--"]
 
 
 def _value(v: int) -> str:
