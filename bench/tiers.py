@@ -204,7 +204,22 @@ def main() -> None:
                       f"{row['idle MiB PSS per sandbox']:.1f} MiB PSS", flush=True)
                 results["tiers"][tier] = row
     if a.json:
+        results["rows"] = rows(results)
         a.json.write_text(json.dumps(results, indent=2))
+
+
+def rows(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every figure as a row (metric, unit, p50, p99), the form bench/compare.py reads."""
+    out = [{"metric": f"floor: bare {binary}", "unit": "ms", "p50": s["p50"], "p99": s["p99"]}
+           for binary, s in results["floors"].items()]
+    for tier, row in results["tiers"].items():
+        for label, s in row.items():
+            if isinstance(s, dict):
+                out.append({"metric": f"{tier} {label}", "unit": "ms", "p50": s["p50"],
+                            "p99": s["p99"]})
+            else:
+                out.append({"metric": f"{tier} {label}", "unit": "MiB", "p50": s})
+    return out
 
 
 if __name__ == "__main__":
