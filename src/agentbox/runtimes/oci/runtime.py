@@ -245,7 +245,7 @@ class OciRuntime(ProcessRuntime):
         # is not forked for them (a preexec_fn forks it whole; see process/startctx.py).
         forks = own_pidns or binary_ns is not None or own_cgroupns
         if not forks:
-            argv = [*startctx.limits_argv(limits), *argv]
+            argv = [*startctx.limits_argv(limits, self.startctx), *argv]
 
         def launch() -> tuple[tuple[int, int | None] | None, int]:
             with open(sdir / "runtime.log", "ab") as log:

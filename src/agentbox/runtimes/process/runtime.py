@@ -272,6 +272,8 @@ class ProcessRuntime(Runtime):
             if clean_mount_ns and self._starts_clean()
             else None
         )
+        # The start context in one exec where it builds (startctx.py), else the programs.
+        self.startctx = startctx.build(Path(data_dir) / "cache") if self.is_root else None
         self.zygote: Zygote | None = None
         if self._agent_start(agent_start) == "fork":
             zygote = Zygote(self.agent_dir)
@@ -977,7 +979,7 @@ class ProcessRuntime(Runtime):
         argv, env = self._command(spec, ws, fds)
         # Joined, limited and dropped by the programs startctx puts before bwrap: no
         # preexec_fn, so the server is not forked (startctx.py).
-        argv = [*startctx.argv(join_files, limits, drop_to), *argv]
+        argv = [*startctx.argv(join_files, limits, drop_to, self.startctx), *argv]
         log = open(sdir / "runtime.log", "ab")
 
         def start() -> subprocess.Popen:
