@@ -16,8 +16,6 @@ from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 GROUP = "agentbox"
-# kill_all looks again after KILL_POLL_FIRST_S, then twice as long each time up to the max.
-KILL_POLL_FIRST_S, KILL_POLL_MAX_S = 0.0002, 0.002
 # cpuacct: the CPU a sandbox used (metrics); no limit of its own.
 _V1_CONTROLLERS = ("memory", "pids", "cpu", "cpuacct", "freezer")
 
@@ -202,7 +200,6 @@ class Cgroups:
         freezer = self.base.get("freezer")
         frozen = False
         deadline = time.monotonic() + timeout
-        pause = KILL_POLL_FIRST_S  # a killed process is gone in well under a millisecond
         while True:
             pids = self.pids(sandbox_id)
             if not pids:
@@ -227,8 +224,7 @@ class Cgroups:
                     pass
             if time.monotonic() > deadline:
                 return False
-            time.sleep(pause)
-            pause = min(pause * 2, KILL_POLL_MAX_S)
+            time.sleep(0.002)
         return True
 
     @property
