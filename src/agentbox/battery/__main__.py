@@ -233,12 +233,18 @@ class TierRun:
                 if name == "default":
                     # After the shipped configuration's run the host must hold nothing of it.
                     left = inventory.take(server.data_dir)
-                    leftovers += [line for items in left.items().values() for line in items]
+                    # Processes described (what, which state, whose), not by pid alone: one
+                    # seen once is gone by the time anyone looks.
+                    leftovers += [p.describe() for p in left.processes]
+                    leftovers += [
+                        line for cat, items in left.items().items() if cat != "processes"
+                        for line in items
+                    ]  # fmt: skip
         self.info = {
             "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
             "runtime": self.tier,
             "seconds": f"{time.monotonic() - started:.0f}",
-            "leftovers": "; ".join(leftovers)[:500] or "none",
+            "leftovers": "; ".join(leftovers)[:1000] or "none",
             "server_options": " ".join(netns.server_options()),
             **machine(),
         }
