@@ -390,6 +390,36 @@ def test_cancel_of_a_bash_cell(host: Host) -> None:
     assert stdout(host.run("echo $SURVIVOR", language="bash")) == "yes\n"
 
 
+def test_a_cell_whose_end_is_read_as_its_grace_runs_out_is_not_killed(tmp_path: Path) -> None:
+    """The last marker and the end of the interrupt's grace in one turn of the read loop: the
+    cell is over, so the shell must not be killed (it was: the deadline was checked after the
+    markers that ended the loop)."""
+    from agentbox.agent import code_host as ch
+
+    class Slow(ch.BashShell):
+        def _send(self, text: str) -> None:
+            super()._send(text)
+            time.sleep(0.3)  # every marker is in the pipes before the loop reads one
+
+    shell = Slow("bash", str(tmp_path), {"PATH": os.environ["PATH"]}, str(tmp_path))
+    shell.start()
+    r, w = os.pipe()
+    try:
+        run = ch.Run(1, "true", {}, 60, ch.Output(w))
+        now = time.monotonic()
+        # As after an interrupt at a deadline passed: the grace ends while the cell's output
+        # waits unread.
+        run.deadline, run.timed_out, run.kill_at = now - 1, True, now + 0.1
+        shell.execute(run)  # raised HostError (kernel_dead) before the fix
+        assert not shell.dead and shell.proc is not None and shell.proc.poll() is None
+    finally:
+        shell.kill("test")
+        if shell.proc is not None:
+            shell.proc.wait()
+        os.close(r)
+        os.close(w)
+
+
 # ---------------------------------------------------------------- javascript
 
 

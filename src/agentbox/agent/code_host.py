@@ -1059,6 +1059,8 @@ class _PipeBackend(Backend):
             if died or (not ready and not have_pidfd and self.exited()) or not fds:
                 self._flush(run)
                 raise self.died()
+            if len(tails) == len(expect) and extra_done:
+                break  # the cell is over: a deadline passed meanwhile must not interrupt or kill
             if run is not None:
                 run.check_deadline(self)
             elif not ready and deadline is not None and time.monotonic() >= deadline:
