@@ -57,11 +57,11 @@ def test_pip_in_the_running_kernel(box: Sandbox) -> None:
     name, data = _wheel("abxpipthree")
     box.files.write(f"/workspace/{name}", data)
     before = box.run_code("import sys\nprint(sys.prefix)")
-    assert before.logs.stdout == ["/opt/venv\n"], before
+    assert "".join(before.logs.stdout) == "/opt/venv\n", before
     ex = box.run_code(f"%pip install --no-index /workspace/{name}")
     assert ex.error is None, ex
     ex = box.run_code("import abxpipthree\nprint(abxpipthree.VALUE)")
-    assert ex.error is None and ex.logs.stdout == ["from abxpipthree\n"], ex
+    assert ex.error is None and "".join(ex.logs.stdout) == "from abxpipthree\n", ex
 
 
 def test_the_code_interpreter_has_the_usual_tools(box: Sandbox) -> None:
