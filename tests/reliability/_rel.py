@@ -23,7 +23,8 @@ from conftest import ServerHandle, free_port
 
 from agentbox.battery import inventory as inv
 
-LIVE = ("starting", "running")
+# Every state a sandbox not yet ended is shown in (`unhealthy`: running, its agent silent).
+LIVE = ("building", "starting", "running", "paused", "unhealthy")
 # The tiers this host runs (the process tier always; the others where their binary is installed).
 LAUNCHER = {"process": "bwrap", "container": "runc", "gvisor": "runsc"}
 TIERS = ["process"] + [t for t in ("container", "gvisor") if shutil.which(LAUNCHER[t])]
