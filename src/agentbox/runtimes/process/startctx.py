@@ -57,7 +57,10 @@ SOURCE = Path(__file__).with_name("startctx.c")
 def build(cache_dir: Path) -> str | None:
     """startctx.c built (once per source, kept in `cache_dir`): its path, or None where there
     is no C compiler or it does not build (the programs' form is used then)."""
-    source = SOURCE.read_bytes()
+    try:
+        source = SOURCE.read_bytes()
+    except OSError:  # an install without it: the programs' form
+        return None
     binary = cache_dir / f"startctx-{hashlib.sha256(source).hexdigest()[:16]}"
     if binary.exists():
         return str(binary)
