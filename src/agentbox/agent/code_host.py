@@ -41,12 +41,12 @@ Conventions chosen here:
   and again every second until the cell ends. Again, for bash too: a SIGINT that lands while
   bash forks a command is taken by the child before it execs (bash's handler, which only notes
   it) and bash goes on with the cell (one timeout in six, for a loop of short commands); a
-  repeat can in turn land in the microseconds bash spends on the cell's end markers, which
-  are then sent again once bash waits at its prompt (BashShell._quiet). The interrupt's own
-  error (KeyboardInterrupt, node's "Script execution interrupted", bash's status 130) becomes
-  the traceback of one error named `TimeoutError`, then done has `"timed_out": true`; the
-  context keeps its state. If the cell is still running INTERRUPT_GRACE_S later, its
-  interpreter is killed and the execute fails `kernel_dead`.
+  repeat can in turn land in the microseconds bash spends on the cell's end markers, after
+  which the grace below ends it as before. The interrupt's own error (KeyboardInterrupt,
+  node's "Script execution interrupted", bash's status 130) becomes the traceback of one error
+  named `TimeoutError`, then done has `"timed_out": true`; the context keeps its state. If the
+  cell is still running INTERRUPT_GRACE_S later, its interpreter is killed and the execute fails
+  `kernel_dead`.
 - Interpreter death (`os._exit`, SIGKILL, the OOM killer, bash `exit`): an error named
   `KernelDied` (value: what happened), then the execute fails with code `kernel_dead` (output
   streamed before the death has already been sent). Later executes on the context fail
