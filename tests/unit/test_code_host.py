@@ -390,19 +390,6 @@ def test_cancel_of_a_bash_cell(host: Host) -> None:
     assert stdout(host.run("echo $SURVIVOR", language="bash")) == "yes\n"
 
 
-def test_a_bash_cell_whose_end_markers_were_lost_still_ends(host: Host) -> None:
-    """An interrupt that lands while bash prints a cell's end markers aborts that line (here
-    the cell sends it itself, from a DEBUG trap, at the first command after it): the markers
-    are sent again once bash waits at its prompt, and the cell ends, interrupted, with the
-    shell and its state kept. It did not end until its deadline's grace killed the shell."""
-    host.run("KEPT=yes", language="bash")
-    started = time.monotonic()
-    events = host.run("trap 'trap - DEBUG; kill -INT $$' DEBUG", language="bash", timeout=30)
-    assert time.monotonic() - started < 10, events
-    assert done(events)["exit_code"] == 130, events
-    assert stdout(host.run("echo $KEPT", language="bash")) == "yes\n"
-
-
 def test_a_cell_whose_end_is_read_as_its_grace_runs_out_is_not_killed(tmp_path: Path) -> None:
     """The last marker and the end of the interrupt's grace in one turn of the read loop: the
     cell is over, so the shell must not be killed (it was: the deadline was checked after the

@@ -1061,18 +1061,12 @@ class _PipeBackend(Backend):
                 raise self.died()
             if len(tails) == len(expect) and extra_done:
                 break  # the cell is over: a deadline passed meanwhile must not interrupt or kill
-            if not ready and run is not None:
-                self._quiet(expect, tails)
             if run is not None:
                 run.check_deadline(self)
             elif not ready and deadline is not None and time.monotonic() >= deadline:
                 self.kill("start_timeout")
                 raise HostError("internal", f"{self.language} did not start in time")
         return tails
-
-    def _quiet(self, expect: dict[str, list[bytes]], tails: dict[str, bytes]) -> None:
-        """A turn of a running cell with nothing to read (the bash backend looks for its end
-        markers lost)."""
 
     def _scan(
         self, run: Run | None, pipe: _Pipe, expect: list[bytes] | None, tails: dict[str, bytes]
@@ -1156,35 +1150,6 @@ class BashShell(_PipeBackend):
         self._swallow_newline = True  # bash answers SIGINT with a bare newline on stderr
         super().interrupt()
 
-    _token = ""
-    _resent = 0
-
-    def _quiet(self, expect: dict[str, list[bytes]], tails: dict[str, bytes]) -> None:
-        """Send again the end markers a cell lost. An interrupt (a repeat of one past the
-        deadline, or one the cell sent itself) that lands while bash prints them aborts that
-        line: bash is then at its prompt with everything read, and the cell would not end
-        until its deadline's grace killed the shell. Only the markers not seen are sent, and
-        only once bash waits for input with nothing left unread in its pipes."""
-        if self._resent >= MARKER_RESENDS or self.proc is None:
-            return
-        if any(len(expect[name]) != 1 for name in ("stdout", "stderr") if name not in tails):
-            return  # the cell has not begun (its start marker not seen): not lost
-        if not _idle_at_input(self.proc.pid):
-            return
-        waiting = select.poll()
-        for pipe in (self.out, self.err):
-            waiting.register(pipe.fd, select.POLLIN)
-        if waiting.poll(0):
-            return  # what it printed before it waited is still to be read: the next turn's
-        self._resent += 1
-        marker = f"AGENTBOX_END_{self._token}_"
-        line = "__agentbox_rc=$?; "
-        if "stdout" not in tails:
-            line += f"printf '%s%d\\n' '{marker}' \"$__agentbox_rc\"; "
-        if "stderr" not in tails:
-            line += f"printf '%s\\n' '{marker}' >&2; "
-        self._send(line + "unset __agentbox_rc __agentbox_cell\n")
-
     _swallow_newline = False
     _stderr_tail = ""
 
@@ -1217,7 +1182,6 @@ class BashShell(_PipeBackend):
         run.armed = False
         markers = _bash_marker_bytes(token)
         markers["stderr"].insert(0, f"{go}\n".encode())
-        self._token, self._resent = token, 0
         tails = self._stream(run, markers)
         rc = int(tails["stdout"].split(b"\n", 1)[0] or 0)
         self.count += 1
@@ -1225,24 +1189,6 @@ class BashShell(_PipeBackend):
             tail = self._stderr_tail.strip()
             run.error("ExitCode", tail or f"exit status {rc}", f"exit status {rc}")
         run.finish(self.count, exit_code=rc)
-
-
-def _idle_at_input(pid: int) -> bool:
-    """Whether the process waits in read(2) on its stdin (bash at its prompt: it has read every
-    line it was sent) and has no child. False where /proc cannot tell (gVisor's)."""
-    number = _READ_SYSCALL.get(os.uname().machine)
-    try:
-        with open(f"/proc/{pid}/syscall") as f:
-            call = f.read().split()
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            children = f.read().split()
-    except OSError:
-        return False
-    return number is not None and call[:2] == [str(number), "0x0"] and not children
-
-
-_READ_SYSCALL = {"x86_64": 0, "aarch64": 63}
-MARKER_RESENDS = 3  # per cell: a cell that closed its own stdout gets its deadline's end
 
 
 def _bash_markers(token: str) -> str:
