@@ -28,6 +28,7 @@ from websockets.typing import Subprotocol
 
 from agentbox.core import ports
 from agentbox.server import gateway as gateway_module
+from agentbox.server.fastpath import fast_protocol
 from agentbox.server.gateway import PortGateway, PortTarget, _ws_authority
 
 try:
@@ -160,6 +161,8 @@ class Gateway:
     seen: Upstream
     connects: list[tuple[str, int]]
     audit: list[tuple[str, int, str, int]]
+    gateway: PortGateway
+    fast: bool
 
     @property
     def url(self) -> str:
@@ -172,8 +175,12 @@ class Gateway:
         return f"{ports.port_path_prefix(sandbox, port)}{rest}"
 
 
-@pytest.fixture(scope="module")
-def gw() -> Iterator[Gateway]:
+@pytest.fixture(scope="module", params=["asgi", "fast"])
+def gw(request: pytest.FixtureRequest) -> Iterator[Gateway]:
+    """The gateway under uvicorn, each test twice: requests the ASGI way only, and with the
+    server's protocol running the fast path (server/fastpath.py) in front, as the API server
+    does."""
+    fast = request.param == "fast"
     seen = Upstream()
     connects: list[tuple[str, int]] = []
     audit: list[tuple[str, int, str, int]] = []
@@ -232,11 +239,14 @@ def gw() -> Iterator[Gateway]:
             tenant_of_key=tenant_of_key,
             connect=connect,
             on_access=lambda *a: audit.append(a),
+            lookup_now=targets.get if fast else None,
+            tenant_of_key_now=keys.get if fast else None,
         )
+        http = fast_protocol(lambda: gateway) if fast else "h11"
         # uvicorn would otherwise take the client's address from a loopback peer's
         # X-Forwarded-For, which the tests send on purpose.
-        with serve(gateway, proxy_headers=False) as port:
-            yield Gateway(port, upstream_port, seen, connects, audit)
+        with serve(gateway, proxy_headers=False, http=http) as port:
+            yield Gateway(port, upstream_port, seen, connects, audit, gateway, fast)
 
 
 def client(gw: Gateway, **kw: Any) -> httpx.Client:
@@ -593,6 +603,78 @@ def test_request_body_streams_to_the_sandbox(gw: Gateway) -> None:
         r = c.post(gw.path("/upload"), content=body())
     assert r.status_code == 200, r.text
     assert r.json() == {"bytes": 20 * 2**20, "sha256": digest.hexdigest()}
+
+
+def test_plain_requests_take_the_fast_path_and_the_rest_the_asgi_way(gw: Gateway) -> None:
+    def relayed(send: Any) -> int:
+        before = gw.gateway.fast_relayed
+        send()
+        return gw.gateway.fast_relayed - before
+
+    token = {"X-Access-Token": TOKEN}
+    with client(gw) as c:
+        plain = relayed(lambda: c.get(gw.path("/a"), headers=token).raise_for_status())
+        keyed = relayed(lambda: c.get(gw.path("/a"), headers={"X-API-Key": "key-acme"}))
+        public = relayed(lambda: c.get(gw.path("/a", sandbox=PUBLIC)).raise_for_status())
+        sized = relayed(lambda: c.post(gw.path("/a"), headers=token, content=b"x" * 10))
+        # The rest: refusals, chunked bodies, signed URLs, the API.
+        refused = relayed(lambda: c.get(gw.path("/a"), headers={"X-Access-Token": "no"}))
+        other = relayed(lambda: c.get(gw.path("/a"), headers={"X-API-Key": "key-other"}))
+        chunked = relayed(
+            lambda: c.post(gw.path("/a"), headers=token, content=iter([b"x"])).raise_for_status()
+        )
+        api = relayed(lambda: c.get("/v1/health").raise_for_status())
+    assert (refused, other, chunked, api) == (0, 0, 0, 0)
+    assert (plain, keyed, public, sized) == ((1, 1, 1, 1) if gw.fast else (0, 0, 0, 0))
+
+
+def test_api_and_port_requests_alternate_on_one_connection(gw: Gateway) -> None:
+    """The fast path hands a connection to h11 and takes it back between requests; pipelined
+    requests are answered in order."""
+    with socket.create_connection(("127.0.0.1", gw.port)) as sock:
+        file = sock.makefile("rb")
+
+        def answer() -> tuple[int, bytes]:
+            status = int(file.readline().split()[1])
+            length = 0
+            while (line := file.readline()) != b"\r\n":
+                name, _, value = line.partition(b":")
+                if name.strip().lower() == b"content-length":
+                    length = int(value)
+            return status, file.read(length)
+
+        port = f"GET {gw.path('/p/{}')} HTTP/1.1\r\nHost: x\r\nX-Access-Token: {TOKEN}\r\n\r\n"
+        api = "GET /v1/health HTTP/1.1\r\nHost: x\r\n\r\n"
+        for i in range(3):
+            sock.sendall(port.format(i).encode())
+            status, body = answer()
+            assert status == 200 and json.loads(body)["path"] == f"/p/{i}"
+            sock.sendall(api.encode())
+            assert answer() == (200, b'{"ok":true}')
+        # Pipelined: port, API, port in one write.
+        sock.sendall((port.format(7) + api + port.format(8)).encode())
+        first, second, third = answer(), answer(), answer()
+    assert json.loads(first[1])["path"] == "/p/7" and second == (200, b'{"ok":true}')
+    assert json.loads(third[1])["path"] == "/p/8"
+
+
+def test_a_sized_body_streams_to_the_sandbox(gw: Gateway) -> None:
+    data = bytes(range(256)) * (40 * 4096)  # 40 MiB, sent with its Content-Length
+    with client(gw, headers={"X-Access-Token": TOKEN}) as c:
+        r = c.put(gw.path("/upload"), content=data)
+        again = c.get(gw.path("/after"))  # the same connection, kept alive
+    assert r.status_code == 200, r.text
+    assert r.json() == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    assert again.status_code == 200 and again.json()["path"] == "/after"
+
+
+def test_head_and_no_content_answers_have_no_body(gw: Gateway) -> None:
+    with client(gw, headers={"X-Access-Token": TOKEN}) as c:
+        head = c.head(gw.path("/x"))
+        after = c.get(gw.path("/y"))
+    assert head.status_code == 200 and head.content == b""
+    assert int(head.headers["content-length"]) > 0
+    assert after.json()["path"] == "/y"
 
 
 # ---------------------------------------------------------------------------- WebSocket

@@ -25,6 +25,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect as ws_connect
 
 from agentbox.core import ports
+from agentbox.server.fastpath import fast_protocol
 from agentbox.server.gateway import PortGateway, PortTarget, RelayLimits
 
 try:
@@ -117,6 +118,58 @@ def deaf(conn: socket.socket) -> None:
     _peer_closed(conn, 60)
 
 
+# Answers that are not valid HTTP/1.1, by request path: each must reach the client as an error
+# or a cut-short answer, never as headers or an answer of their own.
+LIES = {
+    "/split": b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nX-A: a\nSet-Cookie: forged=1\r\n\r\nok",
+    "/cr": b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nX-A: a\rSet-Cookie: forged=1\r\n\r\nok",
+    "/fold": b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nX-A: a\r\n Set-Cookie: forged=1\r\n\r\nok",
+    "/two-lengths": b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 30\r\n\r\nok",
+    "/both": b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n"
+    b"2\r\nok\r\n0\r\n\r\n",
+    "/coding": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n",
+    "/status": b"HTTP/1.1 2000 OK\r\nContent-Length: 2\r\n\r\nok",
+    "/switch": b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: evil\r\n\r\n",
+    "/huge-head": b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * 70000 + b"\r\n\r\n",
+}
+# Answers whose body is cut short or malformed after the head: the client sees it cut short.
+BROKEN_BODIES = {
+    "/bad-chunk": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\nzz\r\n",
+    "/hex-prefix": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0x2\r\nok\r\n0\r\n\r\n",
+    "/short": b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nok",
+}
+# What h11 (the ASGI way) takes leniently, as RFC 9112 lets a recipient: a bare LF ends a line,
+# a folded line joins the one before, Transfer-Encoding wins over Content-Length, and bytes after
+# an answer are read as the next answer on that connection. Each is something the sandbox's
+# server could have sent plainly (its own header, its own answer to the next request to its
+# port), so neither way lets it reach past its port; the fast path refuses them all the same.
+LENIENT = {"/split", "/fold", "/both", "/extra", "/extra-chunked"}
+# One answer followed by a forged second one, which must never answer the client's next request.
+FORGED = b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\nforged"
+SMUGGLE = {
+    "/extra": b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok" + FORGED,
+    "/extra-chunked": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+    b"2\r\nok\r\n0\r\n\r\n" + FORGED,
+}
+
+
+def liar(conn: socket.socket) -> None:
+    """Answers each request by its path from LIES, BROKEN_BODIES and SMUGGLE (else a plain
+    `fine`), closing after an answer it cannot follow with another."""
+    while True:
+        head = _read_head(conn)
+        path = head.split(b" ", 2)[1].decode()
+        answer = LIES.get(path) or BROKEN_BODIES.get(path) or SMUGGLE.get(path)
+        if answer is None:
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nfine")
+            continue
+        conn.sendall(answer)
+        if path in BROKEN_BODIES:
+            conn.shutdown(socket.SHUT_WR)
+            _peer_closed(conn, 10)
+            return
+
+
 class RawServer:
     """A loopback TCP server running `handler` in a thread per connection; `ended` is set for
     each connection once the handler is done (for the hostile ones: the gateway hung up)."""
@@ -156,13 +209,14 @@ class RawServer:
 
 # ---------------------------------------------------------------------------- the gateway
 
-SERVERS = {3000: trickle, 3001: silent, 3002: sink, 3003: ping_flood, 3004: deaf}
+SERVERS = {3000: trickle, 3001: silent, 3002: sink, 3003: ping_flood, 3004: deaf, 3005: liar}
 
 
 @dataclass
 class Gw:
     port: int
     servers: dict[int, RawServer]
+    fast: bool
 
     @property
     def url(self) -> str:
@@ -181,8 +235,10 @@ class Gw:
         return out
 
 
-@pytest.fixture(scope="module")
-def gw() -> Iterator[Gw]:
+@pytest.fixture(scope="module", params=["asgi", "fast"])
+def gw(request: pytest.FixtureRequest) -> Iterator[Gw]:
+    """Each test twice: the ASGI way only, and with the fast path in front (server/fastpath.py)."""
+    fast = request.param == "fast"
     servers = {port: RawServer(handler) for port, handler in SERVERS.items()}
 
     async def lookup(sandbox_id: str) -> PortTarget | None:
@@ -219,9 +275,16 @@ def gw() -> Iterator[Gw]:
         tenant_of_key=tenant_of_key,
         connect=connect,
         limits=LIMITS,
+        lookup_now=lambda sandbox_id: (
+            PortTarget(sandbox_id, TENANT, "token", public=True)
+            if sandbox_id in (BOX, BOX2)
+            else None
+        ),
+        tenant_of_key_now=lambda key: None,
     )
-    with serve(gateway) as port:
-        yield Gw(port, servers)
+    http = fast_protocol(lambda: gateway) if fast else "h11"
+    with serve(gateway, http=http) as port:
+        yield Gw(port, servers, fast)
     for s in servers.values():
         s.listener.close()
 
@@ -320,6 +383,47 @@ def test_a_request_with_two_framings_is_400(gw: Gw) -> None:
         )
         answer = s.recv(65536).decode("latin-1")
     assert answer.startswith("HTTP/1.1 400"), answer[:300]
+
+
+@pytest.mark.parametrize("path", sorted(LIES))
+def test_an_answer_that_is_not_http_is_502(gw: Gw, path: str) -> None:
+    if not gw.fast and path in LENIENT:
+        pytest.skip("h11 takes this answer leniently (see LENIENT)")
+    with httpx.Client(base_url=gw.url, timeout=10, trust_env=False) as c:
+        r = c.get(gw.path(3005) + path)
+        assert r.status_code == 502, (r.status_code, r.headers, r.content[:200])
+        assert r.json()["code"] == "upstream_error"
+        assert "forged" not in str(r.headers) and "set-cookie" not in r.headers
+        # The connection goes on: the next request gets its own answer.
+        assert c.get(gw.path(3005) + "/next").content == b"fine"
+
+
+@pytest.mark.parametrize("path", sorted(BROKEN_BODIES))
+def test_a_body_cut_short_or_malformed_reaches_the_client_cut_short(gw: Gw, path: str) -> None:
+    with httpx.Client(base_url=gw.url, timeout=10, trust_env=False) as c:
+        with c.stream("GET", gw.path(3005) + path) as r:
+            assert r.status_code == 200
+            with pytest.raises(httpx.RemoteProtocolError):
+                r.read()
+
+
+@pytest.mark.parametrize("path", sorted(SMUGGLE))
+def test_bytes_after_an_answer_never_answer_the_next_request(gw: Gw, path: str) -> None:
+    if not gw.fast:
+        pytest.skip("h11 reads them as the answer to the next request (see LENIENT)")
+    with socket.create_connection(("127.0.0.1", gw.port), timeout=10) as sock:
+        request = f"GET {gw.path(3005)}{{}} HTTP/1.1\r\nHost: x\r\n\r\n"
+        sock.sendall(request.format(path).encode())
+        time.sleep(0.3)  # the forged answer has arrived at the gateway by now
+        sock.sendall(request.format("/next").encode())
+        seen = b""
+        while not (seen.endswith(b"fine") or b"forged" in seen):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            seen += chunk
+    assert b"forged" not in seen, seen
+    assert seen.count(b"HTTP/1.1 200") == 2 and seen.endswith(b"fine"), seen
 
 
 def test_relays_are_capped_per_sandbox_and_per_tenant(gw: Gw) -> None:

@@ -144,10 +144,17 @@ def create_app(
         description="Self-hosted sandboxes for AI agents. See docs/API.md.",
     )
     app.state.core = core
+    # The port gateway, once the middleware stack is built: the server's protocol runs its
+    # fast path (server/fastpath.py).
+    gateway_holder: list[PortGateway] = []
+    app.state.gateways = gateway_holder
 
     # ------------------------------------------------------------------ exposed ports
 
     async def port_target(sandbox_id: str) -> PortTarget | None:
+        return port_target_now(sandbox_id)
+
+    def port_target_now(sandbox_id: str) -> PortTarget | None:
         row = core.manager.running_row(sandbox_id) or core.manager.paused_row(sandbox_id)
         if row is None or row.access_token is None:
             return None
@@ -172,6 +179,9 @@ def create_app(
         return True
 
     async def tenant_of_key(key: str) -> str | None:
+        return tenant_of_key_now(key)
+
+    def tenant_of_key_now(key: str) -> str | None:
         try:
             return core.auth.authenticate(key).tenant
         except AgentboxError:
@@ -179,8 +189,6 @@ def create_app(
 
     async def connect_port(sandbox_id: str, port: int) -> Any:
         return await core.manager.connect_port(sandbox_id, port)
-
-    gateway_holder: list[PortGateway] = []
 
     def make_gateway(inner: Any) -> PortGateway:
         gw = PortGateway(
@@ -192,6 +200,8 @@ def create_app(
             limits=limits.relay,
             handlers=installed.ports,
             wake=wake_port,
+            lookup_now=port_target_now,
+            tenant_of_key_now=tenant_of_key_now,
         )
         gateway_holder.append(gw)
         return gw
@@ -227,9 +237,7 @@ def create_app(
     return app
 
 
-def open_runtimes(
-    names: str, data_dir: Path, default_config: dict[str, Any] | None
-) -> Runtimes:
+def open_runtimes(names: str, data_dir: Path, default_config: dict[str, Any] | None) -> Runtimes:
     """The runtimes named (comma-separated, the first the default), each over the data dir;
     `default_config` goes to the default one's constructor."""
     from agentbox.runtimes import factory, get_runtime
@@ -311,6 +319,7 @@ def serve(
         default_template=default_template,
         check_templates=check_templates,
     )
+    gateways: list[PortGateway] = app.state.gateways
     started = time.monotonic()
     log.info(
         "agentbox %s starting on http://%s:%d (data dir %s, %d descriptors, %d connections)",
@@ -325,7 +334,7 @@ def serve(
         app,
         host=host,
         port=port,
-        http=protocol_class(limits),
+        http=protocol_class(limits, lambda: gateways[0] if gateways else None),
         ws_max_size=limits.relay.ws_max_message,
         ws_ping_interval=limits.ws_ping_interval,
         ws_ping_timeout=limits.ws_ping_interval,

@@ -92,6 +92,9 @@ class RelayLimits:
     # Confine a sandbox's Set-Cookie to its port (see _confined_cookie). Off only in the same
     # positive control.
     confine_cookies: bool = True
+    # Relay plain HTTP/1.1 requests at the protocol level (server/fastpath.py) where the
+    # server's protocol offers it; off: every request the ASGI way.
+    fast_path: bool = True
 
 
 _ORIGIN_SUFFIX = ".agentbox-gw"
@@ -548,11 +551,17 @@ class PortGateway:
         limits: RelayLimits | None = None,
         handlers: Mapping[int, ASGIApp] | None = None,
         wake: Callable[[str], Awaitable[bool]] | None = None,
+        lookup_now: Callable[[str], PortTarget | None] | None = None,
+        tenant_of_key_now: Callable[[str], str | None] | None = None,
     ) -> None:
         """`handlers`: ports served by the control plane itself rather than relayed to the
         sandbox (an E2B envd endpoint): port -> ASGI app, see `_hand_over`. `wake`: resume a
-        paused sandbox created with auto_resume (whether it now runs)."""
+        paused sandbox created with auto_resume (whether it now runs). `lookup_now` and
+        `tenant_of_key_now`: `lookup` and `tenant_of_key` without waiting, for the fast path
+        (see `fast_admit`), which is off without them."""
         self.app = app
+        self._lookup_now = lookup_now
+        self._tenant_of_key_now = tenant_of_key_now
         self._wake = wake
         self.handlers = dict(handlers or {})
         self.domain = domain
@@ -567,6 +576,7 @@ class PortGateway:
         self._unguessable = secrets.token_urlsafe(32)
         # Relays open now, per sandbox and per tenant.
         self._relays: dict[str, int] = {}
+        self.fast_relayed = 0  # requests the fast path took (server/fastpath.py)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -587,6 +597,67 @@ class PortGateway:
         finally:
             if status is not None:
                 self._audit(route, method, status)
+
+    def fast_ready(self) -> bool:
+        """Whether the fast path (server/fastpath.py) may relay requests to this gateway."""
+        return (
+            self.limits.fast_path
+            and self._lookup_now is not None
+            and self._tenant_of_key_now is not None
+        )
+
+    def fast_admit(
+        self, route: _Route, headers: list[tuple[str, str]]
+    ) -> tuple[PortTarget, tuple[str, str]] | None:
+        """The sandbox and a relay slot (give it back with `_give_slot`) for a request the fast
+        path may relay at once, or None: the request then goes the ASGI way, which decides
+        every other case itself (refusals, signed URLs, paused sandboxes, the control plane's
+        own ports, a full budget). Admits exactly what `_authorize` lets through without a
+        Set-Cookie."""
+        if (
+            not self.fast_ready()
+            or route.port in self.handlers
+            or route.exp is not None
+            or route.sig is not None
+        ):
+            return None
+        assert self._lookup_now is not None and self._tenant_of_key_now is not None
+        target = self._lookup_now(route.sandbox_id)
+        if target is None or target.paused:
+            return None
+        if not target.public and not self._fast_credentials(headers, route, target):
+            return None
+        try:
+            slot = self._take_slot(route, target)
+        except AgentboxError:
+            return None
+        self.fast_relayed += 1
+        return target, slot
+
+    def _fast_credentials(
+        self, headers: list[tuple[str, str]], route: _Route, target: PortTarget
+    ) -> bool:
+        """`_check_credentials` for the cases it lets through without a Set-Cookie."""
+        given = dict(headers)
+        token = given.get("x-access-token")
+        if token is not None and hmac.compare_digest(
+            token.encode("latin-1"), target.access_token.encode()
+        ):
+            return True
+        key = given.get("x-api-key")
+        if key is not None:
+            assert self._tenant_of_key_now is not None
+            tenant = self._tenant_of_key_now(key)
+            if tenant is not None:
+                return tenant == target.tenant  # another tenant's key: refused the ASGI way
+        now = time.time()
+        return any(
+            ports.check_signature(
+                target.access_token, route.sandbox_id, route.port, *value.partition(".")[::2], now
+            )
+            is None
+            for value in _cookies(headers, ports.COOKIE)
+        )
 
     async def aclose(self) -> None:
         """Close every pooled upstream connection."""

@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from agentbox.core.errors import AgentboxError, Unauthorized
 from agentbox.core.logs import LogLimits
 from agentbox.server.errors import http_status
+from agentbox.server.fastpath import GatewayH11Protocol
 from agentbox.server.gateway import RelayLimits
 
 log = logging.getLogger("agentbox.server")
@@ -100,8 +100,10 @@ class ServerLimits:
     def body_cap(self, method: str, path: str) -> int | None:
         """The body limit of a route; None for the file uploads, which stream to the sandbox
         or the volume (their size is its disk's business)."""
-        if method == "PUT" and path.startswith(("/v1/sandboxes/", "/v1/volumes/")) and (
-            path.endswith("/files")
+        if (
+            method == "PUT"
+            and path.startswith(("/v1/sandboxes/", "/v1/volumes/"))
+            and (path.endswith("/files"))
         ):
             return None
         if method == "POST" and path == "/v1/templates":
@@ -163,10 +165,11 @@ class ConnectionBudget:
             self.anonymous.pop(conn, None)
 
 
-class GuardedH11Protocol(H11Protocol):
-    """uvicorn's HTTP/1.1 protocol with a header timeout and a connection budget.
+class GuardedH11Protocol(GatewayH11Protocol):
+    """uvicorn's HTTP/1.1 protocol (with the port gateway's fast path) with a header timeout
+    and a connection budget.
 
-    `budget` and `header_timeout` are set on a subclass made by `protocol_class`.
+    `budget`, `header_timeout` and `gateway_of` are set on a subclass made by `protocol_class`.
     """
 
     budget: ConnectionBudget
@@ -202,12 +205,21 @@ class GuardedH11Protocol(H11Protocol):
         self.budget.leave(self)
         super().connection_lost(exc)
 
-    def data_received(self, data: bytes) -> None:
+    def h11_receive(self, data: bytes) -> None:
         cycle = self.cycle
-        super().data_received(data)
+        super().h11_receive(data)
         if self.cycle is not cycle:  # a request's headers are in
             self.waiting_for_headers = False
             self._stop_header_timer()
+
+    def fast_request_started(self) -> None:
+        super().fast_request_started()
+        self.waiting_for_headers = False
+        self._stop_header_timer()
+
+    def fast_exchange_done(self) -> None:
+        super().fast_exchange_done()
+        self._wait_for_headers()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -241,14 +253,17 @@ class GuardedH11Protocol(H11Protocol):
             self.drop()
 
 
-def protocol_class(limits: ServerLimits) -> type[GuardedH11Protocol]:
-    """A GuardedH11Protocol bound to one budget, for `uvicorn.run(http=...)`."""
+def protocol_class(
+    limits: ServerLimits, gateway_of: Callable[[], Any] | None = None
+) -> type[GuardedH11Protocol]:
+    """A GuardedH11Protocol bound to one budget and (`gateway_of()`: the PortGateway once the
+    app has built it, else None) the gateway whose fast path it runs, for
+    `uvicorn.run(http=...)`."""
     budget = ConnectionBudget(limits.connection_cap(), limits.anonymous_share)
-    return type(
-        "AgentboxH11Protocol",
-        (GuardedH11Protocol,),
-        {"budget": budget, "header_timeout": limits.header_timeout},
-    )
+    attributes: dict[str, Any] = {"budget": budget, "header_timeout": limits.header_timeout}
+    if gateway_of is not None:
+        attributes["gateway_of"] = staticmethod(gateway_of)
+    return type("AgentboxH11Protocol", (GuardedH11Protocol,), attributes)
 
 
 # ---------------------------------------------------------------------------- requests
@@ -303,9 +318,7 @@ class RequestGuard:
         if not own and path not in self._open_routes and self.limits.key_first:
             key = header(scope["headers"], b"x-api-key")
             if key is None:
-                await refuse(
-                    send, Unauthorized("missing API key: send it in the X-API-Key header")
-                )
+                await refuse(send, Unauthorized("missing API key: send it in the X-API-Key header"))
                 return
             caller = self._authenticate(key)
             if caller is None:

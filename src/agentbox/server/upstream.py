@@ -21,6 +21,7 @@ import termios
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Protocol
 
 import h11
 
@@ -55,6 +56,14 @@ class UpstreamProtocolError(UpstreamError):
 
 
 Connect = Callable[[str, int], Awaitable[socket.socket]]
+
+
+class Idle(Protocol):
+    """An idle connection of the fast path, as its pool sees it."""
+
+    idle_since: float
+
+    def close(self) -> None: ...
 
 
 async def dial(connect: Connect, sandbox_id: str, port: int, timeout: float) -> socket.socket:
@@ -193,6 +202,42 @@ class Pool:
         self._waiting: deque[asyncio.Future[None]] = deque()
         self.active = 0  # exchanges in progress
         self.idle_since = time.monotonic()
+        # The gateway's fast path (server/fastpath.py) keeps its own connections, transports
+        # rather than sockets, counted in `_open` alike: idle ones here, newest last.
+        self.fast_idle: list[Idle] = []
+
+    def reserve(self) -> bool:
+        """Count one more connection against the cap for the fast path to open, if there is
+        room (an idle connection of either kind is closed to make some)."""
+        if self._open >= self.limit:
+            if self._idle:
+                self._drop(self._idle.pop(0))
+            elif self.fast_idle:
+                self.fast_idle.pop(0).close()
+                self._open -= 1
+            else:
+                return False
+        self._open += 1
+        return True
+
+    def unreserve(self) -> None:
+        """A fast-path connection counted by `reserve` is closed."""
+        self._open -= 1
+        self._wake()
+
+    def take_fast(self) -> Idle | None:
+        """The newest idle fast-path connection not yet expired (it stays counted)."""
+        now = time.monotonic()
+        while self.fast_idle and now - self.fast_idle[0].idle_since >= KEEPALIVE_EXPIRY:
+            self.fast_idle.pop(0).close()
+            self.unreserve()
+        return self.fast_idle.pop() if self.fast_idle else None
+
+    def forget_fast(self, conn: Idle) -> None:
+        """An idle fast-path connection went away (the sandbox's server closed it)."""
+        if conn in self.fast_idle:
+            self.fast_idle.remove(conn)
+            self.unreserve()
 
     async def _acquire(self, connect_timeout: float, pool_timeout: float) -> Connection:
         deadline = time.monotonic() + pool_timeout
@@ -207,6 +252,9 @@ class Pool:
                     conn.reused = True
                     return conn
                 self._drop(conn)
+            if self._open >= self.limit and self.fast_idle:
+                self.fast_idle.pop(0).close()  # one of the fast path's idle ones makes room
+                self._open -= 1
             if self._open < self.limit:
                 self._open += 1
                 try:
@@ -300,6 +348,10 @@ class Pool:
         for conn in self._idle:
             self._drop(conn)
         self._idle = []
+        for idle in self.fast_idle:
+            idle.close()
+            self._open -= 1
+        self.fast_idle = []
 
 
 async def _response_head(conn: Connection, timeout: float) -> h11.Response:
