@@ -87,7 +87,9 @@ def trickle(conn: socket.socket) -> None:
     """Chunked, then 1-byte chunks as fast as the reader takes them, forever."""
     _read_head(conn)
     conn.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
-    burst = b"1\r\nx\r\n" * 2000
+    # ~240 KB a write: a relay that took a whole read of these at once would hold the event
+    # loop for ~50-100 ms at a time (the fast path parses at most CHUNKS_PER_TURN a turn).
+    burst = b"1\r\nx\r\n" * 40000
     while True:
         conn.sendall(burst)
 

@@ -36,9 +36,10 @@ EGRESS_WEAKENINGS: dict[str, str] = {
 SERVER_WEAKENINGS: dict[str, str] = {
     "server-unguarded": "the API reads request bodies before checking the key, caps no body, "
     "times out no slow headers and budgets no connections",
-    "gateway-unbounded": "the port gateway relays without yielding to the event loop, without "
-    "idle or write timeouts, caps or ping rationing, passes a sandbox's Set-Cookie untouched, "
-    "WebSocket clients get no keepalive pings, and repeated log lines are not counted",
+    "gateway-unbounded": "the port gateway relays the ASGI way only, without yielding to the "
+    "event loop, without idle or write timeouts, caps or ping rationing, passes a sandbox's "
+    "Set-Cookie untouched, WebSocket clients get no keepalive pings, and repeated log lines "
+    "are not counted",
     "budgets-open": "the egress proxy caps no sandbox's or tenant's connections, and every "
     "refused egress attempt is written to the egress log one by one",
     "e2b-envd-open": "E2B's sandbox traffic (envd) takes any token as the sandbox's envd token, "
@@ -88,6 +89,9 @@ def weakened_limits(flags: set[str], relay_write_timeout: float = 30.0) -> Serve
             ws_write_buffer=2**40,
             fair=False,
             confine_cookies=False,
+            # The fast path parses a bounded share of an answer a turn whatever `fair` says:
+            # the control relays the ASGI way only, which `fair=False` does starve the loop.
+            fast_path=False,
         )
         limits = dataclasses.replace(limits, relay=relay, log_repeats=0, ws_ping_interval=None)
     if "budgets-open" in flags:

@@ -70,6 +70,10 @@ _ORIGIN_FORM = re.compile(rb"/[\x21-\x7e]*\Z")
 _HEX = re.compile(rb"[0-9A-Fa-f]{1,16}\Z")
 MAX_HEAD = 16 * 1024  # h11's default limit for a head, both ways
 MAX_CHUNK_LINE = 1024
+# Chunks of a chunked answer parsed in one turn of the event loop: a read of 1-byte chunks
+# (256 KiB: ~43,000 of them) would otherwise hold the loop for ~100 ms; the rest waits for the
+# next turn, with the sandbox's connection paused meanwhile.
+CHUNKS_PER_TURN = 256
 # Request bytes read ahead of the exchange (the rest of a body, pipelined requests) before the
 # client is paused.
 READ_AHEAD = 64 * 1024
@@ -256,6 +260,8 @@ class FastRelay:
         self.left = 0
         self.chunk_state = _SIZE
         self.trailer_size = 0
+        self.backlog = False  # response bytes read but left for the next turn
+        self.up_paused: set[str] = set()  # why the sandbox's connection is not read
         self.reusable = False
         self.last = 0.0
         self.timer: asyncio.TimerHandle | None = None
@@ -438,12 +444,26 @@ class FastRelay:
         if not self.busy or up is None or up.transport is None:
             return
         if full:
-            up.transport.pause_reading()
+            self._pause_upstream("client")
             why = f"the client did not read for {self.limits.write_timeout:g} s"
             self._arm_stall(why, client=True)
         else:
-            up.transport.resume_reading()
+            self._resume_upstream("client")
             self._disarm_stall()
+
+    def _pause_upstream(self, why: str) -> None:
+        up = self.up
+        if up is not None and up.transport is not None:
+            if not self.up_paused:
+                up.transport.pause_reading()
+            self.up_paused.add(why)
+
+    def _resume_upstream(self, why: str) -> None:
+        if why in self.up_paused:
+            self.up_paused.discard(why)
+            up = self.up
+            if not self.up_paused and up is not None and up.transport is not None:
+                up.transport.resume_reading()
 
     def upstream_full(self, full: bool) -> None:
         """The sandbox's server stopped (or resumed) reading the request body."""
@@ -511,6 +531,18 @@ class FastRelay:
             self.proto.transport.write(b"".join(out))
         if done:
             self._end(self.status, keep_upstream=self.reusable)
+        elif self.backlog:
+            self._pause_upstream("backlog")
+            self.loop.call_soon(self._next_turn, up)
+
+    def _next_turn(self, up: _Upstream) -> None:
+        """Parse what the last turn left of the answer."""
+        if up is not self.up or not self.busy:
+            return
+        self.backlog = False
+        self.upstream_data(up, b"")
+        if not self.backlog and self.up is up:
+            self._resume_upstream("backlog")
 
     def upstream_lost(self, up: _Upstream) -> None:
         if up.counted:
@@ -639,14 +671,25 @@ class FastRelay:
         return b"".join(lines)
 
     def _chunks(self, data: bytes, out: list[bytes]) -> bool:
+        """A chunked answer's bytes: their data goes out as one chunk per turn."""
+        pieces: list[bytes] = []
+        ended = self._parse_chunks(data, pieces)
+        if pieces:
+            out += [b"%x\r\n" % sum(len(p) for p in pieces), *pieces, b"\r\n"]
+        if ended:
+            out.append(b"0\r\n\r\n")
+        return ended
+
+    def _parse_chunks(self, data: bytes, pieces: list[bytes]) -> bool:
         buf = self.response_buf + data if self.response_buf else data
         self.response_buf = b""
         i, size = 0, len(buf)
+        turn = CHUNKS_PER_TURN
         while i < size:
             state = self.chunk_state
             if state == _DATA:
                 take = buf[i : i + self.left]
-                out += [b"%x\r\n" % len(take), take, b"\r\n"]
+                pieces.append(take)
                 i += len(take)
                 self.left -= len(take)
                 if not self.left:
@@ -677,6 +720,11 @@ class FastRelay:
                     raise _Refused("a chunk size in the response is not hexadecimal")
                 self.left = int(text, 16)
                 self.chunk_state = _DATA if self.left else _TRAILER
+                turn -= 1
+                if not turn and i < size:
+                    self.response_buf = buf[i:]
+                    self.backlog = True
+                    return False
                 continue
             # The trailer: its fields are not passed on (nor are they the ASGI way).
             self.trailer_size += len(line) + 2
@@ -685,7 +733,6 @@ class FastRelay:
             if not line:
                 if i < size:
                     self.reusable = False
-                out.append(b"0\r\n\r\n")
                 return True
         return False
 
@@ -729,6 +776,8 @@ class FastRelay:
         route, slot, pool, up = self.route, self.slot, self.pool, self.up
         self.busy = False
         self.route = self.target = self.slot = self.pool = self.up = None
+        self.backlog = False
+        self.up_paused.clear()
         for handle in (self.timer, self.stall):
             if handle is not None:
                 handle.cancel()
