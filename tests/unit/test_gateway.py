@@ -27,6 +27,7 @@ from websockets.sync.client import connect as ws_connect
 from websockets.typing import Subprotocol
 
 from agentbox.core import ports
+from agentbox.server import fastpath
 from agentbox.server import gateway as gateway_module
 from agentbox.server.fastpath import fast_protocol
 from agentbox.server.gateway import PortGateway, PortTarget, _ws_authority
@@ -552,6 +553,36 @@ def test_connect_timeout_is_504(gw: Gateway, monkeypatch: pytest.MonkeyPatch) ->
     with client(gw, headers={"X-Access-Token": TOKEN}) as c:
         r = c.get(gw.path("/", port=HANGING_PORT))
     assert r.status_code == 504 and r.json()["code"] == "upstream_timeout"
+
+
+def test_a_body_sent_while_the_port_is_dialled_is_not_buffered(
+    gw: Gateway, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(gateway_module, "CONNECT_TIMEOUT", 3.0)
+    monkeypatch.setattr(fastpath, "CONNECT_TIMEOUT", 3.0)
+    with socket.create_connection(("127.0.0.1", gw.port)) as sock:
+        head = (
+            f"POST {gw.path('/up', port=HANGING_PORT)} HTTP/1.1\r\nHost: x\r\n"
+            f"X-Access-Token: {TOKEN}\r\nContent-Length: {10**12}\r\n\r\n"
+        )
+        sock.sendall(head.encode())
+        sock.setblocking(False)
+        block, sent = b"\0" * 65536, 0
+        deadline = time.monotonic() + 2.0  # inside the connect timeout
+        while time.monotonic() < deadline:
+            try:
+                sent += sock.send(block)
+            except BlockingIOError:
+                time.sleep(0.01)
+        sock.setblocking(True)
+        sock.settimeout(10)
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            answer += sock.recv(65536)
+    # Kernel buffers on both sides hold a few MiB (4-7 sent here); a gateway that took it all
+    # holds what the client can send in 2 s (45 MiB under load, before the fix).
+    assert sent < 24 * 2**20, f"{sent >> 20} MiB taken while the port was being dialled"
+    assert answer.startswith(b"HTTP/1.1 504"), answer[:200]
 
 
 def test_keep_alive_reuses_upstream_connections(gw: Gateway) -> None:

@@ -279,8 +279,10 @@ class FastRelay:
                 self.last = time.monotonic()
                 if self.up is not None and self.up.transport is not None:
                     self.up.transport.write(take)
-                else:
+                else:  # still dialling the sandbox's port
                     self.body_first += take
+                    if len(self.body_first) > READ_AHEAD:
+                        self._pause_client("dial")
             if data:
                 self.pending += data
                 if len(self.pending) > READ_AHEAD:
@@ -423,6 +425,7 @@ class FastRelay:
         up.relay = self
         transport.write(self.request_head + self.body_first)
         self.body_first = b""
+        self._resume_client("dial")
         if self.client_is_full:
             self.client_full(True)
 
@@ -808,8 +811,8 @@ class FastRelay:
             self.closed = True
             return
         self.proto.fast_exchange_done()
-        self._resume_client("upstream")
-        self._resume_client("pending")
+        for why in ("upstream", "dial", "pending"):
+            self._resume_client(why)
         self._next()
 
 
