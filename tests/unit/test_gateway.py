@@ -27,7 +27,6 @@ from websockets.sync.client import connect as ws_connect
 from websockets.typing import Subprotocol
 
 from agentbox.core import ports
-from agentbox.server import fastpath
 from agentbox.server import gateway as gateway_module
 from agentbox.server.fastpath import fast_protocol
 from agentbox.server.gateway import PortGateway, PortTarget, _ws_authority
@@ -559,7 +558,6 @@ def test_a_body_sent_while_the_port_is_dialled_is_not_buffered(
     gw: Gateway, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(gateway_module, "CONNECT_TIMEOUT", 3.0)
-    monkeypatch.setattr(fastpath, "CONNECT_TIMEOUT", 3.0)
     with socket.create_connection(("127.0.0.1", gw.port)) as sock:
         head = (
             f"POST {gw.path('/up', port=HANGING_PORT)} HTTP/1.1\r\nHost: x\r\n"

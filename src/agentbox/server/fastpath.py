@@ -43,12 +43,12 @@ from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 from uvicorn.protocols.http.h11_impl import STATUS_PHRASES, H11Protocol
 
 from agentbox.core.errors import AgentboxError
+from agentbox.server import gateway as gateway_module
 from agentbox.server import upstream
 from agentbox.server.errors import http_status
 from agentbox.server.gateway import (
     _JSON,
     _RETRYABLE_METHODS,
-    CONNECT_TIMEOUT,
     PortGateway,
     PortTarget,
     _error_body,
@@ -70,6 +70,8 @@ _ORIGIN_FORM = re.compile(rb"/[\x21-\x7e]*\Z")
 _HEX = re.compile(rb"[0-9A-Fa-f]{1,16}\Z")
 MAX_HEAD = 16 * 1024  # h11's default limit for a head, both ways
 MAX_CHUNK_LINE = 1024
+# Informational answers (100 Continue, 103 Early Hints) skipped before an answer, at most.
+MAX_INFORMATIONAL = 8
 # Chunks of a chunked answer parsed in one turn of the event loop: a read of 1-byte chunks
 # (256 KiB: ~43,000 of them) would otherwise hold the loop for ~100 ms; the rest waits for the
 # next turn, with the sandbox's connection paused meanwhile.
@@ -206,6 +208,9 @@ class _Upstream(asyncio.Protocol):
         if self.relay is not None:
             self.relay.upstream_full(False)
 
+    def closing(self) -> bool:
+        return self.transport is None or self.transport.is_closing()
+
     def close(self) -> None:
         """Close at once (a reset if the sandbox left data unread); the caller uncounts it."""
         self.relay = None
@@ -265,7 +270,10 @@ class FastRelay:
         self.reusable = False
         self.last = 0.0
         self.timer: asyncio.TimerHandle | None = None
-        self.stall: asyncio.TimerHandle | None = None
+        # A side that does not take what is written to it: the client, the sandbox's server.
+        self.stalls: dict[bool, asyncio.TimerHandle] = {}
+        self.informational = 0  # 1xx answers skipped in this exchange
+        self.dialling: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------ client side
 
@@ -354,12 +362,19 @@ class FastRelay:
         ):
             _as_proxied(proto.config, scope)
         decoded = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers]
-        admitted = self.gw.fast_admit(route, decoded)
+        try:
+            admitted = self.gw.fast_admit(route, decoded)
+        except Exception:
+            # The ASGI way tries again, and answers 500 if it fails too.
+            log.exception("port gateway: admitting a request on the fast path failed")
+            return False
         if admitted is None:
             return False
         target_, slot = admitted
         pool = self.gw._pool(route.sandbox_id, route.port)
-        up: _Upstream | None = pool.take_fast()  # type: ignore[assignment]
+        up: _Upstream | None = None
+        if not pool.queued:  # else requests of the ASGI way wait for a connection: join them
+            up = pool.take_fast()  # type: ignore[assignment]
         if up is None and not pool.reserve():
             self.gw._give_slot(slot)
             return False  # the port's connections are all in use: h11's way queues for one
@@ -383,6 +398,7 @@ class FastRelay:
         self.status = 0
         self.response_started = False
         self.response_buf = b""
+        self.informational = 0
         self.reusable = True
         self.last = time.monotonic()
         pool.active += 1
@@ -393,23 +409,30 @@ class FastRelay:
         if up is not None:
             self._send(up)
         else:
-            self.loop.create_task(self._dial(route, pool))
+            self.dialling = self.loop.create_task(self._dial(route, pool))
         return True
 
     async def _dial(self, route: _Route, pool: upstream.Pool) -> None:
         up = _Upstream(pool)
         try:
-            sock = await dial(self.gw._connect, route.sandbox_id, route.port, CONNECT_TIMEOUT)
+            sock = await dial(
+                self.gw._connect, route.sandbox_id, route.port, gateway_module.CONNECT_TIMEOUT
+            )
             try:
                 await self.loop.create_connection(lambda: up, sock=sock)
             except BaseException:
                 sock.close()
                 raise
-        except BaseException as e:  # noqa: BLE001 (reported to the client, never raised)
+        except asyncio.CancelledError:  # the server is going away
+            pool.unreserve()
+            raise
+        except Exception as e:  # noqa: BLE001 (reported to the client)
             pool.unreserve()
             if self.busy and self.route is route and not self.closed:
                 self._fail(e)
             return
+        finally:
+            self.dialling = None
         if not self.busy or self.route is not route or self.closed:
             up.discard()
             return
@@ -452,7 +475,7 @@ class FastRelay:
             self._arm_stall(why, client=True)
         else:
             self._resume_upstream("client")
-            self._disarm_stall()
+            self._disarm_stall(client=True)
 
     def _pause_upstream(self, why: str) -> None:
         up = self.up
@@ -475,20 +498,20 @@ class FastRelay:
             self._arm_stall("the server did not read the request", client=False)
         else:
             self._resume_client("upstream")
-            self._disarm_stall()
+            self._disarm_stall(client=False)
 
     def _arm_stall(self, why: str, client: bool) -> None:
-        if self.stall is None:
+        if client not in self.stalls:
             timeout = self.limits.write_timeout
-            self.stall = self.loop.call_later(timeout, self._stalled, why, client)
+            self.stalls[client] = self.loop.call_later(timeout, self._stalled, why, client)
 
-    def _disarm_stall(self) -> None:
-        if self.stall is not None:
-            self.stall.cancel()
-            self.stall = None
+    def _disarm_stall(self, client: bool) -> None:
+        handle = self.stalls.pop(client, None)
+        if handle is not None:
+            handle.cancel()
 
     def _stalled(self, why: str, client: bool) -> None:
-        self.stall = None
+        self.stalls.pop(client, None)
         if not self.busy:
             return
         if client:  # nothing can be said to a client that does not read
@@ -555,7 +578,7 @@ class FastRelay:
             return
         self.up = None
         if not self.response_started:
-            if self.retry and up.used and not self.response_buf:
+            if self.retry and up.used and not self.response_buf and not self.informational:
                 # A kept-alive connection the server closed as it was reused: once more on a
                 # new one (a request without a body only).
                 self.retry = False
@@ -599,7 +622,11 @@ class FastRelay:
                     raise _Refused(f"status {status} answers no request of this kind")
                 if status >= 200:
                     break
-                # 100 Continue, 103 Early Hints and the like: skipped, as the ASGI way does.
+                # 100 Continue, 103 Early Hints and the like: skipped, as the ASGI way does,
+                # a few of them.
+                self.informational += 1
+                if self.informational > MAX_INFORMATIONAL:
+                    raise _Refused(f"more than {MAX_INFORMATIONAL} informational answers")
             self.response_buf = b""
             out.append(self._response_head(status, version, headers))
             self.response_started = True
@@ -781,23 +808,29 @@ class FastRelay:
         self.route = self.target = self.slot = self.pool = self.up = None
         self.backlog = False
         self.up_paused.clear()
-        for handle in (self.timer, self.stall):
-            if handle is not None:
-                handle.cancel()
-        self.timer = self.stall = None
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        for handle in self.stalls.values():
+            handle.cancel()
+        self.stalls.clear()
         if slot is not None:
             self.gw._give_slot(slot)
         if pool is not None:
             pool.active -= 1
             pool.idle_since = time.monotonic()
         if up is not None:
-            if keep_upstream and not self.body_left and up.transport is not None:
+            if (
+                keep_upstream
+                and not self.body_left
+                and not up.closing()
+                and pool is not None
+                and pool.give_fast(up)
+            ):
                 up.relay = None
                 up.used = True
                 up.idle_since = time.monotonic()
-                up.transport.resume_reading()
-                assert pool is not None
-                pool.fast_idle.append(up)
+                up.transport.resume_reading()  # type: ignore[union-attr]
             else:
                 up.discard()
         if route is not None:
@@ -860,6 +893,7 @@ class GatewayH11Protocol(H11Protocol):
 
     def fast_request_started(self) -> None:
         """The fast path took a request whose head is in."""
+        self._unset_keepalive_if_required()  # armed by the last answer: a pipelined request
 
     def fast_exchange_done(self) -> None:
         """The fast path answered a request; the connection waits for the next one."""

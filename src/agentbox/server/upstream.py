@@ -65,6 +65,8 @@ class Idle(Protocol):
 
     def close(self) -> None: ...
 
+    def closing(self) -> bool: ...
+
 
 async def dial(connect: Connect, sandbox_id: str, port: int, timeout: float) -> socket.socket:
     """A non-blocking socket connected to `port` in the sandbox."""
@@ -205,10 +207,19 @@ class Pool:
         # The gateway's fast path (server/fastpath.py) keeps its own connections, transports
         # rather than sockets, counted in `_open` alike: idle ones here, newest last.
         self.fast_idle: list[Idle] = []
+        self.closed = False
+
+    @property
+    def queued(self) -> bool:
+        """Requests of the ASGI way are waiting for a connection (the fast path lets them go
+        first)."""
+        return bool(self._waiting)
 
     def reserve(self) -> bool:
         """Count one more connection against the cap for the fast path to open, if there is
         room (an idle connection of either kind is closed to make some)."""
+        if self.closed or self._waiting:
+            return False
         if self._open >= self.limit:
             if self._idle:
                 self._drop(self._idle.pop(0))
@@ -231,7 +242,21 @@ class Pool:
         while self.fast_idle and now - self.fast_idle[0].idle_since >= KEEPALIVE_EXPIRY:
             self.fast_idle.pop(0).close()
             self.unreserve()
-        return self.fast_idle.pop() if self.fast_idle else None
+        while self.fast_idle:
+            conn = self.fast_idle.pop()
+            if not conn.closing():
+                return conn
+            conn.close()  # the server's close is on its way: not worth a retry
+            self.unreserve()
+        return None
+
+    def give_fast(self, conn: Idle) -> bool:
+        """Keep a fast-path connection whose exchange ended cleanly; False if it should be
+        closed instead (the pool is closed, or a request of the ASGI way waits for room)."""
+        if self.closed or self._waiting:
+            return False
+        self.fast_idle.append(conn)
+        return True
 
     def forget_fast(self, conn: Idle) -> None:
         """An idle fast-path connection went away (the sandbox's server closed it)."""
@@ -345,6 +370,7 @@ class Pool:
                 raise
 
     def close(self) -> None:
+        self.closed = True
         for conn in self._idle:
             self._drop(conn)
         self._idle = []
