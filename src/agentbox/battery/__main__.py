@@ -142,6 +142,7 @@ CONTROL_PLANE_ONLY = frozenset(
     {
         "server-unguarded",
         "gateway-unbounded",
+        "gateway-splice",
         "host-files-follow",
         "e2b-envd-open",
         "mcp-sessions-open",

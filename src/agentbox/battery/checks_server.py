@@ -9,6 +9,7 @@ battery/server.py), never the runtime.
 from __future__ import annotations
 
 import json
+import re
 import socket
 import statistics
 import threading
@@ -59,6 +60,25 @@ def pingflood(c):
 def deaf(c):  # accepts the WebSocket, then never reads again
     websocket(c, head(c))
     time.sleep(3600)
+
+def desync(c):  # answers each request with a lie its path names; keeps the connection
+    data = b""
+    while True:
+        while b"\r\n\r\n" not in data:
+            more = c.recv(65536)
+            if not more:
+                return
+            data += more
+        first, _, data = data.partition(b"\r\n\r\n")
+        path = first.split(b" ", 2)[1]
+        forged = b'{"ok": "forged by the sandbox"}'
+        if path.endswith(b"/split"):  # a bare LF: a header of its own to a lax client
+            c.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nX-A: a\n"
+                      b"Set-Cookie: api=forged; Path=/v1/\r\n\r\nok")
+        else:  # an answer, then a second one for whatever the client asks next
+            c.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+                      b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n%s" % (len(forged), forged))
 
 def cookies(c):
     head(c)
@@ -303,6 +323,68 @@ def _gw_ping_flood(ctx: Ctx) -> Verdict:
     if cut is None:
         return Verdict("BROKEN", ["DOS"], "the ping flood was relayed for 6 s without a cut")
     return blocked(f"cut after {cut:.1f} s; health p50 {during * 1000:.1f} ms afterwards")
+
+
+@check(
+    "gw-answer-desync",
+    "control-plane",
+    "a sandbox's server cannot answer the API's requests on a client's connection, nor add "
+    "headers of its own, by sending more than one answer (path-routed ports share the API's "
+    "origin and the client's keep-alive connection)",
+    {"gateway-splice"},
+)
+def _gw_answer_desync(ctx: Ctx) -> Verdict:
+    box, headers, prefix = _hostile(ctx, "desync", 8705)
+    host, port = ctx.server.url.removeprefix("http://").rsplit(":", 1)
+    token = headers["X-Access-Token"]
+    trail: list[str] = []
+    v = blocked("")
+
+    def exchange(conn: socket.socket, file: Any, path: str, auth: bool) -> tuple[bytes, bytes]:
+        """One request on the kept-alive connection, its answer read as a plain HTTP/1.1 client
+        reads it (the head to its blank line, then Content-Length bytes)."""
+        extra = f"X-Access-Token: {token}\r\n" if auth else ""
+        conn.sendall(f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\n{extra}\r\n".encode())
+        head = b""
+        while not head.endswith(b"\r\n\r\n") and not head.endswith(b"\n\n"):
+            line = file.readline()
+            if not line:
+                raise ConnectionError("the connection closed")
+            head += line
+        length = re.search(rb"(?im)^content-length:\s*(\d+)", head)
+        return head, file.read(int(length.group(1))) if length else b""
+
+    try:
+        with socket.create_connection((host, int(port)), timeout=10) as conn:
+            head, _ = exchange(conn, conn.makefile("rb"), prefix + "/split", True)
+            status_line = head.split(b"\r\n", 1)[0].decode("latin-1")
+            trail.append(f"split: {status_line}")
+            # A line that LF alone ends is a header of its own to a lax client (as the ASGI way
+            # reads it too, as a cookie of the port, confined like any other): a break only if
+            # it reached the client unconfined, as the sandbox wrote it.
+            for cookie in re.findall(rb"(?im)^set-cookie:\s*(api=forged[^\r\n]*)", head):
+                if f"path={prefix.lower()}/".encode() not in cookie.lower():
+                    v.add_break("COOKIE", f"a cookie hidden behind a bare LF, as set: {cookie!r}")
+        with socket.create_connection((host, int(port)), timeout=10) as conn:
+            file = conn.makefile("rb")
+            for _ in range(2):
+                _, body = exchange(conn, file, prefix + "/extra", True)
+                _, api = exchange(conn, file, "/v1/health", False)
+                trail.append(f"extra: {body!r}, then the API: {api[:60]!r}")
+                if b"forged" in api:
+                    v.add_break(
+                        "WRITE",
+                        "the sandbox's second answer was read as the API's answer to the next "
+                        f"request on the connection: {api[:100]!r}",
+                    )
+                    break
+    except (OSError, ValueError) as e:
+        trail.append(f"{type(e).__name__}: {e}")
+    finally:
+        _kill(box)
+    if v.status == "BLOCKED":
+        v.evidence = "; ".join(trail)[:600]
+    return v
 
 
 @check(

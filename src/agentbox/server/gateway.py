@@ -95,6 +95,9 @@ class RelayLimits:
     # Relay plain HTTP/1.1 requests at the protocol level (server/fastpath.py) where the
     # server's protocol offers it; off: every request the ASGI way.
     fast_path: bool = True
+    # The fast path checks each answer's head and framing. Off only in the security battery's
+    # positive control `gateway-splice`: answers pass as a naive splice would pass them.
+    check_answers: bool = True
 
 
 _ORIGIN_SUFFIX = ".agentbox-gw"
