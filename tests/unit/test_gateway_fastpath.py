@@ -73,10 +73,13 @@ def gateway(
     handler: Callable[[socket.socket], None],
     admit: Callable[[str], PortTarget | None] | None = None,
     uvicorn_options: dict[str, Any] | None = None,
+    small_buffers: bool = False,
     **options: Any,
-) -> Iterator[tuple[int, Server]]:
+) -> Iterator[tuple[int, Server, PortGateway]]:
     """The gateway, fast path on, over `handler`: its port (BOX's port 3000 is at PREFIX)."""
     server = Server(handler)
+    if small_buffers:  # the kernel holds little of what the sandbox does not read
+        server.listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
 
     def target(sandbox_id: str) -> PortTarget | None:
         return PortTarget(sandbox_id, "t", "tok", public=True) if sandbox_id == BOX else None
@@ -90,6 +93,8 @@ def gateway(
     async def connect(sandbox_id: str, port: int) -> socket.socket:
         sock = socket.socket()
         sock.setblocking(False)
+        if small_buffers:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16384)
         await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", server.port))
         return sock
 
@@ -112,7 +117,7 @@ def gateway(
     )
     try:
         with serve(gw, http=fast_protocol(lambda: gw), **(uvicorn_options or {})) as port:
-            yield port, server
+            yield port, server, gw
     finally:
         server.listener.close()
 
@@ -191,7 +196,7 @@ def _answer_each(delays: dict[bytes, float]) -> Callable[[socket.socket], None]:
 def test_a_pipelined_request_outlives_the_keep_alive_timer() -> None:
     """The keep-alive timer armed by one answer does not cut the request pipelined behind it."""
     handler = _answer_each({b"/slow": 1.8})
-    with gateway(handler, uvicorn_options={"timeout_keep_alive": 1}) as (port, _):
+    with gateway(handler, uvicorn_options={"timeout_keep_alive": 1}) as (port, _, _gw):
         request = f"GET {PREFIX}{{}} HTTP/1.1\r\nHost: x\r\n\r\n"
         with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
             sock.sendall((request.format("/a") + request.format("/slow")).encode())
@@ -207,7 +212,7 @@ def test_a_pipelined_request_outlives_the_keep_alive_timer() -> None:
 def test_a_request_queued_the_asgi_way_gets_the_connection_a_fast_one_frees() -> None:
     """At the port's cap the fast path hands a request to the ASGI way, which queues it; the
     fast exchange's connection then goes to it rather than idle in the pool."""
-    with gateway(_answer_each({b"/slow": 1.0}), max_connections=1) as (port, _):
+    with gateway(_answer_each({b"/slow": 1.0}), max_connections=1) as (port, _, _gw):
         url = f"http://127.0.0.1:{port}{PREFIX}"
         first: dict[str, int] = {}
 
@@ -254,7 +259,7 @@ def test_a_client_that_never_reads_ends_the_relay_at_the_write_timeout() -> None
         time.sleep(30)
 
     limits = RelayLimits(write_timeout=1.0, idle_timeout=10.0)
-    with gateway(handler, limits=limits) as (port, _):
+    with gateway(handler, limits=limits) as (port, _, _gw):
         with socket.socket() as sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
             sock.connect(("127.0.0.1", port))
@@ -272,7 +277,7 @@ def test_endless_informational_answers_are_502() -> None:
         _head(conn, b"")
         conn.sendall(b"HTTP/1.1 100 Continue\r\n\r\n" * 5000 + OK)
 
-    with gateway(handler) as (port, _):
+    with gateway(handler) as (port, _, _gw):
         with httpx.Client(timeout=10, trust_env=False) as c:
             r = c.get(f"http://127.0.0.1:{port}{PREFIX}/")
     assert r.status_code == 502 and r.json()["code"] == "upstream_error", r.text
@@ -283,7 +288,7 @@ def test_a_few_informational_answers_are_skipped() -> None:
         _head(conn, b"")
         conn.sendall(b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n" * 2 + OK)
 
-    with gateway(handler) as (port, _):
+    with gateway(handler) as (port, _, _gw):
         with httpx.Client(timeout=10, trust_env=False) as c:
             r = c.get(f"http://127.0.0.1:{port}{PREFIX}/")
     assert (r.status_code, r.content) == (200, b"ok")
@@ -295,8 +300,47 @@ def test_an_admission_error_leaves_the_request_to_the_asgi_way(
     def broken(sandbox_id: str) -> PortTarget | None:
         raise RuntimeError("the store is gone")
 
-    with gateway(_answer_each({}), admit=broken) as (port, _):
+    with gateway(_answer_each({}), admit=broken) as (port, _, _gw):
         with httpx.Client(timeout=10, trust_env=False) as c:
             r = c.get(f"http://127.0.0.1:{port}{PREFIX}/")
     assert (r.status_code, r.content) == (200, b"ok")  # the ASGI way's own lookup works
     assert "admitting a request on the fast path failed" in caplog.text
+
+
+def test_a_connection_the_sandbox_left_a_body_unread_on_is_not_kept() -> None:
+    """A sandbox that answers without reading the body leaves it queued on its connection
+    (writes paused): that connection must not carry the next request, whose body would then
+    be written to it with no pause and no stall timer."""
+
+    def handler(conn: socket.socket) -> None:
+        _head(conn, b"")
+        time.sleep(0.5)
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")  # the body unread
+        time.sleep(30)
+
+    body = 200_000  # read whole from the client, most of it still queued towards the sandbox
+    with gateway(handler, small_buffers=True) as (port, _, gw):
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            head = f"POST {PREFIX}/a HTTP/1.1\r\nHost: x\r\nContent-Length: {body}\r\n\r\n"
+            sock.sendall(head.encode() + b"x" * body)
+            assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+            time.sleep(0.2)
+            pool = gw._pools[(BOX, 3000)]
+            assert pool.fast_idle == [], "a connection with a body still queued was kept"
+
+
+def test_fast_requests_do_not_take_the_room_of_a_woken_asgi_request() -> None:
+    """At the port's cap a request of the ASGI way (HTTP/1.0 here) waits for a connection;
+    pipelined fast requests on another connection must not take the room it was woken for."""
+    n = 12
+    with gateway(_answer_each({b"/slow": 0.3}), max_connections=1) as (port, _, _gw):
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as fast:
+            fast.sendall(f"GET {PREFIX}/slow HTTP/1.1\r\nHost: x\r\n\r\n".encode() * n)
+            time.sleep(0.1)
+            t0 = time.monotonic()
+            with socket.create_connection(("127.0.0.1", port), timeout=30) as slow:
+                slow.sendall(f"GET {PREFIX}/b HTTP/1.0\r\nHost: x\r\n\r\n".encode())
+                answer = slow.recv(65536)
+            waited = time.monotonic() - t0
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:100]
+    assert waited < 1.5, f"waited {waited:.2f} s behind the pipeline ({n} x 0.3 s)"

@@ -390,6 +390,7 @@ class FastRelay:
         self.body_first, self.pending = rest[:length], rest[length:]
         self.body_left = length - len(self.body_first)
         self.busy = True
+        self.gw.fast_busy.add(self)
         self.close_after = close
         self.route, self.target, self.slot, self.pool = route, target_, slot, pool
         self.method = method
@@ -533,6 +534,15 @@ class FastRelay:
         else:
             self._fail(upstream.ReadTimeout("read timed out"))
 
+    def abort(self) -> None:
+        """The server is going away: end the exchange and the client's connection now."""
+        if not self.busy:
+            return
+        if not self.closed:
+            self.closed = True
+            self.proto.transport.abort()
+        self._end(self.status or 499, keep_upstream=False)
+
     def client_lost(self) -> None:
         self.closed = True
         if self.busy:
@@ -577,6 +587,8 @@ class FastRelay:
         if up is not self.up or not self.busy:
             return
         self.up = None
+        self.up_paused.clear()  # the old connection's; a new one starts unpaused
+        self.backlog = False
         if not self.response_started:
             if self.retry and up.used and not self.response_buf and not self.informational:
                 # A kept-alive connection the server closed as it was reused: once more on a
@@ -694,6 +706,8 @@ class FastRelay:
             if lengths or len(codings) != 1 or codings[0].lower() != b"chunked":
                 raise _Refused("the response's Transfer-Encoding is not plain chunked")
             framing = _CHUNKED
+        elif self.method == b"HEAD" or status in (204, 304):
+            framing = _NONE  # no body, whatever the headers say (checked below when given)
         elif lengths:
             values = {v.strip() for value in lengths for v in value.split(b",")}
             if len(values) != 1:
@@ -707,6 +721,10 @@ class FastRelay:
         else:
             framing = _UNTIL_CLOSE
             self.reusable = False
+        if lengths and framing == _NONE:
+            values = {v.strip() for value in lengths for v in value.split(b",")}
+            if len(values) != 1 or not values.pop().isdigit():
+                raise _Refused("the response's Content-Length is not one number")
         if self.method == b"HEAD" or status in (204, 304):
             framing = _NONE
         self.framing = framing
@@ -829,6 +847,7 @@ class FastRelay:
         closed), the audit; then the client's next request, if it sent one."""
         route, slot, pool, up = self.route, self.slot, self.pool, self.up
         self.busy = False
+        self.gw.fast_busy.discard(self)
         self.route = self.target = self.slot = self.pool = self.up = None
         self.backlog = False
         self.up_paused.clear()
@@ -848,6 +867,7 @@ class FastRelay:
                 keep_upstream
                 and not self.body_left
                 and not up.closing()
+                and not up.transport.get_write_buffer_size()  # type: ignore[union-attr]
                 and pool is not None
                 and pool.give_fast(up)
             ):

@@ -580,6 +580,7 @@ class PortGateway:
         # Relays open now, per sandbox and per tenant.
         self._relays: dict[str, int] = {}
         self.fast_relayed = 0  # requests the fast path took (server/fastpath.py)
+        self.fast_busy: set[Any] = set()  # its exchanges in progress (FastRelay)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -663,7 +664,10 @@ class PortGateway:
         )
 
     async def aclose(self) -> None:
-        """Close every pooled upstream connection."""
+        """Close every pooled upstream connection, and end the fast path's exchanges still
+        running (the server's graceful wait for them is over: they are no task it cancels)."""
+        for relay in list(self.fast_busy):
+            relay.abort()
         pools, self._pools = list(self._pools.values()), {}
         for pool in pools:
             pool.close()

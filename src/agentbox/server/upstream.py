@@ -208,17 +208,18 @@ class Pool:
         # rather than sockets, counted in `_open` alike: idle ones here, newest last.
         self.fast_idle: list[Idle] = []
         self.closed = False
+        self._woken = 0  # waiters woken that have not run again yet (the room is theirs)
 
     @property
     def queued(self) -> bool:
         """Requests of the ASGI way are waiting for a connection (the fast path lets them go
         first)."""
-        return bool(self._waiting)
+        return bool(self._waiting) or self._woken > 0
 
     def reserve(self) -> bool:
         """Count one more connection against the cap for the fast path to open, if there is
         room (an idle connection of either kind is closed to make some)."""
-        if self.closed or self._waiting:
+        if self.closed or self.queued:
             return False
         if self._open >= self.limit:
             if self._idle:
@@ -253,7 +254,7 @@ class Pool:
     def give_fast(self, conn: Idle) -> bool:
         """Keep a fast-path connection whose exchange ended cleanly; False if it should be
         closed instead (the pool is closed, or a request of the ASGI way waits for room)."""
-        if self.closed or self._waiting:
+        if self.closed or self.queued:
             return False
         self.fast_idle.append(conn)
         return True
@@ -301,8 +302,10 @@ class Pool:
             finally:
                 if waiter in self._waiting:
                     self._waiting.remove(waiter)
-                elif not woken and waiter.done() and not waiter.cancelled():
-                    self._wake()  # woken, but leaving (cancelled, timed out): pass it on
+                elif waiter.done() and not waiter.cancelled():
+                    self._woken -= 1  # running again
+                    if not woken:
+                        self._wake()  # woken, but leaving (cancelled, timed out): pass it on
 
     def release(self, conn: Connection, clean: bool) -> None:
         if clean and conn.reusable():
@@ -322,6 +325,7 @@ class Pool:
             waiter = self._waiting.popleft()
             if not waiter.done():
                 waiter.set_result(None)
+                self._woken += 1
                 return
 
     async def request(
