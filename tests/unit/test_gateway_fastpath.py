@@ -22,8 +22,10 @@ from agentbox.server.gateway import PortGateway, PortTarget, RelayLimits
 
 try:
     from ._asgi_server import serve
+    from ._raw_server import RawServer
 except ImportError:
     from _asgi_server import serve  # type: ignore[no-redef]
+    from _raw_server import RawServer  # type: ignore[no-redef]
 
 BOX = "sbx_0123456789abcdef"
 PREFIX = f"/v1/sandboxes/{BOX}/ports/3000"
@@ -40,34 +42,6 @@ def _head(conn: socket.socket, buf: bytes) -> tuple[bytes, bytes]:
     return head, rest
 
 
-class Server:
-    """A loopback server in the sandbox's place: `handler(conn)` per connection, in a thread."""
-
-    def __init__(self, handler: Callable[[socket.socket], None]) -> None:
-        self.handler = handler
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        self.ended = threading.Event()
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._run, args=(conn,), daemon=True).start()
-
-    def _run(self, conn: socket.socket) -> None:
-        try:
-            self.handler(conn)
-        except OSError:
-            pass
-        finally:
-            conn.close()
-            self.ended.set()
-
-
 @contextmanager
 def gateway(
     handler: Callable[[socket.socket], None],
@@ -75,9 +49,9 @@ def gateway(
     uvicorn_options: dict[str, Any] | None = None,
     small_buffers: bool = False,
     **options: Any,
-) -> Iterator[tuple[int, Server, PortGateway]]:
+) -> Iterator[tuple[int, RawServer, PortGateway]]:
     """The gateway, fast path on, over `handler`: its port (BOX's port 3000 is at PREFIX)."""
-    server = Server(handler)
+    server = RawServer(handler)
     if small_buffers:  # the kernel holds little of what the sandbox does not read
         server.listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
 
@@ -272,26 +246,26 @@ def test_a_client_that_never_reads_ends_the_relay_at_the_write_timeout() -> None
     assert ended and ended[0] < 5, f"the relay lasted {ended or '> 9 s'} (write timeout 1 s)"
 
 
-def test_endless_informational_answers_are_502() -> None:
+@pytest.mark.parametrize(
+    ("informational", "status"),
+    [
+        (b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n" * 2, 200),  # skipped
+        (b"HTTP/1.1 100 Continue\r\n\r\n" * 5000, 502),  # without end: refused
+    ],
+)
+def test_informational_answers(informational: bytes, status: int) -> None:
     def handler(conn: socket.socket) -> None:
         _head(conn, b"")
-        conn.sendall(b"HTTP/1.1 100 Continue\r\n\r\n" * 5000 + OK)
+        conn.sendall(informational + OK)
 
     with gateway(handler) as (port, _, _gw):
         with httpx.Client(timeout=10, trust_env=False) as c:
             r = c.get(f"http://127.0.0.1:{port}{PREFIX}/")
-    assert r.status_code == 502 and r.json()["code"] == "upstream_error", r.text
-
-
-def test_a_few_informational_answers_are_skipped() -> None:
-    def handler(conn: socket.socket) -> None:
-        _head(conn, b"")
-        conn.sendall(b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n" * 2 + OK)
-
-    with gateway(handler) as (port, _, _gw):
-        with httpx.Client(timeout=10, trust_env=False) as c:
-            r = c.get(f"http://127.0.0.1:{port}{PREFIX}/")
-    assert (r.status_code, r.content) == (200, b"ok")
+    assert r.status_code == status, r.text
+    if status == 200:
+        assert r.content == b"ok"
+    else:
+        assert r.json()["code"] == "upstream_error"
 
 
 def test_an_admission_error_leaves_the_request_to_the_asgi_way(

@@ -423,6 +423,14 @@ def _bounded(send: Send, timeout: float) -> Send:
 # ---------------------------------------------------------------------------- errors
 
 
+def _token_matches(given: Mapping[str, str], target: PortTarget) -> bool:
+    """Whether the request's X-Access-Token is the sandbox's access token."""
+    token = given.get("x-access-token")
+    return token is not None and hmac.compare_digest(
+        token.encode("latin-1"), target.access_token.encode()
+    )
+
+
 def _port_not_open(route: _Route) -> AgentboxError:
     return AgentboxError(
         f"nothing is listening on port {route.port} in sandbox {route.sandbox_id}; "
@@ -643,10 +651,7 @@ class PortGateway:
     ) -> bool:
         """`_check_credentials` for the cases it lets through without a Set-Cookie."""
         given = dict(headers)
-        token = given.get("x-access-token")
-        if token is not None and hmac.compare_digest(
-            token.encode("latin-1"), target.access_token.encode()
-        ):
+        if _token_matches(given, target):
             return True
         key = given.get("x-api-key")
         if key is not None:
@@ -820,9 +825,7 @@ class PortGateway:
             return None
         given = dict(headers)  # the last of repeated headers wins; none of ours repeat
         token = given.get("x-access-token")
-        if token is not None and hmac.compare_digest(
-            token.encode("latin-1"), target.access_token.encode()
-        ):
+        if _token_matches(given, target):
             return None
         key = given.get("x-api-key")
         if key is not None:
