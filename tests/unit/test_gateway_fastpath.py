@@ -318,3 +318,22 @@ def test_fast_requests_do_not_take_the_room_of_a_woken_asgi_request() -> None:
             waited = time.monotonic() - t0
     assert answer.startswith(b"HTTP/1.1 200"), answer[:100]
     assert waited < 1.5, f"waited {waited:.2f} s behind the pipeline ({n} x 0.3 s)"
+
+
+def test_a_server_that_speaks_first_is_502_and_its_connection_uncounted() -> None:
+    """A server that speaks first (a banner on accept): the client hears 502, and the port's
+    count of open connections keeps none of them (a leak would close the port at its cap).
+    Where the banner lands before the connection is given its request (the dial's last turn),
+    it is dropped the same way; that order depends on timing and is not forced here."""
+
+    def handler(conn: socket.socket) -> None:
+        conn.sendall(b"220 hello\r\n\r\n")  # a head of sorts, not HTTP
+        time.sleep(1)
+
+    with gateway(handler) as (port, _, gw):
+        with httpx.Client(timeout=10, trust_env=False) as c:
+            statuses = [c.get(f"http://127.0.0.1:{port}{PREFIX}/").status_code for _ in range(3)]
+        time.sleep(0.2)
+        pool = gw._pools[(BOX, 3000)]
+        assert pool._open == 0, f"{pool._open} connections still counted"
+    assert all(s == 502 for s in statuses), statuses

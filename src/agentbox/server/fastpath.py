@@ -182,12 +182,10 @@ class _Upstream(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.relay is not None:
             self.relay.upstream_data(self, data)
-        else:  # an idle connection's server sent something: it cannot carry an exchange
-            idle = self in self.pool.fast_idle
-            self.close()
-            if idle:
+        else:  # sent unasked (idle, or not yet given its request): it cannot carry one
+            if self in self.pool.fast_idle:
                 self.pool.fast_idle.remove(self)
-                self.pool.unreserve()
+            self.discard()
 
     def eof_received(self) -> bool:
         return False  # close; connection_lost follows
@@ -552,7 +550,7 @@ class FastRelay:
 
     def upstream_data(self, up: _Upstream, data: bytes) -> None:
         if up is not self.up or not self.busy:
-            up.close()
+            up.discard()
             return
         self.last = time.monotonic()
         out: list[bytes] = []
